@@ -1,0 +1,1 @@
+"""glmrt actors package (see docs/ARCHITECTURE.md)."""

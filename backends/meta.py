@@ -1,0 +1,79 @@
+"""Per-step batch metadata that every op reads (the runner builds it once per forward).
+
+A forward batch is one flat run of tokens from many requests, with no padding:
+
+    tokens   | r0: prefix_len[0] cached, seq_len[0] new | r1: ... | r2: ... |
+    flat idx   cu_seqlens[0]=0 ........ cu_seqlens[1] ...... cu_seqlens[2] ...
+
+Request `r` owns state slot `slot_ids[r]` and the KV pages `page_table[r, :]` (page `j`
+holds positions `[j*page_size, (j+1)*page_size)`). Token `i` of the flat batch sits at
+absolute position `positions[i]` of request `req_index[i]` and writes its latent to flat
+location `out_loc[i] = page * page_size + offset` of the paged pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchMeta:
+    prefix_lens: list[int]          # tokens already cached per request (CPU)
+    seq_lens: list[int]             # new tokens per request in this forward (CPU)
+    positions: torch.Tensor         # [N] long, absolute position of each token
+    req_index: torch.Tensor         # [N] long, request of each token
+    slot_ids: torch.Tensor          # [B] long, state-pool slot per request
+    page_table: torch.Tensor        # [B, max_pages] long, KV pages per request (-1 = none)
+    out_loc: torch.Tensor           # [N] long, flat latent slot of each new token
+    page_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        out = [0]
+        for n in self.seq_lens:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def total_lens(self) -> list[int]:
+        return [p + s for p, s in zip(self.prefix_lens, self.seq_lens)]
+
+    @classmethod
+    def build(cls, prefix_lens: list[int], seq_lens: list[int], slot_ids: list[int],
+              page_tables: list[list[int]], page_size: int, device: torch.device | str) -> "BatchMeta":
+        """Build the tensors from per-request lists (CPU work, done once per step)."""
+        if not (len(prefix_lens) == len(seq_lens) == len(slot_ids) == len(page_tables)):
+            raise ValueError("prefix_lens, seq_lens, slot_ids and page_tables must have one entry per request")
+        positions: list[int] = []
+        req_index: list[int] = []
+        out_loc: list[int] = []
+        for r, (p, s, pages) in enumerate(zip(prefix_lens, seq_lens, page_tables)):
+            if s < 0 or p < 0:
+                raise ValueError("negative length")
+            need = -(-(p + s) // page_size)
+            if len(pages) < need:
+                raise ValueError(f"request {r}: {len(pages)} pages cannot hold {p + s} tokens "
+                                 f"(page_size {page_size})")
+            for t in range(p, p + s):
+                positions.append(t)
+                req_index.append(r)
+                out_loc.append(pages[t // page_size] * page_size + t % page_size)
+        max_pages = max((len(x) for x in page_tables), default=0)
+        table = torch.full((len(page_tables), max(max_pages, 1)), -1, dtype=torch.long)
+        for r, pages in enumerate(page_tables):
+            if pages:
+                table[r, :len(pages)] = torch.tensor(pages, dtype=torch.long)
+        dev = torch.device(device)
+        as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev)  # noqa: E731
+        return cls(list(prefix_lens), list(seq_lens), as_t(positions), as_t(req_index), as_t(slot_ids),
+                   table.to(dev), as_t(out_loc), page_size)

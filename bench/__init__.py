@@ -1,0 +1,1 @@
+"""GPU and kernel benchmark scripts; results in bench/RESULTS.md."""

@@ -1,0 +1,100 @@
+"""The physical pools: tensors only, no allocation policy (the engine's managers own that).
+
+KVPool    paged, DSA layers: latent [L_dsa, pages, page_size, R] and pooled indexer keys
+          [L_idx, pages, page_size // kpool, di] (one per complete k-pool).
+StatePool request-local slots: KDA conv [L_kda, slots, K-1, 3*qkv] and recurrent state
+          [L_kda, slots, H, dk, dv], plus the indexer tail [L_idx, slots, kpool, di] (k and g).
+ModelCache maps a model layer index to its view of both pools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glmrt.cache.layout import CacheLayout
+from glmrt.config import TextConfig
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+class KVPool:
+    def __init__(self, layout: CacheLayout, num_pages: int, device: torch.device | str):
+        self.layout = layout
+        self.num_pages = num_pages
+        dt = torch_dtype(layout.kv_dtype)
+        self.latent = torch.zeros(layout.num_dsa, num_pages, layout.page_size, layout.kv_lora_rank,
+                                  dtype=dt, device=device)
+        self.pooled = torch.zeros(layout.num_indexer, num_pages, layout.pools_per_page, layout.index_head_dim,
+                                  dtype=dt, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.latent.nbytes + self.pooled.nbytes
+
+
+class StatePool:
+    def __init__(self, layout: CacheLayout, num_slots: int, device: torch.device | str):
+        self.layout = layout
+        self.num_slots = num_slots
+        self.conv = torch.zeros(layout.num_kda, num_slots, layout.conv_width, layout.conv_dim,
+                                dtype=torch_dtype(layout.conv_dtype), device=device)
+        self.recurrent = torch.zeros(layout.num_kda, num_slots, layout.kda_heads, layout.kda_dk, layout.kda_dv,
+                                     dtype=torch_dtype(layout.state_dtype), device=device)
+        tail_dt = torch_dtype(layout.kv_dtype)
+        self.tail_k = torch.zeros(layout.num_indexer, num_slots, layout.kpool, layout.index_head_dim,
+                                  dtype=tail_dt, device=device)
+        self.tail_g = torch.zeros_like(self.tail_k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes + self.tail_k.nbytes + self.tail_g.nbytes
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one request's whole state (a prefix-cache checkpoint restore or save)."""
+        for t in (self.conv, self.recurrent, self.tail_k, self.tail_g):
+            t[:, dst] = t[:, src]
+
+
+class ModelCache:
+    """Both pools plus the map from model layer index to pool ordinal."""
+
+    def __init__(self, text: TextConfig, kv: KVPool, state: StatePool, with_mtp: bool = False):
+        self.kv = kv
+        self.state = state
+        self.page_size = kv.layout.page_size
+        self._dsa = {layer: i for i, layer in enumerate(text.dsa_layers)}
+        self._idx = {layer: i for i, layer in enumerate(text.indexer_layers)}
+        self._kda = {layer: i for i, layer in enumerate(text.kda_layers)}
+        if with_mtp:  # the draft layer takes the last DSA and indexer ordinals
+            mtp = text.num_hidden_layers
+            self._dsa[mtp] = len(text.dsa_layers)
+            self._idx[mtp] = len(text.indexer_layers)
+
+    @classmethod
+    def allocate(cls, text: TextConfig, num_pages: int, num_slots: int, device: torch.device | str, *,
+                 page_size: int = 64, kv_dtype: str = "bfloat16", state_dtype: str = "float32",
+                 model_dtype: str = "bfloat16", with_mtp: bool = False) -> "ModelCache":
+        layout = CacheLayout.from_config(text, page_size=page_size, kv_dtype=kv_dtype, state_dtype=state_dtype,
+                                         model_dtype=model_dtype, with_mtp=with_mtp)
+        return cls(text, KVPool(layout, num_pages, device), StatePool(layout, num_slots, device), with_mtp)
+
+    def latent(self, layer: int) -> torch.Tensor:
+        return self.kv.latent[self._dsa[layer]]
+
+    def pooled(self, layer: int) -> torch.Tensor:
+        return self.kv.pooled[self._idx[layer]]
+
+    def tail(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self._idx[layer]
+        return self.state.tail_k[i], self.state.tail_g[i]
+
+    def conv(self, layer: int) -> torch.Tensor:
+        return self.state.conv[self._kda[layer]]
+
+    def recurrent(self, layer: int) -> torch.Tensor:
+        return self.state.recurrent[self._kda[layer]]

@@ -1,0 +1,1 @@
+"""Checkpoint generation and loading: tokenizer, config and weights on disk."""

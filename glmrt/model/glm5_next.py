@@ -1,0 +1,124 @@
+"""The GLM-5.3-Flash text model, read aloud:
+
+    ids -> embed -> copy into hc_mult streams -> [mHC(attn), mHC(ffn)] x L -> stream mean -> norm -> lm_head
+
+Serving-shaped: one flat batch of tokens from many requests (no padding), described by a
+`BatchMeta`, reading and writing per-request caches through a `ModelCache`. Attention is
+KDA or DSA per `layer_types`, the FFN dense or MoE per `mlp_layer_types`. A "shared" DSA
+layer reuses the selection of the DSA layer right before it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glmrt.config import ModelConfig, TextConfig
+from glmrt.model.kda import KDAAttention
+from glmrt.model.layers import Linear, RMSNorm, SwiGLUMLP, WeightOnly, _param
+from glmrt.model.mla_dsa import DSAAttention
+from glmrt.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype):
+        super().__init__()
+        self.ops, self.layer, self.cfg = ops, layer, cfg
+        self.is_dsa = cfg.is_dsa(layer)
+        d, m = cfg.hidden_size, cfg.hc_mult
+        self.input_layernorm = RMSNorm(ops, d, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(ops, d, cfg.rms_norm_eps, dtype=dtype)
+        mix = (2 + m) * m
+        # NOTE: mHC parameters are kept fp32 (as SGLang does; HF rounds them to the load dtype).
+        self.hc_attn_fn = _param(mix, m * d, dtype=torch.float32)
+        self.hc_attn_base = _param(mix, dtype=torch.float32)
+        self.hc_attn_scale = _param(3, dtype=torch.float32)
+        self.hc_ffn_fn = _param(mix, m * d, dtype=torch.float32)
+        self.hc_ffn_base = _param(mix, dtype=torch.float32)
+        self.hc_ffn_scale = _param(3, dtype=torch.float32)
+        if self.is_dsa:
+            self.self_attn = DSAAttention(cfg, layer, ops, dtype, has_indexer=cfg.has_indexer(layer))
+        else:
+            self.self_attn = KDAAttention(cfg, layer, ops, dtype)
+        self.mlp = MoE(cfg, ops, dtype) if cfg.is_moe(layer) else \
+            SwiGLUMLP(ops, d, cfg.intermediate_size, cfg.swiglu_limit, dtype=dtype)
+
+    def _hc_pre(self, streams, fn, base, scale):
+        c = self.cfg
+        return self.ops.mhc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+
+    def forward(self, streams: torch.Tensor, meta, cache, carried_sel):
+        post, comb, u = self._hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        h = self.input_layernorm(u)
+        sel = None
+        if self.is_dsa:
+            h, sel = self.self_attn(h, meta, cache, carried_sel)
+        else:
+            h = self.self_attn(h, meta, cache)
+        streams = self.ops.mhc_post(h, streams, post, comb)
+        post, comb, u = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        h = self.mlp(self.post_attention_layernorm(u))
+        return self.ops.mhc_post(h, streams, post, comb), sel
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = WeightOnly(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.weight[input_ids]
+
+    def forward(self, embeds: torch.Tensor, meta, cache) -> torch.Tensor:
+        """embeds [N, D] -> final normed hidden states [N, D] (the lm_head input)."""
+        streams = embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        sel = None
+        for layer in self.layers:
+            streams, sel = layer(streams, meta, cache, sel)
+        return self.norm(streams.mean(dim=1))
+
+
+class Glm5NextForCausalLM(nn.Module):
+    """Text model + LM head, with the optional vision tower and MTP draft layer beside it."""
+
+    def __init__(self, config: ModelConfig, ops, dtype: torch.dtype = torch.bfloat16, *,
+                 with_vision: bool = True, with_mtp: bool = True):
+        super().__init__()
+        self.config, self.ops, self.dtype = config, ops, dtype
+        t = config.text
+        self.model = TextModel(t, ops, dtype)
+        self.lm_head = Linear(ops, t.hidden_size, t.vocab_size, dtype=dtype)
+        self.visual = None
+        if with_vision and config.vision is not None:
+            from glmrt.model.vision import VisionTower
+            self.visual = VisionTower(config.vision).to(dtype)
+        self.mtp = None
+        if with_mtp and t.num_nextn_predict_layers > 0:
+            from glmrt.model.mtp import MTPLayer
+            self.mtp = MTPLayer(t, ops, dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.text.tie_word_embeddings:
+            return self.ops.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor | None, meta, cache, *, input_embeds: torch.Tensor | None = None,
+                logits_indices: torch.Tensor | None = None):
+        """One serving step. -> (logits [len(logits_indices) or N, V], hidden [N, D]).
+
+        `input_embeds` (e.g. with image features merged in) replaces the embedding lookup;
+        `logits_indices` selects the flat tokens whose logits are needed (the last of each
+        request when sampling), so the LM head runs only on those.
+        """
+        embeds = self.model.embed(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
+        hidden = self.model(embeds, meta, cache)
+        h = hidden if logits_indices is None else hidden[logits_indices]
+        return self.compute_logits(h), hidden

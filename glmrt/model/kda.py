@@ -1,0 +1,65 @@
+"""KDA (Kimi delta attention) layers: short causal conv, fine-grained forget gate, delta rule.
+
+Per request the layer reads and writes two request-local states in the state pool: the last
+K-1 pre-conv q/k/v inputs and the [H, dk, dv] recurrent state (MODEL.md §4, §8.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmrt.config import TextConfig
+from glmrt.model.layers import Linear, WeightOnly, _param
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype):
+        super().__init__()
+        self.ops, self.layer = ops, layer
+        d, hd, k = cfg.hidden_size, cfg.linear_qkv_dim, cfg.linear_conv_kernel_dim
+        self.num_heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
+        self.lower_bound = cfg.linear_lower_bound
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = Linear(ops, d, hd, dtype=dtype)
+        self.k_proj = Linear(ops, d, hd, dtype=dtype)
+        self.v_proj = Linear(ops, d, hd, dtype=dtype)
+        # NOTE: conv kernels, A_log and dt_bias stay fp32 whatever the model dtype (as HF keeps them).
+        self.q_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32)
+        self.k_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32)
+        self.v_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32)
+        self.f_a_proj = Linear(ops, d, self.head_dim, dtype=dtype)
+        self.f_b_proj = Linear(ops, self.head_dim, hd, dtype=dtype)
+        self.dt_bias = _param(hd, dtype=torch.float32)
+        self.A_log = _param(self.num_heads, dtype=torch.float32)
+        self.b_proj = Linear(ops, d, self.num_heads, dtype=dtype)
+        self.g_a_proj = Linear(ops, d, self.head_dim, dtype=dtype)
+        self.g_b_proj = Linear(ops, self.head_dim, hd, dtype=dtype)
+        self.o_norm = WeightOnly(self.head_dim, dtype=dtype)
+        self.o_proj = Linear(ops, hd, d, dtype=dtype)
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3*qkv, K]: the three depthwise kernels in q, k, v channel order."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Per head and channel log-decay g (< 0), fp32, [N, H, d]."""
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        f = f.view(x.shape[0], self.num_heads, self.head_dim)
+        rate = self.A_log.float().exp()[:, None]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * f)
+        return -rate * torch.where(f > 20.0, f, F.softplus(f))
+
+    def forward(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
+        n = x.shape[0]
+        shape = (n, self.num_heads, self.head_dim)
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = self.ops.causal_conv(mixed, cache.conv(self.layer), self.conv_weight(), meta)
+        q, k, v = (t.reshape(shape) for t in mixed.chunk(3, dim=-1))
+        beta = torch.sigmoid(self.b_proj(x))  # model dtype, as the reference computes it
+        o = self.ops.kda(q, k, v, self.forget_gate(x), beta, cache.recurrent(self.layer), meta)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(shape)
+        o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, -1)
+        return self.o_proj(o)

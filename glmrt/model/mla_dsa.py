@@ -1,0 +1,83 @@
+"""DSA layers: NoPE MLA over the cached latent, selected by the k-pool DSA indexer.
+
+Only the latent `c = kv_a_layernorm(kv_a_proj(x))` is cached per token (never per-head K/V);
+a full indexer layer also caches one pooled key per completed k-pool and keeps the tail of
+the incomplete pool in the request's state slot (MODEL.md §3, §8.1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glmrt.config import TextConfig
+from glmrt.model.layers import LayerNorm, Linear, RMSNorm, _param
+
+
+class Indexer(nn.Module):
+    """Scores complete k-pools per query and returns the top pools (ties -> lower index)."""
+
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype):
+        super().__init__()
+        self.ops, self.layer = ops, layer
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.kpool, self.topk_pools = cfg.index_kpool, cfg.index_topk_pools
+        d = cfg.hidden_size
+        self.wq_b = Linear(ops, cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype)
+        self.wk = Linear(ops, d, self.head_dim, dtype=dtype)
+        self.k_norm = LayerNorm(ops, self.head_dim, 1e-6, dtype=dtype)
+        self.weights_proj = Linear(ops, d, self.n_heads, dtype=dtype)
+        self.index_kpool_compress_gate = _param(self.head_dim, d, dtype=dtype)
+        self.index_kpool_compress_ape = _param(self.kpool, self.head_dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, meta, cache) -> torch.Tensor:
+        k = self.k_norm(self.wk(x))
+        g = self.ops.linear(x, self.index_kpool_compress_gate)
+        tail_k, tail_g = cache.tail(self.layer)
+        pooled = cache.pooled(self.layer)
+        self.ops.indexer_update(k, g, self.index_kpool_compress_ape, pooled, tail_k, tail_g, meta, self.kpool)
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        return self.ops.indexer_select(q, w, pooled, meta, self.kpool, self.topk_pools)
+
+
+class DSAAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype, *, has_indexer: bool):
+        super().__init__()
+        self.ops, self.layer = ops, layer
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.kv_lora_rank = h, cfg.kv_lora_rank
+        self.qk_head_dim, self.v_head_dim = cfg.qk_head_dim, cfg.v_head_dim
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.kpool = cfg.index_kpool
+        self.with_tail = cfg.index_kpool_always_select_tail
+        self.scale = self.qk_head_dim ** -0.5  # NOTE: stays qk_head_dim^-0.5 in the absorbed form
+        bias = cfg.attention_bias
+        self.q_a_proj = Linear(ops, d, cfg.q_lora_rank, bias=bias, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(ops, cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        self.q_b_proj = Linear(ops, cfg.q_lora_rank, h * self.qk_head_dim, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(ops, d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(ops, cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(ops, cfg.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), dtype=dtype)
+        self.o_proj = Linear(ops, h * self.v_head_dim, d, bias=bias, dtype=dtype)
+        self.indexer = Indexer(cfg, layer, ops, dtype) if has_indexer else None
+
+    def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
+        """-> (output [N, D], the selection this layer used, for a following shared layer)."""
+        n = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(n, self.num_heads, self.qk_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
+        self.ops.write_latent(latent, cache.latent(self.layer), meta)
+        if self.indexer is not None:
+            sel = self.indexer(x, q_resid, meta, cache)
+        elif carried_sel is not None:
+            sel = carried_sel
+        else:
+            raise RuntimeError(f"shared DSA layer {self.layer} got no selection from the layer before it")
+        w = self.kv_b_proj.dense_weight(x.dtype).view(self.num_heads, self.nope_dim + self.v_head_dim,
+                                                      self.kv_lora_rank)
+        w_kc, w_vc = w[:, : self.nope_dim], w[:, self.nope_dim:]
+        o = self.ops.sparse_mla(q, cache.latent(self.layer), w_kc, w_vc, sel, meta, self.kpool, self.scale,
+                                self.with_tail)
+        return self.o_proj(o.reshape(n, -1)), sel

@@ -1,0 +1,1 @@
+"""OpenAI-facing serving pieces: chat template, reasoning and tool-call parsers."""

@@ -1,0 +1,1 @@
+"""glmrt transport package (see docs/ARCHITECTURE.md)."""
