@@ -1,0 +1,117 @@
+"""`glmrt make-checkpoint`: write a random-weight checkpoint of a preset, or print its sizes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+GIB = 2**30
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-checkpoint", help="write a random-weight GLM-5.3-Flash checkpoint in HF format",
+        description="Write config.json, safetensors weights, generation_config.json and a real tokenizer "
+                    "for a preset shape with random weights, or print its sizes with --meta.")
+    p.add_argument("--preset", required=True, help="tiny | flash-4l | flash")
+    p.add_argument("--out", help="output directory (required unless --meta)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "fp8"],
+                   help="weight dtype; fp8 writes e4m3 weights with 128x128 block scales")
+    p.add_argument("--layout", default="nested", choices=["nested", "flat"],
+                   help="key layout: nested (model.language_model.*, as HF writes) or flat (model.layers.*)")
+    p.add_argument("--shard-size-gb", type=float, default=4.0)
+    p.add_argument("--meta", action="store_true", help="print parameter and per-request cache sizes, write nothing")
+    p.add_argument("--force", action="store_true", help="allow writing the large presets (flash-4l, flash)")
+    p.set_defaults(func=run)
+
+
+def _param_breakdown(config) -> dict[str, int]:
+    import torch
+
+    from glmrt.model.glm5_next import Glm5NextForCausalLM
+    with torch.device("meta"):
+        model = Glm5NextForCausalLM(config, None, torch.bfloat16)
+    out = {"routed experts": 0, "other text": 0, "embed + lm_head": 0, "vision": 0, "mtp layer": 0}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if name.startswith("visual."):
+            out["vision"] += n
+        elif name.startswith("mtp."):
+            out["mtp layer"] += n
+        elif name.startswith(("lm_head", "model.embed_tokens")):
+            out["embed + lm_head"] += n
+        elif ".mlp.experts." in name:
+            out["routed experts"] += n
+        else:
+            out["other text"] += n
+    return out
+
+
+def print_meta(preset: str, config, dtype: str) -> None:
+    from glmrt.cache.layout import CacheLayout
+    from glmrt.checkpoint.writer import checkpoint_bytes
+
+    t = config.text
+    parts = _param_breakdown(config)
+    total = sum(parts.values())
+    print(f"preset {preset}: {t.num_hidden_layers} layers ({len(t.kda_layers)} KDA, {len(t.dsa_layers)} DSA; "
+          f"{sum(t.is_moe(i) for i in range(t.num_hidden_layers))} MoE), hidden {t.hidden_size}, "
+          f"{t.n_routed_experts} experts top-{t.num_experts_per_tok}, vocab {t.vocab_size}, "
+          f"MTP layers {t.num_nextn_predict_layers}")
+    print("parameters:")
+    for k, v in parts.items():
+        print(f"  {k:<16} {v / 1e9:10.3f} B")
+    print(f"  {'total':<16} {total / 1e9:10.3f} B")
+    active_experts = t.num_experts_per_tok * t.moe_intermediate_size * 3 * t.hidden_size * \
+        sum(t.is_moe(i) for i in range(t.num_hidden_layers))
+    active = total - parts["routed experts"] - parts["vision"] - parts["mtp layer"] + active_experts
+    print(f"  {'active / token':<16} {active / 1e9:10.3f} B (text, without vision and MTP)")
+    print(f"checkpoint size ({dtype}): {checkpoint_bytes(config, dtype) / GIB:.2f} GiB")
+    print("cache per request (KV for the context + one state slot; MODEL.md §8):")
+    combos = [("bf16 KV + fp32 state", "bfloat16", "float32"), ("fp8 KV + bf16 state", "fp8_e4m3", "bfloat16"),
+              ("fp8 KV + fp32 state", "fp8_e4m3", "float32")]
+    layouts = [(label, CacheLayout.from_config(t, page_size=max(64, t.index_kpool), kv_dtype=kv, state_dtype=st))
+               for label, kv, st in combos]
+    print(f"  {'context':>10} " + " ".join(f"{label:>22}" for label, _ in layouts))
+    for n in (1024, 8192, 32768, 131072, 1048576):
+        print(f"  {n:>10,} " + " ".join(f"{lay.request_bytes(n) / 2**20:>18.1f} MiB" for _, lay in layouts))
+    lay = layouts[0][1]
+    print(f"  KV bytes/token {lay.kv_bytes_per_token:,.2f} (bf16); state bytes/slot {lay.state_bytes_per_slot:,} "
+          f"(conv {lay.conv_bytes_per_slot:,}, recurrent {lay.recurrent_bytes_per_slot:,}, "
+          f"indexer tail {lay.tail_bytes_per_slot:,})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from glmrt.checkpoint.presets import LARGE_PRESETS, preset_config
+    from glmrt.checkpoint.writer import check_disk, checkpoint_bytes, write_checkpoint
+
+    try:
+        config = preset_config(args.preset)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.meta:
+        print_meta(args.preset, config, args.dtype)
+        return 0
+    if not args.out:
+        print("error: --out DIR is required (or use --meta)", file=sys.stderr)
+        return 2
+    need = checkpoint_bytes(config, args.dtype)
+    if args.preset in LARGE_PRESETS and not args.force:
+        print(f"error: preset {args.preset} is {need / GIB:.1f} GiB in {args.dtype}; pass --force to write it "
+              f"(or use --load-format dummy to build it in device memory without files)", file=sys.stderr)
+        return 2
+    try:
+        check_disk(args.out, need)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = os.path.abspath(os.path.expanduser(args.out))
+    summary = write_checkpoint(config, out, seed=args.seed, dtype=args.dtype,
+                               shard_bytes=int(args.shard_size_gb * GIB), layout=args.layout)
+    print(f"wrote {args.preset} ({args.dtype}, seed {args.seed}) to {out}: {summary['tensors']} tensors, "
+          f"{summary['bytes'] / 2**20:.1f} MiB in {summary['shards']} shard(s)")
+    print_meta(args.preset, config, args.dtype)
+    return 0
