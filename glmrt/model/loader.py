@@ -58,7 +58,8 @@ def default_fp8_modules(model_config: ModelConfig, dtype: torch.dtype) -> list[s
     """The linear layers `--quantization fp8` converts (everything but the keep list)."""
     with torch.device("meta"):
         model = Glm5NextForCausalLM(model_config, None, dtype)
-    return [n for n in _fp8_capable(model) if not any(n.startswith(k) or f".{k}" in n for k in _FP8_KEEP)]
+    # Match whole dotted components: "mlp.gate" (the router) must not catch "mlp.gate_proj".
+    return [n for n in _fp8_capable(model) if not any(f".{k.strip('.')}." in f".{n}." for k in _FP8_KEEP)]
 
 
 def _checkpoint_files(path: str) -> list[str]:
@@ -132,6 +133,8 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
                     dst = dst[tgt.expert]
                 if tuple(t.shape) != tuple(dst.shape):
                     raise CheckpointError(f"{key}: shape {tuple(t.shape)} in checkpoint, {tuple(dst.shape)} expected")
+                if t.is_floating_point() and t.element_size() == 1 and dst.element_size() != 1:
+                    raise CheckpointError(f"{key}: {t.dtype} weight without its weight_scale_inv tensor")
                 dst.copy_(t.to(device=dst.device))
                 filled[tgt.param].add(tgt.expert)
                 if bar:
