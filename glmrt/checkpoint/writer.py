@@ -18,7 +18,7 @@ import torch
 
 from glmrt.config import ModelConfig, QuantConfig
 from glmrt.model.glm5_next import Glm5NextForCausalLM
-from glmrt.model.loader import default_fp8_modules
+from glmrt.model.loader import default_fp8_modules, unquantized_linear_modules
 from glmrt.model.weights import checkpoint_names, nested_name, quantize_block_fp8, random_tensor
 
 WRITE_DTYPES = ("float32", "bfloat16", "fp8")
@@ -46,7 +46,17 @@ class TensorSpec:
 
 def checkpoint_config(config: ModelConfig, dtype: str) -> ModelConfig:
     if dtype == "fp8":
-        keep = ["lm_head", "model.embed_tokens", "visual"]
+        # The ignore list names every linear layer left unquantised, in checkpoint naming
+        # (loaders that trust it, as HF and SGLang do, then expect no scales for them).
+        keep = []
+        for module in unquantized_linear_modules(config, torch.bfloat16):
+            if module.startswith("mtp."):  # the whole draft layer stays bf16, as in real checkpoints
+                module = "mtp"
+            name = next(checkpoint_names(module + ".weight", (1,), config.text))[0]
+            name = nested_name(name)[: -len(".weight")].rstrip(".")
+            if name not in keep:
+                keep.append(name)
+        keep += ["model.language_model.embed_tokens", "model.visual"]
         return replace(config, quantization=QuantConfig(ignored=tuple(keep)))
     return replace(config, quantization=None)
 

@@ -62,6 +62,14 @@ def default_fp8_modules(model_config: ModelConfig, dtype: torch.dtype) -> list[s
     return [n for n in _fp8_capable(model) if not any(f".{k.strip('.')}." in f".{n}." for k in _FP8_KEEP)]
 
 
+def unquantized_linear_modules(model_config: ModelConfig, dtype: torch.dtype) -> list[str]:
+    """The linear layers `--quantization fp8` keeps in the model dtype (the checkpoint's ignore list)."""
+    with torch.device("meta"):
+        model = Glm5NextForCausalLM(model_config, None, dtype)
+    fp8 = set(default_fp8_modules(model_config, dtype))
+    return [n for n in _fp8_capable(model) if n not in fp8]
+
+
 def _checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
