@@ -221,6 +221,7 @@ def main(argv=None) -> dict:
     rounded = [] if args.keep_fp32_mhc else round_ours_to_hf_(ours, dtype)
     _sync(device)
     t_ours = time.perf_counter() - t0
+    _free(device)  # the random init's fp32 temporaries
     t0 = time.perf_counter()
     hf = build_hf_from_ours(ours, device, dtype, experts=args.hf_experts)
     _sync(device)

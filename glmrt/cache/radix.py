@@ -1,0 +1,285 @@
+"""Radix prefix cache: KV pages shared by token prefix, KDA state only at checkpoints.
+
+The tree is page-aligned: every edge holds whole pages (`page_size` tokens each), so a page
+is shared exactly when all of its tokens match. Recurrent state describes one exact prefix
+end and is never shared: the tree keeps *checkpoints* — a state slot saved at position L,
+anchored at the node ending at A = floor(L / page_size) * page_size, with the `L - A` tokens
+past the anchor and a private copy of the partial page holding their latent / pooled keys.
+
+    root ──[p0 p1]── n1 ──[p2]── n2          pages p0..p2 shared by prefix
+                      │           └─ ckpt(L=3*ps+5, extra=5 tokens, slot s7, page q4)
+                      └─[p5 p6]── n3
+                                  └─ ckpt(L=4*ps, extra=(), slot s9)
+
+A hit resumes at the deepest checkpoint at or before the match: the request takes the
+shared pages of [0, A), a fresh page filled from the checkpoint's partial page, and a copy of
+the checkpoint's state in its own live slot. The tree holds one page reference per page it
+stores; requests hold their own. No tensors here: copies are returned to the caller as
+instructions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from glmrt.cache.page_manager import PageManager
+from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    position: int                   # L: tokens [0, L) are summarised by the state
+    extra: tuple[int, ...]          # tokens [A, L) past the anchor node's end
+    slot: int                       # checkpoint slot in the state pool
+    partial_page: int | None        # private page with the latent/pooled keys of [A, L)
+    node: "Node"
+    last_use: int = 0
+    pins: int = 0                   # planned restores not yet executed: not evictable
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...]         # this edge's tokens (a multiple of page_size)
+    pages: list[int]
+    parent: "Node | None"
+    end: int                        # tokens from the root to the end of this edge
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    last_use: int = 0
+
+
+@dataclass
+class Match:
+    """What a prompt can skip: resume at `resume`, with `pages` shared for [0, anchor)."""
+
+    resume: int = 0
+    pages: list[int] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+    common: int = 0                 # longest common token prefix with the tree (divergence point)
+
+
+class RadixCache:
+    def __init__(self, page_size: int, pages: PageManager, slots: SlotManager, enabled: bool = True):
+        self.page_size = page_size
+        self.pages = pages
+        self.slots = slots
+        self.enabled = enabled
+        self.root = Node((), [], None, 0)
+        self._clock = itertools.count(1)
+        self.num_cached_pages = 0
+
+    # ---- lookup --------------------------------------------------------------------------
+    def match(self, tokens: list[int], limit: int) -> Match:
+        """Deepest usable checkpoint for a request whose first `limit` tokens may be skipped."""
+        m = Match()
+        if not self.enabled:
+            return m
+        ps = self.page_size
+        node, pos, path_pages = self.root, 0, []
+        now = next(self._clock)
+        best = self._best_checkpoint(node, tokens, pos, limit)
+        if best:
+            m.checkpoint, m.pages = best, []
+        while True:
+            node.last_use = now
+            key = tuple(tokens[pos:pos + ps])
+            child = node.children.get(key) if len(key) == ps else None
+            if child is None:
+                m.common = pos + self._partial_common(node, tokens, pos)
+                break
+            n = self._edge_match(child, tokens, pos)
+            path_pages = path_pages + child.pages[: n // ps]
+            if n < len(child.tokens):
+                child.last_use = now
+                m.common = pos + n + self._token_common(child.tokens[n:], tokens[pos + n:])
+                break
+            node, pos = child, pos + n
+            cand = self._best_checkpoint(node, tokens, pos, limit)
+            if cand and (m.checkpoint is None or cand.position > m.checkpoint.position):
+                m.checkpoint, m.pages = cand, list(path_pages)
+        if m.checkpoint is not None:
+            m.resume = m.checkpoint.position
+            m.checkpoint.last_use = now
+        return m
+
+    def _best_checkpoint(self, node: Node, tokens: list[int], pos: int, limit: int) -> Checkpoint | None:
+        best = None
+        for c in node.checkpoints:
+            if c.position <= limit and tuple(tokens[pos:c.position]) == c.extra:
+                if best is None or c.position > best.position:
+                    best = c
+        return best
+
+    def _edge_match(self, child: Node, tokens: list[int], pos: int) -> int:
+        """Tokens of the child's edge matched, in whole pages."""
+        ps = self.page_size
+        n = 0
+        while n < len(child.tokens) and tuple(tokens[pos + n:pos + n + ps]) == child.tokens[n:n + ps]:
+            n += ps
+        return n
+
+    @staticmethod
+    def _token_common(a, b) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    def _partial_common(self, node: Node, tokens: list[int], pos: int) -> int:
+        rest = tokens[pos:]
+        best = max((self._token_common(c.extra, rest) for c in node.checkpoints), default=0)
+        for key in node.children:
+            best = max(best, self._token_common(key, rest))
+        return best
+
+    # ---- insertion -----------------------------------------------------------------------
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Cache the full pages of `tokens` (held by a request's `pages`).
+
+        Returns the canonical page list for those full pages: where the tree already held a
+        page for the same tokens, that page; the caller swaps it in (retaining it, releasing
+        its own duplicate) so identical prefixes share one set of pages.
+        """
+        ps = self.page_size
+        n_full = min(len(tokens) // ps, len(pages))
+        if not self.enabled or n_full == 0:
+            return list(pages[:n_full])
+        node, pos = self.root, 0
+        canonical: list[int] = []
+        now = next(self._clock)
+        while pos < n_full * ps:
+            key = tuple(tokens[pos:pos + ps])
+            child = node.children.get(key)
+            if child is None:
+                new_tokens = tuple(tokens[pos:n_full * ps])
+                new_pages = list(pages[pos // ps:n_full])
+                self.pages.retain(new_pages)
+                self.num_cached_pages += len(new_pages)
+                child = Node(new_tokens, new_pages, node, pos + len(new_tokens), last_use=now)
+                node.children[key] = child
+                canonical += new_pages
+                break
+            n = self._edge_match(child, tokens, pos)
+            n = min(n, n_full * ps - pos)
+            if n < len(child.tokens):
+                child = self._split(child, n)
+            canonical += child.pages
+            child.last_use = now
+            node, pos = child, pos + n
+        return canonical
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Split `child` after n tokens (a page multiple); returns the new upper node."""
+        ps = self.page_size
+        parent = child.parent
+        upper = Node(child.tokens[:n], child.pages[: n // ps], parent, child.end - len(child.tokens) + n,
+                     last_use=child.last_use)
+        parent.children[child.tokens[:ps]] = upper
+        child.tokens, child.pages, child.parent = child.tokens[n:], child.pages[n // ps:], upper
+        upper.children[child.tokens[:ps]] = child
+        return upper
+
+    def _anchor(self, tokens: list[int], aligned: int) -> Node | None:
+        """The node whose edge ends exactly at `aligned` on the path of `tokens` (splitting one)."""
+        node, pos = self.root, 0
+        while pos < aligned:
+            child = node.children.get(tuple(tokens[pos:pos + self.page_size]))
+            if child is None:
+                return None
+            n = min(self._edge_match(child, tokens, pos), aligned - pos)
+            if n < len(child.tokens):
+                if n == 0:
+                    return None
+                child = self._split(child, n)
+            node, pos = child, pos + n
+        return node
+
+    def add_checkpoint(self, tokens: list[int], position: int, slot: int, partial_page: int | None) -> Checkpoint | None:
+        """Register a saved state at `position` (its pages [0, A) must already be inserted).
+
+        Returns None (caller frees the slot and page) when the path is not cached or an
+        identical checkpoint already exists.
+        """
+        if not self.enabled:
+            return None
+        aligned = position // self.page_size * self.page_size
+        node = self._anchor(tokens, aligned)
+        extra = tuple(tokens[aligned:position])
+        if node is None or any(c.position == position and c.extra == extra for c in node.checkpoints):
+            return None
+        c = Checkpoint(position, extra, slot, partial_page, node, last_use=next(self._clock))
+        node.checkpoints.append(c)
+        return c
+
+    def has_checkpoint(self, tokens: list[int], position: int) -> bool:
+        aligned = position // self.page_size * self.page_size
+        node, pos = self.root, 0
+        while pos < aligned:
+            child = node.children.get(tuple(tokens[pos:pos + self.page_size]))
+            if child is None or child.end > aligned or self._edge_match(child, tokens, pos) < len(child.tokens):
+                return False
+            node, pos = child, child.end
+        extra = tuple(tokens[aligned:position])
+        return any(c.position == position and c.extra == extra for c in node.checkpoints)
+
+    # ---- eviction ------------------------------------------------------------------------
+    def evictable(self):
+        """Candidates in LRU order: checkpoints not pinned, and leaf nodes without checkpoints."""
+        items = []
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            items += [(c.last_use, 0, c) for c in n.checkpoints if c.pins == 0]
+            if n is not self.root and not n.children and not n.checkpoints:
+                items.append((n.last_use, 1, n))
+        items.sort(key=lambda x: (x[0], x[1]))
+        return [x[2] for x in items]
+
+    def evict(self, need_pages: int = 0, need_slots: int = 0) -> None:
+        """Free LRU entries until `need_pages` pages and `need_slots` slots are free (or nothing is left)."""
+        while self.pages.num_free < need_pages or self.slots.num_free < need_slots:
+            victims = self.evictable()
+            if need_slots and self.slots.num_free < need_slots:
+                victims = [v for v in victims if isinstance(v, Checkpoint)] or victims
+            if not victims:
+                return
+            self._drop(victims[0])
+
+    def _drop(self, item) -> None:
+        if isinstance(item, Checkpoint):
+            item.node.checkpoints.remove(item)
+            self.slots.free(item.slot)
+            if item.partial_page is not None:
+                self.pages.release([item.partial_page])
+            return
+        node = item
+        del node.parent.children[node.tokens[: self.page_size]]
+        self.pages.release(node.pages)
+        self.num_cached_pages -= len(node.pages)
+
+    def flush(self) -> None:
+        """Drop everything (the leak test's 'after a cache flush both pools are empty')."""
+        while True:
+            victims = [v for v in self.evictable()]
+            if not victims:
+                return
+            for v in victims:
+                self._drop(v)
+
+    # ---- accounting ----------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        n_ckpt = n_ckpt_pages = 0
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n_ckpt += len(n.checkpoints)
+            n_ckpt_pages += sum(c.partial_page is not None for c in n.checkpoints)
+        return {"cached_pages": self.num_cached_pages, "checkpoints": n_ckpt, "checkpoint_pages": n_ckpt_pages}
+
+    def check(self) -> None:
+        assert self.slots.num_checkpoint == self.stats()["checkpoints"], "checkpoint slots out of sync"

@@ -1,0 +1,1 @@
+"""The in-process engine: scheduler, model runner, sampler."""

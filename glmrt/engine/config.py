@@ -1,0 +1,74 @@
+"""Engine options (the `[engine]` table of a topology, and the engine flags of `glmrt up`). No torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """Checkpoint directory (HF format). None with load_format='dummy' builds `preset`."""
+    preset: str | None = None
+    load_format: str = "auto"
+    """auto (safetensors) | dummy (random weights in device memory, no files)."""
+    quantization: str | None = None
+    """fp8 with load_format='dummy' quantises the linear layers (block-scaled e4m3)."""
+    dtype: str = "auto"
+    """auto: bfloat16 on a GPU, float32 on the CPU."""
+    device: str = "auto"
+    backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mamba_ssm_dtype: str = "float32"
+    """KDA recurrent state dtype: float32 or bfloat16."""
+    mem_fraction_static: float = 0.85
+    """GPU: fraction of the free memory after weights given to the two cache pools."""
+    cache_memory_gb: float = 0.25
+    """CPU: absolute cache budget (small, so several engines fit on one test machine)."""
+    mamba_full_memory_ratio: float = 0.9
+    """state : KV bytes. The state pool gets r / (1 + r) of the budget."""
+    max_mamba_cache_size: int | None = None
+    """Pin the number of state slots instead of using the ratio."""
+    max_running_requests: int | None = None
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    """fcfs | lpm (longest cached prefix first)."""
+    state_checkpoint_interval: int = 0
+    """Save KDA state into the prefix cache every N prompt tokens (0 = only at prompt end,
+    request end and divergence points)."""
+    disable_radix_cache: bool = False
+    page_size: int = 64
+    seed: int = 0
+    context_length: int | None = None
+
+    def __post_init__(self):
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.mamba_ssm_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"mamba_ssm_dtype must be float32 or bfloat16, got {self.mamba_ssm_dtype!r}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.cache_memory_gb <= 0:
+            raise ValueError("cache_memory_gb must be > 0")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.startswith("cuda") else "float32"
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]

@@ -1,0 +1,337 @@
+"""The in-process engine: the model plus its pools, serving many requests at once.
+
+    engine = Engine(EngineConfig(model="~/ckpt/tiny"))
+    rids = engine.add_request(prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_work():
+        for out in engine.step(): ...
+
+One step: schedule (data) -> run the plan (model) -> apply tokens, cache full pages in the
+radix tree, turn saved states into checkpoints, finish requests. Everything a later layer
+(actors, API, PD) needs wraps this class; it owns no sockets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from glmrt.cache.layout import CacheLayout
+from glmrt.cache.page_manager import PageManager
+from glmrt.cache.pools import ModelCache
+from glmrt.cache.radix import RadixCache
+from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
+from glmrt.engine.config import EngineConfig
+from glmrt.engine.memory import MemoryPlan, plan_memory
+from glmrt.engine.request import Request, Status
+from glmrt.engine.runner import ModelRunner
+from glmrt.engine.scheduler import Scheduler, SchedulerConfig
+from glmrt.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt (plus one generated token) cannot fit the context or the KV pool."""
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None] = field(default_factory=list)
+    new_top_logprobs: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str | None
+    cached_tokens: int
+    logprobs: list[float | None]
+    top_logprobs: list
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, log=print, model=None):
+        self.config = config
+        self.log = log
+        from backends.registry import get_backend
+
+        device = config.resolved_device()
+        self.backend = get_backend(config.backend, device)
+        self.dtype = _DTYPES[config.resolved_dtype(device)]
+        self.model = model if model is not None else self._load_model(device)
+        self.model_config = self.model.config
+        text = self.model_config.text
+        self.generation_config = self._read_generation_config()
+        self.eos_ids = list(self.generation_config.get("eos_token_id") or text.eos_token_id or [])
+        if isinstance(self.eos_ids, int):
+            self.eos_ids = [self.eos_ids]
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
+        kv_dtype = dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
+                                              state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+        self.memory: MemoryPlan = plan_memory(
+            self.layout, self._cache_budget(device), ratio=config.mamba_full_memory_ratio,
+            max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
+        self.cache = ModelCache.allocate(text, self.memory.num_pages, self.memory.num_slots, device,
+                                         page_size=config.page_size, kv_dtype=kv_dtype,
+                                         state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+        self.pages = PageManager(self.memory.num_pages)
+        self.slots = SlotManager(self.memory.num_slots)
+        self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache)
+        self.scheduler = Scheduler(SchedulerConfig(
+            page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
+            policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
+            self.pages, self.slots, self.tree)
+        self.runner = ModelRunner(self.model, self.cache, self.eos_ids)
+        self.context_length = min(config.context_length or text.max_position_embeddings,
+                                  self.memory.kv_tokens)
+        self.requests: dict[str, Request] = {}
+        self._arrival = itertools.count()
+        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
+                         "finished": 0, "aborted": 0, "retractions": 0}
+        self.log(f"glmrt engine: {self.backend.description}, dtype {dtype_name}, KV {kv_dtype}, "
+                 f"state {config.mamba_ssm_dtype}")
+        self.log(self.memory.describe())
+
+    # ---- construction helpers ------------------------------------------------------------
+    def _load_model(self, device: str):
+        from glmrt.model.loader import load_checkpoint, load_dummy
+
+        cfg = self.config
+        if cfg.load_format == "dummy":
+            from glmrt.checkpoint.presets import preset_config
+            from glmrt.config import load_model_config
+            mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
+            return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
+                              seed=cfg.seed, with_mtp=False)
+        if not cfg.model:
+            raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
+        model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
+                                   device=device, with_mtp=False)
+        return model
+
+    def _read_generation_config(self) -> dict:
+        if self.config.model:
+            path = os.path.join(os.path.expanduser(self.config.model), "generation_config.json")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    return json.load(f)
+        return {}
+
+    def _cache_budget(self, device: str) -> int:
+        if device.startswith("cuda"):
+            free, _total = torch.cuda.mem_get_info()
+            return int(free * self.config.mem_fraction_static)
+        return int(self.config.cache_memory_gb * 2**30)
+
+    # ---- the public API ------------------------------------------------------------------
+    def default_params(self, **overrides) -> SamplingParams:
+        return SamplingParams.from_generation_config(self.generation_config, **overrides)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> list[str]:
+        """Queue a prompt; returns one request id per choice (n > 1 shares the prompt's prefill)."""
+        params = params or self.default_params()
+        params.validate(self.model_config.text.vocab_size)
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.text.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + 1 > self.context_length:
+            raise ContextLengthExceeded(
+                f"this model's maximum context is {self.context_length} tokens (context length and KV pool); "
+                f"the prompt has {len(prompt)} tokens")
+        rid = rid or uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        parent = Request(rid, prompt, params, next(self._arrival))
+        reqs = [parent]
+        for i in range(1, params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_params = _replace_params(params, seed=seed)
+            child = Request(f"{rid}-{i}", list(prompt), child_params, next(self._arrival), fork_parent=parent)
+            parent.fork_children.append(child)
+            reqs.append(child)
+        for r in reqs:
+            self.requests[r.rid] = r
+            self.scheduler.add(r)
+        self.counters["prompt_tokens"] += len(prompt)
+        return [r.rid for r in reqs]
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        self.counters["aborted"] += 1
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.counters["retractions"] += len(plan.retracted)
+        if not plan:
+            return []
+        results = self.runner.execute(plan)
+        for w in plan.work:
+            w.req.num_computed = w.start + w.num
+        for r in plan.restores:
+            r.checkpoint.pins -= 1
+        for req in {id(w.req): w.req for w in plan.work}.values():
+            self._cache_pages(req)
+        for s in plan.saves:
+            if self.tree.add_checkpoint(s.req.all_ids, s.position, s.dst_slot, s.dst_page) is None:
+                self.slots.free(s.dst_slot)
+                if s.dst_page is not None:
+                    self.pages.release([s.dst_page])
+        outputs = []
+        for res in results:
+            req = res.req
+            req.output_ids.append(res.token)
+            if req.params.logprobs:
+                req.logprobs.append(res.logprob)
+                req.top_logprobs.append(res.top_logprobs)
+            self.counters["generation_tokens"] += 1
+            reason = self._finish_reason(req, res.token)
+            out = RequestOutput(req.rid, [res.token], [res.logprob] if req.params.logprobs else [],
+                                [res.top_logprobs] if req.params.logprobs else [], reason is not None, reason,
+                                len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(out)
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[list[Completion]]:
+        """Run prompts to completion (offline use); one list of n choices per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        groups = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work():
+            self.step()
+        out = []
+        for rids in groups:
+            out.append([self._completion(self.requests.pop(r)) for r in rids])
+        return out
+
+    def info(self) -> dict:
+        return {**self.memory.as_dict(), "context_length": self.context_length,
+                "pages_free": self.pages.num_free, "slots_free": self.slots.num_free,
+                "slots_checkpoint": self.slots.num_checkpoint, "slots_live": self.slots.num_live,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                **self.tree.stats(), **self.counters}
+
+    def flush_cache(self) -> None:
+        self.tree.flush()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _completion(self, req: Request) -> Completion:
+        return Completion(req.rid, req.prompt_ids, req.output_ids, req.finish_reason, req.cached_tokens,
+                          req.logprobs, req.top_logprobs)
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens and (token in p.stop_token_ids
+                                                    or (not p.ignore_eos and token in self.eos_ids)):
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.context_length:
+            return "length"
+        return None
+
+    def _cache_pages(self, req: Request) -> None:
+        """Put the request's full computed pages in the tree; adopt the tree's copies of them."""
+        ps = self.config.page_size
+        n_full = min(req.num_computed // ps, len(req.pages))
+        if not self.tree.enabled or n_full == 0:
+            return
+        canon = self.tree.insert(req.all_ids[:req.num_computed], req.pages[:n_full])
+        for i, p in enumerate(canon):
+            if p != req.pages[i]:
+                self.pages.retain([p])
+                self.pages.release([req.pages[i]])
+                req.pages[i] = p
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if reason != "abort" and req.status is Status.RUNNING and req.slot is not None and req.num_computed > 0:
+            self._checkpoint_at_end(req)
+        for child in req.fork_children:  # never forked: run as ordinary requests
+            child.fork_parent = None
+        req.fork_children = []
+        if reason == "abort" and req.fork_parent is not None:
+            req.fork_parent.fork_children.remove(req)
+            req.fork_parent = None
+        self.scheduler.free_request(req)
+        req.status = Status.FINISHED
+        req.save_at = []
+        self.runner.forget(req)
+        self.counters["finished"] += 1
+        if req.cached_tokens:
+            self.counters["cached_prompt_tokens"] += req.cached_tokens
+
+    def _checkpoint_at_end(self, req: Request) -> None:
+        """The finished request's live state becomes the tree's checkpoint (no copy)."""
+        if not self.tree.enabled:
+            return
+        self._cache_pages(req)
+        pos, ps = req.num_computed, self.config.page_size
+        if self.tree.has_checkpoint(req.all_ids, pos):
+            return
+        partial = req.pages[pos // ps] if pos % ps else None
+        self.slots.convert(req.slot, CHECKPOINT)
+        if self.tree.add_checkpoint(req.all_ids, pos, req.slot, partial) is None:
+            self.slots.convert(req.slot, LIVE)
+            return
+        req.slot = None
+        if partial is not None:
+            req.pages.remove(partial)  # the checkpoint owns it now
+
+    def check_invariants(self) -> None:
+        """Both pools: free + cached + in use == capacity, reference counts exact."""
+        self.pages.check()
+        self.slots.check()
+        self.tree.check()
+        refs = [0] * self.pages.num_pages
+        live = 0
+        for req in self.requests.values():
+            if req.finished:
+                assert not req.pages and req.slot is None, f"finished request {req.rid} still holds memory"
+                continue
+            for p in req.pages:
+                refs[p] += 1
+            live += req.slot is not None
+        stack = [self.tree.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            for p in n.pages:
+                refs[p] += 1
+            for c in n.checkpoints:
+                if c.partial_page is not None:
+                    refs[c.partial_page] += 1
+        for p in range(self.pages.num_pages):
+            assert refs[p] == self.pages.refcount(p), f"page {p}: {self.pages.refcount(p)} refs, {refs[p]} holders"
+        assert live == self.slots.num_live, f"{self.slots.num_live} live slots, {live} held by requests"
+
+
+def _replace_params(params: SamplingParams, **kw) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, **kw)

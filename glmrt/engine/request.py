@@ -1,0 +1,63 @@
+"""A request's engine-side state. Data only (no torch).
+
+    all_ids = prompt_ids + output_ids
+    [0, num_computed)            in the cache: KV in `pages`, state in `slot`
+    [num_computed, len(all_ids)) still to compute (a decoding request has exactly one: the
+                                 token it sampled last)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from glmrt.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0
+    save_at: list[int] = field(default_factory=list)   # positions whose state goes into the tree
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    num_retractions: int = 0
+    fork_parent: "Request | None" = None               # n > 1: children share the parent's prefill
+    fork_children: list["Request"] = field(default_factory=list)
+    admitted_once: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is Status.RUNNING and self.num_uncomputed == 1 and self.num_computed > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

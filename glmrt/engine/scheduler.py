@@ -1,0 +1,337 @@
+"""The scheduler: plans "tokens to compute per request" for one step, on data only.
+
+Input: the waiting and running requests, the page and slot managers, the radix cache.
+Output: a `StepPlan` — work items (request, first position, token count, sample or not),
+state restores to run before the forward, state saves and n>1 forks to run after it, and
+the requests retracted to make room. The model runner executes the plan; the engine applies
+the sampled tokens. No torch, no sockets: every decision here is testable in milliseconds.
+
+One step, in order:
+  1. running requests keep going: decodes (one token each) first, then prefill chunks;
+     a page shortage evicts the prefix cache, then retracts the newest running request;
+  2. waiting requests are admitted by policy (FCFS, or LPM: longest cached prefix first)
+     while the prefill token budget, pages, slots and max_running_requests allow.
+Chunks end at checkpoint positions (prompt end, divergence point, every
+`state_checkpoint_interval` tokens) so the state there can be saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from glmrt.cache.page_manager import PageManager
+from glmrt.cache.radix import Checkpoint, RadixCache
+from glmrt.cache.slot_manager import LIVE, SlotManager
+from glmrt.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_running_requests: int
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    policy: str = "fcfs"                     # fcfs | lpm
+    state_checkpoint_interval: int = 0       # 0 = off
+
+    def __post_init__(self):
+        if self.policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule policy must be 'fcfs' or 'lpm', got {self.policy!r}")
+        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
+
+
+@dataclass
+class Work:
+    req: Request
+    start: int          # == req.num_computed when planned
+    num: int
+    sample: bool        # the step computes the request's last uncomputed token -> sample one
+
+
+@dataclass
+class Restore:
+    """Before the forward: checkpoint state -> the request's live slot (+ its partial page)."""
+
+    req: Request
+    checkpoint: Checkpoint
+    src_slot: int
+    dst_slot: int
+    src_page: int | None
+    dst_page: int | None
+
+
+@dataclass
+class Save:
+    """After the forward: the request's state at `position` -> a new checkpoint in the tree."""
+
+    req: Request
+    position: int
+    src_slot: int
+    dst_slot: int
+    src_page: int | None
+    dst_page: int | None
+
+
+@dataclass
+class Fork:
+    """After the forward: an n>1 child takes a copy of its parent's state at the prompt's end."""
+
+    parent: Request
+    child: Request
+    dst_slot: int
+    src_page: int | None
+    dst_page: int | None
+
+
+@dataclass
+class StepPlan:
+    work: list[Work] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num for w in self.work)
+
+    def __bool__(self) -> bool:
+        return bool(self.work)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pages: PageManager, slots: SlotManager, tree: RadixCache):
+        self.cfg = config
+        self.pages = pages
+        self.slots = slots
+        self.tree = tree
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    # ---- queue management ----------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(r.fork_parent is None for r in self.waiting)
+
+    def free_request(self, req: Request) -> None:
+        """Give back everything a request holds (finish, abort, retraction)."""
+        if req.pages:
+            self.pages.release(req.pages)
+            req.pages = []
+        if req.slot is not None:
+            self.slots.free(req.slot)
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def retract(self, req: Request, plan: StepPlan) -> None:
+        """Preempt: drop the request's cache and queue it to recompute prompt + outputs later."""
+        self.free_request(req)
+        req.num_computed = 0
+        req.save_at = []
+        req.status = Status.WAITING
+        req.num_retractions += 1
+        self.waiting.insert(0, req)
+        plan.retracted.append(req)
+
+    # ---- page helpers --------------------------------------------------------------------
+    def _pages_needed(self, req: Request, upto: int) -> int:
+        return max(0, -(-upto // self.cfg.page_size) - len(req.pages))
+
+    def _grab_pages(self, n: int) -> list[int] | None:
+        if n == 0:
+            return []
+        if not self.pages.can_allocate(n):
+            self.tree.evict(need_pages=n)
+        if not self.pages.can_allocate(n):
+            return None
+        return self.pages.allocate(n)
+
+    def _grab_slot(self) -> int | None:
+        if self.slots.num_free == 0:
+            self.tree.evict(need_slots=1)
+        if self.slots.num_free == 0:
+            return None
+        return self.slots.allocate(LIVE)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_uncomputed, self.cfg.chunked_prefill_size, budget)
+        start = req.num_computed
+        for p in req.save_at:
+            if start < p < start + n:
+                return p - start
+        return n
+
+    # ---- the step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.cfg.max_prefill_tokens
+        decodes = [r for r in self.running if r.num_uncomputed == 1]
+        prefills = [r for r in self.running if r.num_uncomputed > 1]
+        for req in sorted(decodes, key=lambda r: r.arrival):
+            if req.status is not Status.RUNNING:
+                continue  # retracted while making room for an earlier request
+            if self._ensure_pages(req, req.num_computed + 1, plan):
+                plan.work.append(Work(req, req.num_computed, 1, True))
+        for req in sorted(prefills, key=lambda r: r.arrival):
+            if req.status is not Status.RUNNING or budget <= 0:
+                continue
+            n = self._chunk(req, budget)
+            if self._ensure_pages(req, req.num_computed + n, plan):
+                plan.work.append(Work(req, req.num_computed, n, n == req.num_uncomputed))
+                budget -= n
+        self._admit(plan, budget)
+        self._plan_saves_and_forks(plan)
+        return plan
+
+    def _ensure_pages(self, req: Request, upto: int, plan: StepPlan) -> bool:
+        """Pages for positions < upto; retract the newest other running requests if needed."""
+        while True:
+            need = self._pages_needed(req, upto)
+            got = self._grab_pages(need)
+            if got is not None:
+                req.pages += got
+                return True
+            victims = [r for r in self.running if r is not req and not self._planned(r, plan)]
+            victim = max(victims or [req], key=lambda r: r.arrival)
+            if victim is req:
+                self.retract(req, plan)
+                return False
+            self.retract(victim, plan)
+
+    @staticmethod
+    def _planned(req: Request, plan: StepPlan) -> bool:
+        return any(w.req is req for w in plan.work)
+
+    def _order_waiting(self) -> list[Request]:
+        cands = [r for r in self.waiting if r.fork_parent is None]
+        if self.cfg.policy == "lpm":
+            scored = [(-self.tree.match(r.all_ids, r.num_tokens - 1).resume, r.arrival, i, r)
+                      for i, r in enumerate(cands)]
+            return [x[-1] for x in sorted(scored, key=lambda x: x[:3])]
+        return cands  # FCFS: arrival order, retracted requests first (they sit at the front)
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        for req in self._order_waiting():
+            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+                return
+            if not self._admit_one(req, plan, budget):
+                return  # keep the order: nothing behind it jumps the queue
+            budget -= plan.work[-1].num
+
+    def _admit_one(self, req: Request, plan: StepPlan, budget: int) -> bool:
+        slot = self._grab_slot()
+        if slot is None:
+            return False
+        m = self.tree.match(req.all_ids, req.num_tokens - 1)
+        ckpt = m.checkpoint
+        if ckpt is not None:
+            ckpt.pins += 1  # not evictable until the restore ran
+        self.pages.retain(m.pages)
+        req.pages, req.slot, req.num_computed = list(m.pages), slot, m.resume
+        restore_page = None
+        if ckpt is not None and ckpt.partial_page is not None:
+            got = self._grab_pages(1)
+            if got is None:
+                ckpt.pins -= 1
+                self.free_request(req)
+                return False
+            restore_page = got[0]
+            req.pages.append(restore_page)
+        n = self._chunk_for_new(req, m.common, budget)
+        need = self._pages_needed(req, req.num_computed + n)
+        got = self._grab_pages(need)
+        if got is None:
+            if ckpt is not None:
+                ckpt.pins -= 1
+            self.free_request(req)
+            req.num_computed = 0
+            return False
+        req.pages += got
+        if not req.admitted_once:
+            req.cached_tokens = min(m.resume, len(req.prompt_ids))
+            req.admitted_once = True
+        if ckpt is not None:
+            plan.restores.append(Restore(req, ckpt, ckpt.slot, slot, ckpt.partial_page, restore_page))
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = Status.RUNNING
+        plan.work.append(Work(req, req.num_computed, n, n == req.num_uncomputed))
+        return True
+
+    def _chunk_for_new(self, req: Request, common: int, budget: int) -> int:
+        """Pick the checkpoint positions of this admission, then the first chunk."""
+        start = req.num_computed
+        prompt_end = len(req.prompt_ids)
+        marks = set()
+        if start < prompt_end:
+            marks.add(prompt_end)
+        if start < common < req.num_tokens:
+            marks.add(common)  # divergence from the cached tree: the next sharer hits here
+        k = self.cfg.state_checkpoint_interval
+        if k > 0:
+            marks.update(range((start // k + 1) * k, min(prompt_end, req.num_tokens), k))
+        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(req.all_ids, p))
+        return self._chunk(req, budget)
+
+    def _plan_saves_and_forks(self, plan: StepPlan) -> None:
+        ps = self.cfg.page_size
+        for w in plan.work:
+            req, end = w.req, w.start + w.num
+            if end in req.save_at:
+                req.save_at.remove(end)
+                slot = self._grab_ckpt_slot()
+                page = None
+                if slot is not None and end % ps:
+                    got = self._grab_pages(1)
+                    if got is None:
+                        self.slots.free(slot)
+                        slot = None
+                    else:
+                        page = got[0]
+                if slot is not None:
+                    src = req.pages[end // ps] if end % ps else None
+                    plan.saves.append(Save(req, end, req.slot, slot, src, page))
+            if w.sample and req.fork_children and end == len(req.prompt_ids):
+                for child in list(req.fork_children):
+                    self._plan_fork(plan, req, child)
+                req.fork_children = []
+
+    def _grab_ckpt_slot(self) -> int | None:
+        from glmrt.cache.slot_manager import CHECKPOINT
+        if self.slots.num_free == 0:
+            self.tree.evict(need_slots=1)
+        return self.slots.allocate(CHECKPOINT) if self.slots.num_free else None
+
+    def _plan_fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
+        ps = self.cfg.page_size
+        end = len(parent.prompt_ids)
+        slot = self._grab_slot()
+        page = None
+        if slot is not None and end % ps:
+            got = self._grab_pages(1)
+            if got is None:
+                self.slots.free(slot)
+                slot = None
+            else:
+                page = got[0]
+        child.fork_parent = None
+        if slot is None:
+            return  # no room: the child runs as an ordinary request (prefix cache helps)
+        full = parent.pages[: end // ps]
+        self.pages.retain(full)
+        child.pages = list(full) + ([page] if page is not None else [])
+        child.slot = slot
+        child.num_computed = end
+        child.cached_tokens = end
+        child.admitted_once = True
+        child.status = Status.RUNNING
+        self.waiting.remove(child)
+        self.running.append(child)
+        plan.forks.append(Fork(parent, child, slot, parent.pages[end // ps] if end % ps else None, page))
