@@ -3,16 +3,17 @@
 Order (vLLM/SGLang semantics, all in fp32): repetition, frequency and presence penalties;
 min_tokens blocking of EOS and stop ids; then greedy rows take the argmax (ties go to the
 lowest id) and the others divide by temperature, keep top-k, then top-p, then min-p, and draw
-by an exponential race (argmax of probs / Exp(1) noise, i.e. the Gumbel-max trick).
+by the Gumbel-max trick: argmax(z - log E) with E ~ Exp(1), an exponential race.
 
 Invariant: a seeded row's token depends only on its own logits row and its own generator.
-Seeded rows are filtered and drawn one at a time on a [1, V] slice, and each draw consumes
-exactly V exponentials from that row's generator, whatever else is in the batch. Unseeded
-rows share one batched draw from the global generator.
+Each seeded draw takes exactly V exponentials from the row's generator, whatever else is in
+the batch, and every batched op on it is row-local and deterministic (see `_sample_random`).
+Unseeded rows share one batched draw from the global generator.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -58,19 +59,13 @@ class Sampler:
 
         tokens = torch.zeros(len(rows), dtype=torch.long, device=x.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        unseeded = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is None]
-        seeded = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.generator is not None]
+        randoms = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if greedy:
             idx = torch.tensor(greedy, device=x.device)
             tokens[idx] = x[idx].argmax(dim=-1)  # first maximum: ties go to the lowest id
-        if unseeded:
-            idx = torch.tensor(unseeded, device=x.device)
-            probs = _filtered_probs(x[idx], [rows[i].params for i in unseeded])
-            noise = torch.empty_like(probs).exponential_().clamp_min_(_TINY)
-            tokens[idx] = probs.div_(noise).argmax(dim=-1)
-        for i in seeded:
-            probs = _filtered_probs(x[i : i + 1], [rows[i].params])[0]
-            tokens[i] = probs.div_(_row_noise(probs.numel(), rows[i].generator, x.device)).argmax()
+        if randoms:
+            idx = torch.tensor(randoms, device=x.device)
+            tokens[idx] = _sample_random(x[idx], [rows[i] for i in randoms])
         return _result(tokens, raw_logprobs, rows)
 
 
@@ -85,8 +80,8 @@ def _apply_penalties(x: Tensor, rows: list[SamplerRow]) -> None:
     counts = torch.zeros(num_rows, vocab + 1, device=x.device)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
     counts = counts[:, :vocab]
-    rep = _column([rows[i].params.repetition_penalty for i in idx], x.device)
-    if (rep != 1).any():
+    if any(rows[i].params.repetition_penalty != 1.0 for i in idx):
+        rep = _column([rows[i].params.repetition_penalty for i in idx], x.device)
         seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=x.device)
         seen.scatter_(1, _padded_ids([rows[i].prompt_ids for i in idx], vocab, x.device), True)
         seen = seen[:, :vocab] | (counts > 0)
@@ -111,30 +106,56 @@ def _block_early_stops(x: Tensor, rows: list[SamplerRow]) -> None:
                 x[i, torch.tensor(ids, device=x.device)] = float("-inf")
 
 
-def _filtered_probs(x: Tensor, params: list[SamplingParams]) -> Tensor:
-    """softmax(x / T) with top-k, then top-p, then min-p applied; the top token always survives."""
+def _sample_random(x: Tensor, rows: list[SamplerRow]) -> Tensor:
+    """Temperature, top-k, top-p, min-p, then the Gumbel-max draw argmax(z - log Exp(1)).
+
+    NOTE: every step is elementwise, a max, or an exact (stable) sort, so a row's result does
+    not depend on its batch, except top-p's softmax and cumsum: those run per row for seeded
+    rows, whose shape is then always [1, V].
+    """
+    params = [r.params for r in rows]
     vocab = x.shape[1]
     z = x / _column([max(p.temperature, _MIN_TEMPERATURE) for p in params], x.device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]  # NOTE: 2.0 keeps all, even if cumsum rounds past 1
-    min_p = [p.min_p for p in params]
-    if all(k == vocab for k in top_k) and all(p > 1.0 for p in top_p) and not any(min_p):
-        return z.softmax(dim=-1)
-    sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
-    drop = torch.arange(vocab, device=x.device) >= _column(top_k, x.device)
-    sorted_p = sorted_z.masked_fill(drop, float("-inf")).softmax(dim=-1)  # renormalised after top-k
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop |= mass_before >= _column(top_p, x.device)  # smallest prefix whose mass reaches top_p
-    drop |= sorted_p < _column(min_p, x.device) * sorted_p[:, :1]
+    top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]  # 2.0: off, even if cumsum rounds past 1
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
+        drop = torch.arange(vocab, device=x.device) >= _column(top_k, x.device)
+        sorted_z.masked_fill_(drop, float("-inf"))
+        top_p_rows = [j for j, p in enumerate(top_p) if p < 1.0]
+        seeded = [j for j in top_p_rows if rows[j].generator is not None]
+        unseeded = [j for j in top_p_rows if rows[j].generator is None]
+        for group in [[j] for j in seeded] + ([unseeded] if unseeded else []):
+            g = torch.tensor(group, device=x.device)
+            drop[g] |= _top_p_drop(sorted_z[g], _column([top_p[j] for j in group], x.device))
+        z.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        # p_i < min_p * p_max  <=>  z_i < z_max + log(min_p); the top token always survives
+        log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], x.device)
+        z.masked_fill_(z < z.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
+    return (z - _exponentials(z, rows).log_()).argmax(dim=-1)
+
+
+def _top_p_drop(sorted_z: Tensor, top_p: Tensor) -> Tensor:
+    """Drop all but the smallest prefix of the (top-k renormalised) sorted probs reaching top_p."""
+    sorted_p = sorted_z.softmax(dim=-1)
+    drop = sorted_p.cumsum(dim=-1) - sorted_p >= top_p
     drop[:, 0] = False
-    mask = torch.empty_like(drop).scatter_(1, order, drop)
-    return z.masked_fill_(mask, float("-inf")).softmax(dim=-1)
+    return drop
 
 
-def _row_noise(vocab: int, generator: torch.Generator, device: torch.device) -> Tensor:
-    """V Exp(1) draws from the row's own generator (on its device), clamped away from 0."""
-    noise = torch.empty(vocab, device=generator.device).exponential_(generator=generator)
-    return noise.to(device).clamp_min_(_TINY)
+def _exponentials(z: Tensor, rows: list[SamplerRow]) -> Tensor:
+    """Exp(1) noise like z: one global draw for unseeded rows, V draws from each row's generator."""
+    noise = torch.empty_like(z)
+    unseeded = [j for j, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        idx = torch.tensor(unseeded, device=z.device)
+        noise[idx] = torch.empty(len(unseeded), z.shape[1], device=z.device).exponential_()
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            draw = torch.empty(z.shape[1], device=r.generator.device).exponential_(generator=r.generator)
+            noise[j] = draw.to(z.device)
+    return noise.clamp_min_(_TINY)
 
 
 def _result(tokens: Tensor, raw_logprobs: Tensor | None, rows: list[SamplerRow]) -> SampleResult:

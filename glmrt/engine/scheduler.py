@@ -118,21 +118,24 @@ class Scheduler:
         return bool(self.running) or any(r.fork_parent is None for r in self.waiting)
 
     def free_request(self, req: Request) -> None:
-        """Give back everything a request holds (finish, abort, retraction)."""
+        """Give back everything a request holds and drop it from the queues (finish, abort)."""
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def _release(self, req: Request) -> None:
         if req.pages:
             self.pages.release(req.pages)
             req.pages = []
         if req.slot is not None:
             self.slots.free(req.slot)
             req.slot = None
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
 
     def retract(self, req: Request, plan: StepPlan) -> None:
         """Preempt: drop the request's cache and queue it to recompute prompt + outputs later."""
-        self.free_request(req)
+        self.free_request(req)  # then back to the front of the queue
         req.num_computed = 0
         req.save_at = []
         req.status = Status.WAITING
@@ -240,7 +243,8 @@ class Scheduler:
             got = self._grab_pages(1)
             if got is None:
                 ckpt.pins -= 1
-                self.free_request(req)
+                self._release(req)
+                req.num_computed = 0
                 return False
             restore_page = got[0]
             req.pages.append(restore_page)
@@ -250,7 +254,7 @@ class Scheduler:
         if got is None:
             if ckpt is not None:
                 ckpt.pins -= 1
-            self.free_request(req)
+            self._release(req)
             req.num_computed = 0
             return False
         req.pages += got

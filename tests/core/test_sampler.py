@@ -83,7 +83,8 @@ def test_top_p_runs_on_the_top_k_renormalised_distribution():
 def test_unseeded_rows_share_one_global_draw():
     torch.manual_seed(0)
     num = 4000
-    tokens = Sampler().sample(LOG_PROBS.expand(num, -1), [row(top_k=3) for _ in range(num)]).tokens
+    rows = [row(top_k=3) if i % 2 else row(top_k=4, top_p=0.8) for i in range(num)]  # both keep {0, 1, 2}
+    tokens = Sampler().sample(LOG_PROBS.expand(num, -1), rows).tokens
     expect({t: c / num for t, c in Counter(tokens).items()}, {0: 0.4, 1: 0.25, 2: 0.15})
 
 

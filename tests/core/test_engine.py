@@ -1,0 +1,270 @@
+"""The in-process engine on the tiny model (CPU, fp32, reference backend).
+
+Invariance: a request's greedy tokens are the same alone, batched with others, with any
+chunk size, after every kind of prefix-cache hit and after retraction. Each compared step's
+top-2 logprob margin is checked so a near-tie is reported instead of flaking.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from glmrt.checkpoint.presets import preset_config  # noqa: E402
+from glmrt.checkpoint.writer import write_checkpoint  # noqa: E402
+from glmrt.engine.config import EngineConfig  # noqa: E402
+from glmrt.engine.engine import ContextLengthExceeded, Engine  # noqa: E402
+from glmrt.sampling_params import SamplingParams  # noqa: E402
+
+MIN_MARGIN = 1e-3
+PS = 8  # small pages: many page boundaries in short prompts
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    write_checkpoint(preset_config("tiny"), str(path), seed=0, dtype="float32")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    from backends.reference import ReferenceOps
+    from glmrt.model.loader import load_checkpoint
+    m, _ = load_checkpoint(ckpt, ReferenceOps(), dtype=torch.float32, with_mtp=False)
+    return m
+
+
+def make(ckpt, model, **kw) -> Engine:
+    kw.setdefault("page_size", PS)
+    return Engine(EngineConfig(model=ckpt, **kw), model=model, log=lambda *a: None)
+
+
+def greedy(n=10, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=2, **kw)
+
+
+def toks(seed, n):
+    g = random.Random(seed)
+    return [g.randrange(1, 900) for _ in range(n)]
+
+
+def run(engine, prompts, params=None):
+    outs = engine.generate(prompts, params or greedy())
+    engine.check_invariants()
+    return [c[0] for c in outs]
+
+
+def assert_same(got, want):
+    """Equal tokens, and every compared step decided by a clear margin in the reference."""
+    for g, w in zip(got, want):
+        for i, (a, b) in enumerate(zip(g.output_ids, w.output_ids)):
+            top = w.top_logprobs[i]
+            margin = top[0][1] - top[1][1]
+            assert margin > MIN_MARGIN, f"near-tie at step {i} (margin {margin:.2e}): comparison not meaningful"
+            assert a == b, f"token {i} differs: {a} != {b}"
+        assert len(g.output_ids) == len(w.output_ids)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, model):
+    """Each prompt alone, no prefix cache."""
+    e = make(ckpt, model, disable_radix_cache=True)
+
+    def ref(prompt, n=10):
+        return run(e, [prompt], greedy(n))[0]
+    return ref
+
+
+def test_batch_and_chunk_invariance(ckpt, model, reference):
+    prompts = [toks(i, n) for i, n in enumerate([3, 17, 40, 64, 9])]
+    want = [reference(p) for p in prompts]
+    for chunk in (1, 5, 16, 1000):
+        e = make(ckpt, model, chunked_prefill_size=chunk, disable_radix_cache=True)
+        assert_same(run(e, prompts), want)
+
+
+def test_prefix_hits_full_partial_and_divergence(ckpt, model, reference):
+    e = make(ckpt, model)
+    system = toks(100, 45)  # not page-aligned
+    a, b, c = (system + toks(101 + i, 7 + i) for i in range(3))
+    ra = run(e, [a])[0]
+    assert ra.cached_tokens == 0
+    assert_same([ra], [reference(a)])
+    rb = run(e, [b])[0]   # shares `system` with a: hits an earlier checkpoint at most, splits a's path
+    assert_same([rb], [reference(b)])
+    rc = run(e, [c])[0]   # third sharer: hits the divergence checkpoint saved by b at len(system)
+    assert rc.cached_tokens == len(system)
+    assert_same([rc], [reference(c)])
+    # multi-turn: the next prompt extends a finished request's tokens -> hit at its end
+    turn2 = a + ra.output_ids + toks(200, 6)
+    r2 = run(e, [turn2])[0]
+    assert r2.cached_tokens == len(a) + len(ra.output_ids) - 1
+    assert_same([r2], [reference(turn2)])
+    # a prompt ending exactly at a cached prompt's end still computes its last token
+    rr = run(e, [a])[0]
+    assert rr.cached_tokens < len(a)
+    assert_same([rr], [ra])
+
+
+def test_interval_checkpoints_on_and_off_page_boundaries(ckpt, model, reference):
+    e = make(ckpt, model, state_checkpoint_interval=12)  # 12, 24, 36: on and off the 8-token pages
+    base = toks(300, 50)
+    run(e, [base])
+    for cut, expect in ((26, 24), (40, 36), (17, 12)):
+        p = base[:cut] + toks(301 + cut, 5)
+        r = run(e, [p])[0]
+        assert r.cached_tokens == expect
+        assert_same([r], [reference(p)])
+
+
+def test_shared_prefix_uses_lp_plus_n_ls_pages(ckpt, model):
+    e = make(ckpt, model)
+    lp, ls, n = 64, 16, 6
+    system = toks(400, lp)
+    run(e, [system + toks(401, ls)])  # prime: the prefix and its pages are cached
+    run(e, [system + toks(402, ls)])  # saves the divergence checkpoint at lp
+    e.flush_cache()
+    run(e, [system + toks(401, ls)])
+    run(e, [system + toks(402, ls)])
+    base_used = e.pages.num_used
+    prompts = [system + toks(410 + i, ls) for i in range(n)]
+    rids = [e.add_request(p, greedy(1, max_tokens_override=None) if False else SamplingParams(
+        temperature=0, max_tokens=2, ignore_eos=True))[0] for p in prompts]
+    e.step()
+    held = set()
+    for rid in rids:
+        held.update(e.requests[rid].pages)
+    tree_pages = set()
+    stack = [e.tree.root]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        tree_pages.update(node.pages)
+    private = held - tree_pages
+    # every request computed only its suffix: shared prefix pages + about Ls/PS own pages each
+    assert all(e.requests[r].cached_tokens == lp for r in rids)
+    assert len(private) <= n * (-(-ls // PS) + 1)
+    assert len(held & tree_pages) <= lp // PS + n * (ls // PS)
+    while e.has_work():
+        e.step()
+    e.check_invariants()
+    assert e.pages.num_used >= base_used
+
+
+def test_lpm_admits_longest_cached_prefix_first(ckpt, model):
+    e = make(ckpt, model, schedule_policy="lpm", max_running_requests=1)
+    long_prefix = toks(500, 40)
+    run(e, [long_prefix + toks(501, 3)])
+    run(e, [long_prefix + toks(502, 3)])  # divergence checkpoint at 40
+    cold = e.add_request(toks(503, 20), greedy(2))[0]
+    warm = e.add_request(long_prefix + toks(504, 5), greedy(2))[0]
+    e.step()
+    assert [r.rid for r in e.scheduler.running] == [warm]
+    while e.has_work():
+        e.step()
+    assert e.requests[warm].cached_tokens == 40 and e.requests[cold].finished
+
+
+def test_retraction_recompute_same_tokens(ckpt, model, reference):
+    e0 = make(ckpt, model)
+    lay = e0.layout
+    # room for ~40 tokens of KV and plenty of slots: four requests growing to 28 tokens must retract
+    budget = 64 * lay.state_bytes_per_slot + 5 * lay.kv_bytes_per_page
+    e = make(ckpt, model, max_mamba_cache_size=64, cache_memory_gb=budget / 2**30, disable_radix_cache=True)
+    prompts = [toks(600 + i, 12) for i in range(4)]
+    got = run(e, prompts, greedy(16))
+    assert e.counters["retractions"] > 0
+    assert_same(got, [reference(p, 16) for p in prompts])
+
+
+def test_seeded_sampling_is_batch_independent(ckpt, model):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = toks(700, 20)
+    e = make(ckpt, model)
+    alone = run(e, [prompt], p)[0].output_ids
+    others = [toks(701 + i, 5 + 7 * i) for i in range(3)]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    e2 = make(ckpt, model, chunked_prefill_size=7)
+    outs = e2.generate([others[0], prompt, others[1], others[2]], [unseeded, p, unseeded, unseeded])
+    assert outs[1][0].output_ids == alone
+
+
+def test_n_choices_share_the_prefill(ckpt, model):
+    e = make(ckpt, model)
+    prompt = toks(800, 30)
+    out = e.generate([prompt], SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=6, ignore_eos=True))[0]
+    e.check_invariants()
+    assert len(out) == 3
+    assert all(c.cached_tokens == len(prompt) for c in out[1:])
+    assert len({tuple(c.output_ids) for c in out}) > 1  # different seeds per choice
+    # a child forked from the parent's state equals a fresh request with the child's seed
+    e2 = make(ckpt, model, disable_radix_cache=True)
+    solo = e2.generate([prompt], SamplingParams(temperature=1.0, seed=6, max_tokens=6, ignore_eos=True))[0][0]
+    assert out[1].output_ids == solo.output_ids
+
+
+def test_stop_conditions(ckpt, model):
+    e = make(ckpt, model)
+    prompt = toks(900, 10)
+    first = run(e, [prompt], greedy(5))[0].output_ids
+    r = run(e, [prompt], SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first[2]]))[0]
+    assert r.output_ids == first[:3] and r.finish_reason == "stop"
+    r = run(e, [prompt], SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first[0]], min_tokens=2))[0]
+    assert len(r.output_ids) >= 2
+    r = run(e, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and len(r.output_ids) == 4
+
+
+def test_bad_input_is_refused(ckpt, model):
+    e = make(ckpt, model)
+    with pytest.raises(ValueError):
+        e.add_request([], greedy())
+    with pytest.raises(ValueError):
+        e.add_request([5000], greedy())
+    with pytest.raises(ContextLengthExceeded):
+        e.add_request(list(range(1, 900)) * 1000, greedy())
+    with pytest.raises(ValueError):
+        e.add_request([1, 2], SamplingParams(temperature=-1))
+    assert not e.has_work()
+
+
+def test_leak_random_traffic_with_aborts_and_retractions(ckpt, model):
+    """Random requests, random aborts, tight pools: invariants hold at every step, and after a
+    cache flush both pools are exactly empty."""
+    e0 = make(ckpt, model)
+    lay = e0.layout
+    budget = 24 * lay.state_bytes_per_slot + 12 * lay.kv_bytes_per_page
+    e = make(ckpt, model, max_mamba_cache_size=24, cache_memory_gb=budget / 2**30, state_checkpoint_interval=8,
+             chunked_prefill_size=16, max_prefill_tokens=48)
+    rng = random.Random(0)
+    shared = [toks(1000 + i, 24) for i in range(3)]
+    live: list[str] = []
+    submitted = 0
+    steps = 0
+    while submitted < 800 or e.has_work():
+        for _ in range(rng.randrange(0, 12)):
+            if submitted >= 800:
+                break
+            prompt = (rng.choice(shared)[: rng.randrange(0, 24)] if rng.random() < 0.6 else []) + toks(submitted, rng.randrange(1, 10))
+            params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 14),
+                                    ignore_eos=True, n=rng.choice([1, 1, 1, 2]), seed=rng.randrange(100))
+            live += e.add_request(prompt, params)
+            submitted += 1
+        if live and rng.random() < 0.3:
+            e.abort(live.pop(rng.randrange(len(live))))
+        e.step()
+        steps += 1
+        e.check_invariants()
+        for rid in [r for r in live if e.requests[r].finished]:
+            live.remove(rid)
+        for rid in [r for r, q in e.requests.items() if q.finished]:
+            del e.requests[rid]
+    assert e.counters["retractions"] > 0, "the pools were not tight enough to exercise retraction"
+    e.flush_cache()
+    e.check_invariants()
+    assert e.pages.num_free == e.pages.num_pages and e.slots.num_free == e.slots.num_slots
