@@ -53,7 +53,7 @@ class Slot:
     tag: str = "all"
 
 
-def hf_slot(ours: str, text) -> Slot | None:
+def hf_slot(ours: str) -> Slot | None:
     """Our parameter name -> its Slot in HF (None: HF has no such tensor, e.g. MTP)."""
     if ours.startswith("mtp."):
         return None
@@ -217,7 +217,7 @@ def build_hf_from_ours(model, device: torch.device | str, dtype: torch.dtype, *,
     for name, p in model.named_parameters():
         if name.endswith(".weight_scale_inv"):
             continue  # consumed with its weight
-        slot = hf_slot(name, text)
+        slot = hf_slot(name)
         if slot is None or (name == "lm_head.weight" and text.tie_word_embeddings):
             continue  # MTP; an unused head of a tied model (HF's lm_head is the embedding)
         if slot.name not in hf_tensors:
@@ -262,7 +262,7 @@ def round_ours_to_hf_(model, dtype: torch.dtype) -> list[str]:
     keep = tuple(Glm5NextForConditionalGeneration._keep_in_fp32_modules_strict or ())
     done = []
     for name, p in model.named_parameters():
-        slot = hf_slot(name, model.config.text)
+        slot = hf_slot(name)
         if slot is None or p.dtype != torch.float32 or any(k in slot.name for k in keep):
             continue
         p.copy_(p.to(dtype))

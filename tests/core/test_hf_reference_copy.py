@@ -125,8 +125,11 @@ def test_cli_main_fp32(tmp_path, capsys):
     assert len(res["greedy_tokens"]) == 4
     assert res["time_s"]["ours_prefill"] > 0 and res["time_s"]["hf_forward"] > 0
     assert json.loads(out.read_text())["prefill"] == res["prefill"]
+    # HF against itself (cached path on our schedule vs full forward): the noise floor
+    for part in ("prefill", "decode"):
+        assert res["hf_self"][part]["top1_agreement"] == 1.0 and res["hf_self"][part]["max_rel_err"] <= TOL
     # the table comes last (on CPU it has no memory row)
-    assert [line.split()[0] for line in printed[-4:]] == ["pos", "prefill", "decode", "time"]
+    assert [line.split()[0] for line in printed[-6:]] == ["pos", "prefill", "decode", "hf-self", "hf-self", "time"]
 
 
 def test_default_prompt_fits_an_h200_and_drops_tokens():
@@ -134,8 +137,33 @@ def test_default_prompt_fits_an_h200_and_drops_tokens():
     ours_w, hf_w = model_parity._meta_bytes(cfg, torch.bfloat16)
     assert 55 << 30 < ours_w < 62 << 30 and abs(ours_w - hf_w) < 1 << 28
     h200 = 143771 << 20
-    plan = model_parity.plan_memory(cfg.text, ours_w + hf_w, model_parity.DEFAULT_PROMPT_LEN, 16, 1024,
-                                    torch.bfloat16)
-    assert plan["required_bytes"] <= h200
-    assert model_parity.DEFAULT_PROMPT_LEN > cfg.text.index_topk
-    assert model_parity.plan_memory(cfg.text, ours_w + hf_w, 8192, 16, 1024, torch.bfloat16)["required_bytes"] > h200
+    one = {"devices": ("cuda:0", "cuda:0")}
+    plan = model_parity.plan_memory(cfg.text, ours_w, hf_w, model_parity.DEFAULT_PROMPT_LEN, 16, 1024,
+                                    torch.bfloat16, **one)
+    assert plan["required_bytes"]["cuda:0"] <= h200
+    assert model_parity.DEFAULT_PROMPT_LEN + 16 > cfg.text.index_topk
+    too_long = model_parity.plan_memory(cfg.text, ours_w, hf_w, 8192, 16, 1024, torch.bfloat16, **one)
+    assert too_long["required_bytes"]["cuda:0"] > h200
+    # an fp32 reference copy needs a second H200 of its own
+    ref = model_parity.plan_memory(cfg.text, ours_w, hf_w, model_parity.DEFAULT_PROMPT_LEN, 16, 1024,
+                                   torch.bfloat16, devices=("cuda:0", "cuda:0"), ref32=("cuda:1", 2 * hf_w))
+    assert ref["required_bytes"]["cuda:0"] == plan["required_bytes"]["cuda:0"]
+    assert ref["required_bytes"]["cuda:1"] <= h200
+
+
+@pytest.mark.parametrize("case", ["tied", "fp8"])
+def test_tied_head_and_fp8_weights(case):
+    cfg = preset_config("tiny")
+    if case == "tied":
+        cfg = cfg.replace_text(tie_word_embeddings=True)
+    ours = load_dummy(cfg, ReferenceOps(), dtype=torch.float32, device="cpu", seed=2,
+                      quantization="fp8" if case == "fp8" else None)
+    hf = build_hf_from_ours(ours, "cpu", torch.float32)  # fp8: dequantised into HF's dense weights
+    if case == "tied":
+        assert hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+    ids = _prompt(cfg.text.vocab_size)
+    ref = hf_logits(hf, ids[None])[0]
+    sess = DirectSession(ours, max_requests=1, max_tokens=128)
+    rid = sess.new_request()
+    got = sess.step({rid: ids}, all_logits=True)[rid]
+    assert (got - ref).abs().max().item() / ref.abs().max().item() <= TOL

@@ -1,0 +1,406 @@
+"""Wire types only: every message that crosses an actor boundary, grouped by edge.
+
+Each top-level message is a tagged msgspec Struct (tag field "t", tag = class name), so one
+socket decodes the union its inbox accepts (`ENGINE_IN`, `DETOK_IN`, ... at the bottom).
+Nested payload structs (`SamplingMsg`, `MMItem`, `TensorRef`, ...) are untagged: the field
+that holds them fixes their type.
+
+NOTE: msgspec cannot decode a union that mixes array-like and map-like structs, and the
+per-token messages must be array-like (vLLM's hot-path options), so *every* message is
+array-like: fields are positional on the wire. Add new fields at the end, with a default.
+Per-token messages also skip GC tracking (`gc=False`); they never form reference cycles.
+
+Tensors never travel inside a message: a `TensorRef` (dtype, shape, frame) describes a raw
+buffer carried as an out-of-band frame after the msgpack header (see transport/codec.py).
+
+This module imports nothing of ours and no torch, so every actor (and the tests) can load it
+in milliseconds. `SamplingMsg` mirrors glmrt.sampling_params.SamplingParams field for field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class Msg(msgspec.Struct, tag_field="t", tag=True, kw_only=True, array_like=True, omit_defaults=True):
+    """Base of every top-level message (tagged, positional)."""
+
+
+class HotMsg(Msg, gc=False):
+    """Base of per-token messages: same wire format, not tracked by the cyclic GC."""
+
+
+class Part(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """Base of untagged payload structs nested inside messages."""
+
+
+class HotPart(Part, gc=False):
+    """Untagged payload nested inside per-token messages."""
+
+
+# ---------------------------------------------------------------------------------------------
+# shared payloads
+# ---------------------------------------------------------------------------------------------
+
+
+class TensorRef(Part):
+    """A tensor carried as out-of-band frame `frame` (0 = first frame after the header).
+
+    `dtype` is a torch/numpy dtype name without prefix ("bfloat16", "float32", "int64", ...);
+    the frame holds exactly prod(shape) * itemsize bytes, C-contiguous.
+    """
+
+    dtype: str
+    shape: list[int]
+    frame: int
+
+
+class SamplingMsg(Part):
+    """SamplingParams on the wire, plus the stop strings the detokenizer handles."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    # detokenizer-only knobs (the engine ignores them)
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class MMItem(Part):
+    """One image or video after preprocessing; `tensor` is its pixel patches (None once embedded)."""
+
+    kind: Literal["image", "video"]
+    grid_thw: list[int]
+    num_tokens: int
+    tensor: TensorRef | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# control: any actor <-> supervisor
+# ---------------------------------------------------------------------------------------------
+
+
+class Ready(Msg):
+    """An actor finished booting; `info` carries kind-specific facts (pool sizes, backend, ...)."""
+
+    actor: str
+    replica: int
+    pid: int
+    host: str
+    gpus: list[int] = []
+    info: dict[str, Any] = {}
+
+
+class Heartbeat(Msg):
+    actor: str
+    replica: int
+    load: float = 0.0
+    running: int = 0
+    waiting: int = 0
+
+
+class Shutdown(Msg):
+    """Stop the actor; with `drain`, finish (or fail) the requests it holds first."""
+
+    drain: bool = True
+
+
+class Drained(Msg):
+    """The actor holds no more requests and is about to exit."""
+
+    actor: str
+    replica: int
+
+
+class ActorFailed(Msg):
+    actor: str
+    replica: int
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------
+# api -> tokenizer, tokenizer -> api
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenizeRequest(Msg):
+    """A validated OpenAI request. Addresses are address ids (e.g. "detokenizer/0")."""
+
+    rid: str
+    kind: Literal["chat", "completion"]
+    sampling: SamplingMsg
+    reply_to: str  # the detokenizer that will see this request's tokens
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    reasoning_effort: str | None = None
+    stream: bool = False
+    return_token_ids: bool = False
+    engine: str | None = None  # engine (or prefill) replica chosen by the api; None: tokenizer picks
+    decode: str | None = None  # PD only: the decode replica the prefill hands the request to
+    arrival: float = 0.0
+
+
+class TokenizerError(Msg):
+    """Bad input found while tokenizing (context too long, bad image, ...): answer `status`."""
+
+    rid: str
+    status: int
+    message: str
+    code: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer -> engine (or prefill), tokenizer -> detokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineRequest(Msg):
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingMsg
+    detokenizer: str
+    mm_items: list[MMItem] = []
+    decode: str | None = None  # PD only: where the prefill hands the request's state
+    arrival: float = 0.0
+
+
+class DetokenizeRequest(Msg):
+    """Registers a request with its detokenizer, sent by the tokenizer before the EngineRequest.
+
+    NOTE: it races the engine's first TokenOut (different senders into one PULL socket), so
+    the detokenizer buffers tokens of an unknown rid until this arrives.
+    """
+
+    rid: str
+    sampling: SamplingMsg
+    prompt_tokens: int
+    stream: bool = False
+    reasoning: bool = False  # parse <think>...</think> into reasoning (template opened it)
+    tools: list[dict[str, Any]] | None = None  # parse tool calls when set
+    prompt_token_ids: list[int] | None = None  # echoed to the api when return_token_ids
+    engine: str | None = None  # where to send Abort when a stop string ends the request
+    arrival: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# engine -> detokenizer (hot path)
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenOut(HotMsg):
+    """New tokens of one choice. `first_index` is token_ids[0]'s position in the output, so the
+    detokenizer orders tokens that reach it out of order from a prefill and a decode engine."""
+
+    rid: str
+    token_ids: list[int]
+    first_index: int
+    index: int = 0  # choice index (n > 1)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class TokenBatch(HotMsg):
+    """All TokenOuts of one engine step bound for one detokenizer."""
+
+    items: list[TokenOut]
+
+
+class EngineError(Msg):
+    """The engine failed a request (also forwarded detokenizer -> api)."""
+
+    rid: str
+    status: int
+    message: str
+
+
+# ---------------------------------------------------------------------------------------------
+# detokenizer -> api (hot path)
+# ---------------------------------------------------------------------------------------------
+
+
+class ToolCallDelta(HotPart):
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+class Usage(HotPart):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TopLogprob(HotPart):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(HotPart):
+    """OpenAI's logprobs entry for one output token (`token` is its text, byte-escaped by the
+    detokenizer when it is not valid UTF-8 on its own)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
+class TextOut(HotMsg):
+    """A delta of one choice: new text, reasoning and tool-call fragments since the last one."""
+
+    rid: str
+    index: int = 0
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = []
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None  # set on the last delta of a choice
+    logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None  # first delta only, when return_token_ids
+
+
+class TextBatch(HotMsg):
+    items: list[TextOut]
+
+
+# ---------------------------------------------------------------------------------------------
+# api -> engine / tokenizer / detokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+class Abort(Msg):
+    """Drop request `rid` (client gone, or a stop string matched); unknown rids are ignored."""
+
+    rid: str
+
+
+class EngineStatsQuery(Msg):
+    qid: int = 0  # echoed in EngineStats to match the reply
+    reply_to: str = "api"
+
+
+class EngineStats(Msg):
+    actor: str
+    replica: int
+    qid: int = 0
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0
+    state_slots_total: int = 0
+    state_slots_free: int = 0
+    max_running_requests: int = 0
+    running: int = 0
+    waiting: int = 0
+    counters: dict[str, float] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill -> decode (designed now, used with PD disaggregation)
+# ---------------------------------------------------------------------------------------------
+
+StateKind = Literal["mla_latent_pages", "indexer_pages", "indexer_tail", "kda_conv", "kda_recurrent"]
+
+
+class StateComponent(Part):
+    """One typed piece of a request's state. `tensor` is None when it moves out of band (NIXL)."""
+
+    kind: StateKind
+    dtype: str
+    shape: list[int]
+    num_bytes: int
+    checksum: int | None = None
+    tensor: TensorRef | None = None
+
+
+class KVHandoff(Msg):
+    """A prefilled request moving to a decode engine; the first token already went to the
+    detokenizer, so decode continues at output position 1."""
+
+    rid: str
+    prompt_len: int
+    first_token: int
+    components: list[StateComponent]
+    sampling: SamplingMsg
+    detokenizer: str
+    prompt_ids: list[int] = []  # for penalties and the decode-side prefix cache
+    transfer_id: str | None = None  # NIXL transfer carrying components without a tensor frame
+    arrival: float = 0.0
+
+
+class Bootstrap(Msg):
+    """Prefill -> decode handshake: refuse a peer whose layout differs before any handoff."""
+
+    model: str
+    dtype: str
+    kv_dtype: str
+    state_dtype: str
+    tp: int
+    page_size: int
+    layout: dict[str, Any] = {}
+
+
+class BootstrapReply(Msg):
+    ok: bool
+    reason: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer -> vision -> engine (designed now)
+# ---------------------------------------------------------------------------------------------
+
+
+class VisionRequest(Msg):
+    rid: str
+    items: list[MMItem]
+
+
+class VisionResult(Msg):
+    """Embeddings of `VisionRequest.items`, one TensorRef per item, in order."""
+
+    rid: str
+    embeddings: list[TensorRef]
+
+
+# ---------------------------------------------------------------------------------------------
+# what each inbox accepts (one Codec per union)
+# ---------------------------------------------------------------------------------------------
+
+CONTROL = Ready | Heartbeat | Shutdown | Drained | ActorFailed
+SUPERVISOR_IN = Ready | Heartbeat | Drained | ActorFailed
+TOKENIZER_IN = TokenizeRequest | Abort | Shutdown
+VISION_IN = VisionRequest | Abort | Shutdown
+ENGINE_IN = (
+    EngineRequest | Abort | EngineStatsQuery | KVHandoff | Bootstrap | BootstrapReply | VisionResult | Shutdown
+)
+DETOK_IN = DetokenizeRequest | TokenOut | TokenBatch | EngineError | Abort | Shutdown
+API_IN = TextOut | TextBatch | TokenizerError | EngineError | EngineStats | Shutdown
+ANY_MSG = (
+    Ready | Heartbeat | Shutdown | Drained | ActorFailed | TokenizeRequest | TokenizerError | EngineRequest
+    | DetokenizeRequest | TokenOut | TokenBatch | EngineError | TextOut | TextBatch | Abort | EngineStatsQuery
+    | EngineStats | KVHandoff | Bootstrap | BootstrapReply | VisionRequest | VisionResult
+)

@@ -1,0 +1,156 @@
+"""The `glm45` reasoning parser: splits GLM-5.3 output into reasoning and content.
+
+Runs in the detokenizer process (no torch). Format and rules: docs/PROTOCOLS.md.
+
+Rules, with thinking on (the prompt ended with `<think>`, so the output starts inside the
+think block):
+
+- A `<think>` at the very start of the output is dropped.
+- The text up to the first `</think>` is reasoning; the marker is dropped and everything after
+  it is content (a later `</think>` or `<think>` is ordinary content text).
+- A `<tool_call>` that comes before any `</think>` ends the reasoning there; the marker and
+  everything after it is content (the tool parser picks the call up from the content).
+- glmrt's fix for output that ends with neither marker: when the generation stopped at the
+  length limit (`stop_reason == "length"`) the whole text is reasoning (the model was cut off
+  while thinking); for any other stop (EOS, a stop string, an abort) the whole text is
+  content and there is no reasoning (the model answered without thinking). SGLang returns
+  everything as reasoning in both cases.
+
+With thinking off (the prompt ended with `<think></think>`) everything is content, verbatim.
+
+`parse` returns `reasoning_content` as None when there is none (thinking off, the fix's
+content case, or an empty think block) and the text verbatim otherwise; content is never
+stripped here, so streaming and non-streaming agree character for character.
+
+Streaming (`Glm45ReasoningParser.feed` / `finish`):
+
+- Reasoning deltas are emitted as they arrive (reasoning is long, clients want to watch it);
+  a tail that could be the start of `<think>` (at the very start), `</think>` or `<tool_call>`
+  is held back until the next delta or `finish` decides it.
+- After the first `</think>`/`<tool_call>` every delta passes through as content.
+- A stream cannot take back what it sent, so the fix's content case works like this: if
+  `finish` is called with a stop other than "length" while still in reasoning mode (no
+  `</think>` and no `<tool_call>` seen), it returns the *whole* output (after a dropped
+  leading `<think>`) as one final content delta and sets `reasoning_replaced = True`; the
+  reasoning deltas sent before are void and the API says so (it documents the flag).
+
+The invariant, tested for every split of the output into deltas: with R and C the
+concatenated reasoning and content deltas (feed and finish),
+`(None if reasoning_replaced else (R or None), C) == parse(text, thinking, stop_reason)`.
+"""
+
+from __future__ import annotations
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+
+_END_MARKERS = (THINK_END, TOOL_CALL_START)
+
+__all__ = ["Glm45ReasoningParser", "parse", "THINK_START", "THINK_END", "TOOL_CALL_START"]
+
+
+def _held_tail(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
+    best = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:k]):
+                best = k
+                break
+    return best
+
+
+def _first_end_marker(text: str, start: int = 0) -> tuple[int, str] | None:
+    """Earliest occurrence of `</think>` or `<tool_call>` at or after `start`."""
+    found: tuple[int, str] | None = None
+    for marker in _END_MARKERS:
+        i = text.find(marker, start)
+        if i >= 0 and (found is None or i < found[0]):
+            found = (i, marker)
+    return found
+
+
+def parse(text: str, thinking: bool = True, stop_reason: str | None = "stop") -> tuple[str | None, str]:
+    """Splits a whole output into `(reasoning_content or None, content)` (see module doc)."""
+    if not thinking:
+        return None, text
+    if text.startswith(THINK_START):
+        text = text[len(THINK_START):]
+    hit = _first_end_marker(text)
+    if hit is None:
+        if stop_reason == "length":
+            return text or None, ""
+        return None, text
+    i, marker = hit
+    reasoning = text[:i]
+    content = text[i + len(THINK_END):] if marker == THINK_END else text[i:]
+    return reasoning or None, content
+
+
+class Glm45ReasoningParser:
+    """Streaming `glm45` reasoning parser for one generation (see module doc).
+
+    `feed(delta)` and `finish(stop_reason)` return `(reasoning_delta, content_delta)`; either
+    may be "". `reasoning_replaced` is True after a `finish` that turned the whole output
+    into content (the reasoning deltas sent before are then void).
+    """
+
+    def __init__(self, thinking: bool = True) -> None:
+        self.thinking = thinking
+        # "start": a leading <think> may still come; "reasoning"; "content".
+        self._mode = "start" if thinking else "content"
+        self._buf = ""  # held-back text, not yet emitted
+        self._reasoning_sent: list[str] = []
+        self._finished = False
+        self.reasoning_replaced = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while deltas are still reasoning (no `</think>`/`<tool_call>` seen yet)."""
+        return self._mode != "content"
+
+    def feed(self, text_delta: str) -> tuple[str, str]:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        if self._mode == "content":
+            return "", text_delta
+        buf = self._buf + text_delta
+        if self._mode == "start":
+            if buf.startswith(THINK_START):
+                buf = buf[len(THINK_START):]
+            elif THINK_START.startswith(buf):
+                self._buf = buf  # still could be a leading <think>
+                return "", ""
+            self._mode = "reasoning"
+        hit = _first_end_marker(buf)
+        if hit is not None:
+            i, marker = hit
+            reasoning = buf[:i]
+            content = buf[i + len(THINK_END):] if marker == THINK_END else buf[i:]
+            self._buf = ""
+            self._mode = "content"
+            self._reasoning_sent.append(reasoning)
+            return reasoning, content
+        held = _held_tail(buf, _END_MARKERS)
+        reasoning = buf[:len(buf) - held]
+        self._buf = buf[len(buf) - held:]
+        self._reasoning_sent.append(reasoning)
+        return reasoning, ""
+
+    def finish(self, stop_reason: str | None = "stop") -> tuple[str, str]:
+        """Flushes the held-back tail; applies glmrt's no-`</think>` rule (module doc)."""
+        if self._finished:
+            return "", ""
+        self._finished = True
+        buf, self._buf = self._buf, ""
+        if self._mode == "content":
+            return "", buf
+        # Still in reasoning mode: neither </think> nor <tool_call> ever came.
+        if stop_reason == "length":
+            self._reasoning_sent.append(buf)
+            return buf, ""
+        whole = "".join(self._reasoning_sent) + buf
+        self._reasoning_sent = []
+        self.reasoning_replaced = True
+        return "", whole
