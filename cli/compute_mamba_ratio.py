@@ -319,16 +319,17 @@ def describe(o: dict) -> str:
     if "bottleneck" in o:
         slots, kv_cap, f = o["state_pool_slots"], o["kv_capacity_requests"], o["bottleneck_factor"]
         if o["bottleneck"] == "balanced":
-            lines.append(f"bottleneck now: none, the pools are balanced ({slots:,} slots, KV for {kv_cap:,.1f} requests)")
+            lines.append(f"bottleneck now: none, the pools are balanced ({slots:,} slots, "
+                         f"KV for {kv_cap:,.1f} requests)")
         elif o["bottleneck"] == "state":
-            lines.append(f"bottleneck now: the state pool, {slots:,} slots vs KV for {kv_cap:,.1f} requests "
-                         f"({f:.2f}x fewer slots than the KV pool can feed): raise the ratio")
+            lines.append(f"bottleneck now: the state pool, {slots:,} slots while the KV pool holds "
+                         f"{kv_cap:,.1f} requests of mean length ({f:.2f}x more): raise the ratio")
         else:
-            lines.append(f"bottleneck now: the KV pool, KV for {kv_cap:,.1f} requests vs {slots:,} slots "
-                         f"({f:.2f}x more slots than the KV pool can feed): lower the ratio")
-        clamp = o.get("boot_log_clamp")
-        if clamp:
-            lines.append(f"  (the boot log clamped max_running_requests to {o['boot_log_max_running_requests']}: {clamp})")
+            lines.append(f"bottleneck now: the KV pool, KV for {kv_cap:,.1f} requests of mean length while the "
+                         f"state pool has {slots:,} slots ({f:.2f}x more): lower the ratio")
+        if o.get("boot_log_clamp"):
+            lines.append(f"  (the boot log clamped max_running_requests to {o['boot_log_max_running_requests']}: "
+                         f"{o['boot_log_clamp']})")
     for k in ("warning", "note"):
         if k in o:
             lines.append(f"{k}: {o[k]}")

@@ -295,9 +295,11 @@ class TextBatch(HotMsg):
 
 
 class Abort(Msg):
-    """Drop request `rid` (client gone, or a stop string matched); unknown rids are ignored."""
+    """Drop request `rid` (client gone), or only its choice `index` (a stop string matched in
+    that choice); unknown rids are ignored."""
 
     rid: str
+    index: int | None = None
 
 
 class EngineStatsQuery(Msg):

@@ -106,7 +106,8 @@ class Engine:
                          "finished": 0, "aborted": 0, "retractions": 0}
         self.log(f"glmrt engine: {self.backend.description}, dtype {dtype_name}, KV {kv_dtype}, "
                  f"state {config.mamba_ssm_dtype}")
-        self.log(self.memory.describe())
+        for line in self.memory.describe().splitlines():
+            self.log(line)
 
     # ---- construction helpers ------------------------------------------------------------
     def _load_model(self, device: str):

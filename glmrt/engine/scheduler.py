@@ -224,9 +224,37 @@ class Scheduler:
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 return
+            if self._wait_for_inflight_prefix(req, plan):
+                continue
             if not self._admit_one(req, plan, budget):
                 return  # keep the order: nothing behind it jumps the queue
             budget -= plan.work[-1].num
+
+    def _wait_for_inflight_prefix(self, req: Request, plan: StepPlan) -> bool:
+        """Defer `req` while a running prefill is computing a longer prefix it shares.
+
+        Requests arriving together with a new shared prefix would otherwise all compute it.
+        The running one is told to save its state where the two diverge, and `req` waits
+        until that checkpoint exists, then hits it (in-batch prefix sharing).
+        """
+        ps = self.cfg.page_size
+        best, best_d = None, 0
+        for a in self.running:
+            if a.num_computed >= len(a.prompt_ids):
+                continue
+            d = RadixCache._token_common(req.all_ids, a.prompt_ids)
+            d = min(d, req.num_tokens - 1)
+            if d >= ps and d > best_d and d > a.num_computed:
+                best, best_d = a, d
+        if best is None or not self.tree.enabled or best_d <= self.tree.match(req.all_ids, req.num_tokens - 1).resume:
+            return False
+        if best_d not in best.save_at:
+            best.save_at = sorted(set(best.save_at) | {best_d})
+        for w in plan.work:
+            if w.req is best and w.start < best_d < w.start + w.num:
+                w.num = best_d - w.start
+                w.sample = False
+        return True
 
     def _admit_one(self, req: Request, plan: StepPlan, budget: int) -> bool:
         slot = self._grab_slot()

@@ -197,7 +197,6 @@ WEATHER = {
                 "maybe": {"type": ["integer", "null"]},
             },
         },
-        "$comment": "the $defs below sit in parameters",
     },
 }
 WEATHER["function"]["parameters"]["$defs"] = {"Unit": {"type": "string", "enum": ["c", "f"]}}

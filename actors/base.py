@@ -1,0 +1,138 @@
+"""The actor base: one inbox, an async shell around a synchronous core.
+
+Life of an actor: `setup()` (load the model, the tokenizer...) -> `Ready` to the supervisor
+-> receive loop (`handle(msg, frames)`) with a heartbeat task beside it -> on `Shutdown`:
+stop taking work; with `drain`, wait until `busy()` is False; send `Drained`; close.
+Addresses are not invented here: an actor finds every peer by its address id
+("engine/1") through the run spec the supervisor gave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from glmrt import protocol as P
+from transport.channels import Inbox, Peers, address_for
+from transport.codec import Codec, ProtocolError
+
+log = logging.getLogger("glmrt.actor")
+
+INBOX_UNION = {"api": P.API_IN, "tokenizer": P.TOKENIZER_IN, "engine": P.ENGINE_IN,
+               "detokenizer": P.DETOK_IN, "supervisor": P.SUPERVISOR_IN, "vision": P.VISION_IN}
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class RunSpec:
+    """What the supervisor hands an actor process (JSON on its command line)."""
+
+    kind: str
+    replica: int
+    run_dir: str
+    config: dict[str, Any] = field(default_factory=dict)
+    gpus: list[int] = field(default_factory=list)
+
+    @property
+    def actor_id(self) -> str:
+        return f"{self.kind}/{self.replica}"
+
+
+def inbox_address(run_dir: str, actor_id: str) -> str:
+    kind, replica = actor_id.split("/")
+    return address_for(kind, int(replica), "host", run_dir)
+
+
+def codec_for(actor_id: str) -> Codec:
+    return Codec(INBOX_UNION[actor_id.split("/")[0]])
+
+
+class Actor:
+    kind = "actor"
+
+    def __init__(self, spec: RunSpec, ctx: zmq.asyncio.Context | None = None):
+        self.spec = spec
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.peers = Peers(self.ctx, lambda pid: (inbox_address(spec.run_dir, pid), codec_for(pid)))
+        self.inbox: Inbox | None = None
+        self.accepting = True
+        self._stop = asyncio.Event()
+        self._drain = False
+
+    # ---- to override ---------------------------------------------------------------------
+    async def setup(self) -> dict[str, Any]:
+        """Load what the actor needs; returns facts for its Ready message."""
+        return {}
+
+    async def handle(self, msg: Any, frames: list) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """True while the actor holds requests (drain waits for False)."""
+        return False
+
+    def load(self) -> tuple[float, int, int]:
+        return 0.0, 0, 0
+
+    async def background(self) -> None:
+        """Extra work beside the receive loop (the engine's compute loop)."""
+        await self._stop.wait()
+
+    async def teardown(self) -> None:
+        pass
+
+    # ---- the shell -----------------------------------------------------------------------
+    async def send(self, peer_id: str, msg: Any, tensors=()) -> None:
+        await self.peers.send(peer_id, msg, tensors)
+
+    async def run(self) -> None:
+        spec = self.spec
+        self.inbox = Inbox(self.ctx, inbox_address(spec.run_dir, spec.actor_id), codec_for(spec.actor_id))
+        info = await self.setup()
+        await self.send("supervisor/0", P.Ready(actor=spec.kind, replica=spec.replica, pid=os.getpid(),
+                                                host=socket.gethostname(), gpus=list(spec.gpus), info=info))
+        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat()),
+                 asyncio.create_task(self.background())]
+        await self._stop.wait()
+        if self._drain:
+            while self.busy():
+                await asyncio.sleep(0.05)
+        await self.send("supervisor/0", P.Drained(actor=spec.kind, replica=spec.replica))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.teardown()
+        await asyncio.sleep(0.05)  # let the Drained frame leave (linger 0 on close)
+        self.inbox.close()
+        self.peers.close()
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg, frames = await self.inbox.recv()
+            except ProtocolError as e:
+                log.warning("%s dropped a bad message: %s", self.spec.actor_id, e)
+                continue
+            if isinstance(msg, P.Shutdown):
+                self.accepting = False
+                self._drain = msg.drain
+                self._stop.set()
+                continue
+            try:
+                await self.handle(msg, frames)
+            except Exception:  # one bad request must not kill the actor
+                log.exception("%s failed handling %s", self.spec.actor_id, type(msg).__name__)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            load, running, waiting = self.load()
+            await self.send("supervisor/0", P.Heartbeat(actor=self.spec.kind, replica=self.spec.replica,
+                                                        load=load, running=running, waiting=waiting))
+            await asyncio.sleep(HEARTBEAT_S)
