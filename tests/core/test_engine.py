@@ -274,8 +274,8 @@ def test_burst_with_a_new_shared_prefix_shares_it(ckpt, model, reference):
     """Requests arriving together: the first computes the prefix and saves its state where the
     others diverge; they wait for it and hit it (in-batch prefix sharing)."""
     e = make(ckpt, model)
-    system = toks(1100, 50)
-    prompts = [system + toks(1101 + i, 6) for i in range(5)]
+    system = toks(1150, 50)
+    prompts = [system + toks(1151 + i, 6) for i in range(5)]
     got = run(e, prompts)
     assert [r.cached_tokens for r in got] == [0] + [len(system)] * 4
     assert_same(got, [reference(p) for p in prompts])
