@@ -367,7 +367,7 @@ def _common_options(body: Mapping) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _reject_unsupported(body: Mapping, completion: bool) -> None:
+def _reject_unsupported(body: Mapping, completion: bool, n: int = 1) -> None:
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
@@ -381,9 +381,7 @@ def _reject_unsupported(body: Mapping, completion: bool) -> None:
             raise not_supported("suffix is not supported yet.", "suffix")
         best_of = body.get("best_of")
         if best_of is not None:
-            best_of = _as_int(best_of, "best_of")
-            n = body.get("n") if body.get("n") is not None else 1
-            if best_of != n:
+            if _as_int(best_of, "best_of") != n:
                 raise not_supported("best_of other than n is not supported yet.", "best_of")
     else:
         rf = body.get("response_format")
@@ -444,7 +442,8 @@ def _check_content(content: Any, role: str, p: str) -> None:
                     raise bad_request(f"Content part '{pp}' needs '{key}.url' as a string.", f"{pp}.{key}.url",
                                       "invalid_value")
         else:
-            raise not_supported(f"Content part type '{t}' is not supported; use text, image_url or video_url.",
+            raise not_supported(f"Content part type '{t}' in '{pp}' is not supported; use text, image_url or "
+                                "video_url.",
                                 f"{pp}.type")
 
 
@@ -659,9 +658,9 @@ def parse_completion_request(body: bytes | str, served_model: str | Iterable[str
     obj = _decode_body(body)
     model = _check_model(obj, served_model)
     prompts = _check_prompt(obj.get("prompt"))
-    _reject_unsupported(obj, completion=True)
     stream, include_usage = _common_options(obj)
     sampling, max_param, n = _parse_sampling(obj, max_n=max_n, completion=True)
+    _reject_unsupported(obj, completion=True, n=n)
     logprobs = _int(obj, "logprobs")
     if logprobs is not None:
         if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
