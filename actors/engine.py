@@ -37,6 +37,7 @@ class EngineActor(Actor):
         self._pending: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
         self._routes: dict[str, tuple[str, int, str]] = {}   # engine rid -> (api rid, choice index, detok)
+        self._prompt_cached: dict[str, int] = {}               # api rid -> cached prompt tokens of choice 0
         info = dict(self.engine.info())
         info.update(backend=self.engine.backend.name, dtype=str(self.engine.dtype).removeprefix("torch."),
                     kv_dtype=self.engine.layout.kv_dtype, state_dtype=self.engine.layout.state_dtype,
@@ -62,7 +63,7 @@ class EngineActor(Actor):
                 return
             self._pending.append(("add", msg))
         elif isinstance(msg, P.Abort):
-            self._pending.append(("abort", msg.rid))
+            self._pending.append(("abort", msg))
         elif isinstance(msg, P.EngineStatsQuery):
             await self.send(msg.reply_to, self._stats(msg.qid))
             return
@@ -87,9 +88,10 @@ class EngineActor(Actor):
         pending, self._pending = self._pending, []
         for op, arg in pending:
             if op == "abort":
-                for rid, (api_rid, _, _) in list(self._routes.items()):
-                    if api_rid == arg:
+                for rid, (api_rid, index, _) in list(self._routes.items()):
+                    if api_rid == arg.rid and (arg.index is None or arg.index == index):
                         self.engine.abort(rid)
+                        self.engine.requests.pop(rid, None)
                         del self._routes[rid]
                 continue
             m: P.EngineRequest = arg
@@ -116,6 +118,11 @@ class EngineActor(Actor):
         errors = self._apply_pending()
         outs = self.engine.step() if self.engine.has_work() else []
         batches: dict[str, list[P.TokenOut]] = {}
+        prompt_cached = self._prompt_cached
+        for o in outs:
+            route = self._routes.get(o.rid)
+            if route is not None and route[1] == 0 and route[0] not in prompt_cached:
+                prompt_cached[route[0]] = o.cached_tokens
         for o in outs:
             route = self._routes.get(o.rid)
             if route is None:
@@ -126,11 +133,15 @@ class EngineActor(Actor):
             batches.setdefault(detok, []).append(P.TokenOut(
                 rid=api_rid, token_ids=o.new_token_ids, first_index=o.completion_tokens - len(o.new_token_ids),
                 index=index, finished=o.finished, finish_reason=o.finish_reason, prompt_tokens=o.prompt_tokens,
-                completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
+                completion_tokens=o.completion_tokens,
+                # n > 1: the prompt was computed once, by choice 0; report its cached count for all
+                cached_tokens=prompt_cached.get(api_rid, o.cached_tokens) if index else o.cached_tokens,
                 logprobs=[x if x is not None else 0.0 for x in o.new_logprobs] if o.new_logprobs else None,
                 top_logprobs=top))
             if o.finished:
                 del self._routes[o.rid]
+                if not any(r[0] == api_rid for r in self._routes.values()):
+                    prompt_cached.pop(api_rid, None)
                 if req is not None:
                     self.engine.requests.pop(o.rid, None)
         return errors, list(batches.items())

@@ -1,0 +1,391 @@
+"""The api actor: the OpenAI-compatible HTTP server (aiohttp) and the admin routes.
+
+A request: validate -> pick a tokenizer (round robin) and the least-loaded engine -> send a
+TokenizeRequest -> await TextOuts from the detokenizer (this actor's inbox) -> SSE chunks or
+one JSON body. A client that goes away aborts its request everywhere; an actor that dies
+fails the requests routed through it at once (503). No torch in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from actors.base import codec_for, inbox_address
+from actors.metrics import Metrics
+from glmrt import protocol as P
+from glmrt.serving import openai_api as oa
+from transport.channels import Inbox, Peers
+
+log = logging.getLogger("glmrt.api")
+
+
+@dataclass
+class Inflight:
+    rid: str
+    queue: asyncio.Queue
+    engine: str
+    tokenizer: str
+    detokenizer: str
+    prompt_index: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    done: bool = False
+
+
+class ApiServer:
+    def __init__(self, supervisor, *, served_model: str, host: str, port: int, api_key: str | None,
+                 max_request_mb: float, max_queued_requests: int, generation_config: dict, echo=print):
+        self.sup = supervisor
+        self.served_model = served_model
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.max_body = int(max_request_mb * 2**20)
+        self.max_queued = max_queued_requests
+        self.generation_config = generation_config
+        self.echo = echo
+        ctx = supervisor.ctx
+        self.inbox = Inbox(ctx, inbox_address(supervisor.run_dir, "api/0"), codec_for("api/0"))
+        self.peers = supervisor.peers
+        self.inflight: dict[str, Inflight] = {}
+        self._rr = itertools.count()
+        self.metrics = Metrics()
+        self.engine_stats: dict[str, P.EngineStats] = {}
+        self.created = int(time.time())
+        self.runner: web.AppRunner | None = None
+        self._recv_task: asyncio.Task | None = None
+        self.shutdown_requested = asyncio.Event()
+
+    # ---- wiring --------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.router.add_get("/admin/status", self.admin_status)
+        app.router.add_post("/admin/scale", self.admin_scale)
+        app.router.add_post("/admin/shutdown", self.admin_shutdown)
+        return app
+
+    async def start(self) -> None:
+        self._recv_task = asyncio.create_task(self._recv_loop())
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        await site.start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self._recv_task:
+            self._recv_task.cancel()
+        self.inbox.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if request.path.startswith(("/v1/", "/admin/", "/server_info", "/metrics")):
+                self._check_key(request)
+            return await handler(request)
+        except oa.APIError as e:
+            return self._error(e)
+        except web.HTTPRequestEntityTooLarge:
+            return self._error(oa.too_large(self.max_body))
+        except web.HTTPNotFound:
+            return self._error(oa.APIError(404, f"no route {request.method} {request.path}", "not_found_error",
+                                           code="not_found"))
+        except web.HTTPMethodNotAllowed:
+            return self._error(oa.APIError(405, f"method {request.method} not allowed on {request.path}",
+                                           "invalid_request_error", code="method_not_allowed"))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # never a bare 500 page
+            log.exception("unhandled error on %s", request.path)
+            return self._error(oa.internal_error(f"internal error: {type(e).__name__}"))
+
+    @staticmethod
+    def _error(e: oa.APIError) -> web.Response:
+        return web.json_response(e.to_json(), status=e.status, headers=e.headers or None)
+
+    def _check_key(self, request: web.Request) -> None:
+        if not self.api_key:
+            return
+        got = request.headers.get("Authorization", "")
+        token = got[7:] if got.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise oa.unauthorized()
+
+    # ---- inbox ---------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg, _ = await self.inbox.recv()
+            except Exception as e:
+                log.warning("api dropped a message: %s", e)
+                continue
+            if isinstance(msg, P.TextBatch):
+                for item in msg.items:
+                    self._deliver(item.rid, item)
+            elif isinstance(msg, P.TextOut):
+                self._deliver(msg.rid, msg)
+            elif isinstance(msg, (P.TokenizerError, P.EngineError)):
+                self._deliver(msg.rid, msg)
+            elif isinstance(msg, P.EngineStats):
+                self.engine_stats[f"{msg.actor}/{msg.replica}"] = msg
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        st = self.inflight.get(rid)
+        if st is None:
+            return
+        now = time.monotonic()
+        if isinstance(item, P.TextOut) and (item.token_ids or item.text or item.reasoning):
+            if st.first_token is None:
+                st.first_token = now
+                self.metrics.ttft.observe(now - st.arrival)
+            elif st.last_token is not None:
+                self.metrics.itl.observe(now - st.last_token)
+            st.last_token = now
+        st.queue.put_nowait(item)
+
+    def fail_actor(self, actor_id: str) -> None:
+        """An actor died: fail every request routed through it now (the client gets a 503)."""
+        kind = actor_id.split("/")[0]
+        for st in list(self.inflight.values()):
+            if st.done:
+                continue
+            if actor_id in (st.engine, st.tokenizer, st.detokenizer) or kind == "detokenizer":
+                st.queue.put_nowait(oa.APIError(503, f"{actor_id} failed while serving this request; retry",
+                                                "server_error", code="actor_failed", headers={"Retry-After": "1"}))
+
+    # ---- routing -------------------------------------------------------------------------
+    def _route(self) -> tuple[str, str, str]:
+        toks = self.sup.ready("tokenizer")
+        engines = self.sup.ready("engine")
+        detoks = self.sup.ready("detokenizer")
+        if not (toks and engines and detoks):
+            raise oa.APIError(503, "the server is not ready (actors starting or restarting); retry",
+                              "server_error", code="not_ready", headers={"Retry-After": "1"})
+        if len(self.inflight) >= self.max_queued:
+            raise oa.overloaded(1)
+        tok = toks[next(self._rr) % len(toks)]
+        counts: dict[str, int] = {}
+        for st in self.inflight.values():
+            counts[st.engine] = counts.get(st.engine, 0) + 1
+        eng = min(engines, key=lambda a: (counts.get(a.actor_id, 0), a.load, a.replica))
+        det = detoks[next(self._rr) % len(detoks)]
+        return tok.actor_id, eng.actor_id, det.actor_id
+
+    def context_length(self) -> int | None:
+        lens = [a.info.get("context_length") for a in self.sup.ready("engine") if a.info.get("context_length")]
+        return min(lens) if lens else None
+
+    async def _submit(self, req, rid: str) -> list[Inflight]:
+        tok, eng, det = self._route()
+        ctx = self.context_length()
+        sampling = oa.to_sampling_msg(req, defaults=self.generation_config, max_model_len=ctx)
+        queue: asyncio.Queue = asyncio.Queue()
+        states = []
+        for i, tr in enumerate(oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time())):
+            tr.engine = eng
+            st = Inflight(tr.rid, queue, eng, tok, det, prompt_index=i)
+            self.inflight[tr.rid] = st
+            states.append(st)
+            await self.peers.send(tok, tr)
+        return states
+
+    async def _abort(self, states: list[Inflight]) -> None:
+        for st in states:
+            if not st.done:
+                for dest in (st.engine, st.detokenizer):
+                    try:
+                        await asyncio.wait_for(self.peers.send(dest, P.Abort(rid=st.rid)), 1.0)
+                    except Exception:
+                        pass
+            self.inflight.pop(st.rid, None)
+
+    def _finish_metrics(self, states: list[Inflight], usage: dict | None, status: str) -> None:
+        self.metrics.requests.labels(status=status).inc()
+        now = time.monotonic()
+        for st in states:
+            self.metrics.e2e.observe(now - st.arrival)
+        if usage:
+            self.metrics.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+            self.metrics.generation_tokens.inc(usage.get("completion_tokens", 0))
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            self.metrics.cached_prompt_tokens.inc(cached)
+            n_out = usage.get("completion_tokens", 0)
+            st = states[0]
+            if st.first_token is not None and n_out > 1:
+                self.metrics.tpot.observe((now - st.first_token) / (n_out - 1))
+
+    # ---- OpenAI routes -------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self.max_body:
+            raise oa.too_large(self.max_body)
+        return await request.read()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = oa.parse_chat_request(await self._body(request), self.served_model, max_model_len=self.context_length())
+        return await self._serve(request, req, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = oa.parse_completion_request(await self._body(request), self.served_model,
+                                          max_model_len=self.context_length())
+        return await self._serve(request, req, "completion")
+
+    async def _serve(self, request: web.Request, req, kind: str) -> web.StreamResponse:
+        rid = oa.new_request_id(kind)
+        states = await self._submit(req, rid)
+        queue = states[0].queue
+        n_prompts = len(states)
+        total = n_prompts * req.n
+        by_rid = {st.rid: st for st in states}
+        created = int(time.time())
+        status = "error"
+        try:
+            if req.stream:
+                resp = await self._stream(request, req, kind, rid, created, queue, by_rid, total)
+                status = "success"
+                return resp
+            accs: dict[int, oa.ChoiceAccumulator] = {}
+            finished = 0
+            while finished < total:
+                item = await queue.get()
+                if isinstance(item, oa.APIError):
+                    raise item
+                if isinstance(item, (P.TokenizerError, P.EngineError)):
+                    raise oa.error_from_wire(item.status, item.message, getattr(item, "code", None))
+                st = by_rid[item.rid]
+                index = st.prompt_index * req.n + item.index
+                acc = accs.get(index)
+                if acc is None:
+                    acc = accs[index] = oa.ChoiceAccumulator(
+                        index, kind=kind, logprobs=bool(req.logprobs), return_token_ids=req.return_token_ids,
+                        parallel_tool_calls=getattr(req, "parallel_tool_calls", True))
+                acc.add(item)
+                if item.finished:
+                    finished += 1
+            for st in states:
+                st.done = True
+            totals = oa.UsageTotals()
+            for i, acc in accs.items():
+                if acc.usage is not None:
+                    totals.add(f"{i // req.n}", acc.usage)
+            usage = totals.to_json()
+            ordered = [accs[i] for i in sorted(accs)]
+            if kind == "chat":
+                body = oa.chat_completion_response(rid, self.served_model, created, [a.chat_choice() for a in ordered],
+                                                   usage, prompt_token_ids=ordered[0].prompt_token_ids
+                                                   if req.return_token_ids else None)
+            else:
+                body = oa.completion_response(rid, self.served_model, created, [a.completion_choice() for a in ordered],
+                                              usage)
+            status = "success"
+            self._finish_metrics(states, usage, status)
+            return web.json_response(body)
+        except oa.APIError:
+            self.metrics.requests.labels(status="error").inc()
+            raise
+        finally:
+            if status != "success" or not all(st.done for st in states):
+                await self._abort(states)
+            for st in states:
+                self.inflight.pop(st.rid, None)
+
+    async def _stream(self, request, req, kind, rid, created, queue, by_rid, total) -> web.StreamResponse:
+        if kind == "chat":
+            stream = oa.ChatStream(rid, self.served_model, created, include_usage=req.include_usage,
+                                   logprobs=bool(req.logprobs), return_token_ids=req.return_token_ids,
+                                   parallel_tool_calls=req.parallel_tool_calls)
+        else:
+            stream = oa.CompletionStream(rid, self.served_model, created, n=req.n, include_usage=req.include_usage,
+                                         logprobs=bool(req.logprobs), return_token_ids=req.return_token_ids)
+        # Wait for the first item before committing to 200: an early error is still a JSON error.
+        first = await queue.get()
+        if isinstance(first, oa.APIError):
+            raise first
+        if isinstance(first, (P.TokenizerError, P.EngineError)):
+            raise oa.error_from_wire(first.status, first.message, getattr(first, "code", None))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        finished = 0
+        item = first
+        states = list(by_rid.values())
+        while True:
+            if isinstance(item, oa.APIError):
+                await resp.write(oa.sse_error(item))
+                break
+            if isinstance(item, (P.TokenizerError, P.EngineError)):
+                await resp.write(oa.sse_error(oa.error_from_wire(item.status, item.message)))
+                break
+            st = by_rid[item.rid]
+            chunks = stream.on_text(item) if kind == "chat" else stream.on_text(item, st.prompt_index)
+            for c in chunks:
+                await resp.write(oa.sse(c))
+            if item.finished:
+                finished += 1
+                if finished >= total:
+                    for s in states:
+                        s.done = True
+                    u = stream.usage_chunk()
+                    if u is not None:
+                        await resp.write(oa.sse(u))
+                    self._finish_metrics(states, stream.usage.to_json(), "success")
+                    break
+            item = await queue.get()
+        await resp.write(oa.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(oa.models_response(self.served_model, self.created, self.context_length()))
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.sup.all_ready() and not self.sup.stopping:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "starting" if not self.sup.stopping else "stopping",
+                                  "actors": self.sup.status()}, status=503)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        engines = {a.actor_id: a.info for a in self.sup.ready("engine")}
+        return web.json_response({"model": self.served_model, "model_path": self.sup.model_path,
+                                  "context_length": self.context_length(), "engines": engines,
+                                  "actors": self.sup.status()})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        self.metrics.update_engines(self.engine_stats, {a.actor_id for a in self.sup.ready("engine")},
+                                    len(self.inflight))
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    # ---- admin ---------------------------------------------------------------------------
+    async def admin_status(self, request: web.Request) -> web.Response:
+        return web.json_response({"actors": self.sup.status()})
+
+    async def admin_scale(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"{}")
+            kind, n = body["kind"], int(body["replicas"])
+        except (ValueError, KeyError, TypeError):
+            raise oa.bad_request('expected a JSON body {"kind": KIND, "replicas": N}') from None
+        try:
+            changed = await self.sup.scale(kind, n)
+        except ValueError as e:
+            raise oa.bad_request(str(e), "kind") from None
+        return web.json_response({"kind": kind, "replicas": n, "changed": changed, "actors": self.sup.status()})
+
+    async def admin_shutdown(self, request: web.Request) -> web.Response:
+        self.shutdown_requested.set()
+        return web.json_response({"status": "shutting down"})

@@ -1,0 +1,228 @@
+"""The detokenizer actor: token ids -> text deltas, stop strings, reasoning and tool calls.
+
+Per choice: an IncrementalDetokenizer (stop strings), then the glm45 reasoning parser (when
+the template opened a think block), then the glm47 tool parser (when the request has
+tools). Streamed requests get deltas as tokens arrive; non-streamed ones get one final
+TextOut built by the non-streaming parsers, so both shapes follow PROTOCOLS.md exactly.
+Tokens may reach it out of order (prefill and decode engines) or before the request's
+DetokenizeRequest: both are buffered. No torch in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.base import Actor
+from glmrt import protocol as P
+
+ORPHAN_TTL_S = 60.0
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (printable stand-ins for the 256 bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTES = _byte_decoder()
+
+
+@dataclass
+class Choice:
+    detok: Any
+    reasoning: Any
+    tools: Any
+    next_index: int = 0
+    pending: dict[int, P.TokenOut] = field(default_factory=dict)
+    done: bool = False
+    raw: list[str] = field(default_factory=list)        # non-streamed: all text, parsed at the end
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[P.TokenLogprob] = field(default_factory=list)
+    sent_any: bool = False
+
+
+@dataclass
+class Req:
+    cfg: P.DetokenizeRequest
+    choices: dict[int, Choice] = field(default_factory=dict)
+
+
+class DetokenizerActor(Actor):
+    kind = "detokenizer"
+
+    async def setup(self) -> dict[str, Any]:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(os.path.join(self.spec.config["model_path"], "tokenizer.json"))
+        self.reqs: dict[str, Req] = {}
+        self.orphans: dict[str, tuple[float, list[P.TokenOut]]] = {}
+        return {}
+
+    def busy(self) -> bool:
+        return bool(self.reqs)
+
+    def load(self) -> tuple[float, int, int]:
+        return 0.0, len(self.reqs), 0
+
+    async def handle(self, msg: Any, frames: list) -> None:
+        if isinstance(msg, P.DetokenizeRequest):
+            self.reqs[msg.rid] = Req(msg)
+            _, early = self.orphans.pop(msg.rid, (0.0, []))
+            if early:
+                await self._process(early)
+        elif isinstance(msg, P.TokenBatch):
+            await self._process(msg.items)
+        elif isinstance(msg, P.TokenOut):
+            await self._process([msg])
+        elif isinstance(msg, P.EngineError):
+            self.reqs.pop(msg.rid, None)
+            self.orphans.pop(msg.rid, None)
+            await self.send("api/0", msg)
+        elif isinstance(msg, P.Abort):
+            self.reqs.pop(msg.rid, None)
+            self.orphans.pop(msg.rid, None)
+
+    # ---- tokens -> text ------------------------------------------------------------------
+    async def _process(self, items: list[P.TokenOut]) -> None:
+        outs: list[P.TextOut] = []
+        now = time.monotonic()
+        for item in items:
+            req = self.reqs.get(item.rid)
+            if req is None:
+                t, buf = self.orphans.setdefault(item.rid, (now, []))
+                buf.append(item)
+                continue
+            ch = self._choice(req, item.index)
+            if ch.done:
+                continue
+            ch.pending[item.first_index] = item
+            while ch.next_index in ch.pending and not ch.done:
+                it = ch.pending.pop(ch.next_index)
+                ch.next_index += len(it.token_ids)
+                out = self._advance(req, ch, it)
+                if out is not None:
+                    outs.append(out)
+            if all(c.done for c in req.choices.values()) and len(req.choices) >= req.cfg.sampling.n:
+                del self.reqs[item.rid]
+        for rid in [r for r, (t, _) in self.orphans.items() if now - t > ORPHAN_TTL_S]:
+            del self.orphans[rid]
+        if outs:
+            await self.send("api/0", P.TextBatch(items=outs))
+
+    def _choice(self, req: Req, index: int) -> Choice:
+        ch = req.choices.get(index)
+        if ch is None:
+            from glmrt.serving.detokenizer import IncrementalDetokenizer
+            from glmrt.serving.reasoning import Glm45ReasoningParser
+            from glmrt.serving.tool_parser import Glm47ToolParser
+            s = req.cfg.sampling
+            ch = Choice(IncrementalDetokenizer(self.tok, skip_special_tokens=s.skip_special_tokens, stop=s.stop,
+                                               include_stop_str_in_output=s.include_stop_str_in_output),
+                        Glm45ReasoningParser(thinking=True) if req.cfg.reasoning else None,
+                        Glm47ToolParser(req.cfg.tools) if req.cfg.tools else None)
+            req.choices[index] = ch
+        return ch
+
+    def _logprobs(self, it: P.TokenOut) -> list[P.TokenLogprob]:
+        out = []
+        for k, (tid, lp) in enumerate(zip(it.token_ids, it.logprobs or [])):
+            tops = (it.top_logprobs or [[]] * len(it.token_ids))[k] or []
+            out.append(P.TokenLogprob(token_id=tid, token=self._token_text(tid), logprob=lp,
+                                      top_logprobs=[P.TopLogprob(token_id=t, token=self._token_text(t), logprob=v)
+                                                    for t, v in tops]))
+        return out
+
+    def _token_text(self, tid: int) -> str:
+        piece = self.tok.id_to_token(tid)
+        if piece is None:
+            return ""
+        try:
+            raw = bytes(_BYTES[c] for c in piece)
+        except KeyError:  # a special token: its text as is
+            return piece
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def _advance(self, req: Req, ch: Choice, it: P.TokenOut) -> P.TextOut | None:
+        cfg = req.cfg
+        text = ch.detok.feed(it.token_ids)
+        reason = it.finish_reason if it.finished else None
+        if ch.detok.stopped and reason is None:
+            reason = "stop"
+            self._abort_choice(cfg, it.index)
+        finished = reason is not None
+        if finished:
+            text += ch.detok.finish()
+            ch.done = True
+        lps = self._logprobs(it) if it.logprobs is not None else None
+        usage = P.Usage(prompt_tokens=it.prompt_tokens or cfg.prompt_tokens, completion_tokens=it.completion_tokens,
+                        cached_tokens=it.cached_tokens) if finished else None
+        prompt_ids = None
+        if cfg.prompt_token_ids is not None and not ch.sent_any and it.index == 0:
+            prompt_ids = list(cfg.prompt_token_ids)
+        if not cfg.stream:
+            ch.raw.append(text)
+            ch.token_ids += it.token_ids
+            if lps:
+                ch.logprobs += lps
+            if not finished:
+                return None
+            return self._final(req, ch, it.index, reason, usage, prompt_ids)
+        reasoning, content, calls = self._stream_parse(ch, text, reason if finished else None)
+        ch.sent_any = True
+        return P.TextOut(rid=cfg.rid, index=it.index, text=content, reasoning=reasoning, tool_calls=calls,
+                         token_ids=list(it.token_ids), finished=finished, finish_reason=reason, usage=usage,
+                         logprobs=lps, prompt_token_ids=prompt_ids)
+
+    def _stream_parse(self, ch: Choice, text: str, reason: str | None):
+        reasoning, content = "", text
+        if ch.reasoning is not None:
+            reasoning, content = ch.reasoning.feed(text)
+            if reason is not None:
+                r2, c2 = ch.reasoning.finish(reason)
+                reasoning, content = reasoning + r2, content + c2
+        calls: list[P.ToolCallDelta] = []
+        if ch.tools is not None:
+            deltas = ch.tools.feed(content)
+            if reason is not None:
+                deltas += ch.tools.finish()
+            content = ""
+            for d in deltas:
+                if hasattr(d, "text"):
+                    content += d.text
+                else:
+                    calls.append(P.ToolCallDelta(index=d.index, arguments=d.arguments or "", id=d.id, name=d.name))
+        return reasoning, content, calls
+
+    def _final(self, req: Req, ch: Choice, index: int, reason: str, usage, prompt_ids) -> P.TextOut:
+        from glmrt.serving.reasoning import parse as parse_reasoning
+        text = "".join(ch.raw)
+        reasoning = ""
+        if ch.reasoning is not None:
+            r, text = parse_reasoning(text, thinking=True, stop_reason=reason)
+            reasoning = r or ""
+        calls = []
+        if ch.tools is not None:
+            text, found = ch.tools.parse(text)
+            calls = [P.ToolCallDelta(index=c.index, arguments=c.arguments_json, id=c.id, name=c.name) for c in found]
+        return P.TextOut(rid=req.cfg.rid, index=index, text=text, reasoning=reasoning, tool_calls=calls,
+                         token_ids=ch.token_ids, finished=True, finish_reason=reason, usage=usage,
+                         logprobs=ch.logprobs or None, prompt_token_ids=prompt_ids)
+
+    def _abort_choice(self, cfg: P.DetokenizeRequest, index: int) -> None:
+        import asyncio
+        if cfg.engine:
+            msg = P.Abort(rid=cfg.rid, index=index if cfg.sampling.n > 1 else None)
+            asyncio.get_running_loop().create_task(self.send(cfg.engine, msg))

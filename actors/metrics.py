@@ -1,0 +1,70 @@
+"""Prometheus metrics of a deployment, under fixed names (dashboards and tests rely on them).
+
+Latencies and token counters are measured in the api (so they aggregate over engine
+replicas by construction); pool gauges come from each engine's periodic EngineStats and
+carry an `engine` label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOK = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("glmrt_time_to_first_token_seconds", "Time to first token", buckets=_LAT, registry=r)
+        self.tpot = Histogram("glmrt_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TOK, registry=r)
+        self.itl = Histogram("glmrt_inter_token_latency_seconds", "Time between streamed deltas", buckets=_TOK,
+                             registry=r)
+        self.e2e = Histogram("glmrt_e2e_request_latency_seconds", "End-to-end request latency", buckets=_LAT,
+                             registry=r)
+        self.running = Gauge("glmrt_running_requests", "Requests running in the engines", ["engine"], registry=r)
+        self.waiting = Gauge("glmrt_waiting_requests", "Requests waiting in the engines", ["engine"], registry=r)
+        self.max_running = Gauge("glmrt_max_running_requests", "Effective max_running_requests", ["engine"],
+                                 registry=r)
+        self.kv_tokens = Gauge("glmrt_kv_pool_tokens", "KV pool tokens by state", ["engine", "state"], registry=r)
+        self.state_slots = Gauge("glmrt_state_pool_slots", "State pool slots by state", ["engine", "state"],
+                                 registry=r)
+        self.requests = Counter("glmrt_requests", "Requests by final status", ["status"], registry=r)
+        self.prompt_tokens = Counter("glmrt_prompt_tokens", "Prompt tokens served", registry=r)
+        self.cached_prompt_tokens = Counter("glmrt_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                            registry=r)
+        self.generation_tokens = Counter("glmrt_generation_tokens", "Tokens generated", registry=r)
+        self.inflight = Gauge("glmrt_api_inflight_requests", "Requests the api is serving", registry=r)
+
+    def update_engines(self, stats: dict, live: set[str], inflight: int) -> None:
+        self.inflight.set(inflight)
+        for key in list(stats):
+            if key not in live:
+                for g in (self.running, self.waiting, self.max_running):
+                    try:
+                        g.remove(key)
+                    except KeyError:
+                        pass
+                continue
+            s = stats[key]
+            c = s.counters
+            ps = int(c.get("page_size", 1) or 1)
+            cached = int(c.get("cached_pages", 0)) * ps
+            free = s.kv_pages_free * ps
+            total = s.kv_pages_total * ps
+            self.running.labels(engine=key).set(s.running)
+            self.waiting.labels(engine=key).set(s.waiting)
+            self.max_running.labels(engine=key).set(s.max_running_requests)
+            self.kv_tokens.labels(engine=key, state="free").set(free)
+            self.kv_tokens.labels(engine=key, state="cached").set(cached)
+            self.kv_tokens.labels(engine=key, state="in_use").set(max(0, total - free - cached))
+            ckpt = int(c.get("slots_checkpoint", 0))
+            self.state_slots.labels(engine=key, state="free").set(s.state_slots_free)
+            self.state_slots.labels(engine=key, state="checkpoint").set(ckpt)
+            self.state_slots.labels(engine=key, state="in_use").set(
+                max(0, s.state_slots_total - s.state_slots_free - ckpt))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,237 @@
+"""The supervisor: spawns actor processes per the topology, watches them, scales them.
+
+It runs in the `glmrt up` process beside the api actor. Each actor replica is one process
+(`python -m actors.worker`), found by its address id ("engine/1"); the supervisor's inbox
+gets every Ready, Heartbeat and Drained. An actor that dies unexpectedly is reported to the
+api (which fails the requests it held at once) and restarted; `scale` adds replicas or
+retires the highest ones with a drain, so no in-flight request is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq.asyncio
+
+from actors.base import RunSpec, codec_for, inbox_address
+from glmrt import protocol as P
+from glmrt.topology import ActorSpec, Topology
+from transport.channels import Inbox, Peers
+
+log = logging.getLogger("glmrt.supervisor")
+MAX_RESTARTS = 5           # within RESTART_WINDOW_S, then the actor is marked failed
+RESTART_WINDOW_S = 60.0
+SCALABLE = ("tokenizer", "engine", "detokenizer")
+
+
+@dataclass
+class ActorProc:
+    kind: str
+    replica: int
+    gpus: list[int]
+    proc: asyncio.subprocess.Process | None = None
+    state: str = "starting"       # starting | ready | retiring | retired | restarting | failed
+    load: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)
+    last_heartbeat: float = 0.0
+
+    @property
+    def actor_id(self) -> str:
+        return f"{self.kind}/{self.replica}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+
+class Supervisor:
+    def __init__(self, topology: Topology, run_dir: str, model_path: str, *, vocab_size: int,
+                 on_failure: Callable[[str], None] | None = None, echo=print):
+        self.topo = topology
+        self.run_dir = run_dir
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.on_failure = on_failure or (lambda actor_id: None)
+        self.echo = echo
+        self.ctx = zmq.asyncio.Context.instance()
+        self.inbox = Inbox(self.ctx, inbox_address(run_dir, "supervisor/0"), codec_for("supervisor/0"))
+        self.peers = Peers(self.ctx, lambda pid: (inbox_address(run_dir, pid), codec_for(pid)))
+        self.actors: dict[str, ActorProc] = {}
+        self.stopping = False
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- queries -------------------------------------------------------------------------
+    def ready(self, kind: str) -> list[ActorProc]:
+        return [a for a in self.actors.values() if a.kind == kind and a.state == "ready"]
+
+    def all_ready(self) -> bool:
+        live = [a for a in self.actors.values() if a.state not in ("retired",)]
+        return bool(live) and all(a.state in ("ready", "retiring") for a in live) and \
+            all(self.ready(k) for k in ("tokenizer", "engine", "detokenizer"))
+
+    def status(self) -> list[dict[str, Any]]:
+        import socket
+        return [{"kind": a.kind, "replica": a.replica, "pid": a.pid, "host": socket.gethostname(), "gpus": a.gpus,
+                 "state": a.state, "load": round(a.load, 4), "running": a.running, "waiting": a.waiting,
+                 "restarts": len(a.restarts)}
+                for a in sorted(self.actors.values(), key=lambda x: (x.kind, x.replica)) if a.state != "retired"]
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._recv_loop()))
+        for spec in self.topo.actors:
+            for r in range(spec.replicas):
+                await self._spawn(spec, r)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.all_ready():
+                return True
+            if any(a.state == "failed" for a in self.actors.values()):
+                return False
+            await asyncio.sleep(0.05)
+        return False
+
+    def _gpus(self, spec: ActorSpec, replica: int) -> list[int]:
+        if not spec.gpus:
+            return []
+        if len(spec.gpus) == spec.replicas * spec.tp:
+            return list(spec.gpus[replica * spec.tp:(replica + 1) * spec.tp])
+        return [spec.gpus[replica % len(spec.gpus)]]
+
+    def _config(self, spec: ActorSpec) -> dict[str, Any]:
+        if spec.kind == "engine":
+            cfg = dataclasses.asdict(self.topo.engine_config(spec))
+            cfg["model"] = self.model_path if cfg.get("load_format") != "dummy" or cfg.get("model") else cfg["model"]
+            return {"engine": cfg, "torch_threads": 1}
+        return {"model_path": self.model_path, "vocab_size": self.vocab_size}
+
+    async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
+        gpus = self._gpus(spec, replica)
+        ap = existing or ActorProc(spec.kind, replica, gpus)
+        ap.state = "starting"
+        self.actors[ap.actor_id] = ap
+        run = RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec), gpus=gpus)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+            run.gpus = list(range(len(gpus)))
+        if spec.kind != "engine":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        ap.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "actors.worker", json.dumps(dataclasses.asdict(run)), env=env)
+        self._tasks.append(asyncio.create_task(self._watch(ap, spec)))
+        return ap
+
+    async def _watch(self, ap: ActorProc, spec: ActorSpec) -> None:
+        proc = ap.proc
+        rc = await proc.wait()
+        if ap.proc is not proc:
+            return
+        if self.stopping or ap.state in ("retiring", "retired"):
+            ap.state = "retired"
+            return
+        self.echo(f"glmrt: {ap.actor_id} (pid {proc.pid}) exited with status {rc}; failing its requests")
+        ap.state = "restarting"
+        self.peers.forget(ap.actor_id)
+        self.on_failure(ap.actor_id)
+        now = time.monotonic()
+        ap.restarts = [t for t in ap.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(ap.restarts) > MAX_RESTARTS:
+            ap.state = "failed"
+            self.echo(f"glmrt: {ap.actor_id} failed {len(ap.restarts)} times in {RESTART_WINDOW_S:.0f} s; giving up")
+            return
+        await asyncio.sleep(min(0.2 * len(ap.restarts), 2.0))
+        if not self.stopping:
+            await self._spawn(spec, ap.replica, ap)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg, _ = await self.inbox.recv()
+            except Exception as e:  # a bad frame must not stop supervision
+                log.warning("supervisor dropped a message: %s", e)
+                continue
+            ap = self.actors.get(f"{getattr(msg, 'actor', '')}/{getattr(msg, 'replica', '')}")
+            if ap is None:
+                continue
+            if isinstance(msg, P.Ready):
+                ap.info = dict(msg.info)
+                if ap.state in ("starting", "restarting"):
+                    ap.state = "ready"
+                    self.echo(f"glmrt: {ap.actor_id} ready (pid {msg.pid})")
+            elif isinstance(msg, P.Heartbeat):
+                ap.load, ap.running, ap.waiting = msg.load, msg.running, msg.waiting
+                ap.last_heartbeat = time.monotonic()
+            elif isinstance(msg, P.Drained):
+                if ap.state == "retiring" or self.stopping:
+                    ap.state = "retired" if ap.state == "retiring" else ap.state
+
+    # ---- scaling and shutdown ------------------------------------------------------------
+    async def scale(self, kind: str, n: int, before_retire: Callable[[str], Any] | None = None) -> list[str]:
+        """Set the replica count of `kind`; returns the actor ids started or retiring."""
+        if kind == "unified":
+            kind = "engine"
+        if kind not in SCALABLE:
+            raise ValueError(f"cannot scale {kind!r}; scalable kinds: {', '.join(SCALABLE)}")
+        if n < 1:
+            raise ValueError(f"{kind} needs at least 1 replica, got {n}")
+        spec = self.topo.actor(kind)
+        live = sorted((a for a in self.actors.values() if a.kind == kind and a.state not in ("retiring", "retired")),
+                      key=lambda a: a.replica)
+        changed = []
+        if n > len(live):
+            used = {a.replica for a in self.actors.values() if a.kind == kind and a.state != "retired"}
+            r = 0
+            for _ in range(n - len(live)):
+                while r in used:
+                    r += 1
+                used.add(r)
+                ap = await self._spawn(spec, r)
+                changed.append(ap.actor_id)
+        else:
+            for ap in live[n:][::-1]:
+                ap.state = "retiring"
+                if before_retire is not None:
+                    before_retire(ap.actor_id)
+                await self.peers.send(ap.actor_id, P.Shutdown(drain=True))
+                changed.append(ap.actor_id)
+        self.topo = self.topo.with_replicas(kind, n)
+        return changed
+
+    async def shutdown(self, timeout: float = 15.0) -> None:
+        self.stopping = True
+        procs = [a.proc for a in self.actors.values() if a.proc and a.proc.returncode is None]
+        for a in self.actors.values():
+            if a.proc and a.proc.returncode is None:
+                try:
+                    await asyncio.wait_for(self.peers.send(a.actor_id, P.Shutdown(drain=True)), 1.0)
+                except Exception:
+                    pass
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(p.wait(), left)
+            except asyncio.TimeoutError:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for t in self._tasks:
+            t.cancel()
+        self.inbox.close()
+        self.peers.close()

@@ -1,0 +1,185 @@
+"""`glmrt up [TOPOLOGY.toml]`: start a deployment in the foreground.
+
+Flags override the file. With no file and no model it serves the embedded default: one host,
+a unified engine, the `tiny` random checkpoint (generated on first use into the cache
+directory), the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
+stops. This process runs the supervisor and the api actor and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from glmrt.engine.config import EngineConfig
+
+_ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
+                     "device"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a deployment (foreground)",
+                       description="Start the actors of a topology (default: one host, unified engine, the tiny "
+                                   "model) and serve the OpenAI API. Flags override the topology file.")
+    p.add_argument("topology", nargs="?", help="topology.toml (omitted: the embedded default)")
+    p.add_argument("--model", help="checkpoint directory (HF format)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--backend", choices=["auto", "reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype")
+    p.add_argument("--load-format", choices=["auto", "dummy"])
+    p.add_argument("--quantization", choices=["fp8"])
+    p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
+    p.add_argument("--max-request-mb", type=float)
+    p.add_argument("--tokenizer-replicas", type=int)
+    p.add_argument("--engine-replicas", type=int)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    g = p.add_argument_group("engine flags (override [engine])")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _ENGINE_FLAG_SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            g.add_argument(flag, action="store_true", default=None)
+        else:
+            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            g.add_argument(flag, type=kind, default=None)
+    p.set_defaults(func=run)
+
+
+def cache_dir() -> str:
+    return os.path.expanduser(os.environ.get("GLMRT_CACHE_DIR", "~/.cache/glmrt"))
+
+
+def ensure_tiny_checkpoint() -> str:
+    """The embedded default model: generated once (in a child process: no torch here)."""
+    path = os.path.join(cache_dir(), "checkpoints", "tiny")
+    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(path))
+    print(f"glmrt: generating the embedded tiny checkpoint into {path}", flush=True)
+    subprocess.run([sys.executable, "-m", "cli.main", "make-checkpoint", "--preset", "tiny", "--out", tmp,
+                    "--dtype", "float32"], check=True, stdout=subprocess.DEVNULL)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def build_topology(args: argparse.Namespace):
+    from glmrt.topology import default_topology, load_topology
+
+    topo = load_topology(args.topology) if args.topology else default_topology()
+    model = topo.model
+    over = {k: getattr(args, k) for k in ("dtype", "backend", "kv_cache_dtype", "load_format", "quantization")
+            if getattr(args, k, None) is not None}
+    if args.model:
+        over["path"] = os.path.abspath(os.path.expanduser(args.model))
+    if args.served_model_name:
+        over["served_model_name"] = args.served_model_name
+    model = dataclasses.replace(model, **over)
+    engine = dict(topo.engine)
+    for f in dataclasses.fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if f.name not in _ENGINE_FLAG_SKIP and v is not None:
+            engine[f.name] = v
+    api = topo.api
+    api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb")
+                if getattr(args, k, None) is not None}
+    api = dataclasses.replace(api, **api_over)
+    topo = dataclasses.replace(topo, model=model, engine=engine, api=api)
+    if args.tokenizer_replicas:
+        topo = topo.with_replicas("tokenizer", args.tokenizer_replicas)
+    if args.engine_replicas:
+        topo = topo.with_replicas("engine", args.engine_replicas)
+    topo.engine_config()  # engine flags validated now, with a clear error
+    return topo
+
+
+def run(args: argparse.Namespace) -> int:
+    from glmrt.topology import TopologyError
+
+    try:
+        topo = build_topology(args)
+    except (TopologyError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    path = topo.model.path
+    if path is None:
+        path = ensure_tiny_checkpoint()
+        topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"error: no config.json in {path}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        return uvloop.run(serve(topo, path, args.ready_timeout))
+    except ImportError:
+        return asyncio.run(serve(topo, path, args.ready_timeout))
+
+
+async def serve(topo, path: str, ready_timeout: float) -> int:
+    from actors.api import ApiServer
+    from actors.supervisor import Supervisor
+    from glmrt.config import ConfigError, load_model_config
+    from transport.channels import make_run_dir
+
+    try:
+        mc = load_model_config(path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gen_path = os.path.join(path, "generation_config.json")
+    gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}
+    served = topo.model.served_model_name or os.path.basename(os.path.normpath(path))
+    run_dir = str(make_run_dir(os.path.join(tempfile.gettempdir(), f"glmrt-{os.getpid()}")))
+    api_holder: list = []
+    sup = Supervisor(topo, run_dir, path, vocab_size=mc.text.vocab_size,
+                     on_failure=lambda actor_id: api_holder and api_holder[0].fail_actor(actor_id))
+    api = ApiServer(sup, served_model=served, host=topo.api.host, port=topo.api.port, api_key=topo.api.api_key,
+                    max_request_mb=topo.api.max_request_mb, max_queued_requests=topo.api.max_queued_requests,
+                    generation_config=gen)
+    api_holder.append(api)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    rc = 0
+    try:
+        await api.start()
+        print(f"glmrt: serving {served!r} on http://{topo.api.host}:{topo.api.port} "
+              f"({', '.join(f'{a.kind} x{a.replicas}' for a in topo.actors)})", flush=True)
+        await sup.start()
+        waiter = asyncio.create_task(api.shutdown_requested.wait())
+        ready = asyncio.create_task(sup.wait_ready(ready_timeout))
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({ready, stopper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if ready in done and not ready.result():
+            print("error: the deployment did not become ready (see the actor logs above)", file=sys.stderr)
+            rc = 1
+        elif ready in done:
+            print("glmrt: ready", flush=True)
+            await asyncio.wait({stopper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (waiter, ready, stopper):
+            t.cancel()
+    finally:
+        print("glmrt: draining and stopping", flush=True)
+        sup.stopping = True
+        deadline = loop.time() + 30
+        while api.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await api.stop()
+        await sup.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return rc
