@@ -123,7 +123,7 @@ def test_hot_path_options():
         cfg = cls.__struct_config__
         assert cfg.array_like and cfg.omit_defaults and not cfg.gc, cls
     assert P.TokenOut.__struct_config__.tag_field == "t"
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(P.Abort(rid="x"))) == ["Abort", "x"]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(P.Abort(rid="x"))) == ["Abort", "x", None]
 
 
 def test_sampling_msg_mirrors_sampling_params():

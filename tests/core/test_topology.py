@@ -1,0 +1,51 @@
+"""Topology files: schema, defaults, overrides and refusals with messages naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from glmrt.topology import TopologyError, default_topology, parse_topology, validate
+
+
+def test_default_is_one_of_each():
+    t = default_topology()
+    assert [(a.kind, a.replicas) for a in t.actors] == [("tokenizer", 1), ("engine", 1), ("detokenizer", 1)]
+
+
+def test_full_file_parses_with_overrides():
+    t = parse_topology({
+        "model": {"path": "/m", "dtype": "bfloat16"},
+        "engine": {"chunked_prefill_size": 512, "mamba_full_memory_ratio": 0.5},
+        "api": {"host": "127.0.0.1", "port": 31000},
+        "actors": [{"kind": "tokenizer", "replicas": 2}, {"kind": "unified", "engine": {"page_size": 16}},
+                   {"kind": "detokenizer"}],
+    })
+    assert t.actor("tokenizer").replicas == 2 and t.actor("engine") is not None
+    cfg = t.engine_config(t.actor("engine"))
+    assert (cfg.model, cfg.dtype, cfg.chunked_prefill_size, cfg.page_size) == ("/m", "bfloat16", 512, 16)
+    assert t.api.port == 31000
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"modle": {}}, "modle"),
+    ({"model": {"pth": "x"}}, "pth"),
+    ({"engine": {"chunk_size": 1}}, "chunk_size"),
+    ({"actors": [{"kind": "tokenizer", "replica": 2}]}, "replica"),
+    ({"actors": [{"kind": "gpu-thing"}]}, "gpu-thing"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "prefill"}, {"kind": "decode"}, {"kind": "detokenizer"}]},
+     "prefill"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2}, {"kind": "detokenizer"}]}, "tp"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "detokenizer"}]}, "engine"),
+    ({"actors": [{"kind": "tokenizer", "gpus": [0]}, {"kind": "engine"}, {"kind": "detokenizer"}]}, "GPUs"),
+    ({"actors": [{"kind": "engine"}, {"kind": "engine"}, {"kind": "tokenizer"}, {"kind": "detokenizer"}]},
+     "listed 2 times"),
+])
+def test_refusals_name_the_problem(data, needle):
+    with pytest.raises(TopologyError, match=needle):
+        parse_topology(data)
+
+
+def test_gpu_that_does_not_exist():
+    t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "gpus": [3]}, {"kind": "detokenizer"}]})
+    with pytest.raises(TopologyError, match="gpu 3 does not exist"):
+        validate(t, num_gpus=1)
