@@ -39,6 +39,7 @@ class RunSpec:
     run_dir: str
     config: dict[str, Any] = field(default_factory=dict)
     gpus: list[int] = field(default_factory=list)
+    colocated: list[str] = field(default_factory=list)   # actor ids sharing this process
 
     @property
     def actor_id(self) -> str:
@@ -48,6 +49,11 @@ class RunSpec:
 def inbox_address(run_dir: str, actor_id: str) -> str:
     kind, replica = actor_id.split("/")
     return address_for(kind, int(replica), "host", run_dir)
+
+
+def local_address(actor_id: str) -> str:
+    kind, replica = actor_id.split("/")
+    return address_for(kind, int(replica), "process")
 
 
 def codec_for(actor_id: str) -> Codec:
@@ -60,7 +66,9 @@ class Actor:
     def __init__(self, spec: RunSpec, ctx: zmq.asyncio.Context | None = None):
         self.spec = spec
         self.ctx = ctx or zmq.asyncio.Context()
-        self.peers = Peers(self.ctx, lambda pid: (inbox_address(spec.run_dir, pid), codec_for(pid)))
+        local = set(spec.colocated)
+        self.peers = Peers(self.ctx, lambda pid: (local_address(pid) if pid in local
+                                                  else inbox_address(spec.run_dir, pid), codec_for(pid)))
         self.inbox: Inbox | None = None
         self.accepting = True
         self._stop = asyncio.Event()
@@ -95,6 +103,8 @@ class Actor:
     async def run(self) -> None:
         spec = self.spec
         self.inbox = Inbox(self.ctx, inbox_address(spec.run_dir, spec.actor_id), codec_for(spec.actor_id))
+        if len(spec.colocated) > 1:  # peers in this process reach it without a syscall round trip
+            self.inbox._sock.bind(local_address(spec.actor_id))
         info = await self.setup()
         await self.send("supervisor/0", P.Ready(actor=spec.kind, replica=spec.replica, pid=os.getpid(),
                                                 host=socket.gethostname(), gpus=list(spec.gpus), info=info))

@@ -46,6 +46,7 @@ class ActorProc:
     info: dict[str, Any] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
     last_heartbeat: float = 0.0
+    ever_ready: bool = False
 
     @property
     def actor_id(self) -> str:
@@ -91,9 +92,15 @@ class Supervisor:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._recv_loop()))
+        groups: dict[str, list[tuple[ActorSpec, int]]] = {}
         for spec in self.topo.actors:
             for r in range(spec.replicas):
-                await self._spawn(spec, r)
+                if spec.process:
+                    groups.setdefault(spec.process, []).append((spec, r))
+                else:
+                    await self._spawn(spec, r)
+        for members in groups.values():
+            await self._spawn_group(members)
 
     async def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -120,43 +127,73 @@ class Supervisor:
         return {"model_path": self.model_path, "vocab_size": self.vocab_size}
 
     async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
-        gpus = self._gpus(spec, replica)
-        ap = existing or ActorProc(spec.kind, replica, gpus)
-        ap.state = "starting"
-        self.actors[ap.actor_id] = ap
-        run = RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec), gpus=gpus)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-            run.gpus = list(range(len(gpus)))
-        if spec.kind != "engine":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        ap.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "actors.worker", json.dumps(dataclasses.asdict(run)), env=env)
-        self._tasks.append(asyncio.create_task(self._watch(ap, spec)))
-        return ap
+        return (await self._spawn_group([(spec, replica)], [existing] if existing else None))[0]
 
-    async def _watch(self, ap: ActorProc, spec: ActorSpec) -> None:
-        proc = ap.proc
+    async def _spawn_group(self, members: list[tuple[ActorSpec, int]],
+                           existing: list[ActorProc] | None = None) -> list[ActorProc]:
+        """One process for `members` (several when topology entries share a `process` key)."""
+        aps, runs = [], []
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        gpus_all: list[int] = []
+        for i, (spec, replica) in enumerate(members):
+            gpus = self._gpus(spec, replica)
+            ap = existing[i] if existing else ActorProc(spec.kind, replica, gpus)
+            ap.state = "starting"
+            ap.ever_ready = False
+            self.actors[ap.actor_id] = ap
+            aps.append(ap)
+            gpus_all += [g for g in gpus if g not in gpus_all]
+            runs.append(RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec),
+                                gpus=gpus))
+        if gpus_all:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus_all)
+            for run in runs:
+                run.gpus = [gpus_all.index(g) for g in run.gpus]
+        elif all(spec.kind != "engine" for spec, _ in members):
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        local = [r.actor_id for r in runs]
+        payload = {"actors": [dict(dataclasses.asdict(r), colocated=local) for r in runs]}
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "actors.worker", json.dumps(payload),
+                                                    env=env)
+        for ap in aps:
+            ap.proc = proc
+        self._tasks.append(asyncio.create_task(self._watch(aps, members)))
+        return aps
+
+    async def _watch(self, aps: list[ActorProc], members: list[tuple[ActorSpec, int]]) -> None:
+        proc = aps[0].proc
         rc = await proc.wait()
-        if ap.proc is not proc:
+        if any(ap.proc is not proc for ap in aps):
             return
-        if self.stopping or ap.state in ("retiring", "retired"):
-            ap.state = "retired"
+        if self.stopping or all(ap.state in ("retiring", "retired") for ap in aps):
+            for ap in aps:
+                ap.state = "retired"
             return
-        self.echo(f"glmrt: {ap.actor_id} (pid {proc.pid}) exited with status {rc}; failing its requests")
-        ap.state = "restarting"
-        self.peers.forget(ap.actor_id)
-        self.on_failure(ap.actor_id)
+        names = ", ".join(ap.actor_id for ap in aps)
+        if not all(ap.ever_ready for ap in aps):
+            # A start that never reached Ready is a configuration or install error: restarting
+            # would only repeat it. The actor's own output above says why.
+            for ap in aps:
+                ap.state = "failed"
+            self.echo(f"glmrt: {names} (pid {proc.pid}) exited with status {rc} before it was ready")
+            for ap in aps:
+                self.on_failure(ap.actor_id)
+            return
+        self.echo(f"glmrt: {names} (pid {proc.pid}) exited with status {rc}; failing its requests and restarting")
         now = time.monotonic()
-        ap.restarts = [t for t in ap.restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(ap.restarts) > MAX_RESTARTS:
-            ap.state = "failed"
-            self.echo(f"glmrt: {ap.actor_id} failed {len(ap.restarts)} times in {RESTART_WINDOW_S:.0f} s; giving up")
+        for ap in aps:
+            ap.state = "restarting"
+            self.peers.forget(ap.actor_id)
+            self.on_failure(ap.actor_id)
+            ap.restarts = [t for t in ap.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(aps[0].restarts) > MAX_RESTARTS:
+            for ap in aps:
+                ap.state = "failed"
+            self.echo(f"glmrt: {names} failed {len(aps[0].restarts)} times in {RESTART_WINDOW_S:.0f} s; giving up")
             return
-        await asyncio.sleep(min(0.2 * len(ap.restarts), 2.0))
+        await asyncio.sleep(min(0.2 * len(aps[0].restarts), 2.0))
         if not self.stopping:
-            await self._spawn(spec, ap.replica, ap)
+            await self._spawn_group(members, aps)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -172,6 +209,7 @@ class Supervisor:
                 ap.info = dict(msg.info)
                 if ap.state in ("starting", "restarting"):
                     ap.state = "ready"
+                    ap.ever_ready = True
                     self.echo(f"glmrt: {ap.actor_id} ready (pid {msg.pid})")
             elif isinstance(msg, P.Heartbeat):
                 ap.load, ap.running, ap.waiting = msg.load, msg.running, msg.waiting
@@ -190,6 +228,9 @@ class Supervisor:
         if n < 1:
             raise ValueError(f"{kind} needs at least 1 replica, got {n}")
         spec = self.topo.actor(kind)
+        if spec is not None and spec.process:
+            raise ValueError(f"{kind} shares process {spec.process!r} with other actors; co-located actors "
+                             "are not scaled one kind at a time")
         live = sorted((a for a in self.actors.values() if a.kind == kind and a.state not in ("retiring", "retired")),
                       key=lambda a: a.replica)
         changed = []

@@ -40,15 +40,22 @@ def actor_class(kind: str):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
-    spec = RunSpec(**json.loads(argv[0]))
-    logging.basicConfig(level=logging.INFO, format=f"[{spec.actor_id}] %(levelname)s %(message)s")
+    payload = json.loads(argv[0])
+    specs = [RunSpec(**d) for d in payload["actors"]] if "actors" in payload else [RunSpec(**payload)]
+    logging.basicConfig(level=logging.INFO,
+                        format=f"[{','.join(s.actor_id for s in specs)}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
-    actor = actor_class(spec.kind)(spec)
+
+    async def run_all() -> None:
+        import zmq.asyncio
+        ctx = zmq.asyncio.Context()  # co-located actors share it: their links are inproc://
+        await asyncio.gather(*(actor_class(s.kind)(s, ctx).run() for s in specs))
+
     try:
         import uvloop
-        uvloop.run(actor.run())
+        uvloop.run(run_all())
     except ImportError:
-        asyncio.run(actor.run())
+        asyncio.run(run_all())
     return 0
 
 

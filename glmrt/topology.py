@@ -163,6 +163,8 @@ def validate(topo: Topology, num_gpus: int | None = None) -> None:
             for g in a.gpus:
                 if not 0 <= g < num_gpus:
                     raise TopologyError(f"{a.kind}: gpu {g} does not exist (this machine has {num_gpus} GPUs)")
+        if a.process is not None and a.replicas != 1:
+            raise TopologyError(f"{a.kind}: process = {a.process!r} co-locates one replica; replicas must be 1")
         if a.gpus and a.replicas > 1 and len(a.gpus) not in (1, a.replicas * a.tp):
             raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} cannot be placed on gpus {list(a.gpus)}")
     has_engine = "engine" in kinds
