@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli import admin, bench_offline, compute_mamba_ratio, make_checkpoint, up
+from cli import admin, bench_offline, bench_serving, compute_mamba_ratio, make_checkpoint, up
 
 # `glmrt bench <name>`: one module per benchmark, each with add_parser(bench_sub) and run(args).
-BENCHMARKS = [bench_offline]
+BENCHMARKS = [bench_offline, bench_serving]
 
 
 def _add_bench_group(sub: argparse._SubParsersAction) -> None:
