@@ -251,11 +251,13 @@ class Result:
     itls: list[float] = field(default_factory=list)
     # not in the JSON: what the next turn of the conversation appends
     answer_text: str = field(default="", repr=False)
+    answer_reasoning: str = field(default="", repr=False)
     answer_ids: list[int] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("answer_text")
+        d.pop("answer_reasoning")
         d.pop("answer_ids")
         return d
 
@@ -303,6 +305,7 @@ async def send_request(session, url: str, headers: dict, body: dict, res: Result
     n_ids = 0
     chunks_with_output = 0
     text_parts: list[str] = []
+    reasoning_parts: list[str] = []
     try:
         async with session.post(url, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -342,6 +345,8 @@ async def send_request(session, url: str, headers: dict, body: dict, res: Result
                         has_text = True
                     if text:
                         text_parts.append(text)
+                    if reasoning:
+                        reasoning_parts.append(reasoning)
                     ids = ch.get("token_ids")
                     if ids is not None:
                         ids_mode = True
@@ -367,6 +372,7 @@ async def send_request(session, url: str, headers: dict, body: dict, res: Result
         return res
     res.e2e = time.perf_counter() - t0
     res.answer_text = "".join(text_parts)
+    res.answer_reasoning = "".join(reasoning_parts)
     res.streamed_token_ids = n_ids if ids_mode else None
     if not res.usage_reported:
         res.output_tokens = n_ids
@@ -437,7 +443,10 @@ async def _conversation(client: Client, session, conv: Conversation, sem, t_run:
                     on_done(skipped)
                 break
             if chat:
-                history.append({"role": "assistant", "content": res.answer_text})
+                answer = {"role": "assistant", "content": res.answer_text}
+                if res.answer_reasoning:  # a thinking model's answer: its reasoning is part of it
+                    answer["reasoning_content"] = res.answer_reasoning
+                history.append(answer)
             else:
                 history.extend(res.answer_ids)
     return results
@@ -554,7 +563,8 @@ def format_summary(runs: list[dict], title: str) -> str:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     for r in runs:
         for msg, n in r["summary"]["error_messages"].items():
-            lines.append(f"  error x{n} (concurrency {r['summary']['max_concurrency']}): {msg}")
+            c = r["summary"]["max_concurrency"]
+            lines.append(f"  error x{n} (max concurrency {c if c else 'none'}): {msg}")
     return "\n".join(lines)
 
 

@@ -136,6 +136,7 @@ class Engine:
 
     def _cache_budget(self, device: str) -> int:
         if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # blocks the allocator caches but nobody uses count as free
             free, _total = torch.cuda.mem_get_info()
             return int(free * self.config.mem_fraction_static)
         return int(self.config.cache_memory_gb * 2**30)
