@@ -359,7 +359,15 @@ class ApiServer:
                                   "actors": self.sup.status()}, status=503)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        engines = {a.actor_id: a.info for a in self.sup.ready("engine")}
+        engines = {}
+        for a in self.sup.ready("engine"):
+            info = dict(a.info)  # boot facts (pools, backend, dtypes) + the latest live counters
+            stats = self.engine_stats.get(a.actor_id)
+            if stats is not None:
+                info.update(stats.counters)
+                info.update(running=stats.running, waiting=stats.waiting, pages_free=stats.kv_pages_free,
+                            slots_free=stats.state_slots_free)
+            engines[a.actor_id] = info
         return web.json_response({"model": self.served_model, "model_path": self.sup.model_path,
                                   "context_length": self.context_length(), "engines": engines,
                                   "actors": self.sup.status()})

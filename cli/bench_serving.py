@@ -102,14 +102,14 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     w.add_argument("--num-prompts", type=int, default=32, metavar="N",
                    help="requests (multi-turn: conversations, of --num-turns requests each)")
     w.add_argument("--input-len", type=int, default=256, metavar="L",
-                   help="prompt tokens (chat: words; multi-turn: of each user message)")
+                   help="prompt tokens (chat: words); multi-turn: of the first turn's prompt")
     w.add_argument("--output-len", type=int, default=32, metavar="O", help="max_tokens of each request")
     w.add_argument("--shared-prefix-ratio", type=float, default=None, metavar="R",
                    help="the shared part of each prompt, in [0, 1) (shared-prefix default 0.5; else 0)")
     w.add_argument("--num-groups", type=int, default=1, metavar="G", help="shared-prefix groups")
     w.add_argument("--num-turns", type=int, default=3, metavar="K", help="multi-turn: turns per conversation")
     w.add_argument("--turn-len", type=int, metavar="T",
-                   help="multi-turn: the length of the user messages after the first (default L)")
+                   help="multi-turn: the new user message of each later turn, tokens or words (default L)")
     w.add_argument("--vocab-size", type=int, default=512, metavar="V",
                    help=f"token-id prompts use ids in [{TOKEN_LOW}, V-{TOKEN_HEADROOM}) (default 512)")
     w.add_argument("--seed", type=int, default=0)
@@ -280,18 +280,20 @@ def _error_message(raw: bytes | str, status: int | None = None) -> str:
 async def _sse_events(resp):
     """The `data:` payloads of an SSE body (lines of any length: a first chunk may echo a long
     prompt's token ids)."""
-    buf = b""
+    buf = bytearray()
     async for chunk in resp.content.iter_any():
+        scan = len(buf)
         buf += chunk
-        while True:
-            nl = buf.find(b"\n")
-            if nl < 0:
-                break
-            line, buf = buf[:nl].rstrip(b"\r"), buf[nl + 1:]
+        begin = 0
+        while (nl := buf.find(b"\n", scan)) >= 0:
+            line = bytes(buf[begin:nl]).rstrip(b"\r")
+            begin = scan = nl + 1
             if line.startswith(b"data:"):
                 yield line[5:].strip()
-    if buf.strip().startswith(b"data:"):
-        yield buf.strip()[5:].strip()
+        del buf[:begin]
+    rest = bytes(buf).strip()
+    if rest.startswith(b"data:"):
+        yield rest[5:].strip()
 
 
 async def send_request(session, url: str, headers: dict, body: dict, res: Result, t_run: float,
@@ -303,7 +305,6 @@ async def send_request(session, url: str, headers: dict, body: dict, res: Result
     last = None
     ids_mode = False
     n_ids = 0
-    chunks_with_output = 0
     text_parts: list[str] = []
     reasoning_parts: list[str] = []
     try:
@@ -357,7 +358,6 @@ async def send_request(session, url: str, headers: dict, body: dict, res: Result
                 if not ids_mode and has_text:
                     new = 1  # a server without token ids: one token per chunk carrying output
                 if new:
-                    chunks_with_output += 1
                     n_ids += new
                     if res.ttft is None:
                         res.ttft = now - t0
@@ -367,7 +367,7 @@ async def send_request(session, url: str, headers: dict, body: dict, res: Result
     except asyncio.TimeoutError:
         res.error = f"timed out after {timeout:g} s"
         return res
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2e = time.perf_counter() - t0

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import http
+from tests.e2e.conftest import http, metric_sum
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ LONG = 3000  # decode steps: minutes on this machine, so only a failure ends the
 def dep(start_deployment):
     d = start_deployment([], name="actor-failure")
     yield d
-    d.stop()
+    d.stop(term_wait=5)
 
 
 def _pid(dep, kind: str) -> int:
@@ -121,9 +121,29 @@ def _kill_and_check_inflight(dep, kind: str, streams: int, plain: int) -> tuple[
         load.close()
 
 
+_COUNTS: dict[str, float] = {}
+
+
+def _requests_total(dep) -> dict[str, float]:
+    m = dep.metrics()
+    return {s: metric_sum(m, "glmrt_requests_total", status=s) for s in ("success", "error")}
+
+
+def _wait_engine_idle(dep, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        (eng,) = dep.actors("engine")
+        if eng["state"] == "ready" and eng["running"] == 0 and eng["waiting"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the engine still runs the failed requests: {eng}"
+        time.sleep(0.3)
+
+
 @pytest.mark.timeout(150)
 def test_engine_kill_fails_inflight_fast_and_recovers(dep):
+    _COUNTS["before"] = _requests_total(dep)
     old_pid, _ = _kill_and_check_inflight(dep, "engine", streams=3, plain=1)
+    _COUNTS["after"] = _requests_total(dep)
     # while the engine restarts: a quick 503 (never a hang); afterwards healthy again
     status, headers, raw = dep.post("/v1/completions", {"prompt": "during restart", "max_tokens": 2},
                                     timeout=30)
@@ -143,10 +163,20 @@ def test_engine_kill_fails_inflight_fast_and_recovers(dep):
     assert next(x for x in restarts if x["kind"] == "engine")["restarts"] == 1
 
 
+@pytest.mark.timeout(30)
+def test_failed_requests_are_counted_as_errors(dep):
+    """The 4 requests the engine kill failed (3 streamed, 1 not) show in glmrt_requests_total
+    with status="error"; none of them as a success."""
+    before, after = _COUNTS["before"], _COUNTS["after"]
+    assert after["success"] == before["success"], (before, after)
+    assert after["error"] - before["error"] == 4, (before, after)
+
+
 @pytest.mark.timeout(120)
 def test_tokenizer_kill_recovers(dep):
     old_pid, _ = _kill_and_check_inflight(dep, "tokenizer", streams=2, plain=0)
     _wait_healthy_again(dep, old_pid, "tokenizer")
+    _wait_engine_idle(dep)  # the failed requests were aborted in the engine too
     client = dep.client()
     for i in range(3):
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"tok {i}"}],
@@ -162,11 +192,4 @@ def test_detokenizer_kill_recovers(dep):
     r = client.completions.create(model="tiny", prompt="detok back", max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
-    # the engine carried on: its long requests were aborted, not left running
-    deadline = time.monotonic() + 10
-    while True:
-        (eng,) = dep.actors("engine")
-        if eng["running"] == 0 and eng["waiting"] == 0:
-            break
-        assert time.monotonic() < deadline, f"engine still runs the failed requests: {eng}"
-        time.sleep(0.3)
+    _wait_engine_idle(dep)  # the engine carried on: its long requests were aborted, not left running

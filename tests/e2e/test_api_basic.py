@@ -26,7 +26,7 @@ TOOLS = [{"type": "function", "function": {
 def dep(start_deployment):
     d = start_deployment(["--context-length", str(CONTEXT)], name="api-basic")
     yield d
-    d.stop()
+    d.stop(term_wait=5)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,8 @@ def test_chat_n3_with_seed(client, model):
     texts_a = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
     texts_b = [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
     assert texts_a == texts_b, "the same seed must give the same choices"
+    one = client.chat.completions.create(**{**kw, "n": 1})
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
     assert len(set(texts_a)) > 1, f"the n choices of a sampled request should differ: {texts_a}"
 
 
@@ -198,6 +200,46 @@ def test_prefix_cache_repeated_and_multi_turn(client, model):
     assert 0 < cached < r2.usage.prompt_tokens
 
 
+@pytest.mark.timeout(60)
+def test_chat_streamed_n2_usage_and_logprobs(client, model):
+    base = client.chat.completions.create(model=model, messages=USER, max_tokens=5, **GREEDY)
+    s = client.chat.completions.create(model=model, messages=USER, max_tokens=5, n=2, seed=7, temperature=0.9,
+                                       stream=True, stream_options={"include_usage": True}, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    roles, finishes, lps = {}, {}, {0: 0, 1: 0}
+    usage = None
+    for c in s:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            if ch.delta.role:
+                roles[ch.index] = ch.delta.role
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+            if ch.logprobs and ch.logprobs.content:
+                for e in ch.logprobs.content:
+                    assert e.logprob <= 0 and 1 <= len(e.top_logprobs) <= 2
+                lps[ch.index] += len(ch.logprobs.content)
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert finishes == {0: "length", 1: "length"}
+    assert lps == {0: 5, 1: 5}
+    assert usage is not None
+    assert usage.completion_tokens == 2 * 5
+    assert usage.prompt_tokens == base.usage.prompt_tokens  # the prompt counts once for n choices
+
+
+@pytest.mark.timeout(60)
+def test_chat_non_streamed_logprobs(client, model):
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=4, logprobs=True, top_logprobs=3,
+                                       **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for e in content:
+        assert isinstance(e.token, str) and e.logprob <= 0
+        assert 1 <= len(e.top_logprobs) <= 3
+        assert e.logprob >= max(t.logprob for t in e.top_logprobs) - 1e-4  # greedy
+
+
 # ---- completions ---------------------------------------------------------------------------
 
 
@@ -241,6 +283,50 @@ def test_completion_list_of_prompts(client, model):
     assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
     by_index = {c.index: c.text for c in r.choices}
     assert [by_index[i] for i in range(3)] == [s.choices[0].text for s in singles]
+
+
+@pytest.mark.timeout(60)
+def test_completion_streamed_equals_non_streamed_and_usage(client, model):
+    prompts = ["Streaming one", "Streaming two, a little longer"]
+    full = client.completions.create(model=model, prompt=prompts, max_tokens=6, **GREEDY)
+    s = client.completions.create(model=model, prompt=prompts, max_tokens=6, stream=True,
+                                  stream_options={"include_usage": True}, **GREEDY)
+    texts = {0: "", 1: ""}
+    usage = None
+    finishes = {}
+    for c in s:
+        if c.usage is not None:
+            usage = c.usage
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert finishes == {0: "length", 1: "length"}
+    assert texts == {c.index: c.text for c in full.choices}
+    assert usage is not None
+    assert usage.completion_tokens == 12 == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+@pytest.mark.timeout(60)
+def test_completion_stop_string(client, model):
+    ids = [101, 202, 303, 404, 505]
+    kw = dict(model=model, prompt=ids, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    # a stop string from the middle of the greedy text (clean characters only)
+    cut = None
+    for k in range(3, len(full) - 2):
+        piece = full[k:k + 2]
+        if piece.isprintable() and "\ufffd" not in full[:k + 2] and "<" not in piece and ">" not in piece:
+            cut = piece
+            break
+    if cut is None:
+        pytest.skip(f"no clean stop string in the greedy text {full!r}")
+    r = client.completions.create(stop=[cut], **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop"
+    assert ch.text == full[:full.index(cut)]
+    assert r.usage.completion_tokens < 24
 
 
 @pytest.mark.timeout(60)
@@ -488,3 +574,17 @@ def test_torch_only_in_engine_processes(dep):
             assert libs_mapped(a["pid"]), f"engine pid {a['pid']} has no libtorch mapped"
         else:
             assert not libs_mapped(a["pid"]), f"{a['kind']}/{a['replica']} (pid {a['pid']}) loaded torch"
+
+
+@pytest.mark.timeout(90)
+def test_non_streamed_client_disconnect_aborts_request(dep, client, model):
+    """A non-streamed request whose client goes away (here: a client-side timeout) is aborted
+    too, not decoded to its end for nobody. Last in the module: when it fails, the orphan
+    request runs on (a few seconds) and the deployment is torn down right after."""
+    _wait_idle(dep, 10)
+    body = {"model": model, "prompt": "nobody will read this", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(dep.url + "/v1/completions", json=body, timeout=1.0)
+    took = _wait_idle(dep, 3)  # its natural end is ~200 decode steps (several seconds) away
+    assert took < 3

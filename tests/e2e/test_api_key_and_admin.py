@@ -23,7 +23,7 @@ USER = [{"role": "user", "content": "Hello from the admin tests."}]
 def dep(start_deployment):
     d = start_deployment(["--tokenizer-replicas", "2"], api_key=KEY, name="api-key-admin")
     yield d
-    d.stop()
+    d.stop(term_wait=5)
 
 
 def _counts(dep) -> dict[str, int]:
