@@ -83,7 +83,7 @@ class ApiServer:
         self._recv_task = asyncio.create_task(self._recv_loop())
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True, shutdown_timeout=2.0)
         await site.start()
 
     async def stop(self) -> None:
@@ -170,6 +170,18 @@ class ApiServer:
                                                 "server_error", code="actor_failed", headers={"Retry-After": "1"}))
 
     # ---- routing -------------------------------------------------------------------------
+    @staticmethod
+    async def _next(queue: asyncio.Queue, request: web.Request):
+        """The next item for a request, giving up when its client has gone (then the caller's
+        `finally` aborts the request everywhere and frees its memory)."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    raise ConnectionResetError("client disconnected")
+
     def _route(self) -> tuple[str, str, str]:
         toks = self.sup.ready("tokenizer")
         engines = self.sup.ready("engine")
@@ -256,13 +268,15 @@ class ApiServer:
         status = "error"
         try:
             if req.stream:
-                resp = await self._stream(request, req, kind, rid, created, queue, by_rid, total)
-                status = "success"
+                resp, ok = await self._stream(request, req, kind, rid, created, queue, by_rid, total)
+                status = "success" if ok else "error"
+                if not ok:
+                    self.metrics.requests.labels(status="error").inc()
                 return resp
             accs: dict[int, oa.ChoiceAccumulator] = {}
             finished = 0
             while finished < total:
-                item = await queue.get()
+                item = await self._next(queue, request)
                 if isinstance(item, oa.APIError):
                     raise item
                 if isinstance(item, (P.TokenizerError, P.EngineError)):
@@ -313,7 +327,7 @@ class ApiServer:
             stream = oa.CompletionStream(rid, self.served_model, created, n=req.n, include_usage=req.include_usage,
                                          logprobs=bool(req.logprobs), return_token_ids=req.return_token_ids)
         # Wait for the first item before committing to 200: an early error is still a JSON error.
-        first = await queue.get()
+        first = await self._next(queue, request)
         if isinstance(first, oa.APIError):
             raise first
         if isinstance(first, (P.TokenizerError, P.EngineError)):
@@ -323,12 +337,14 @@ class ApiServer:
         finished = 0
         item = first
         states = list(by_rid.values())
+        ok = False
         while True:
             if isinstance(item, oa.APIError):
                 await resp.write(oa.sse_error(item))
                 break
             if isinstance(item, (P.TokenizerError, P.EngineError)):
-                await resp.write(oa.sse_error(oa.error_from_wire(item.status, item.message)))
+                await resp.write(oa.sse_error(oa.error_from_wire(item.status, item.message,
+                                                                 getattr(item, "code", None))))
                 break
             st = by_rid[item.rid]
             chunks = stream.on_text(item) if kind == "chat" else stream.on_text(item, st.prompt_index)
@@ -343,11 +359,12 @@ class ApiServer:
                     if u is not None:
                         await resp.write(oa.sse(u))
                     self._finish_metrics(states, stream.usage.to_json(), "success")
+                    ok = True
                     break
-            item = await queue.get()
+            item = await self._next(queue, request)
         await resp.write(oa.SSE_DONE)
         await resp.write_eof()
-        return resp
+        return resp, ok
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.served_model, self.created, self.context_length()))
@@ -364,7 +381,7 @@ class ApiServer:
             info = dict(a.info)  # boot facts (pools, backend, dtypes) + the latest live counters
             stats = self.engine_stats.get(a.actor_id)
             if stats is not None:
-                info.update(stats.counters)
+                info.update({k: int(v) if float(v).is_integer() else v for k, v in stats.counters.items()})
                 info.update(running=stats.running, waiting=stats.waiting, pages_free=stats.kv_pages_free,
                             slots_free=stats.state_slots_free)
             engines[a.actor_id] = info

@@ -105,7 +105,8 @@ class EngineActor(Actor):
             try:
                 rids = self.engine.add_request(m.prompt_ids, params, rid=f"{m.rid}#{time.monotonic_ns()}")
             except ContextLengthExceeded as e:
-                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e))))
+                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e),
+                                                            code="context_length_exceeded")))
                 continue
             except ValueError as e:
                 errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e))))

@@ -51,7 +51,9 @@ class Metrics:
             s = stats[key]
             c = s.counters
             ps = int(c.get("page_size", 1) or 1)
-            cached = int(c.get("cached_pages", 0)) * ps
+            # pages held by the prefix cache (tree pages and checkpoints' partial pages) are
+            # reclaimable: they count as cached, not in use
+            cached = (int(c.get("cached_pages", 0)) + int(c.get("checkpoint_pages", 0))) * ps
             free = s.kv_pages_free * ps
             total = s.kv_pages_total * ps
             self.running.labels(engine=key).set(s.running)

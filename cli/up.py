@@ -99,11 +99,20 @@ def build_topology(args: argparse.Namespace):
                 if getattr(args, k, None) is not None}
     api = dataclasses.replace(api, **api_over)
     topo = dataclasses.replace(topo, model=model, engine=engine, api=api)
-    if args.tokenizer_replicas:
-        topo = topo.with_replicas("tokenizer", args.tokenizer_replicas)
-    if args.engine_replicas:
-        topo = topo.with_replicas("engine", args.engine_replicas)
-    topo.engine_config()  # engine flags validated now, with a clear error
+    from glmrt.topology import TopologyError, validate
+    for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
+        n = getattr(args, flag)
+        if n is not None:
+            if n < 1:
+                raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1, got {n}")
+            topo = topo.with_replicas(kind, n)
+    validate(topo)
+    for spec in topo.actors:  # engine flags (file, per-entry overrides, CLI) validated now, clearly
+        if spec.kind == "engine":
+            try:
+                topo.engine_config(spec)
+            except (ValueError, TypeError) as e:
+                raise TopologyError(f"engine flags of the {spec.kind} entry: {e}") from None
     return topo
 
 

@@ -233,6 +233,7 @@ class EngineError(Msg):
     rid: str
     status: int
     message: str
+    code: str | None = None  # OpenAI error code, e.g. "context_length_exceeded"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -498,9 +498,26 @@ def test_server_info(dep):
     assert info["context_length"] == CONTEXT
     assert len(info["engines"]) == 1
     eng = next(iter(info["engines"].values()))
-    for key in ("kv_pool_tokens", "kv_pool_pages", "state_pool_slots", "max_running_requests"):
-        assert isinstance(eng[key], int) and eng[key] > 0, (key, eng)
+    for key in ("kv_pool_tokens", "kv_pool_pages", "state_pool_slots", "max_running_requests", "page_size"):
+        assert isinstance(eng[key], (int, float)) and eng[key] > 0, (key, eng)
     assert eng["kv_pool_tokens"] == eng["kv_pool_pages"] * eng["page_size"]
+    deadline = time.monotonic() + 5  # the gauge appears with the engine's first stats (1 s period)
+    while not has_metric(m := dep.metrics(), "glmrt_max_running_requests"):
+        assert time.monotonic() < deadline, "no glmrt_max_running_requests sample"
+        time.sleep(0.2)
+    assert eng["max_running_requests"] == metric_sum(m, "glmrt_max_running_requests")
+
+
+@pytest.mark.timeout(30)
+def test_server_info_sizes_are_integers(dep):
+    """Pool sizes and counts are JSON integers (339584, not 339584.0), before and after the
+    engine's periodic stats have been merged in."""
+    time.sleep(1.2)  # at least one EngineStats period
+    eng = next(iter(dep.get_json("/server_info")["engines"].values()))
+    keys = ("kv_pool_tokens", "kv_pool_pages", "state_pool_slots", "max_running_requests", "page_size",
+            "context_length", "pages_free", "slots_free", "running", "waiting")
+    floats = {k: eng[k] for k in keys if k in eng and not isinstance(eng[k], int)}
+    assert not floats, f"integer fields rendered as floats: {floats}"
 
 
 # ---- client disconnect ---------------------------------------------------------------------
