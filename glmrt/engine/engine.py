@@ -146,8 +146,12 @@ class Engine:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> list[str]:
-        """Queue a prompt; returns one request id per choice (n > 1 shares the prompt's prefill)."""
+                    rid: str | None = None, mm_items: list | None = None) -> list[str]:
+        """Queue a prompt; returns one request id per choice (n > 1 shares the prompt's prefill).
+
+        `mm_items` (glmrt.engine.mm.MMInput, in prompt order) fill the prompt's image
+        placeholder tokens with vision-tower embeddings.
+        """
         params = params or self.default_params()
         params.validate(self.model_config.text.vocab_size)
         prompt = [int(t) for t in prompt_ids]
@@ -163,16 +167,28 @@ class Engine:
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        parent = Request(rid, prompt, params, next(self._arrival))
+        mm_state = key_ids = None
+        if mm_items:
+            from glmrt.engine.mm import MMState, cache_key_ids, placeholder_positions
+            if self.model.visual is None:
+                raise ValueError("this model has no vision tower: image and video input is refused")
+            pos = placeholder_positions(prompt, self.model_config.image_token_id, mm_items)
+            mm_state = MMState(list(mm_items), torch.tensor(pos, dtype=torch.long))
+            key_ids = cache_key_ids(prompt, pos, mm_items)
+        parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids,
+                         num_mm_items=len(mm_items or []))
         reqs = [parent]
         for i in range(1, params.n):
             seed = None if params.seed is None else params.seed + i
             child_params = _replace_params(params, seed=seed)
-            child = Request(f"{rid}-{i}", list(prompt), child_params, next(self._arrival), fork_parent=parent)
+            child = Request(f"{rid}-{i}", list(prompt), child_params, next(self._arrival), fork_parent=parent,
+                            mm_key_ids=key_ids, num_mm_items=parent.num_mm_items)
             parent.fork_children.append(child)
             reqs.append(child)
         for r in reqs:
             self.requests[r.rid] = r
+            if mm_state is not None:
+                self.runner.mm[r.rid] = mm_state  # children share it (and its embeddings)
             self.scheduler.add(r)
         self.counters["prompt_tokens"] += len(prompt)
         return [r.rid for r in reqs]
@@ -201,7 +217,7 @@ class Engine:
         for req in {id(w.req): w.req for w in plan.work}.values():
             self._cache_pages(req)
         for s in plan.saves:
-            if self.tree.add_checkpoint(s.req.all_ids, s.position, s.dst_slot, s.dst_page) is None:
+            if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page) is None:
                 self.slots.free(s.dst_slot)
                 if s.dst_page is not None:
                     self.pages.release([s.dst_page])
@@ -264,7 +280,7 @@ class Engine:
         n_full = min(req.num_computed // ps, len(req.pages))
         if not self.tree.enabled or n_full == 0:
             return
-        canon = self.tree.insert(req.all_ids[:req.num_computed], req.pages[:n_full])
+        canon = self.tree.insert(req.key_ids[:req.num_computed], req.pages[:n_full])
         for i, p in enumerate(canon):
             if p != req.pages[i]:
                 self.pages.retain([p])
@@ -295,11 +311,11 @@ class Engine:
             return
         self._cache_pages(req)
         pos, ps = req.num_computed, self.config.page_size
-        if self.tree.has_checkpoint(req.all_ids, pos):
+        if self.tree.has_checkpoint(req.key_ids, pos):
             return
         partial = req.pages[pos // ps] if pos % ps else None
         self.slots.convert(req.slot, CHECKPOINT)
-        if self.tree.add_checkpoint(req.all_ids, pos, req.slot, partial) is None:
+        if self.tree.add_checkpoint(req.key_ids, pos, req.slot, partial) is None:
             self.slots.convert(req.slot, LIVE)
             return
         req.slot = None

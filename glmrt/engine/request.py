@@ -41,10 +41,21 @@ class Request:
     fork_parent: "Request | None" = None               # n > 1: children share the parent's prefill
     fork_children: list["Request"] = field(default_factory=list)
     admitted_once: bool = False
+    mm_key_ids: list[int] | None = None   # prompt ids with image tokens replaced by content hashes
+    num_mm_items: int = 0
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_prompt_ids(self) -> list[int]:
+        """The prompt as the prefix cache sees it: placeholder tokens of different images differ."""
+        return self.mm_key_ids if self.mm_key_ids is not None else self.prompt_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        return self.key_prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:

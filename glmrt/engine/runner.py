@@ -35,6 +35,7 @@ class ModelRunner:
         self.eos_ids = list(eos_ids)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
 
     # ---- copies --------------------------------------------------------------------------
     def copy_page(self, src: int, dst: int) -> None:
@@ -56,6 +57,32 @@ class ModelRunner:
 
     def forget(self, req: Request) -> None:
         self._generators.pop(req.rid, None)
+        self.mm.pop(req.rid, None)
+
+    def _encode(self, st) -> torch.Tensor:
+        """Vision tower over all of a request's items (once; kept across retractions)."""
+        visual = self.model.visual
+        dtype = next(visual.parameters()).dtype
+        pixels = torch.cat([it.pixel_values for it in st.items]).to(self.device, dtype)
+        grid = torch.tensor([list(it.grid_thw) for it in st.items], dtype=torch.long, device=self.device)
+        st.embeds = visual(pixels, grid)
+        st.positions = st.positions.to(self.device)
+        return st.embeds
+
+    def _input_embeds(self, work, ids: torch.Tensor) -> torch.Tensor | None:
+        if not any(w.req.rid in self.mm for w in work):
+            return None
+        embeds = self.model.model.embed(ids).clone()
+        offset = 0
+        for w in work:
+            st = self.mm.get(w.req.rid)
+            if st is not None and w.start < len(w.req.prompt_ids):
+                feats = st.embeds if st.embeds is not None else self._encode(st)
+                inside = ((st.positions >= w.start) & (st.positions < w.start + w.num)).nonzero().flatten()
+                if inside.numel():
+                    embeds[offset + st.positions[inside] - w.start] = feats[inside].to(embeds.dtype)
+            offset += w.num
+        return embeds
 
     # ---- the step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -71,7 +98,9 @@ class ModelRunner:
         rows = [i for i, w in enumerate(work) if w.sample]
         ends = meta.cu_seqlens
         idx = torch.tensor([ends[i + 1] - 1 for i in rows], dtype=torch.long, device=self.device)
-        logits, _ = self.model(ids.to(self.device), meta, self.cache, logits_indices=idx)
+        ids = ids.to(self.device)
+        logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(work, ids),
+                               logits_indices=idx)
         for s in plan.saves:
             self.copy_state(s.src_slot, s.dst_slot)
             if s.src_page is not None:

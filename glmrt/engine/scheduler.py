@@ -215,7 +215,7 @@ class Scheduler:
     def _order_waiting(self) -> list[Request]:
         cands = [r for r in self.waiting if r.fork_parent is None]
         if self.cfg.policy == "lpm":
-            scored = [(-self.tree.match(r.all_ids, r.num_tokens - 1).resume, r.arrival, i, r)
+            scored = [(-self.tree.match(r.key_ids, r.num_tokens - 1).resume, r.arrival, i, r)
                       for i, r in enumerate(cands)]
             return [x[-1] for x in sorted(scored, key=lambda x: x[:3])]
         return cands  # FCFS: arrival order, retracted requests first (they sit at the front)
@@ -242,11 +242,11 @@ class Scheduler:
         for a in self.running:
             if a.num_computed >= len(a.prompt_ids):
                 continue
-            d = RadixCache._token_common(req.all_ids, a.prompt_ids)
+            d = RadixCache._token_common(req.key_ids, a.key_prompt_ids)
             d = min(d, req.num_tokens - 1)
             if d >= ps and d > best_d and d > a.num_computed:
                 best, best_d = a, d
-        if best is None or not self.tree.enabled or best_d <= self.tree.match(req.all_ids, req.num_tokens - 1).resume:
+        if best is None or not self.tree.enabled or best_d <= self.tree.match(req.key_ids, req.num_tokens - 1).resume:
             return False
         if best_d not in best.save_at:
             best.save_at = sorted(set(best.save_at) | {best_d})
@@ -260,7 +260,7 @@ class Scheduler:
         slot = self._grab_slot()
         if slot is None:
             return False
-        m = self.tree.match(req.all_ids, req.num_tokens - 1)
+        m = self.tree.match(req.key_ids, req.num_tokens - 1)
         ckpt = m.checkpoint
         if ckpt is not None:
             ckpt.pins += 1  # not evictable until the restore ran
@@ -309,7 +309,7 @@ class Scheduler:
         k = self.cfg.state_checkpoint_interval
         if k > 0:
             marks.update(range((start // k + 1) * k, min(prompt_end, req.num_tokens), k))
-        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(req.all_ids, p))
+        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(req.key_ids, p))
         return self._chunk(req, budget)
 
     def _plan_saves_and_forks(self, plan: StepPlan) -> None:
