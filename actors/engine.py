@@ -61,7 +61,14 @@ class EngineActor(Actor):
                 await self.send(msg.detokenizer, P.EngineError(rid=msg.rid, status=503,
                                                                message="engine is draining"))
                 return
-            self._pending.append(("add", msg))
+            mm = []
+            if msg.mm_items:
+                from glmrt.engine.mm import MMInput
+                from transport.codec import tensor_from_frame
+                for it in msg.mm_items:  # copy: the frames' memory belongs to zmq
+                    pixels = tensor_from_frame(it.tensor, frames[it.tensor.frame], as_torch=True).clone()
+                    mm.append(MMInput(it.kind, pixels, tuple(it.grid_thw), it.num_tokens))
+            self._pending.append(("add", (msg, mm)))
         elif isinstance(msg, P.Abort):
             self._pending.append(("abort", msg))
         elif isinstance(msg, P.EngineStatsQuery):
@@ -94,7 +101,7 @@ class EngineActor(Actor):
                         self.engine.requests.pop(rid, None)
                         del self._routes[rid]
                 continue
-            m: P.EngineRequest = arg
+            m, mm = arg
             s = m.sampling
             params = SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
@@ -103,7 +110,8 @@ class EngineActor(Actor):
                 ignore_eos=s.ignore_eos, max_tokens=s.max_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
                 top_logprobs=s.top_logprobs, n=s.n)
             try:
-                rids = self.engine.add_request(m.prompt_ids, params, rid=f"{m.rid}#{time.monotonic_ns()}")
+                rids = self.engine.add_request(m.prompt_ids, params, rid=f"{m.rid}#{time.monotonic_ns()}",
+                                               mm_items=mm or None)
             except ContextLengthExceeded as e:
                 errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e),
                                                             code="context_length_exceeded")))

@@ -124,7 +124,9 @@ class Supervisor:
             cfg = dataclasses.asdict(self.topo.engine_config(spec))
             cfg["model"] = self.model_path if cfg.get("load_format") != "dummy" or cfg.get("model") else cfg["model"]
             return {"engine": cfg, "torch_threads": 1}
-        return {"model_path": self.model_path, "vocab_size": self.vocab_size}
+        media = {"allowed_local_media_path": self.topo.api.allowed_local_media_path,
+                 "allow_remote_media": self.topo.api.allow_remote_media}
+        return {"model_path": self.model_path, "vocab_size": self.vocab_size, "media": media}
 
     async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
         return (await self._spawn_group([(spec, replica)], [existing] if existing else None))[0]

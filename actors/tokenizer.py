@@ -7,6 +7,7 @@ to the api (an HTTP 400), never a dead actor. No torch in this process.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -20,11 +21,50 @@ class TokenizerActor(Actor):
     async def setup(self) -> dict[str, Any]:
         from tokenizers import Tokenizer
 
-        path = os.path.join(self.spec.config["model_path"], "tokenizer.json")
-        self.tok = Tokenizer.from_file(path)
+        from glmrt.config import load_model_config
+
+        model_path = self.spec.config["model_path"]
+        self.tok = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
         self.vocab_size = int(self.spec.config.get("vocab_size") or self.tok.get_vocab_size())
+        self.model_config = load_model_config(model_path)
+        self.media = self.spec.config.get("media", {})
         self.num = 0
-        return {"vocab_size": self.tok.get_vocab_size()}
+        return {"vocab_size": self.tok.get_vocab_size(), "vision": self.model_config.vision is not None}
+
+    def _media_items(self, messages: list[dict]) -> list:
+        """Load and preprocess every image/video part, in prompt order. A part that cannot be
+        used is a ValueError naming it (an HTTP 400), decided here, before any engine work."""
+        from glmrt.vision import ImageProcessorConfig, process_image, process_video
+        from glmrt.vision.media import MediaError, load_image, load_video
+
+        items = []
+        for i, msg in enumerate(messages):
+            content = msg.get("content")
+            if not isinstance(content, list):
+                continue
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("image_url", "image", "video_url", "video"):
+                    continue
+                where = f"messages[{i}].content[{j}]"
+                if self.model_config.vision is None:
+                    raise ValueError(f"{where}: this model has no vision tower; image and video input is refused")
+                ref = part.get(kind) if kind in ("image_url", "video_url") else part.get(kind) or part.get("url")
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                if not isinstance(url, str) or not url:
+                    raise ValueError(f"{where}: missing the {kind} url")
+                opts = dict(allowed_local_path=self.media.get("allowed_local_media_path"),
+                            allow_remote=bool(self.media.get("allow_remote_media")))
+                cfg = ImageProcessorConfig.from_vision_config(self.model_config.vision)
+                try:
+                    if kind.startswith("image"):
+                        items.append(process_image(load_image(url, **opts), cfg))
+                    else:
+                        frames, fps = load_video(url, **opts)
+                        items.append(process_video(frames, fps, cfg))
+                except MediaError as e:
+                    raise ValueError(f"{where}: {e}") from None
+        return items
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.TokenizeRequest):
@@ -39,15 +79,14 @@ class TokenizerActor(Actor):
             if m.kind == "chat":
                 kwargs = m.chat_template_kwargs or {}
                 thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
-                for msg in m.messages or []:
-                    content = msg.get("content")
-                    if isinstance(content, list) and any(
-                            isinstance(p, dict) and p.get("type") in ("image_url", "video_url", "image", "video")
-                            for p in content):
-                        raise ValueError("image and video input is not supported by this deployment "
-                                         "(no vision actor in this build)")
+                # decoding images/video is CPU work: keep it off the event loop
+                media = await asyncio.get_running_loop().run_in_executor(None, self._media_items, m.messages or [])
                 text = render_chat(m.messages or [], m.tools, thinking=thinking, reasoning_effort=m.reasoning_effort)
                 ids = self.tok.encode(text, add_special_tokens=False).ids
+                if media:
+                    from glmrt.vision import expand_placeholders, token_ids_from_config
+                    ids = expand_placeholders(ids, media, token_ids_from_config(self.model_config),
+                                              encode=lambda t: self.tok.encode(t, add_special_tokens=False).ids)
             elif isinstance(m.prompt, str):
                 ids = self.tok.encode(m.prompt, add_special_tokens=False).ids
             else:
@@ -57,7 +96,9 @@ class TokenizerActor(Actor):
                     raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             if not ids:
                 raise ValueError("the prompt is empty after tokenization")
-        except ValueError as e:
+            if m.kind != "chat":
+                media = []
+        except (ValueError, OSError) as e:
             await self.send("api/0",
                             P.TokenizerError(rid=m.rid, status=400, message=str(e), code="invalid_request"))
             return
@@ -66,5 +107,12 @@ class TokenizerActor(Actor):
             rid=m.rid, sampling=m.sampling, prompt_tokens=len(ids), stream=m.stream, reasoning=reasoning,
             tools=m.tools if m.kind == "chat" else None,
             prompt_token_ids=ids if m.return_token_ids else None, engine=m.engine, arrival=m.arrival))
+        mm_items, tensors = [], []
+        for k, it in enumerate(media):
+            kind = "video" if hasattr(it, "timestamps") else "image"
+            mm_items.append(P.MMItem(kind=kind, grid_thw=[int(x) for x in it.grid_thw], num_tokens=it.num_tokens,
+                                     tensor=P.TensorRef(dtype="float32", shape=list(it.pixel_values.shape), frame=k)))
+            tensors.append(it.pixel_values)
         await self.send(m.engine, P.EngineRequest(rid=m.rid, prompt_ids=ids, sampling=m.sampling,
-                                                  detokenizer=m.reply_to, arrival=m.arrival))
+                                                  detokenizer=m.reply_to, mm_items=mm_items, arrival=m.arrival),
+                        tensors)

@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", choices=["fp8"])
     p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
     p.add_argument("--max-request-mb", type=float)
+    p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
+    p.add_argument("--allow-remote-media", action="store_true", default=None,
+                   help="fetch http(s) image/video URLs (size-limited, with a timeout)")
     p.add_argument("--tokenizer-replicas", type=int)
     p.add_argument("--engine-replicas", type=int)
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -95,8 +98,11 @@ def build_topology(args: argparse.Namespace):
         if f.name not in _ENGINE_FLAG_SKIP and v is not None:
             engine[f.name] = v
     api = topo.api
-    api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb")
+    api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb",
+                                              "allowed_local_media_path", "allow_remote_media")
                 if getattr(args, k, None) is not None}
+    if api_over.get("allowed_local_media_path"):
+        api_over["allowed_local_media_path"] = os.path.abspath(os.path.expanduser(api_over["allowed_local_media_path"]))
     api = dataclasses.replace(api, **api_over)
     topo = dataclasses.replace(topo, model=model, engine=engine, api=api)
     from glmrt.topology import TopologyError, validate

@@ -45,6 +45,8 @@ class ApiSection:
     api_key: str | None = None
     max_request_mb: float = 32.0
     max_queued_requests: int = 1024
+    allowed_local_media_path: str | None = None   # local image/video paths only under this directory
+    allow_remote_media: bool = False               # fetch http(s) image/video URLs
 
 
 @dataclass(frozen=True)
