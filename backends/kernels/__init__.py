@@ -1,0 +1,12 @@
+"""Triton kernels of the hardware backends (first user: `backends.cuda_h200`).
+
+Importing a submodule imports Triton; `backends.registry` never imports this package
+eagerly. Every kernel here is tested against `backends.reference.ReferenceOps` on CPU
+through Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when one is present
+(tests/backends/test_triton_kernels.py).
+
+  sparse_mla.sparse_mla_decode   absorbed-MLA decode over gathered latent rows (split-K)
+  sparse_mla.sparse_mla          ReferenceOps.sparse_mla signature; kernel for decode batches
+  indexer.indexer_scores         DSA k-pool scores of decode queries
+  indexer.indexer_select         ReferenceOps.indexer_select signature; kernel + top-k for decode
+"""

@@ -1,0 +1,82 @@
+"""E2E: images through `glmrt up` and the openai client — data URLs, local paths only under
+--allowed-local-media-path, corrupt or refused images answered 400 naming the part, and the
+server healthy afterwards."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def png_bytes(seed: int, w: int = 40, h: int = 24) -> bytes:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "cat.png").write_bytes(png_bytes(5))
+    return d
+
+
+@pytest.fixture(scope="module")
+def dep(start_deployment, media_dir):
+    d = start_deployment(["--page-size", "16", "--allowed-local-media-path", str(media_dir)], name="multimodal")
+    yield d
+    d.stop(term_wait=5)
+
+
+def chat(dep, parts, **kw):
+    return dep.client().chat.completions.create(
+        model=dep.model_id(), messages=[{"role": "user", "content": parts}], max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_image_data_url_expands_placeholders_and_answers(dep):
+    r = chat(dep, [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": data_url(png_bytes(1))}}])
+    assert r.usage.completion_tokens == 4
+    ids = r.model_extra["prompt_token_ids"]
+    # a 40x24 image at the tiny model's patch 4 / merge 2 becomes 15 merged tokens -> at least 16 (min budget)
+    assert len(ids) > 16 + 10
+    same = chat(dep, [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": data_url(png_bytes(1))}}])
+    assert same.model_extra["prompt_token_ids"] == ids
+
+
+@pytest.mark.timeout(120)
+def test_local_path_only_under_the_allowed_directory(dep, media_dir):
+    r = chat(dep, [{"type": "image_url", "image_url": {"url": str(media_dir / "cat.png")}}])
+    assert r.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(dep, [{"type": "image_url", "image_url": {"url": "/etc/hostname"}}])
+    assert "messages[0].content[0]" in str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_and_remote_images_are_400_and_the_server_stays_healthy(dep):
+    raw = png_bytes(2)
+    for parts, needle in (
+        ([{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": data_url(raw[: len(raw) // 2])}}],
+         "messages[0].content[1]"),
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!notbase64"}}], "messages[0].content[0]"),
+        ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}], "messages[0].content[0]"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(dep, parts)
+        assert needle in str(e.value)
+    ok = dep.client().chat.completions.create(model=dep.model_id(), messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
