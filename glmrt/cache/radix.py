@@ -103,6 +103,27 @@ class RadixCache:
             m.checkpoint.last_use = now
         return m
 
+    def match_pages(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
+        """KV-only match: the cached full pages of the longest page-aligned prefix of
+        `tokens[:limit]` (a decode engine receiving state from a prefill needs no checkpoint)."""
+        if not self.enabled:
+            return [], 0
+        ps = self.page_size
+        node, pos, pages = self.root, 0, []
+        now = next(self._clock)
+        while pos + ps <= limit:
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = min(self._edge_match(child, tokens, pos), (limit - pos) // ps * ps)
+            pages += child.pages[: n // ps]
+            child.last_use = now
+            if n < len(child.tokens):
+                pos += n
+                break
+            node, pos = child, pos + n
+        return pages, pos
+
     def _best_checkpoint(self, node: Node, tokens: list[int], pos: int, limit: int) -> Checkpoint | None:
         best = None
         for c in node.checkpoints:

@@ -42,6 +42,9 @@ class EngineConfig:
     page_size: int = 64
     seed: int = 0
     context_length: int | None = None
+    role: str = "unified"
+    """unified | prefill (computes prompts, hands the state over after the first token) |
+    decode (receives handed-over requests and continues them)."""
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError("cache_memory_gb must be > 0")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if self.role not in ("unified", "prefill", "decode"):
+            raise ValueError(f"role must be unified, prefill or decode, got {self.role!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

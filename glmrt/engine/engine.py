@@ -101,6 +101,7 @@ class Engine:
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
         self.requests: dict[str, Request] = {}
+        self.handoffs: dict[str, Request] = {}   # prefill role: finished prompts whose state awaits transfer
         self._arrival = itertools.count()
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
                          "finished": 0, "aborted": 0, "retractions": 0}
@@ -267,6 +268,13 @@ class Engine:
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
+        if self.config.role == "prefill" and len(req.output_ids) == 1:
+            normal = self._finish_reason_unified(req, token)
+            return normal if normal is not None else "handoff"
+        return self._finish_reason_unified(req, token)
+
+    def _finish_reason_unified(self, req: Request, token: int) -> str | None:
+        p = req.params
         if len(req.output_ids) >= p.min_tokens and (token in p.stop_token_ids
                                                     or (not p.ignore_eos and token in self.eos_ids)):
             return "stop"
@@ -288,6 +296,13 @@ class Engine:
                 req.pages[i] = p
 
     def _finish(self, req: Request, reason: str) -> None:
+        if reason == "handoff":
+            # keep the pages and the live slot until the decode side has the state
+            # (glmrt.engine.handoff); the scheduler no longer runs it
+            self.scheduler.running.remove(req)
+            req.finish_reason = reason
+            self.handoffs[req.rid] = req
+            return
         req.finish_reason = reason
         if reason != "abort" and req.status is Status.RUNNING and req.slot is not None and req.num_computed > 0:
             self._checkpoint_at_end(req)

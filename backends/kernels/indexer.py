@@ -1,0 +1,162 @@
+"""DSA k-pool indexer for decode queries (MODEL.md §3.3) as a Triton kernel + a tie-broken top-k.
+
+Score of pool p for the query of request b (fp32):
+    I(b, p) = Σ_h w[b, h] · relu(q[b, h] · K_p · di^-0.5)
+where K_p is the cached pooled key of pool p, found at pooled[page_table[b, p // ppp], p % ppp]
+(ppp = page_size // kpool pools per page). One program scores BLOCK_P pools of one request
+against all Hi index heads as one matrix product (keys as the M side, so the tensor cores
+see M = BLOCK_P), then mixes the heads in registers: every pooled key is read once.
+
+Decode queries sit at the last position of their request, so every complete pool is
+eligible; pools past n_pools[b] score -inf. Selection matches ReferenceOps.indexer_select
+exactly: requests with at most topk pools take all of them in index order; the others take
+the topk best in descending score, ties to the lower pool index (a total order through an
+int64 key, so torch.topk's unspecified tie order never matters).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..meta import BatchMeta
+from ..reference import ReferenceOps
+from .sparse_mla import is_decode_batch
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    Q, W, POOLED, TABLE, NPOOLS, OUT,
+    stride_qb, stride_qh,
+    stride_wb,
+    stride_pool,
+    stride_tb,
+    stride_ob,
+    HI, DI, P_OUT, ppp,
+    scale,
+    BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pb = tl.program_id(1)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_h = tl.arange(0, BLOCK_HI)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < HI
+    d_ok = offs_d < DI
+
+    n = tl.load(NPOOLS + b)
+    p_ok = offs_p < n
+    page = tl.load(TABLE + b.to(tl.int64) * stride_tb + offs_p // ppp, mask=p_ok, other=0)
+    ok = p_ok & (page >= 0)
+    row = tl.where(ok, page * ppp + offs_p % ppp, 0).to(tl.int64)
+    keys = tl.load(POOLED + row[:, None] * stride_pool + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(keys.dtype)
+    s = tl.dot(keys, tl.trans(q), input_precision=PRECISION)  # [BLOCK_P, BLOCK_HI]
+    s = tl.maximum(s * scale, 0.0)
+    w = tl.load(W + b.to(tl.int64) * stride_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    score = tl.sum(s * w[None, :], 1)
+    score = tl.where(ok, score, float("-inf"))
+    tl.store(OUT + b.to(tl.int64) * stride_ob + offs_p, score, mask=offs_p < P_OUT)
+
+
+def default_config(hi: int, di: int) -> dict:
+    return dict(BLOCK_P=128 if di <= 128 else 64, num_warps=4, num_stages=1)
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_table: torch.Tensor,
+                   n_pools: torch.Tensor, pools_per_page: int, max_pools: int, *,
+                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Scores [B, max_pools] fp32 of the decode queries; -inf past n_pools[b] (or on a -1 page).
+
+    q [B, Hi, di] (any float dtype); w [B, Hi] (fp32 head weights, already scaled by Hi^-0.5);
+    pooled [num_pages, pools_per_page, di] contiguous; page_table [B, max_pages] (-1 = none);
+    n_pools [B] int (complete pools per request, all eligible). With q and pooled both
+    bf16/fp16 the product runs on the tensor cores (exact products, fp32 sums); otherwise in
+    fp32.
+    """
+    b, hi, di = q.shape
+    if pooled.shape[-1] != di:
+        raise ValueError(f"pooled key dim {pooled.shape[-1]} != q dim {di}")
+    if not pooled.is_contiguous():
+        raise ValueError("pooled must be contiguous")
+    flat = pooled.view(-1, di)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    if out is None:
+        out = torch.empty(b, max_pools, dtype=torch.float32, device=q.device)
+    elif out.shape != (b, max_pools) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("out must be fp32 [B, max_pools] with unit stride")
+    if b == 0 or max_pools == 0:
+        return out
+    if q.dtype == flat.dtype and q.dtype in (torch.bfloat16, torch.float16):
+        precision = "tf32"  # moot for 16-bit operands
+    else:
+        precision = "ieee"
+        if flat.dtype != torch.float32:
+            flat = flat.float()  # rare path (mixed dtypes): upcast the pool once
+        if q.dtype != torch.float32:
+            q = q.float()
+    cfg = dict(default_config(hi, di))
+    if config:
+        cfg.update(config)
+    grid = (b, triton.cdiv(max_pools, cfg["BLOCK_P"]))
+    _indexer_scores_kernel[grid](
+        q, w, flat, page_table, n_pools, out,
+        q.stride(0), q.stride(1),
+        w.stride(0),
+        flat.stride(0),
+        page_table.stride(0),
+        out.stride(0),
+        hi, di, max_pools, pools_per_page,
+        float(di ** -0.5),
+        BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
+        BLOCK_P=cfg["BLOCK_P"], PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def topk_lower_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, in descending order, ties to the lower index.
+
+    = torch.sort(scores, descending=True, stable=True).indices[:, :k] (-0.0 counts as 0.0),
+    through one torch.topk on a unique int64 key: the order-preserving integer image of the
+    fp32 score in the high word, (P-1-index) in the low word.
+    """
+    p = scores.shape[-1]
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores).float().contiguous()
+    bits = s.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    low = (p - 1) - torch.arange(p, device=scores.device, dtype=torch.int64)
+    key = (ordered << 32) | low
+    return torch.topk(key, k, dim=-1, largest=True, sorted=True).indices
+
+
+def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta, kpool: int,
+                   topk_pools: int, *, reference: ReferenceOps | None = None) -> torch.Tensor:
+    """ReferenceOps.indexer_select with decode batches on the kernel (others go to the reference).
+
+    Returns [N, topk_pools] long pool indices, -1 = none, identical to the reference.
+    """
+    if not is_decode_batch(meta):
+        return (reference or ReferenceOps()).indexer_select(q, w, pooled, meta, kpool, topk_pools)
+    dev = q.device
+    n_pools = torch.div(meta.positions + 1, kpool, rounding_mode="floor")  # decode: all complete pools visible
+    max_pools = max(t // kpool for t in meta.total_lens)
+    j = torch.arange(topk_pools, device=dev)
+    sel = torch.where(j[None, :] < n_pools[:, None], j[None, :], -1)  # <= topk pools: all, in order
+    if max_pools > topk_pools:
+        scores = indexer_scores(q, w, pooled, meta.page_table, n_pools, meta.page_size // kpool, max_pools)
+        top = topk_lower_index_ties(scores, topk_pools)
+        sel = torch.where((n_pools > topk_pools)[:, None], top, sel)
+    return sel.to(torch.long)
+
+
+__all__ = ["indexer_scores", "indexer_select", "topk_lower_index_ties", "default_config"]

@@ -1,0 +1,335 @@
+"""Sparse absorbed-MLA decode (MODEL.md §3.1, §3.3) as a Triton kernel.
+
+Decode is one query per request. In the absorbed form every head scores the same cached
+latent rows, `score_h,s = q̃_h · c_s * scale` and `õ_h = Σ_s p_h,s c_s`, so one program
+takes ALL heads of a request (BLOCK_H = 64 at full size) and streams the request's selected
+latent rows through them: each row is read from memory once per request, and both products
+(`Q·Cᵀ` and `P·C`) are tensor-core matrix products with M = heads. Online softmax in fp32
+over blocks of BLOCK_N selected tokens (exp2 with the scale folded in).
+
+Small batches do not fill the chip with one program per request, so the token list is split
+into NUM_SPLITS contiguous chunks (flash-decoding): each split writes its normalised partial
+output and log-sum-exp, and a second small kernel merges them. With one split the first
+kernel writes the final output directly.
+
+Inputs of the kernel:
+  q_abs      [B, H, R]   query already multiplied by W_kc (R = kv_lora_rank)
+  latent     [num_pages, page_size, R] (or any [..., R] contiguous view) bf16/fp16/fp32
+  token_idx  [B, K] int32 flat token indices (page * page_size + offset), -1 = padding
+  num_tokens [B] int32 (optional): only token_idx[b, :num_tokens[b]] is looked at; the
+             builder below packs the valid tokens first so padding costs nothing.
+
+Precision: with a bf16/fp16 cache, q is rounded to the cache dtype and both products run on
+the tensor cores with fp32 accumulation (P is rounded to the cache dtype for P·C, as every
+flash kernel does); with an fp32 cache both products are plain fp32 (`ieee`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..meta import BatchMeta
+from ..reference import ReferenceOps
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _sparse_mla_decode_kernel(
+    Q, KV, IDX, NTOK, O, OPART, LSE,
+    stride_qb, stride_qh,
+    stride_kv,
+    stride_ib,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    H, R, K, chunk,
+    qk_scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    r_ok = offs_r < R
+
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_r[None, :],
+                mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q = q.to(KV.dtype.element_ty)
+
+    n_b = K
+    if HAS_NTOK:
+        n_b = tl.minimum(tl.load(NTOK + b), K)
+    start = sp * chunk
+    end = tl.minimum(start + chunk, n_b)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    idx_row = IDX + b.to(tl.int64) * stride_ib
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + offs_n
+        idx = tl.load(idx_row + offs, mask=offs < end, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        kv = tl.load(KV + rows[:, None] * stride_kv + offs_r[None, :],
+                     mask=valid[:, None] & r_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no token yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    hr_ok = h_ok[:, None] & r_ok[None, :]
+    if SPLIT:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(OPART + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph + sp * stride_ps + offs_r[None, :],
+                 out, mask=hr_ok)
+        tl.store(LSE + b * stride_lb + offs_h * stride_lh + sp, lse, mask=h_ok)
+    else:
+        tl.store(O + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :],
+                 out.to(O.dtype.element_ty), mask=hr_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OPART, LSE, O,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    R,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    lse_row = LSE + b * stride_lb + h * stride_lh
+    lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    part = OPART + b.to(tl.int64) * stride_pb + h * stride_ph
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_row + s) - m)
+        acc += w * tl.load(part + s * stride_ps + offs_r, mask=r_ok, other=0.0)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_r, out.to(O.dtype.element_ty), mask=r_ok)
+
+
+# ---------------------------------------------------------------------------------------
+# launch helpers
+# ---------------------------------------------------------------------------------------
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits, so the merge path is exercised too
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_config(h: int, r: int, cache_dtype: torch.dtype) -> dict:
+    """Block shapes per problem; the bench sweeps alternatives (bench/kernels_h200.py)."""
+    block_r = max(16, triton.next_power_of_2(r))
+    block_h = min(64, max(16, triton.next_power_of_2(h)))
+    if cache_dtype == torch.float32:
+        # fp32 is the parity/test path (FMA dots): keep the tiles small.
+        return dict(BLOCK_H=min(block_h, 32), BLOCK_N=16, num_warps=4 if block_r <= 128 else 8, num_stages=1)
+    big = block_h * block_r >= 64 * 256  # e.g. 64 heads x 512: split the accumulator over 8 warps
+    return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8 if big else 4, num_stages=2)
+
+
+def choose_num_splits(batch: int, head_blocks: int, k: int, block_n: int, num_sms: int,
+                      max_splits: int = 64) -> int:
+    """Fewest splits that fill the chip to >= 85% in whole waves (else the best found)."""
+    base = batch * head_blocks
+    limit = max(1, min(max_splits, triton.cdiv(k, block_n)))
+    best, best_eff = 1, 0.0
+    for s in range(1, limit + 1):
+        n = base * s
+        eff = n / (triton.cdiv(n, num_sms) * num_sms)
+        if eff >= 0.85:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def sparse_mla_decode(q_abs: torch.Tensor, latent_cache: torch.Tensor, token_idx: torch.Tensor, scale: float,
+                      num_tokens: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None, num_splits: int | None = None,
+                      config: dict | None = None) -> torch.Tensor:
+    """o_latent[b, h] = Σ_k softmax_k(q_abs[b,h]·c_k * scale) c_k over the rows token_idx[b, k] >= 0.
+
+    q_abs [B, H, R]; latent_cache [..., R] contiguous (a flat token index addresses row
+    `idx` of `latent_cache.view(-1, R)`); token_idx [B, K] int32/int64 (-1 = padding,
+    anywhere); num_tokens [B] optional bound per request. Returns [B, H, R] in `out_dtype`
+    (default q_abs.dtype). A request with no valid token gets zeros (the reference gives NaN).
+    """
+    b, h, r = q_abs.shape
+    if latent_cache.shape[-1] != r:
+        raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
+    if token_idx.dim() != 2 or token_idx.shape[0] != b:
+        raise ValueError(f"token_idx must be [B={b}, K], got {tuple(token_idx.shape)}")
+    if not latent_cache.is_contiguous():
+        raise ValueError("latent_cache must be contiguous")
+    flat = latent_cache.view(-1, r)
+    if q_abs.stride(-1) != 1:
+        q_abs = q_abs.contiguous()
+    if token_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError("token_idx must be int32 or int64")
+    if token_idx.stride(-1) != 1:
+        token_idx = token_idx.contiguous()
+    if num_tokens is not None and num_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("num_tokens must be int32 or int64")
+    k = token_idx.shape[1]
+    out_dtype = out_dtype or q_abs.dtype
+    if out is None:
+        out = torch.empty(b, h, r, dtype=out_dtype, device=q_abs.device)
+    elif out.shape != (b, h, r) or out.stride(-1) != 1:
+        raise ValueError("out must be [B, H, R] with unit stride in R")
+    if b == 0 or h == 0:
+        return out
+
+    cfg = dict(default_config(h, r, flat.dtype))
+    if config:
+        cfg.update(config)
+    block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    block_r = max(16, triton.next_power_of_2(r))
+    head_blocks = triton.cdiv(h, block_h)
+    if num_splits is None:
+        num_splits = cfg.get("num_splits") or choose_num_splits(b, head_blocks, max(k, 1), block_n,
+                                                                _num_sms(q_abs.device))
+    num_splits = max(1, min(int(num_splits), max(1, triton.cdiv(k, block_n))))
+    chunk = triton.cdiv(triton.cdiv(max(k, 1), num_splits), block_n) * block_n
+    precision = "ieee" if flat.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
+    split = num_splits > 1
+    if split:
+        opart = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_abs.device)
+        lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_abs.device)
+    else:
+        opart = lse = out  # unused
+    ntok = num_tokens if num_tokens is not None else token_idx  # dummy pointer when absent
+    grid = (b, head_blocks, num_splits)
+    _sparse_mla_decode_kernel[grid](
+        q_abs, flat, token_idx, ntok, out, opart, lse,
+        q_abs.stride(0), q_abs.stride(1),
+        flat.stride(0),
+        token_idx.stride(0),
+        out.stride(0), out.stride(1),
+        opart.stride(0) if split else 0, opart.stride(1) if split else 0, opart.stride(2) if split else 0,
+        lse.stride(0) if split else 0, lse.stride(1) if split else 0,
+        h, r, k, chunk,
+        float(scale) * _LOG2E,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
+        SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        _merge_splits_kernel[(b, h)](
+            opart, lse, out,
+            opart.stride(0), opart.stride(1), opart.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            r,
+            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r,
+            num_warps=4 if block_r >= 256 else 2,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# token lists from the indexer's selection
+# ---------------------------------------------------------------------------------------
+def is_decode_batch(meta: BatchMeta) -> bool:
+    """One new token for every request (what the decode kernels handle)."""
+    return meta.num_reqs > 0 and all(s == 1 for s in meta.seq_lens)
+
+
+def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int,
+                           with_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat latent rows each decode query attends to -> (token_idx [B, K] int32, num_tokens [B] int32).
+
+    The token set is exactly ReferenceOps._token_mask's: the selected pools (a set: repeats
+    count once) expanded to their tokens, kept when causally visible, plus (with_tail) the
+    visible tail of the incomplete pool; sel None means dense causal. Valid tokens are packed
+    first in increasing position order, -1 after. K is static (sel.shape[1]*kpool + kpool-1,
+    or the longest request when dense), so nothing here waits on the GPU.
+    """
+    pos = meta.positions
+    dev = pos.device
+    b = pos.shape[0]
+    if b != meta.num_reqs:
+        raise ValueError("build_decode_token_idx needs exactly one query per request")
+    ps = meta.page_size
+    if sel is None:
+        t = torch.arange(max(meta.total_lens), device=dev)
+        tok = t[None, :].expand(b, -1)
+        ok = tok <= pos[:, None]
+    else:
+        s = torch.sort(sel.to(torch.long), dim=1).values
+        dup = torch.zeros_like(s, dtype=torch.bool)
+        dup[:, 1:] = s[:, 1:] == s[:, :-1]
+        s = s.masked_fill(dup, -1)
+        j = torch.arange(kpool, device=dev)
+        tok = (s[:, :, None] * kpool + j).flatten(1)
+        ok = (s >= 0)[:, :, None].expand(-1, -1, kpool).flatten(1) & (tok <= pos[:, None])
+        if with_tail:
+            tail_start = torch.div(pos + 1, kpool, rounding_mode="floor") * kpool
+            ok &= tok < tail_start[:, None]  # tail tokens come from the tail part (no repeats)
+            tail = tail_start[:, None] + j[: kpool - 1]
+            tok = torch.cat([tok, tail], dim=1)
+            ok = torch.cat([ok, tail <= pos[:, None]], dim=1)
+    width = tok.shape[1]
+    table = meta.page_table
+    page_idx = torch.div(tok, ps, rounding_mode="floor").clamp(0, table.shape[1] - 1)
+    page = torch.gather(table, 1, page_idx)
+    ok &= page >= 0
+    flat = page * ps + tok % ps
+    dest = torch.where(ok, torch.cumsum(ok, dim=1) - 1, width)
+    token_idx = torch.full((b, width + 1), -1, dtype=torch.int32, device=dev)
+    token_idx.scatter_(1, dest, torch.where(ok, flat, -1).to(torch.int32))
+    return token_idx[:, :width], ok.sum(dim=1, dtype=torch.int32)
+
+
+def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+               sel: torch.Tensor | None, meta: BatchMeta, kpool: int, scale: float,
+               with_tail: bool = True, *, reference: ReferenceOps | None = None) -> torch.Tensor:
+    """ReferenceOps.sparse_mla with the decode case on the kernel (others go to the reference).
+
+    Decode: q̃ = q·W_kc per head (one batched matmul), the kernel over the selected latent
+    rows, then o = õ·W_vcᵀ per head, all in q's dtype like the reference.
+    """
+    if not is_decode_batch(meta):
+        return (reference or ReferenceOps()).sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
+    dt = q.dtype
+    q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
+    token_idx, num_tokens = build_decode_token_idx(sel, meta, kpool, with_tail)
+    o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, num_tokens, out_dtype=dt)
+    return torch.bmm(o_lat.transpose(0, 1), w_vc.to(dt).transpose(1, 2)).transpose(0, 1).contiguous()
+
+
+__all__ = ["sparse_mla_decode", "sparse_mla", "build_decode_token_idx", "is_decode_batch", "default_config",
+           "choose_num_splits"]

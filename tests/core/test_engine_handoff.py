@@ -1,0 +1,83 @@
+"""Prefill/decode handoff at the engine level: a prefill engine computes the prompt and the
+first token, the typed state moves to a decode engine, which continues — the same greedy
+tokens as one unified engine; the decode side reuses the KV pages it already caches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from glmrt.engine import handoff  # noqa: E402
+from glmrt.engine.config import EngineConfig  # noqa: E402
+from glmrt.engine.engine import Engine  # noqa: E402
+from glmrt.sampling_params import SamplingParams  # noqa: E402
+from tests.core.test_engine import assert_same, ckpt, model  # noqa: E402,F401
+
+
+def greedy(n=8):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+
+def toks(seed, n):
+    g = random.Random(seed)
+    return [g.randrange(1, 900) for _ in range(n)]
+
+
+def make(ckpt, model, **kw):
+    return Engine(EngineConfig(model=ckpt, page_size=8, **kw), model=model, log=lambda *a: None)
+
+
+def pd_generate(prefill, decode, prompt, params, rid):
+    prefill.add_request(prompt, params, rid=rid)
+    while rid not in prefill.handoffs:
+        prefill.step()
+    first = prefill.handoffs[rid].output_ids[0]
+    res = handoff.reserve(decode, rid, prompt, first, params)
+    moved = handoff.copy_in_process(prefill, decode, res)
+    handoff.release(prefill, rid)
+    handoff.activate(decode, rid)
+    while not decode.requests[rid].finished:
+        decode.step()
+    prefill.check_invariants()
+    decode.check_invariants()
+    return decode.requests.pop(rid), res, moved
+
+
+def test_prefill_decode_equals_unified(ckpt, model):
+    unified = make(ckpt, model, disable_radix_cache=True)
+    prefill, decode = make(ckpt, model, role="prefill"), make(ckpt, model, role="decode")
+    prompts = [toks(i, n) for i, n in enumerate([5, 23, 40])]
+    want = [c[0] for c in unified.generate(prompts, greedy())]
+    got = [pd_generate(prefill, decode, p, greedy(), f"r{i}")[0] for i, p in enumerate(prompts)]
+    assert_same(got, want)
+
+
+def test_decode_side_prefix_cache_receives_only_missing_pages(ckpt, model):
+    prefill, decode = make(ckpt, model, role="prefill"), make(ckpt, model, role="decode")
+    system = toks(50, 48)
+    a, b = system + toks(51, 9), system + toks(52, 9)
+    _, res_a, moved_a = pd_generate(prefill, decode, a, greedy(4), "a")
+    got_b, res_b, moved_b = pd_generate(prefill, decode, b, greedy(4), "b")
+    assert res_a.reused_tokens == 0 and res_b.reused_tokens == 48
+    assert moved_b < moved_a
+    unified = make(ckpt, model, disable_radix_cache=True)
+    assert_same([got_b], [unified.generate([b], greedy(4))[0][0]])
+    for e in (prefill, decode):
+        e.flush_cache()
+        e.check_invariants()
+        assert e.pages.num_free == e.pages.num_pages and e.slots.num_free == e.slots.num_slots
+
+
+def test_no_room_is_refused_cleanly(ckpt, model):
+    e0 = make(ckpt, model)
+    lay = e0.layout
+    budget = 4 * lay.state_bytes_per_slot + 3 * lay.kv_bytes_per_page
+    decode = make(ckpt, model, role="decode", max_mamba_cache_size=4, cache_memory_gb=budget / 2**30)
+    with pytest.raises(handoff.HandoffError):
+        handoff.reserve(decode, "big", toks(60, 200), 5, greedy())
+    decode.check_invariants()
+    assert decode.pages.num_free == decode.pages.num_pages
