@@ -36,6 +36,7 @@ class Inflight:
     tokenizer: str
     detokenizer: str
     prompt_index: int = 0
+    decode: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -165,7 +166,7 @@ class ApiServer:
         for st in list(self.inflight.values()):
             if st.done:
                 continue
-            if actor_id in (st.engine, st.tokenizer, st.detokenizer) or kind == "detokenizer":
+            if actor_id in (st.engine, st.tokenizer, st.detokenizer, st.decode) or kind == "detokenizer":
                 st.queue.put_nowait(oa.APIError(503, f"{actor_id} failed while serving this request; retry",
                                                 "server_error", code="actor_failed", headers={"Retry-After": "1"}))
 
@@ -182,36 +183,44 @@ class ApiServer:
                 if transport is None or transport.is_closing():
                     raise ConnectionResetError("client disconnected")
 
-    def _route(self) -> tuple[str, str, str]:
+    def _least_loaded(self, kind: str, attr: str = "engine"):
+        counts: dict[str, int] = {}
+        for st in self.inflight.values():
+            key = getattr(st, attr)
+            counts[key] = counts.get(key, 0) + 1
+        return min(self.sup.ready(kind), key=lambda a: (counts.get(a.actor_id, 0), a.load, a.replica))
+
+    def _route(self) -> tuple[str, str, str, str | None]:
+        kinds = self.sup.topo.engine_kinds
         toks = self.sup.ready("tokenizer")
-        engines = self.sup.ready("engine")
+        engines = [a for k in kinds for a in self.sup.ready(k)]
         detoks = self.sup.ready("detokenizer")
-        if not (toks and engines and detoks):
+        if not (toks and detoks and all(self.sup.ready(k) for k in kinds)):
             raise oa.APIError(503, "the server is not ready (actors starting or restarting); retry",
                               "server_error", code="not_ready", headers={"Retry-After": "1"})
         if len(self.inflight) >= self.max_queued:
             raise oa.overloaded(1)
         tok = toks[next(self._rr) % len(toks)]
-        counts: dict[str, int] = {}
-        for st in self.inflight.values():
-            counts[st.engine] = counts.get(st.engine, 0) + 1
-        eng = min(engines, key=lambda a: (counts.get(a.actor_id, 0), a.load, a.replica))
         det = detoks[next(self._rr) % len(detoks)]
-        return tok.actor_id, eng.actor_id, det.actor_id
+        if kinds == ("engine",):
+            return tok.actor_id, self._least_loaded("engine").actor_id, det.actor_id, None
+        pre, dec = self._least_loaded("prefill"), self._least_loaded("decode", "decode")
+        return tok.actor_id, pre.actor_id, det.actor_id, dec.actor_id
 
     def context_length(self) -> int | None:
-        lens = [a.info.get("context_length") for a in self.sup.ready("engine") if a.info.get("context_length")]
+        lens = [a.info.get("context_length") for k in self.sup.topo.engine_kinds for a in self.sup.ready(k)
+                if a.info.get("context_length")]
         return min(lens) if lens else None
 
     async def _submit(self, req, rid: str) -> list[Inflight]:
-        tok, eng, det = self._route()
+        tok, eng, det, dec = self._route()
         ctx = self.context_length()
         sampling = oa.to_sampling_msg(req, defaults=self.generation_config, max_model_len=ctx)
         queue: asyncio.Queue = asyncio.Queue()
         states = []
         for i, tr in enumerate(oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time())):
-            tr.engine = eng
-            st = Inflight(tr.rid, queue, eng, tok, det, prompt_index=i)
+            tr.engine, tr.decode = eng, dec
+            st = Inflight(tr.rid, queue, eng, tok, det, prompt_index=i, decode=dec)
             self.inflight[tr.rid] = st
             states.append(st)
             await self.peers.send(tok, tr)
@@ -220,7 +229,9 @@ class ApiServer:
     async def _abort(self, states: list[Inflight]) -> None:
         for st in states:
             if not st.done:
-                for dest in (st.engine, st.detokenizer):
+                for dest in (st.engine, st.detokenizer, st.decode):
+                    if dest is None:
+                        continue
                     try:
                         await asyncio.wait_for(self.peers.send(dest, P.Abort(rid=st.rid)), 1.0)
                     except Exception:
@@ -377,7 +388,7 @@ class ApiServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         engines = {}
-        for a in self.sup.ready("engine"):
+        for a in [a for k in self.sup.topo.engine_kinds for a in self.sup.ready(k)]:
             info = dict(a.info)  # boot facts (pools, backend, dtypes) + the latest live counters
             stats = self.engine_stats.get(a.actor_id)
             if stats is not None:
@@ -390,7 +401,8 @@ class ApiServer:
                                   "actors": self.sup.status()})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
-        self.metrics.update_engines(self.engine_stats, {a.actor_id for a in self.sup.ready("engine")},
+        self.metrics.update_engines(self.engine_stats, {a.actor_id for k in self.sup.topo.engine_kinds
+                                                        for a in self.sup.ready(k)},
                                     len(self.inflight))
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})

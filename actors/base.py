@@ -26,6 +26,7 @@ from transport.codec import Codec, ProtocolError
 log = logging.getLogger("glmrt.actor")
 
 INBOX_UNION = {"api": P.API_IN, "tokenizer": P.TOKENIZER_IN, "engine": P.ENGINE_IN,
+               "prefill": P.ENGINE_IN, "decode": P.ENGINE_IN,
                "detokenizer": P.DETOK_IN, "supervisor": P.SUPERVISOR_IN, "vision": P.VISION_IN}
 HEARTBEAT_S = 0.5
 

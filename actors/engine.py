@@ -16,6 +16,7 @@ from actors.base import Actor
 from glmrt import protocol as P
 
 STATS_S = 1.0
+HANDOFF_TIMEOUT_S = 30.0
 
 
 class EngineActor(Actor):
@@ -38,6 +39,11 @@ class EngineActor(Actor):
         self._wake = asyncio.Event()
         self._routes: dict[str, tuple[str, int, str]] = {}   # engine rid -> (api rid, choice index, detok)
         self._prompt_cached: dict[str, int] = {}               # api rid -> cached prompt tokens of choice 0
+        self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
+        self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (Reservation, HandoffOffer)
+        from actors.handoff import layout_of
+        import os
+        self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
         info = dict(self.engine.info())
         info.update(backend=self.engine.backend.name, dtype=str(self.engine.dtype).removeprefix("torch."),
                     kv_dtype=self.engine.layout.kv_dtype, state_dtype=self.engine.layout.state_dtype,
@@ -45,10 +51,10 @@ class EngineActor(Actor):
         return info
 
     def _log(self, line: str) -> None:
-        print(f"[engine/{self.spec.replica}] {line}", flush=True)
+        print(f"[{self.spec.actor_id}] {line}", flush=True)
 
     def busy(self) -> bool:
-        return bool(self._routes) or bool(self._pending)
+        return bool(self._routes) or bool(self._pending) or bool(self._reservations)
 
     def load(self) -> tuple[float, int, int]:
         s = self.engine.scheduler
@@ -74,6 +80,14 @@ class EngineActor(Actor):
         elif isinstance(msg, P.EngineStatsQuery):
             await self.send(msg.reply_to, self._stats(msg.qid))
             return
+        elif isinstance(msg, P.HandoffOffer):
+            self._pending.append(("offer", msg))
+        elif isinstance(msg, P.HandoffAccept):
+            self._pending.append(("accept", msg))
+        elif isinstance(msg, P.KVHandoff):
+            self._pending.append(("kv", (msg, frames)))
+        elif isinstance(msg, P.HandoffDone):
+            self._pending.append(("done", msg))
         self._wake.set()
 
     def _stats(self, qid: int = 0) -> P.EngineStats:
@@ -97,12 +111,26 @@ class EngineActor(Actor):
             if op == "abort":
                 for rid, (api_rid, index, _) in list(self._routes.items()):
                     if api_rid == arg.rid and (arg.index is None or arg.index == index):
-                        self.engine.abort(rid)
+                        if rid in self.engine.handoffs:
+                            self._release_handoff(rid)
+                        else:
+                            self.engine.abort(rid)
                         self.engine.requests.pop(rid, None)
                         del self._routes[rid]
+                for rid in [r for r in self._reservations if r.partition("#")[0] == arg.rid]:
+                    from glmrt.engine import handoff
+                    handoff.cancel(self.engine, rid)
+                    del self._reservations[rid]
+                continue
+            if op in ("offer", "accept", "kv", "done"):
+                errors += getattr(self, f"_pd_{op}")(arg)
                 continue
             m, mm = arg
             s = m.sampling
+            if self.engine.config.role == "prefill" and not m.decode:
+                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=500,
+                                                            message="prefill engine got a request without a decode")))
+                continue
             params = SamplingParams(
                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                 frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
@@ -121,7 +149,113 @@ class EngineActor(Actor):
                 continue
             for i, rid in enumerate(rids):
                 self._routes[rid] = (m.rid, i, m.detokenizer)
+                if m.decode:
+                    self._pd[rid] = (m.decode, m.sampling, None)
         return errors
+
+    # ---- prefill/decode handoff (actors/handoff.py has the protocol) ---------------------
+    def _release_handoff(self, rid: str) -> None:
+        from glmrt.engine import handoff
+        if rid in self.engine.handoffs:
+            handoff.release(self.engine, rid)
+        self._pd.pop(rid, None)
+
+    def _fail(self, rid: str, status: int, message: str) -> list:
+        route = self._routes.pop(rid, None)
+        self.engine.requests.pop(rid, None)
+        if route is None:
+            return []
+        return [(route[2], P.EngineError(rid=route[0], status=status, message=message))]
+
+    def _pd_offer(self, offer: P.HandoffOffer) -> list:
+        from actors.handoff import layout_mismatch
+        from glmrt.engine import handoff
+        reason = layout_mismatch(self._layout, offer.layout)
+        if reason is None:
+            try:
+                params = self._params(offer.sampling)
+                res = handoff.reserve(self.engine, offer.rid, offer.prompt_ids, offer.first_token, params)
+                self._reservations[offer.rid] = (res, offer)
+                return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=True, decode=self.spec.actor_id,
+                                                        reused_tokens=res.reused_tokens))]
+            except (handoff.HandoffError, ValueError) as e:
+                reason = str(e)
+        return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=False, decode=self.spec.actor_id, reason=reason))]
+
+    def _pd_accept(self, acc: P.HandoffAccept) -> list:
+        from actors.handoff import pack
+        rid = acc.rid
+        if rid not in self.engine.handoffs:
+            return []
+        if not acc.ok:
+            self._release_handoff(rid)
+            return self._fail(rid, 503, f"decode {acc.decode} refused the request: {acc.reason}")
+        req = self.engine.handoffs[rid]
+        comps, tensors = pack(self.engine, rid, acc.reused_tokens)
+        _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
+        detok = self._routes.get(rid, ("", 0, ""))[2]
+        msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=comps,
+                          sampling=sampling, detokenizer=detok, prompt_ids=list(req.prompt_ids))
+        return [(acc.decode, msg, tensors)]
+
+    def _pd_kv(self, arg) -> list:
+        from actors.handoff import split_rid, unpack
+        from glmrt.engine import handoff
+        msg, frames = arg
+        entry = self._reservations.pop(msg.rid, None)
+        if entry is None:
+            return []
+        res, offer = entry
+        try:
+            unpack(self.engine, res, msg.components, frames)
+        except (handoff.HandoffError, KeyError, ValueError, RuntimeError) as e:
+            handoff.cancel(self.engine, msg.rid)
+            api_rid, _ = split_rid(msg.rid)
+            return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=False, reason=str(e))),
+                    (offer.detokenizer, P.EngineError(rid=api_rid, status=503, message=f"handoff failed: {e}"))]
+        handoff.activate(self.engine, msg.rid)
+        self.engine.requests[msg.rid].cached_tokens = offer.cached_tokens
+        api_rid, index = split_rid(msg.rid)
+        self._routes[msg.rid] = (api_rid, index, offer.detokenizer)
+        return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=True))]
+
+    def _pd_done(self, done: P.HandoffDone) -> list:
+        rid = done.rid
+        self._release_handoff(rid)
+        if done.ok:
+            self._routes.pop(rid, None)  # the decode side serves it now
+            self.engine.requests.pop(rid, None)
+            return []
+        return self._fail(rid, 503, f"handoff to decode failed: {done.reason}")
+
+    def _offers(self, outs) -> list:
+        """Prefill: every request that just produced its first token goes to its decode."""
+        msgs = []
+        now = time.monotonic()
+        for o in outs:
+            if o.finish_reason != "handoff" or o.rid not in self.engine.handoffs:
+                continue
+            decode, sampling, _ = self._pd[o.rid]
+            req = self.engine.handoffs[o.rid]
+            self._pd[o.rid] = (decode, sampling, now)
+            msgs.append((decode, P.HandoffOffer(
+                rid=o.rid, prompt_ids=list(req.prompt_ids), first_token=req.output_ids[0], sampling=sampling,
+                detokenizer=self._routes[o.rid][2], prefill=self.spec.actor_id, layout=self._layout,
+                cached_tokens=req.cached_tokens)))
+        for rid, (decode, _, t) in list(self._pd.items()):  # a decode that never answers
+            if t is not None and now - t > HANDOFF_TIMEOUT_S and rid in self.engine.handoffs:
+                self._release_handoff(rid)
+                msgs += self._fail(rid, 503, f"handoff to {decode} timed out")
+        return msgs
+
+    def _params(self, s: P.SamplingMsg):
+        from glmrt.sampling_params import SamplingParams
+        return SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos, max_tokens=s.max_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
+            top_logprobs=s.top_logprobs, n=1)
 
     def _step(self) -> tuple[list, list]:
         errors = self._apply_pending()
@@ -139,20 +273,25 @@ class EngineActor(Actor):
             api_rid, index, detok = route
             req = self.engine.requests.get(o.rid)
             top = [list(map(tuple, t)) if t else [] for t in o.new_top_logprobs] if o.new_top_logprobs else None
+            handing_off = o.finish_reason == "handoff"
+            finished = o.finished and not handing_off
             batches.setdefault(detok, []).append(P.TokenOut(
                 rid=api_rid, token_ids=o.new_token_ids, first_index=o.completion_tokens - len(o.new_token_ids),
-                index=index, finished=o.finished, finish_reason=o.finish_reason, prompt_tokens=o.prompt_tokens,
+                index=index, finished=finished, finish_reason=o.finish_reason if finished else None,
+                prompt_tokens=o.prompt_tokens,
                 completion_tokens=o.completion_tokens,
                 # n > 1: the prompt was computed once, by choice 0; report its cached count for all
                 cached_tokens=prompt_cached.get(api_rid, o.cached_tokens) if index else o.cached_tokens,
                 logprobs=[x if x is not None else 0.0 for x in o.new_logprobs] if o.new_logprobs else None,
                 top_logprobs=top))
-            if o.finished:
+            if finished:
                 del self._routes[o.rid]
+                self._pd.pop(o.rid, None)
                 if not any(r[0] == api_rid for r in self._routes.values()):
                     prompt_cached.pop(api_rid, None)
                 if req is not None:
                     self.engine.requests.pop(o.rid, None)
+        errors += self._offers(outs)
         return errors, list(batches.items())
 
     async def background(self) -> None:
@@ -166,8 +305,8 @@ class EngineActor(Actor):
                 except asyncio.TimeoutError:
                     pass
             errors, batches = await loop.run_in_executor(self._executor, self._step)
-            for dest, err in errors:
-                await self.send(dest, err)
+            for dest, err, *tensors in errors:
+                await self.send(dest, err, tensors[0] if tensors else ())
             for dest, items in batches:
                 await self.send(dest, P.TokenBatch(items=items))
             now = time.monotonic()

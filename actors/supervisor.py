@@ -30,7 +30,7 @@ from transport.channels import Inbox, Peers
 log = logging.getLogger("glmrt.supervisor")
 MAX_RESTARTS = 5           # within RESTART_WINDOW_S, then the actor is marked failed
 RESTART_WINDOW_S = 60.0
-SCALABLE = ("tokenizer", "engine", "detokenizer")
+SCALABLE = ("tokenizer", "engine", "prefill", "decode", "detokenizer")
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Supervisor:
     def all_ready(self) -> bool:
         live = [a for a in self.actors.values() if a.state not in ("retired",)]
         return bool(live) and all(a.state in ("ready", "retiring") for a in live) and \
-            all(self.ready(k) for k in ("tokenizer", "engine", "detokenizer"))
+            all(self.ready(k) for k in ("tokenizer", "detokenizer", *self.topo.engine_kinds))
 
     def status(self) -> list[dict[str, Any]]:
         import socket
@@ -120,8 +120,9 @@ class Supervisor:
         return [spec.gpus[replica % len(spec.gpus)]]
 
     def _config(self, spec: ActorSpec) -> dict[str, Any]:
-        if spec.kind == "engine":
+        if spec.kind in ("engine", "prefill", "decode"):
             cfg = dataclasses.asdict(self.topo.engine_config(spec))
+            cfg["role"] = "unified" if spec.kind == "engine" else spec.kind
             cfg["model"] = self.model_path if cfg.get("load_format") != "dummy" or cfg.get("model") else cfg["model"]
             return {"engine": cfg, "torch_threads": 1}
         media = {"allowed_local_media_path": self.topo.api.allowed_local_media_path,
@@ -151,7 +152,7 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus_all)
             for run in runs:
                 run.gpus = [gpus_all.index(g) for g in run.gpus]
-        elif all(spec.kind != "engine" for spec, _ in members):
+        elif all(spec.kind not in ("engine", "prefill", "decode") for spec, _ in members):
             env["CUDA_VISIBLE_DEVICES"] = ""
         local = [r.actor_id for r in runs]
         payload = {"actors": [dict(dataclasses.asdict(r), colocated=local) for r in runs]}

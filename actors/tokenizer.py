@@ -106,7 +106,9 @@ class TokenizerActor(Actor):
         await self.send(m.reply_to, P.DetokenizeRequest(
             rid=m.rid, sampling=m.sampling, prompt_tokens=len(ids), stream=m.stream, reasoning=reasoning,
             tools=m.tools if m.kind == "chat" else None,
-            prompt_token_ids=ids if m.return_token_ids else None, engine=m.engine, arrival=m.arrival))
+            prompt_token_ids=ids if m.return_token_ids else None,
+            engine=m.decode or m.engine,  # where a stop string's Abort must go (decode holds it after the first token)
+            arrival=m.arrival))
         mm_items, tensors = [], []
         for k, it in enumerate(media):
             kind = "video" if hasattr(it, "timestamps") else "image"
@@ -114,5 +116,6 @@ class TokenizerActor(Actor):
                                      tensor=P.TensorRef(dtype="float32", shape=list(it.pixel_values.shape), frame=k)))
             tensors.append(it.pixel_values)
         await self.send(m.engine, P.EngineRequest(rid=m.rid, prompt_ids=ids, sampling=m.sampling,
-                                                  detokenizer=m.reply_to, mm_items=mm_items, arrival=m.arrival),
+                                                  detokenizer=m.reply_to, mm_items=mm_items, decode=m.decode,
+                                                  arrival=m.arrival),
                         tensors)

@@ -25,7 +25,7 @@ def _die_with_parent() -> None:
 
 
 def actor_class(kind: str):
-    if kind == "engine":
+    if kind in ("engine", "prefill", "decode"):
         from actors.engine import EngineActor
         return EngineActor
     if kind == "tokenizer":

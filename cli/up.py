@@ -114,7 +114,7 @@ def build_topology(args: argparse.Namespace):
             topo = topo.with_replicas(kind, n)
     validate(topo)
     for spec in topo.actors:  # engine flags (file, per-entry overrides, CLI) validated now, clearly
-        if spec.kind == "engine":
+        if spec.kind in ("engine", "prefill", "decode"):
             try:
                 topo.engine_config(spec)
             except (ValueError, TypeError) as e:

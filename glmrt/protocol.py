@@ -355,6 +355,39 @@ class KVHandoff(Msg):
     arrival: float = 0.0
 
 
+class HandoffOffer(Msg):
+    """Prefill -> decode: a prompt is computed; can you take it? `layout` is the bootstrap
+    check (model, dtypes, tp, page size, pool layouts): a mismatch is refused by name."""
+
+    rid: str
+    prompt_ids: list[int]
+    first_token: int
+    sampling: SamplingMsg
+    detokenizer: str
+    prefill: str
+    layout: dict[str, Any] = {}
+    cached_tokens: int = 0
+    arrival: float = 0.0
+
+
+class HandoffAccept(Msg):
+    """Decode -> prefill: room reserved; only pages from `reused_tokens` on are missing."""
+
+    rid: str
+    ok: bool
+    decode: str = ""
+    reused_tokens: int = 0
+    reason: str | None = None
+
+
+class HandoffDone(Msg):
+    """Decode -> prefill: the state arrived (or did not); the prefill side may let go."""
+
+    rid: str
+    ok: bool
+    reason: str | None = None
+
+
 class Bootstrap(Msg):
     """Prefill -> decode handshake: refuse a peer whose layout differs before any handoff."""
 
@@ -399,6 +432,7 @@ TOKENIZER_IN = TokenizeRequest | Abort | Shutdown
 VISION_IN = VisionRequest | Abort | Shutdown
 ENGINE_IN = (
     EngineRequest | Abort | EngineStatsQuery | KVHandoff | Bootstrap | BootstrapReply | VisionResult | Shutdown
+    | HandoffOffer | HandoffAccept | HandoffDone
 )
 DETOK_IN = DetokenizeRequest | TokenOut | TokenBatch | EngineError | Abort | Shutdown
 API_IN = TextOut | TextBatch | TokenizerError | EngineError | EngineStats | Shutdown
@@ -406,4 +440,5 @@ ANY_MSG = (
     Ready | Heartbeat | Shutdown | Drained | ActorFailed | TokenizeRequest | TokenizerError | EngineRequest
     | DetokenizeRequest | TokenOut | TokenBatch | EngineError | TextOut | TextBatch | Abort | EngineStatsQuery
     | EngineStats | KVHandoff | Bootstrap | BootstrapReply | VisionRequest | VisionResult
+    | HandoffOffer | HandoffAccept | HandoffDone
 )

@@ -66,6 +66,11 @@ class Topology:
     api: ApiSection = ApiSection()
     actors: tuple[ActorSpec, ...] = ()
 
+    @property
+    def engine_kinds(self) -> tuple[str, ...]:
+        """The actor kinds that run a model: ("engine",) or ("prefill", "decode")."""
+        return ("prefill", "decode") if self.actor("prefill") else ("engine",)
+
     def actor(self, kind: str) -> ActorSpec | None:
         return next((a for a in self.actors if a.kind == kind), None)
 
@@ -173,11 +178,11 @@ def validate(topo: Topology, num_gpus: int | None = None) -> None:
     has_pd = "prefill" in kinds or "decode" in kinds
     if has_engine and has_pd:
         raise TopologyError("a topology has either an 'engine' actor or the 'prefill' + 'decode' pair, not both")
-    if has_pd:
-        raise TopologyError("prefill/decode disaggregation ('prefill' + 'decode' actors) is not available in this "
-                            "build yet; use one 'engine' actor")
-    if not has_engine:
-        raise TopologyError("the topology has no 'engine' actor")
+    if has_pd and not ("prefill" in kinds and "decode" in kinds):
+        missing = "decode" if "prefill" in kinds else "prefill"
+        raise TopologyError(f"prefill/decode disaggregation needs both kinds; the {missing!r} actor is missing")
+    if not has_engine and not has_pd:
+        raise TopologyError("the topology has no 'engine' actor (or 'prefill' + 'decode' pair)")
     if "vision" in kinds:
         raise TopologyError("a separate 'vision' actor is not available in this build yet; leave it out")
     for needed in ("tokenizer", "detokenizer"):
