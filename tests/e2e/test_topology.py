@@ -91,16 +91,14 @@ BAD = {
         [[actors]]
         kind = "detokenizer"
         """, ["sorcerer"]),
-    "prefill-decode": ("""
+    "prefill-without-decode": ("""
         [[actors]]
         kind = "tokenizer"
         [[actors]]
         kind = "prefill"
         [[actors]]
-        kind = "decode"
-        [[actors]]
         kind = "detokenizer"
-        """, ["prefill"]),
+        """, ["decode"]),
     "engine-and-prefill": ("""
         [[actors]]
         kind = "tokenizer"
