@@ -175,7 +175,7 @@ class EngineActor(Actor):
             try:
                 params = self._params(offer.sampling)
                 res = handoff.reserve(self.engine, offer.rid, offer.prompt_ids, offer.first_token, params)
-                self._reservations[offer.rid] = (res, offer)
+                self._reservations[offer.rid] = (res, offer, time.monotonic())
                 return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=True, decode=self.spec.actor_id,
                                                         reused_tokens=res.reused_tokens))]
             except (handoff.HandoffError, ValueError) as e:
@@ -192,6 +192,8 @@ class EngineActor(Actor):
             return self._fail(rid, 503, f"decode {acc.decode} refused the request: {acc.reason}")
         req = self.engine.handoffs[rid]
         comps, tensors = pack(self.engine, rid, acc.reused_tokens)
+        c = self.engine.counters
+        c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(x.num_bytes for x in comps)
         _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
         detok = self._routes.get(rid, ("", 0, ""))[2]
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=comps,
@@ -205,9 +207,9 @@ class EngineActor(Actor):
         entry = self._reservations.pop(msg.rid, None)
         if entry is None:
             return []
-        res, offer = entry
+        res, offer, _ = entry
         try:
-            unpack(self.engine, res, msg.components, frames)
+            moved = unpack(self.engine, res, msg.components, frames)
         except (handoff.HandoffError, KeyError, ValueError, RuntimeError) as e:
             handoff.cancel(self.engine, msg.rid)
             api_rid, _ = split_rid(msg.rid)
@@ -215,6 +217,9 @@ class EngineActor(Actor):
                     (offer.detokenizer, P.EngineError(rid=api_rid, status=503, message=f"handoff failed: {e}"))]
         handoff.activate(self.engine, msg.rid)
         self.engine.requests[msg.rid].cached_tokens = offer.cached_tokens
+        c = self.engine.counters
+        c["handoff_bytes_received"] = c.get("handoff_bytes_received", 0) + moved
+        c["handoff_reused_tokens"] = c.get("handoff_reused_tokens", 0) + res.reused_tokens
         api_rid, index = split_rid(msg.rid)
         self._routes[msg.rid] = (api_rid, index, offer.detokenizer)
         return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=True))]
@@ -242,6 +247,11 @@ class EngineActor(Actor):
                 rid=o.rid, prompt_ids=list(req.prompt_ids), first_token=req.output_ids[0], sampling=sampling,
                 detokenizer=self._routes[o.rid][2], prefill=self.spec.actor_id, layout=self._layout,
                 cached_tokens=req.cached_tokens)))
+        for rid, (_, offer, t) in list(self._reservations.items()):  # a prefill that never sends the state
+            if now - t > HANDOFF_TIMEOUT_S:
+                from glmrt.engine import handoff
+                handoff.cancel(self.engine, rid)
+                del self._reservations[rid]
         for rid, (decode, _, t) in list(self._pd.items()):  # a decode that never answers
             if t is not None and now - t > HANDOFF_TIMEOUT_S and rid in self.engine.handoffs:
                 self._release_handoff(rid)
