@@ -95,3 +95,26 @@ def test_placeholder_count_mismatch_is_refused(setup):
     with pytest.raises(ValueError, match="placeholder"):
         engine.add_request(ids[:-20] if ids.count(cfg.image_token_id) > 20 else ids + [cfg.image_token_id],
                            greedy(), mm_items=[mm])
+
+
+def test_video_prompt_matches_hf_generate(setup):
+    from glmrt.checkpoint.tokenizer import build_tokenizer
+    from glmrt.vision import expand_placeholders, process_video, token_ids_from_config
+
+    cfg, hf, engine = setup
+    rng = np.random.default_rng(9)
+    frames = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(8)]
+    video = process_video(frames, 4.0, ImageProcessorConfig.from_vision_config(cfg.vision))
+    tok = build_tokenizer(cfg.text.vocab_size)
+    ids = [11, 12, cfg.video_start_token_id, cfg.video_token_id, cfg.video_end_token_id, 13, 14, 15]
+    ids = expand_placeholders(ids, [video], token_ids_from_config(cfg),
+                              encode=lambda t: tok.encode(t, add_special_tokens=False).ids)
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor([ids]), pixel_values_videos=torch.from_numpy(video.pixel_values),
+                           video_grid_thw=torch.tensor([list(video.grid_thw)]), max_new_tokens=6,
+                           do_sample=False)[0, len(ids):].tolist()
+    mm = MMInput("video", torch.from_numpy(video.pixel_values), tuple(video.grid_thw), video.num_tokens)
+    got = run(engine, ids, mm)
+    for i, top in enumerate(got.top_logprobs):
+        assert top[0][1] - top[1][1] > 1e-4, f"near-tie at step {i}"
+    assert got.output_ids == want

@@ -80,3 +80,25 @@ def test_corrupt_and_remote_images_are_400_and_the_server_stays_healthy(dep):
     ok = dep.client().chat.completions.create(model=dep.model_id(), messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2)
     assert ok.usage.completion_tokens >= 1
+
+
+@pytest.mark.timeout(120)
+def test_video_data_url(dep):
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=4)
+        s.width, s.height, s.pix_fmt = 32, 32, "yuv420p"
+        for i in range(8):
+            frame = av.VideoFrame.from_ndarray(np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8),
+                                               format="rgb24")
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    url = "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
+    r = chat(dep, [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what happens"}])
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 20
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(dep, [{"type": "video_url", "video_url": {"url": url[: len(url) // 2]}}])
+    assert "messages[0].content[0]" in str(e.value)
