@@ -41,6 +41,8 @@ class EngineActor(Actor):
         self._prompt_cached: dict[str, int] = {}               # api rid -> cached prompt tokens of choice 0
         self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
         self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (Reservation, HandoffOffer)
+        self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
+        self._vision_results: dict[str, tuple] = {}          # embeddings that came first
         from actors.handoff import layout_of
         import os
         self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
@@ -68,6 +70,15 @@ class EngineActor(Actor):
                                                                message="engine is draining"))
                 return
             mm = []
+            if msg.mm_items and any(it.tensor is None for it in msg.mm_items):
+                # a vision actor computes the embeddings: hold the request until they arrive
+                early = self._vision_results.pop(msg.rid, None)
+                if early is None:
+                    self._vision_wait[msg.rid] = msg
+                    return
+                self._join_vision(msg, *early)
+                self._wake.set()
+                return
             if msg.mm_items:
                 from glmrt.engine.mm import MMInput
                 from transport.codec import tensor_from_frame
@@ -80,6 +91,12 @@ class EngineActor(Actor):
         elif isinstance(msg, P.EngineStatsQuery):
             await self.send(msg.reply_to, self._stats(msg.qid))
             return
+        elif isinstance(msg, P.VisionResult):
+            req_msg = self._vision_wait.pop(msg.rid, None)
+            if req_msg is None:
+                self._vision_results[msg.rid] = (msg, frames)
+                return
+            self._join_vision(req_msg, msg, frames)
         elif isinstance(msg, P.HandoffOffer):
             self._pending.append(("offer", msg))
         elif isinstance(msg, P.HandoffAccept):
@@ -122,6 +139,10 @@ class EngineActor(Actor):
                     handoff.cancel(self.engine, rid)
                     del self._reservations[rid]
                 continue
+            if op == "error":
+                m, why = arg
+                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=why)))
+                continue
             if op in ("offer", "accept", "kv", "done"):
                 errors += getattr(self, f"_pd_{op}")(arg)
                 continue
@@ -152,6 +173,17 @@ class EngineActor(Actor):
                 if m.decode:
                     self._pd[rid] = (m.decode, m.sampling, None)
         return errors
+
+    def _join_vision(self, msg: P.EngineRequest, result: P.VisionResult, frames: list) -> None:
+        from glmrt.engine.mm import MMInput
+        from transport.codec import tensor_from_frame
+        if result.error:
+            self._pending.append(("error", (msg, result.error)))
+            return
+        mm = [MMInput(it.kind, None, tuple(it.grid_thw), it.num_tokens,
+                      embeds=tensor_from_frame(ref, frames[ref.frame], as_torch=True).clone())
+              for it, ref in zip(msg.mm_items, result.embeddings)]
+        self._pending.append(("add", (msg, mm)))
 
     # ---- prefill/decode handoff (actors/handoff.py has the protocol) ---------------------
     def _release_handoff(self, rid: str) -> None:

@@ -80,7 +80,8 @@ class Supervisor:
     def all_ready(self) -> bool:
         live = [a for a in self.actors.values() if a.state not in ("retired",)]
         return bool(live) and all(a.state in ("ready", "retiring") for a in live) and \
-            all(self.ready(k) for k in ("tokenizer", "detokenizer", *self.topo.engine_kinds))
+            all(self.ready(k) for k in ("tokenizer", "detokenizer", *self.topo.engine_kinds)) and \
+            (self.topo.actor("vision") is None or bool(self.ready("vision")))
 
     def status(self) -> list[dict[str, Any]]:
         import socket
@@ -120,14 +121,20 @@ class Supervisor:
         return [spec.gpus[replica % len(spec.gpus)]]
 
     def _config(self, spec: ActorSpec) -> dict[str, Any]:
+        vision = self.topo.actor("vision")
         if spec.kind in ("engine", "prefill", "decode"):
             cfg = dataclasses.asdict(self.topo.engine_config(spec))
             cfg["role"] = "unified" if spec.kind == "engine" else spec.kind
+            if vision is not None:
+                cfg["load_vision"] = False  # the vision actor runs the tower
             cfg["model"] = self.model_path if cfg.get("load_format") != "dummy" or cfg.get("model") else cfg["model"]
             return {"engine": cfg, "torch_threads": 1}
         media = {"allowed_local_media_path": self.topo.api.allowed_local_media_path,
                  "allow_remote_media": self.topo.api.allow_remote_media}
-        return {"model_path": self.model_path, "vocab_size": self.vocab_size, "media": media}
+        if spec.kind == "vision":
+            return {"model_path": self.model_path, "torch_threads": 1}
+        return {"model_path": self.model_path, "vocab_size": self.vocab_size, "media": media,
+                "vision_replicas": vision.replicas if vision is not None else 0}
 
     async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
         return (await self._spawn_group([(spec, replica)], [existing] if existing else None))[0]
@@ -152,7 +159,7 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus_all)
             for run in runs:
                 run.gpus = [gpus_all.index(g) for g in run.gpus]
-        elif all(spec.kind not in ("engine", "prefill", "decode") for spec, _ in members):
+        elif all(spec.kind not in ("engine", "prefill", "decode", "vision") for spec, _ in members):
             env["CUDA_VISIBLE_DEVICES"] = ""
         local = [r.actor_id for r in runs]
         payload = {"actors": [dict(dataclasses.asdict(r), colocated=local) for r in runs]}

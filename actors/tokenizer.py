@@ -115,6 +115,14 @@ class TokenizerActor(Actor):
             mm_items.append(P.MMItem(kind=kind, grid_thw=[int(x) for x in it.grid_thw], num_tokens=it.num_tokens,
                                      tensor=P.TensorRef(dtype="float32", shape=list(it.pixel_values.shape), frame=k)))
             tensors.append(it.pixel_values)
+        visions = int(self.spec.config.get("vision_replicas", 0))
+        if mm_items and visions:
+            # a vision actor runs the tower; the engine waits for its embeddings
+            target = f"vision/{self.num % visions}"
+            await self.send(target, P.VisionRequest(rid=m.rid, items=mm_items, engine=m.engine,
+                                                    detokenizer=m.reply_to), tensors)
+            mm_items = [P.MMItem(kind=x.kind, grid_thw=x.grid_thw, num_tokens=x.num_tokens) for x in mm_items]
+            tensors = []
         await self.send(m.engine, P.EngineRequest(rid=m.rid, prompt_ids=ids, sampling=m.sampling,
                                                   detokenizer=m.reply_to, mm_items=mm_items, decode=m.decode,
                                                   arrival=m.arrival),

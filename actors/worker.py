@@ -31,6 +31,9 @@ def actor_class(kind: str):
     if kind == "tokenizer":
         from actors.tokenizer import TokenizerActor
         return TokenizerActor
+    if kind == "vision":
+        from actors.vision import VisionActor
+        return VisionActor
     if kind == "detokenizer":
         from actors.detokenizer import DetokenizerActor
         return DetokenizerActor

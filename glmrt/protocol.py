@@ -411,15 +411,21 @@ class BootstrapReply(Msg):
 
 
 class VisionRequest(Msg):
+    """Tokenizer -> vision actor: pixel patches (tensor frames) of a request's items; the
+    embeddings go to `engine`, which holds the request until they arrive."""
+
     rid: str
     items: list[MMItem]
+    engine: str = ""
+    detokenizer: str = ""
 
 
 class VisionResult(Msg):
-    """Embeddings of `VisionRequest.items`, one TensorRef per item, in order."""
+    """Embeddings of `VisionRequest.items`, one TensorRef per item, in order (or an error)."""
 
     rid: str
     embeddings: list[TensorRef]
+    error: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------

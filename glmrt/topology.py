@@ -183,8 +183,9 @@ def validate(topo: Topology, num_gpus: int | None = None) -> None:
         raise TopologyError(f"prefill/decode disaggregation needs both kinds; the {missing!r} actor is missing")
     if not has_engine and not has_pd:
         raise TopologyError("the topology has no 'engine' actor (or 'prefill' + 'decode' pair)")
-    if "vision" in kinds:
-        raise TopologyError("a separate 'vision' actor is not available in this build yet; leave it out")
+    vision = topo.actor("vision")
+    if vision is not None and vision.replicas < 1:
+        raise TopologyError("vision: replicas must be >= 1 (leave the entry out to run the tower in the engine)")
     for needed in ("tokenizer", "detokenizer"):
         if needed not in kinds:
             raise TopologyError(f"the topology has no {needed!r} actor")

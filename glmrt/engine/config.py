@@ -42,6 +42,8 @@ class EngineConfig:
     page_size: int = 64
     seed: int = 0
     context_length: int | None = None
+    load_vision: bool = True
+    """Load the vision tower in the engine (False when a separate vision actor runs it)."""
     role: str = "unified"
     """unified | prefill (computes prompts, hands the state over after the first token) |
     decode (receives handed-over requests and continues them)."""

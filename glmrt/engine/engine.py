@@ -120,11 +120,11 @@ class Engine:
             from glmrt.config import load_model_config
             mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
             return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
-                              seed=cfg.seed, with_mtp=False)
+                              seed=cfg.seed, with_mtp=False, with_vision=cfg.load_vision)
         if not cfg.model:
             raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
         model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
-                                   device=device, with_mtp=False)
+                                   device=device, with_mtp=False, with_vision=cfg.load_vision)
         return model
 
     def _read_generation_config(self) -> dict:
@@ -171,10 +171,13 @@ class Engine:
         mm_state = key_ids = None
         if mm_items:
             from glmrt.engine.mm import MMState, cache_key_ids, placeholder_positions
-            if self.model.visual is None:
+            precomputed = all(it.embeds is not None for it in mm_items)
+            if self.model.visual is None and not precomputed:
                 raise ValueError("this model has no vision tower: image and video input is refused")
             pos = placeholder_positions(prompt, self.model_config.image_token_id, mm_items)
             mm_state = MMState(list(mm_items), torch.tensor(pos, dtype=torch.long))
+            if precomputed:  # a separate vision actor ran the tower
+                mm_state.embeds = torch.cat([it.embeds for it in mm_items]).to(self.model.device)
             key_ids = cache_key_ids(prompt, pos, mm_items)
         parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids,
                          num_mm_items=len(mm_items or []))

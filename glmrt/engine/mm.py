@@ -18,14 +18,16 @@ import torch
 @dataclass
 class MMInput:
     kind: str                      # "image" | "video"
-    pixel_values: torch.Tensor     # [patches, C*T*p*p]
+    pixel_values: torch.Tensor | None   # [patches, C*T*p*p]; None when a vision actor sent `embeds`
     grid_thw: tuple[int, int, int]
     num_tokens: int
+    embeds: torch.Tensor | None = None  # [num_tokens, hidden] computed by a separate vision actor
 
     def content_key(self) -> int:
         h = hashlib.blake2b(digest_size=8)
         h.update(repr((self.kind, tuple(self.grid_thw))).encode())
-        h.update(self.pixel_values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        data = self.pixel_values if self.pixel_values is not None else self.embeds
+        h.update(data.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
         return -1 - (int.from_bytes(h.digest(), "little") >> 2)  # negative: never a vocabulary id
 
 

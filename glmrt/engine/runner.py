@@ -78,6 +78,7 @@ class ModelRunner:
             st = self.mm.get(w.req.rid)
             if st is not None and w.start < len(w.req.prompt_ids):
                 feats = st.embeds if st.embeds is not None else self._encode(st)
+                st.positions = st.positions.to(feats.device)
                 inside = ((st.positions >= w.start) & (st.positions < w.start + w.num)).nonzero().flatten()
                 if inside.numel():
                     embeds[offset + st.positions[inside] - w.start] = feats[inside].to(embeds.dtype)

@@ -200,3 +200,40 @@ def load_dummy(config: ModelConfig, ops, *, dtype: torch.dtype = torch.bfloat16,
     model = build_model(config, ops, dtype, device, fp8_modules=fp8, fp8_block=block,
                         with_vision=with_vision, with_mtp=with_mtp)
     return init_random(model, seed)
+
+
+def load_vision_tower(path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                      device: torch.device | str = "cpu"):
+    """Only the vision tower of a checkpoint (for a separate vision actor), strictly."""
+    from safetensors import safe_open
+
+    from glmrt.model.vision import VisionTower
+
+    path = os.fspath(path)
+    config = load_model_config(path)
+    if config.vision is None:
+        raise CheckpointError(f"{path}: the config has no vision_config")
+    with torch.device("meta"):
+        tower = VisionTower(config.vision).to(dtype)
+    tower = tower.to_empty(device=device).eval()
+    params = dict(tower.named_parameters())
+    filled = set()
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                tgt = to_internal(key, config.text, with_mtp=False, with_vision=True)
+                if not isinstance(tgt, Target) or not tgt.param.startswith("visual."):
+                    continue
+                name = tgt.param[len("visual."):]
+                if name not in params:
+                    raise CheckpointError(f"{path}: unexpected vision tensor {key}")
+                t = f.get_tensor(key)
+                if tuple(t.shape) != tuple(params[name].shape):
+                    raise CheckpointError(f"{key}: shape {tuple(t.shape)} in checkpoint, "
+                                          f"{tuple(params[name].shape)} expected")
+                params[name].data.copy_(t)
+                filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} vision tensor(s) missing: {_summarise(missing)}")
+    return tower

@@ -102,3 +102,35 @@ def test_video_data_url(dep):
     with pytest.raises(openai.BadRequestError) as e:
         chat(dep, [{"type": "video_url", "video_url": {"url": url[: len(url) // 2]}}])
     assert "messages[0].content[0]" in str(e.value)
+
+
+VISION_TOPOLOGY = """
+[engine]
+page_size = 16
+[[actors]]
+kind = "tokenizer"
+[[actors]]
+kind = "vision"
+[[actors]]
+kind = "engine"
+[[actors]]
+kind = "detokenizer"
+"""
+
+
+@pytest.mark.timeout(180)
+def test_vision_actor_placement_gives_the_same_tokens(dep, start_deployment, tmp_path_factory):
+    """Encoder disaggregation by placement alone: the same request through a separate vision
+    actor equals the engine running the tower itself."""
+    path = tmp_path_factory.mktemp("vision") / "vision.toml"
+    path.write_text(VISION_TOPOLOGY)
+    parts = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": data_url(png_bytes(4))}}]
+    here = chat(dep, parts)
+    apart = start_deployment([str(path)], name="vision-actor")
+    try:
+        assert {a["kind"] for a in apart.actors()} >= {"vision", "engine"}
+        there = chat(apart, parts)
+        assert there.choices[0].model_extra["token_ids"] == here.choices[0].model_extra["token_ids"]
+        assert there.model_extra["prompt_token_ids"] == here.model_extra["prompt_token_ids"]
+    finally:
+        apart.stop(term_wait=5)

@@ -1,0 +1,73 @@
+"""The vision actor: runs the vision tower apart from the engine (its own process or GPU),
+when the topology places one; otherwise the engine runs the tower itself.
+
+Pixel patches arrive from the tokenizer as tensor frames; the embeddings go to the engine
+that computes the request's prompt, as tensor frames over the engine's inbox (feature
+transport `cpu`; `auto` picks it here — CUDA IPC handles are not sent in this build).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any
+
+from actors.base import Actor
+from glmrt import protocol as P
+
+
+class VisionActor(Actor):
+    kind = "vision"
+
+    async def setup(self) -> dict[str, Any]:
+        import torch
+
+        from glmrt.model.loader import load_vision_tower
+
+        torch.set_num_threads(int(self.spec.config.get("torch_threads", 1)))
+        device = "cuda" if self.spec.gpus and torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vision")
+        loop = asyncio.get_running_loop()
+        self.tower = await loop.run_in_executor(
+            self._executor, lambda: load_vision_tower(self.spec.config["model_path"], dtype=dtype, device=device))
+        self.device, self.dtype = device, dtype
+        self.inflight = 0
+        return {"device": device, "feature_transport": "cpu"}
+
+    def busy(self) -> bool:
+        return self.inflight > 0
+
+    def load(self) -> tuple[float, int, int]:
+        return float(self.inflight), self.inflight, 0
+
+    def _encode(self, msg: P.VisionRequest, frames: list):
+        import torch
+
+        from transport.codec import tensor_from_frame
+
+        pixels = [tensor_from_frame(it.tensor, frames[it.tensor.frame], as_torch=True) for it in msg.items]
+        grid = torch.tensor([list(it.grid_thw) for it in msg.items], dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            out = self.tower(torch.cat(pixels).to(self.device, self.dtype), grid)
+        sizes = [it.num_tokens for it in msg.items]
+        return [t.float().contiguous().cpu() for t in out.split(sizes)]
+
+    async def handle(self, msg: Any, frames: list) -> None:
+        if not isinstance(msg, P.VisionRequest):
+            return
+        self.inflight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                embeds = await loop.run_in_executor(self._executor, self._encode, msg, frames)
+            except Exception as e:  # a bad item fails its request, not the actor
+                await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=[], error=f"vision failed: {e}"))
+                return
+            refs = [P.TensorRef(dtype="float32", shape=list(t.shape), frame=i) for i, t in enumerate(embeds)]
+            await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=refs), embeds)
+        finally:
+            self.inflight -= 1
+
+    async def teardown(self) -> None:
+        self._executor.shutdown(wait=False)
