@@ -113,12 +113,21 @@ def build_topology(args: argparse.Namespace):
                 raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1, got {n}")
             topo = topo.with_replicas(kind, n)
     validate(topo)
+    configs = {}
     for spec in topo.actors:  # engine flags (file, per-entry overrides, CLI) validated now, clearly
         if spec.kind in ("engine", "prefill", "decode"):
             try:
-                topo.engine_config(spec)
+                configs[spec.kind] = topo.engine_config(spec)
             except (ValueError, TypeError) as e:
                 raise TopologyError(f"engine flags of the {spec.kind} entry: {e}") from None
+    if "prefill" in configs and "decode" in configs:
+        # the bootstrap check, at start: a prefill can only hand state to a decode of the same layout
+        pre, dec = configs["prefill"], configs["decode"]
+        for field in ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page_size", "load_format", "preset",
+                      "quantization"):
+            if getattr(pre, field) != getattr(dec, field):
+                raise TopologyError(f"prefill and decode must agree on {field}: prefill {getattr(pre, field)!r}, "
+                                    f"decode {getattr(dec, field)!r} (their state could not be handed over)")
     return topo
 
 

@@ -95,13 +95,71 @@ def test_pd_prefix_cache_and_scaling_decode(dep, unified_tokens):
     assert dep.cli("scale", "decode=1").returncode == 0
 
 
-@pytest.mark.timeout(180)
-def test_incompatible_pair_is_refused_by_name(start_deployment, tmp_path_factory):
-    path = topology(tmp_path_factory.mktemp("pd-bad"), "bad", decode_engine="engine = { page_size = 32 }")
-    d = start_deployment([path], name="pd-bad")
-    try:
-        with pytest.raises(openai.APIStatusError) as e:
-            d.client(max_retries=0).completions.create(model=d.model_id(), prompt=[11, 12, 13], max_tokens=4)
-        assert e.value.status_code == 503 and "page_size" in str(e.value)
-    finally:
-        d.stop(term_wait=5)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override, field", [("engine = { page_size = 32 }", "page_size"),
+                                             ('engine = { dtype = "bfloat16" }', "dtype"),
+                                             ('engine = { mamba_ssm_dtype = "bfloat16" }', "mamba_ssm_dtype")])
+def test_incompatible_pair_is_refused_at_start(tmp_path, tiny_checkpoint, e2e_env, override, field):
+    import subprocess
+    from tests.e2e.conftest import glmrt_cmd
+    path = topology(tmp_path, "bad", decode_engine=override)
+    r = subprocess.run(glmrt_cmd() + ["up", path, "--model", tiny_checkpoint, "--port", "1"], env=e2e_env,
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2 and field in r.stderr and "decode" in r.stderr
+
+
+EPD = """
+[engine]
+page_size = 16
+chunked_prefill_size = 32
+[[actors]]
+kind = "tokenizer"
+[[actors]]
+kind = "vision"
+[[actors]]
+kind = "prefill"
+[[actors]]
+kind = "decode"
+[[actors]]
+kind = "detokenizer"
+"""
+
+
+@pytest.mark.timeout(240)
+def test_epd_equals_unified_for_text_and_image(start_deployment, tmp_path_factory, tiny_checkpoint):
+    """E+P+D by placement: long prompts (> chunk size), prefix hits and an image prompt give
+    the same greedy tokens as a unified engine computing everything itself."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(buf, "PNG")
+    image_msg = [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}]}]
+    rng = random.Random(11)
+    system = [rng.randrange(10, 900) for _ in range(70)]
+    texts = [system + [rng.randrange(10, 900) for _ in range(n)] for n in (3, 30, 45)]
+    path = tmp_path_factory.mktemp("epd") / "epd.toml"
+    path.write_text(EPD)
+    results = {}
+    for name, args in (("unified", ["--page-size", "16", "--chunked-prefill-size", "32", "--disable-radix-cache"]),
+                       ("epd", [str(path)])):
+        d = start_deployment(args, name=name)
+        try:
+            c = d.client()
+            out = []
+            for p in texts:
+                r = c.completions.create(model=d.model_id(), prompt=p, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+                out.append((r.choices[0].model_extra["token_ids"], r.usage.prompt_tokens_details.cached_tokens))
+            r = c.chat.completions.create(model=d.model_id(), messages=image_msg, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            out.append((r.choices[0].model_extra["token_ids"], 0))
+            results[name] = out
+        finally:
+            d.stop(term_wait=5)
+    assert [t for t, _ in results["epd"]] == [t for t, _ in results["unified"]]
+    assert any(cached > 0 for _, cached in results["epd"][1:3])  # the shared system prompt was hit
