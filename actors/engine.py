@@ -43,10 +43,14 @@ class EngineActor(Actor):
         self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (Reservation, HandoffOffer)
         self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
         self._vision_results: dict[str, tuple] = {}          # embeddings that came first
-        from actors.handoff import layout_of
+        from actors.handoff import layout_of, make_transfer
         import os
         self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
+        self.xfer = make_transfer(self.engine, self.spec.actor_id.replace("/", "-")) if cfg.role != "unified" else None
+        self._xfer_peers: set[str] = set()
+        self._transfers: list = []   # (handle, decode id, KVHandoff) awaiting completion on the loop
         info = dict(self.engine.info())
+        info.update(kv_transfer="nixl" if self.xfer is not None else "frames")
         info.update(backend=self.engine.backend.name, dtype=str(self.engine.dtype).removeprefix("torch."),
                     kv_dtype=self.engine.layout.kv_dtype, state_dtype=self.engine.layout.state_dtype,
                     memory=self.engine.memory.describe())
@@ -208,8 +212,15 @@ class EngineActor(Actor):
                 params = self._params(offer.sampling)
                 res = handoff.reserve(self.engine, offer.rid, offer.prompt_ids, offer.first_token, params)
                 self._reservations[offer.rid] = (res, offer, time.monotonic())
-                return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=True, decode=self.spec.actor_id,
-                                                        reused_tokens=res.reused_tokens))]
+                info = None
+                if self.xfer is not None and offer.transfer_info:
+                    if offer.prefill not in self._xfer_peers:
+                        self.xfer.connect(offer.prefill.replace("/", "-"), offer.transfer_info)
+                        self._xfer_peers.add(offer.prefill)
+                    info = self.xfer.peer_info()
+                return [(offer.prefill, P.HandoffAccept(
+                    rid=offer.rid, ok=True, decode=self.spec.actor_id, reused_tokens=res.reused_tokens,
+                    pages=res.fill_pages(self.engine.config.page_size), slot=res.slot, transfer_info=info))]
             except (handoff.HandoffError, ValueError) as e:
                 reason = str(e)
         return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=False, decode=self.spec.actor_id, reason=reason))]
@@ -223,6 +234,8 @@ class EngineActor(Actor):
             self._release_handoff(rid)
             return self._fail(rid, 503, f"decode {acc.decode} refused the request: {acc.reason}")
         req = self.engine.handoffs[rid]
+        if self.xfer is not None and acc.transfer_info:
+            return self._write_state(rid, req, acc)
         comps, tensors = pack(self.engine, rid, acc.reused_tokens)
         c = self.engine.counters
         c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(x.num_bytes for x in comps)
@@ -232,8 +245,42 @@ class EngineActor(Actor):
                           sampling=sampling, detokenizer=detok, prompt_ids=list(req.prompt_ids))
         return [(acc.decode, msg, tensors)]
 
+    def _write_state(self, rid: str, req, acc: P.HandoffAccept) -> list:
+        """One-sided write (NIXL) of the state into the decode's reserved pages and slot."""
+        from actors.handoff import pool_tensors, regions
+        from glmrt.engine import handoff
+        peer = acc.decode.replace("/", "-")
+        if acc.decode not in self._xfer_peers:
+            self.xfer.connect(peer, acc.transfer_info)
+            self._xfer_peers.add(acc.decode)
+        src_pages, src_slot = handoff.source_pages(self.engine, rid, acc.reused_tokens)
+        local = regions(pool_tensors(self.engine).get, src_pages, src_slot)
+        remote = regions(lambda tid: self.xfer.peer_tensor(peer, tid), list(acc.pages), acc.slot)
+        handle = self.xfer.write(peer, local, remote, checksum=True, transfer_id=rid)
+        _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
+        msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=[],
+                          sampling=sampling, detokenizer=self._routes.get(rid, ("", 0, ""))[2],
+                          prompt_ids=list(req.prompt_ids), transfer_id=rid)
+        self._transfers.append((handle, acc.decode, msg))
+        c = self.engine.counters
+        c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(r.num_bytes for r in local)
+        return []
+
+    async def _finish_transfers(self) -> None:
+        """On the loop: when a one-sided write completes, tell the decode (or fail the request)."""
+        pending, self._transfers = self._transfers, []
+        for handle, decode, msg in pending:
+            result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
+            if result.ok:
+                await self.send(decode, msg)
+            else:
+                self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
+                                                            reason=f"state transfer failed: {result.error}")))
+                await self.send(decode, P.HandoffDone(rid=msg.rid, ok=False, reason=result.error))
+                self._wake.set()
+
     def _pd_kv(self, arg) -> list:
-        from actors.handoff import split_rid, unpack
+        from actors.handoff import pool_tensors, regions, split_rid, unpack
         from glmrt.engine import handoff
         msg, frames = arg
         entry = self._reservations.pop(msg.rid, None)
@@ -241,7 +288,13 @@ class EngineActor(Actor):
             return []
         res, offer, _ = entry
         try:
-            moved = unpack(self.engine, res, msg.components, frames)
+            # components in-band (frames), or already written into our pools (NIXL, transfer_id)
+            if msg.components:
+                moved = unpack(self.engine, res, msg.components, frames)
+            else:
+                pools = pool_tensors(self.engine)
+                moved = sum(r.num_bytes for r in regions(pools.get, res.fill_pages(self.engine.config.page_size),
+                                                         res.slot))
         except (handoff.HandoffError, KeyError, ValueError, RuntimeError) as e:
             handoff.cancel(self.engine, msg.rid)
             api_rid, _ = split_rid(msg.rid)
@@ -258,6 +311,11 @@ class EngineActor(Actor):
 
     def _pd_done(self, done: P.HandoffDone) -> list:
         rid = done.rid
+        if rid in self._reservations:  # decode side: the prefill's write failed
+            from glmrt.engine import handoff
+            res, offer, _ = self._reservations.pop(rid)
+            handoff.cancel(self.engine, rid)
+            return []
         self._release_handoff(rid)
         if done.ok:
             self._routes.pop(rid, None)  # the decode side serves it now
@@ -349,6 +407,8 @@ class EngineActor(Actor):
             errors, batches = await loop.run_in_executor(self._executor, self._step)
             for dest, err, *tensors in errors:
                 await self.send(dest, err, tensors[0] if tensors else ())
+            if self._transfers:
+                await self._finish_transfers()
             for dest, items in batches:
                 await self.send(dest, P.TokenBatch(items=items))
             now = time.monotonic()
@@ -358,3 +418,5 @@ class EngineActor(Actor):
 
     async def teardown(self) -> None:
         self._executor.shutdown(wait=False)
+        if getattr(self, "xfer", None) is not None:
+            self.xfer.close()

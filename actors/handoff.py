@@ -89,3 +89,46 @@ def unpack(engine, res: handoff.Reservation, comps: list[P.StateComponent], fram
     st.conv[:, res.slot] = got["kda_conv"].to(dev, st.conv.dtype)
     st.recurrent[:, res.slot] = got["kda_recurrent"].to(dev, st.recurrent.dtype)
     return sum(c.num_bytes for c in comps)
+
+
+POOL_TENSORS = ("latent", "pooled", "tail_k", "tail_g", "conv", "recurrent")
+
+
+def pool_tensors(engine) -> dict:
+    kv, st = engine.cache.kv, engine.cache.state
+    return {"latent": kv.latent, "pooled": kv.pooled, "tail_k": st.tail_k, "tail_g": st.tail_g,
+            "conv": st.conv, "recurrent": st.recurrent}
+
+
+def make_transfer(engine, name: str):
+    """A transfer engine (NIXL when it works here) with this engine's pools registered, or
+    None: then the state travels in-band as tensor frames (the ZMQ fallback).
+    GLMRT_KV_TRANSFER=frames|nixl|zmq|auto chooses (default auto: NIXL, else frames)."""
+    import os
+
+    prefer = os.environ.get("GLMRT_KV_TRANSFER", "auto")
+    if prefer == "frames":
+        return None
+    try:
+        from transport.kv_transfer import make_transfer_engine
+        xfer = make_transfer_engine(name, prefer="nixl" if prefer == "auto" else prefer)
+        for tid, t in pool_tensors(engine).items():
+            xfer.register(tid, t)
+        return xfer
+    except Exception:  # no NIXL on this machine: fall back to frames
+        if prefer not in ("auto",):
+            raise
+        return None
+
+
+def regions(engine_or_descs, pages: list[int], slot: int):
+    """The regions of one request's state, in a fixed order both sides agree on."""
+    from transport.kv_transfer import page_regions, slot_regions
+
+    get = engine_or_descs
+    out = []
+    for tid in ("latent", "pooled"):
+        out += page_regions(get(tid), tid, pages) if pages else []
+    for tid in ("tail_k", "tail_g", "conv", "recurrent"):
+        out += slot_regions(get(tid), tid, slot)
+    return out

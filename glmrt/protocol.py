@@ -368,6 +368,7 @@ class HandoffOffer(Msg):
     layout: dict[str, Any] = {}
     cached_tokens: int = 0
     arrival: float = 0.0
+    transfer_info: bytes | None = None  # the prefill's transfer-engine peer info (NIXL), if any
 
 
 class HandoffAccept(Msg):
@@ -378,6 +379,9 @@ class HandoffAccept(Msg):
     decode: str = ""
     reused_tokens: int = 0
     reason: str | None = None
+    pages: list[int] = []             # one-sided transfers: the decode pages to fill, in order
+    slot: int = -1                    # and the state slot
+    transfer_info: bytes | None = None  # the decode's transfer-engine peer info (NIXL), if any
 
 
 class HandoffDone(Msg):

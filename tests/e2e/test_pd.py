@@ -163,3 +163,30 @@ def test_epd_equals_unified_for_text_and_image(start_deployment, tmp_path_factor
             d.stop(term_wait=5)
     assert [t for t, _ in results["epd"]] == [t for t, _ in results["unified"]]
     assert any(cached > 0 for _, cached in results["epd"][1:3])  # the shared system prompt was hit
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["frames", "nixl"])
+def test_both_state_transports_serve_the_same_tokens(start_deployment, tmp_path_factory, e2e_env, unified_tokens,
+                                                     transport):
+    """The state moves through NIXL (one-sided writes into the decode's pools) or, where NIXL
+    does not work, in-band as tensor frames: the same tokens either way, bytes counted."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13")
+    e2e_env["GLMRT_KV_TRANSFER"] = transport
+    try:
+        d = start_deployment([topology(tmp_path_factory.mktemp(f"pd-{transport}"), transport)], name=f"pd-{transport}")
+    finally:
+        del e2e_env["GLMRT_KV_TRANSFER"]
+    try:
+        got = [d.client().completions.create(model=d.model_id(), prompt=p, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True}
+                                             ).choices[0].model_extra["token_ids"] for p in prompts()]
+        assert got == unified_tokens
+        import time
+        time.sleep(1.5)  # engine stats are periodic
+        engines = d.get_json("/server_info")["engines"]
+        assert {e["kv_transfer"] for e in engines.values()} == {transport}
+        assert engines["prefill/0"]["handoff_bytes_sent"] == engines["decode/0"]["handoff_bytes_received"] > 0
+    finally:
+        d.stop(term_wait=5)
