@@ -24,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size-gb", type=float, default=4.0)
     p.add_argument("--meta", action="store_true", help="print parameter and per-request cache sizes, write nothing")
     p.add_argument("--force", action="store_true", help="allow writing the large presets (flash-4l, flash)")
+    p.add_argument("--no-weights", action="store_true",
+                   help="write config.json, generation_config.json and the tokenizer only (for --load-format dummy)")
     p.set_defaults(func=run)
 
 
@@ -98,6 +100,20 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         print("error: --out DIR is required (or use --meta)", file=sys.stderr)
         return 2
+    if args.no_weights:
+        import json
+
+        from glmrt.checkpoint.tokenizer import write_tokenizer
+        from glmrt.checkpoint.writer import checkpoint_config, generation_config
+        out = os.path.abspath(os.path.expanduser(args.out))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(checkpoint_config(config, args.dtype).to_dict(), f, indent=2)
+        with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(generation_config(config), f, indent=2)
+        write_tokenizer(out, config.text.vocab_size)
+        print(f"wrote {args.preset} config and tokenizer (no weights) to {out}: serve it with --load-format dummy")
+        return 0
     need = checkpoint_bytes(config, args.dtype)
     if args.preset in LARGE_PRESETS and not args.force:
         print(f"error: preset {args.preset} is {need / GIB:.1f} GiB in {args.dtype}; pass --force to write it "
