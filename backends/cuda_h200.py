@@ -23,7 +23,11 @@ from .meta import BatchMeta
 from .reference import ReferenceOps
 from .registry import register
 
-if importlib.util.find_spec("triton") is None:
+try:
+    _HAVE_TRITON = importlib.util.find_spec("triton") is not None
+except ValueError:  # triton blocked in sys.modules
+    _HAVE_TRITON = False
+if not _HAVE_TRITON:
     raise ImportError("the cuda-h200 backend needs Triton (pip install triton)")
 
 
@@ -44,7 +48,7 @@ class CudaH200Ops(ReferenceOps):
 
     def indexer_select(self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta,
                        kpool: int, topk_pools: int) -> torch.Tensor:
-        if not _kernel_ok(q, meta):
+        if not _kernel_ok(q, meta) or not pooled.is_contiguous():
             return super().indexer_select(q, w, pooled, meta, kpool, topk_pools)
         from .kernels.indexer import indexer_select
         return indexer_select(q, w, pooled, meta, kpool, topk_pools)

@@ -8,6 +8,8 @@ sets in the fast-path issues. Detection never imports Triton or CUDA libraries e
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,6 +60,9 @@ def register(name: str, factory: Callable[[], Any]) -> None:
 
 def resolve_name(name: str, hardware: str | None = None) -> str:
     hw = hardware or detect_hardware()
+    if hw == "sm90" and name in ("auto", "cuda-h200") and "cuda-h200" not in _FACTORIES:
+        with contextlib.suppress(ImportError):  # the module registers itself; it needs Triton
+            importlib.import_module(".cuda_h200", __package__)
     if name == "auto":
         for cand, need in _REQUIRED_HW.items():
             if hw in need and cand in _FACTORIES:

@@ -10,3 +10,48 @@ through Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when one is prese
   indexer.indexer_scores         DSA k-pool scores of decode queries
   indexer.indexer_select         ReferenceOps.indexer_select signature; kernel + top-k for decode
 """
+
+
+def patch_triton_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter, applied only under TRITON_INTERPRET=1.
+
+    * triton-lang/triton#9171: with numpy >= 2.4 a run-time scalar cannot be a loop bound
+      (`int()` of a 1-element array raises); re-register tensor `__index__` with a squeeze,
+      as the upstream fix does.
+    * `tl.dot` on bfloat16 operands multiplies their raw uint16 storage; widen bf16 operands
+      to fp32 first (exact), which is what the GPU's bf16 MMA with fp32 accumulation computes.
+    Idempotent; the kernel modules call it when they load. Compiled (GPU) runs are untouched.
+    """
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:  # pragma: no cover - triton without an interpreter
+        return
+    import numpy as np
+    import triton.language as tl
+
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is not None and not getattr(orig, "_glmrt_patched", False):
+        def _patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _patched._glmrt_patched = True  # type: ignore[attr-defined]
+        _interp._patch_lang_tensor = _patched
+
+    builder = getattr(_interp, "InterpreterBuilder", None)
+    dot = getattr(builder, "create_dot", None)
+    if dot is not None and not getattr(dot, "_glmrt_patched", False):
+        def _widen(h):
+            if h.dtype.scalar == tl.bfloat16:
+                return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return dot(self, _widen(a), _widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot._glmrt_patched = True  # type: ignore[attr-defined]
+        builder.create_dot = create_dot

@@ -32,6 +32,9 @@ import triton.language as tl
 
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
+from . import patch_triton_interpreter
+
+patch_triton_interpreter()
 
 _LOG2E = 1.4426950408889634
 
@@ -91,7 +94,8 @@ def _sparse_mla_decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=PRECISION)  # accumulate in place
         m_i = m_new
 
     empty = l_i == 0.0
@@ -162,7 +166,7 @@ def default_config(h: int, r: int, cache_dtype: torch.dtype) -> dict:
 
 
 def choose_num_splits(batch: int, head_blocks: int, k: int, block_n: int, num_sms: int,
-                      max_splits: int = 64) -> int:
+                      max_splits: int = 32) -> int:
     """Fewest splits that fill the chip to >= 85% in whole waves (else the best found)."""
     base = batch * head_blocks
     limit = max(1, min(max_splits, triton.cdiv(k, block_n)))
@@ -272,11 +276,12 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
                            with_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat latent rows each decode query attends to -> (token_idx [B, K] int32, num_tokens [B] int32).
 
-    The token set is exactly ReferenceOps._token_mask's: the selected pools (a set: repeats
-    count once) expanded to their tokens, kept when causally visible, plus (with_tail) the
-    visible tail of the incomplete pool; sel None means dense causal. Valid tokens are packed
-    first in increasing position order, -1 after. K is static (sel.shape[1]*kpool + kpool-1,
-    or the longest request when dense), so nothing here waits on the GPU.
+    The token set is exactly ReferenceOps._token_mask's: the selected complete pools (a set:
+    repeats count once; -1 and pools that are not complete are ignored) expanded to their
+    tokens, plus (with_tail) the visible tail of the incomplete pool; sel None means dense
+    causal. Valid tokens are packed first in increasing position order, -1 after. K is static
+    (sel.shape[1]*kpool + kpool-1, or the longest request when dense), so nothing here waits
+    on the GPU.
     """
     pos = meta.positions
     dev = pos.device
@@ -294,12 +299,12 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
         dup[:, 1:] = s[:, 1:] == s[:, :-1]
         s = s.masked_fill(dup, -1)
         j = torch.arange(kpool, device=dev)
+        complete = torch.div(pos + 1, kpool, rounding_mode="floor")  # pools whose last token is <= pos
         tok = (s[:, :, None] * kpool + j).flatten(1)
-        ok = (s >= 0)[:, :, None].expand(-1, -1, kpool).flatten(1) & (tok <= pos[:, None])
+        # like the reference, only complete pools count (so pool tokens never overlap the tail)
+        ok = ((s >= 0) & (s < complete[:, None]))[:, :, None].expand(-1, -1, kpool).flatten(1)
         if with_tail:
-            tail_start = torch.div(pos + 1, kpool, rounding_mode="floor") * kpool
-            ok &= tok < tail_start[:, None]  # tail tokens come from the tail part (no repeats)
-            tail = tail_start[:, None] + j[: kpool - 1]
+            tail = (complete * kpool)[:, None] + j[: kpool - 1]
             tok = torch.cat([tok, tail], dim=1)
             ok = torch.cat([ok, tail <= pos[:, None]], dim=1)
     width = tok.shape[1]

@@ -1,0 +1,364 @@
+"""The cuda-h200 Triton kernels against ReferenceOps (decode: sparse MLA, DSA indexer).
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors
+(TRITON_INTERPRET=1 is set here before Triton is imported); with CUDA the same tests run
+compiled on the GPU (the "cuda" parameter). Small shapes keep the interpreter fast. Every
+check draws fresh random inputs, poisons kernel outputs with NaN first and checks every
+element was written; bounds per /work/.library/device/METHOD.md: fp32 ~1e-5 relative,
+bf16 operands ~1e-2 relative (both against a float64 evaluation of the same rounded inputs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from backends import registry  # noqa: E402
+from backends.meta import BatchMeta  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.kernels.indexer import indexer_scores, indexer_select, topk_lower_index_ties  # noqa: E402
+from backends.kernels.sparse_mla import build_decode_token_idx, sparse_mla_decode  # noqa: E402
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+PAGE = 16
+
+
+def _devices():
+    return [
+        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=[pytest.mark.gpu,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    ]
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def _decode_meta(lens, device, seed, spare_pages=3):
+    """Decode batch: request r has lens[r]-1 cached tokens and one new token; pages shuffled."""
+    g = _gen(seed)
+    need = [-(-n // PAGE) for n in lens]
+    num_pages = sum(need) + spare_pages
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables, c = [], 0
+    for n in need:
+        tables.append(perm[c:c + n])
+        c += n
+    meta = BatchMeta.build([n - 1 for n in lens], [1] * len(lens), list(range(len(lens))), tables, PAGE, device)
+    return meta, num_pages
+
+
+# ---- sparse MLA decode kernel ----------------------------------------------------------------
+def _torch_decode(q_abs, flat, token_idx, scale):
+    out = torch.empty(q_abs.shape, dtype=torch.float64)
+    for b in range(q_abs.shape[0]):
+        idx = token_idx[b].long().cpu()
+        rows = flat.double().cpu()[idx[idx >= 0]]
+        s = q_abs[b].double().cpu() @ rows.T * scale
+        out[b] = torch.softmax(s, dim=-1) @ rows
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r", [32, 64])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_sparse_mla_decode_kernel(device, dtype, r, num_splits):
+    g = _gen(100 + r + (num_splits or 0))
+    b, h, k, num_pages = 5, 4, 45, 12
+    cache = torch.randn(num_pages, PAGE, r, generator=g).to(dtype)
+    q_abs = torch.randn(b, h, r, generator=g).to(dtype)
+    token_idx = torch.randint(0, num_pages * PAGE, (b, k), generator=g, dtype=torch.int32)
+    token_idx[torch.rand(b, k, generator=g) < 0.3] = -1      # padding anywhere
+    token_idx[1, 7:] = -1                                      # a short request
+    token_idx[2, 0] = 5
+    token_idx[3] = -1                                          # nothing selected: zeros
+    cache, q_abs, token_idx = cache.to(device), q_abs.to(device), token_idx.to(device)
+    out = torch.full((b, h, r), float("nan"), dtype=dtype, device=device)
+    res = sparse_mla_decode(q_abs, cache, token_idx, 0.3, out=out, num_splits=num_splits)
+    assert res is out
+    ref = _torch_decode(q_abs, cache.view(-1, r), token_idx, 0.3)
+    assert _rel(out, ref) < _tol(dtype)
+    assert (out[3] == 0).all()
+
+
+def test_sparse_mla_decode_num_tokens_bound(device):
+    """num_tokens stops at the packed prefix: what lies beyond is never read."""
+    g = _gen(7)
+    b, h, r, k = 3, 4, 32, 40
+    cache = torch.randn(6, PAGE, r, generator=g)
+    q_abs = torch.randn(b, h, r, generator=g)
+    token_idx = torch.randint(0, 6 * PAGE, (b, k), generator=g, dtype=torch.int32)
+    n = torch.tensor([40, 1, 17], dtype=torch.int32)
+    ref = _torch_decode(q_abs, cache.view(-1, r), torch.where(torch.arange(k) < n[:, None], token_idx, -1), 0.2)
+    bad = token_idx.clone()
+    bad[1, 1:] = 10 ** 6  # out of range: must not be touched
+    bad[2, 17:] = 10 ** 6
+    out = sparse_mla_decode(q_abs.to(device), cache.to(device), bad.to(device), 0.2, n.to(device), num_splits=2)
+    assert _rel(out, ref) < 1e-5
+
+
+# ---- token lists and the sparse_mla op -------------------------------------------------------
+def _random_sel(n_pools, width, g, odd=False):
+    """Random pool choices per request: distinct complete pools, -1 padding, and with `odd` a
+    repeat (counts once) and the incomplete pool n (the reference ignores it)."""
+    sel = torch.full((len(n_pools), width), -1, dtype=torch.long)
+    for i, n in enumerate(n_pools):
+        take = min(n, width - 2 if odd else width)
+        sel[i, :take] = torch.randperm(n, generator=g)[:take]
+        if odd:
+            sel[i, take] = n
+            if take:
+                sel[i, take + 1] = sel[i, 0]
+    return sel[:, torch.randperm(width, generator=g)]
+
+
+@pytest.mark.parametrize("with_tail", [True, False])
+def test_token_idx_equals_reference_mask(device, with_tail):
+    g = _gen(11)
+    lens, kpool = [1, 3, 16, 33, 70], 4
+    meta, _ = _decode_meta(lens, device, seed=1)
+    sel = _random_sel([n // kpool for n in lens], 6, g, odd=True).to(device)
+    token_idx, num = build_decode_token_idx(sel, meta, kpool, with_tail)
+    dense_idx, dense_num = build_decode_token_idx(None, meta, kpool, with_tail)
+    for r, total in enumerate(lens):
+        pages = meta.page_table[r, : -(-total // PAGE)].cpu()
+        locs = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()[:total]
+        pos = meta.positions[r:r + 1].cpu()
+        for s, idx, cnt in ((sel[r:r + 1].cpu(), token_idx[r].cpu(), num[r]), (None, dense_idx[r].cpu(), dense_num[r])):
+            mask = ReferenceOps._token_mask(s, pos, total, kpool, with_tail)[0]
+            want = sorted(locs[mask].tolist())
+            got = idx[: int(cnt)].tolist()
+            assert sorted(got) == want and len(set(got)) == len(got)
+            assert (idx[int(cnt):] == -1).all()
+
+
+def _mla_inputs(lens, r, dtype, device, seed, h=4, dn=16, dv=16):
+    g = _gen(seed)
+    meta, num_pages = _decode_meta(lens, device, seed)
+    cache = torch.randn(num_pages, PAGE, r, generator=g).to(dtype).to(device)
+    q = torch.randn(len(lens), h, dn, generator=g).to(dtype).to(device)
+    w_kc = (torch.randn(h, dn, r, generator=g) * dn ** -0.5).to(dtype).to(device)
+    w_vc = (torch.randn(h, dv, r, generator=g) * r ** -0.5).to(dtype).to(device)
+    return meta, cache, q, w_kc, w_vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r", [32, 64])
+@pytest.mark.parametrize("lens", [[37], [5, 64, 19, 100, 2]])
+def test_sparse_mla_op_matches_reference(device, dtype, r, lens):
+    from backends.cuda_h200 import CudaH200Ops
+
+    kpool, topk = 4, 5
+    meta, cache, q, w_kc, w_vc = _mla_inputs(lens, r, dtype, device, seed=r + len(lens))
+    sel = _random_sel([n // kpool for n in lens], topk, _gen(3), odd=len(lens) > 1).to(device)
+    out = CudaH200Ops().sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, 0.25, True)
+    assert out.shape == (len(lens), 4, 16) and out.dtype == dtype
+    # truth: the reference on the same (rounded) values in float64
+    d = torch.float64
+    truth = ReferenceOps().sparse_mla(q.to(d), cache.to(d), w_kc.to(d), w_vc.to(d), sel, meta, kpool, 0.25, True)
+    assert _rel(out, truth) < _tol(dtype)
+    ref = ReferenceOps().sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, 0.25, True)
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_sparse_mla_dense_and_prefill(device):
+    """sel=None (dense causal) on the kernel; a prefill batch defers to the reference exactly."""
+    from backends.cuda_h200 import CudaH200Ops
+
+    ops, ref = CudaH200Ops(), ReferenceOps()
+    meta, cache, q, w_kc, w_vc = _mla_inputs([9, 40, 23], 32, torch.float32, device, seed=5)
+    out = ops.sparse_mla(q, cache, w_kc, w_vc, None, meta, 4, 0.25, True)
+    assert _rel(out, ref.sparse_mla(q, cache, w_kc, w_vc, None, meta, 4, 0.25, True)) < 1e-5
+    g = _gen(9)
+    pre = BatchMeta.build([0, 8], [5, 3], [0, 1], [[0], [1]], PAGE, device)
+    qp = torch.randn(8, 4, 16, generator=g).to(device)
+    sel = torch.tensor([[0, -1]] * 8, device=device)
+    assert torch.equal(ops.sparse_mla(qp, cache, w_kc, w_vc, sel, pre, 4, 0.25, True),
+                       ref.sparse_mla(qp, cache, w_kc, w_vc, sel, pre, 4, 0.25, True))
+
+
+# ---- DSA indexer -----------------------------------------------------------------------------
+def _indexer_inputs(lens, dtype, device, seed, hi=16, di=32, kpool=4):
+    g = _gen(seed)
+    meta, num_pages = _decode_meta(lens, device, seed)
+    pooled = torch.randn(num_pages, PAGE // kpool, di, generator=g).to(dtype).to(device)
+    q = torch.randn(len(lens), hi, di, generator=g).to(dtype).to(device)
+    w = (torch.randn(len(lens), hi, generator=g) * hi ** -0.5).to(device)
+    return meta, pooled, q, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_kernel(device, dtype):
+    kpool = 4
+    lens = [3, 50, 130, 77]
+    meta, pooled, q, w = _indexer_inputs(lens, dtype, device, seed=21)
+    n_pools = torch.tensor([n // kpool for n in lens], device=device)
+    width = max(n_pools.tolist()) + 5  # wider than any request: the rest must be -inf
+    out = torch.full((len(lens), width), float("nan"), device=device)
+    indexer_scores(q, w, pooled, meta.page_table, n_pools, PAGE // kpool, width, out=out, config={"BLOCK_P": 16})
+    assert not torch.isnan(out).any()
+    di = q.shape[-1]
+    for r, n in enumerate(n_pools.tolist()):
+        ids = torch.arange(n)
+        keys = pooled.cpu()[meta.page_table[r].cpu()[ids // (PAGE // kpool)], ids % (PAGE // kpool)].double()
+        want = (torch.relu(q[r].cpu().double() @ keys.T * di ** -0.5) * w[r].cpu().double()[:, None]).sum(0)
+        got = out[r].cpu()
+        assert torch.isinf(got[n:]).all() and (got[n:] < 0).all()
+        if n:
+            assert torch.allclose(got[:n].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_indexer_select_matches_reference(device, dtype, seed):
+    from backends.cuda_h200 import CudaH200Ops
+
+    kpool, topk = 4, 6
+    lens = [150, 33, 7] if seed else [2, 24, 25, 61, 150]
+    meta, pooled, q, w = _indexer_inputs(lens, dtype, device, seed=40 + seed)
+    got = CudaH200Ops().indexer_select(q, w, pooled, meta, kpool, topk)
+    want = ReferenceOps().indexer_select(q, w, pooled, meta, kpool, topk)
+    assert got.dtype == want.dtype == torch.long
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_indexer_select_exact_ties_and_fallback(device):
+    """Small-integer inputs make every score exact, so ties are real: the lower pool must win
+    (identical keys -> pools 0, 1, 2). A prefill batch defers to the reference."""
+    from backends.cuda_h200 import CudaH200Ops
+
+    kpool, topk, hi, di = 4, 3, 16, 16  # scale 16^-0.5 = 0.25: exact
+    lens = [40, 64, 97]
+    meta, pooled, q, w = _indexer_inputs(lens, torch.float32, device, seed=2, hi=hi, di=di)
+    g = _gen(4)
+    pooled = torch.randint(-1, 2, pooled.shape, generator=g).float().to(device)
+    q = torch.randint(-2, 3, q.shape, generator=g).float().to(device)
+    w = (torch.randint(-2, 3, w.shape, generator=g).float() * 0.5).to(device)
+    for keys in (pooled, pooled[:, :1].expand_as(pooled).contiguous()):
+        got = CudaH200Ops().indexer_select(q, w, keys, meta, kpool, topk)
+        assert torch.equal(got, ReferenceOps().indexer_select(q, w, keys, meta, kpool, topk))
+    got = CudaH200Ops().indexer_select(q, w, pooled[:1, :1].expand_as(pooled).contiguous(), meta, kpool, topk)
+    assert got.cpu().tolist() == [[0, 1, 2]] * 3
+    pre = BatchMeta.build([0], [40], [0], [meta.page_table[0].tolist()], PAGE, device)
+    qp = torch.randn(40, hi, di, generator=_gen(5)).to(device)
+    wp = torch.randn(40, hi, generator=_gen(6)).to(device)
+    assert torch.equal(CudaH200Ops().indexer_select(qp, wp, pooled, pre, kpool, topk),
+                       ReferenceOps().indexer_select(qp, wp, pooled, pre, kpool, topk))
+
+
+def test_topk_lower_index_ties(device):
+    g = _gen(8)
+    s = torch.randint(-3, 4, (6, 50), generator=g).float() * 0.5
+    s[0] = 0.0
+    s[0, ::3] = -0.0
+    s[0, 7] = 1.0
+    s[1, 10:] = float("-inf")
+    s = s.to(device)
+    want = torch.sort(s.cpu(), dim=1, descending=True, stable=True).indices[:, :12]
+    assert torch.equal(topk_lower_index_ties(s, 12).cpu(), want)
+
+
+def test_registration_and_ops():
+    snapshot = dict(registry._FACTORIES)
+    try:
+        from backends import cuda_h200
+
+        registry.register("cuda-h200", cuda_h200.CudaH200Ops)
+        assert registry._FACTORIES["cuda-h200"] is cuda_h200.CudaH200Ops
+        assert registry.resolve_name("cuda-h200", hardware="sm90") == "cuda-h200"
+        assert registry.resolve_name("auto", hardware="sm90") == "cuda-h200"
+        ops = cuda_h200.CudaH200Ops()
+        assert isinstance(ops, ReferenceOps) and ops.name == "cuda-h200"
+    finally:
+        registry._FACTORIES.clear()
+        registry._FACTORIES.update(snapshot)
+
+
+# ---- the tiny model end to end ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_model_decode_matches_reference(device, dtype):
+    """The tiny preset (3 DSA layers, H 4, R 32, kpool 4, top 4 pools) with cuda-h200 ops: the
+    prefill defers to the reference, then batched decode steps (sparse: up to 14 pools per
+    request) run the kernels; logits match the fp32 reference model's."""
+    from backends.cuda_h200 import CudaH200Ops
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.model.loader import load_dummy
+    from glmrt.model.session import DirectSession
+
+    cfg = preset_config("tiny")
+    g = _gen(12)
+    prompts = [torch.randint(1, 900, (n,), generator=g) for n in (37, 50, 9)]
+    steps = torch.randint(1, 900, (3, len(prompts)), generator=g)
+
+    def decode_logits(ops, dt):
+        model = load_dummy(cfg, ops, dtype=dt, device=device, seed=1, with_vision=False, with_mtp=False)
+        s = DirectSession(model, max_requests=len(prompts), max_tokens=64)
+        rids = [s.new_request() for _ in prompts]
+        s.step({r: p for r, p in zip(rids, prompts)}, all_logits=False)
+        out = [s.step({r: steps[t, i:i + 1] for i, r in enumerate(rids)}) for t in range(steps.shape[0])]
+        return torch.stack([torch.cat([o[r] for r in rids]) for o in out]).float()
+
+    truth = decode_logits(ReferenceOps(), torch.float32)  # same weights, bf16 ones are their rounding
+    got = decode_logits(CudaH200Ops(), dtype)
+    assert torch.isfinite(got).all()
+    if dtype == torch.float32:
+        assert _rel(got, truth) < 1e-4
+    else:  # bf16 rounding compounds over 6 layers: be as close to the truth as the bf16 reference is
+        ref_err = _rel(decode_logits(ReferenceOps(), dtype), truth)
+        assert _rel(got, truth) < max(1.5 * ref_err, 1e-2)
+
+
+# ---- full-size shapes, GPU only --------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("b", [1, 7])
+def test_full_size_decode_gpu(b):
+    """H 64, R 512, 2063 selected tokens (128 pools + 15 tail) in bf16, and the indexer at 32x128."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(b)
+    h, r, k, num_pages = 64, 512, 2063, 512
+    cache = torch.randn(num_pages, 64, r, device=dev, generator=g).bfloat16()
+    q_abs = torch.randn(b, h, r, device=dev, generator=g).bfloat16()
+    idx = torch.randint(0, num_pages * 64, (b, k), device=dev, generator=g, dtype=torch.int32)
+    out = torch.full((b, h, r), float("nan"), device=dev, dtype=torch.bfloat16)
+    sparse_mla_decode(q_abs, cache, idx, 1 / 16, out=out)
+    assert _rel(out, _torch_decode(q_abs, cache.view(-1, r), idx, 1 / 16)) < 1e-2
+    kpool, topk = 16, 128
+    lens = [4096 + 977 * i for i in range(b)]
+    meta, num_pages = _decode_meta(lens, dev, seed=b)
+    pooled = torch.randn(num_pages, PAGE // kpool, 128, device=dev, generator=g).bfloat16()
+    q = torch.randn(b, 32, 128, device=dev, generator=g).bfloat16()
+    w = torch.randn(b, 32, device=dev, generator=g) * 32 ** -0.5
+    assert torch.equal(indexer_select(q, w, pooled, meta, kpool, topk),
+                       ReferenceOps().indexer_select(q, w, pooled, meta, kpool, topk))
