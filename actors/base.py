@@ -29,6 +29,7 @@ INBOX_UNION = {"api": P.API_IN, "tokenizer": P.TOKENIZER_IN, "engine": P.ENGINE_
                "prefill": P.ENGINE_IN, "decode": P.ENGINE_IN,
                "detokenizer": P.DETOK_IN, "supervisor": P.SUPERVISOR_IN, "vision": P.VISION_IN}
 HEARTBEAT_S = 0.5
+DRAIN_QUIET_S = 1.0  # a draining actor exits only after this long without new messages
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Actor:
         self.accepting = True
         self._stop = asyncio.Event()
         self._drain = False
+        self._last_msg = 0.0
 
     # ---- to override ---------------------------------------------------------------------
     async def setup(self) -> dict[str, Any]:
@@ -113,7 +115,10 @@ class Actor:
                  asyncio.create_task(self.background())]
         await self._stop.wait()
         if self._drain:
-            while self.busy():
+            # NOTE: requests routed to us before the api stopped routing here can still be in
+            # flight (a tokenizer hop away): serve them too, and leave only once quiet and idle.
+            loop = asyncio.get_running_loop()
+            while self.busy() or loop.time() - self._last_msg < DRAIN_QUIET_S:
                 await asyncio.sleep(0.05)
         await self.send("supervisor/0", P.Drained(actor=spec.kind, replica=spec.replica))
         for t in tasks:
@@ -131,6 +136,7 @@ class Actor:
             except ProtocolError as e:
                 log.warning("%s dropped a bad message: %s", self.spec.actor_id, e)
                 continue
+            self._last_msg = asyncio.get_running_loop().time()
             if isinstance(msg, P.Shutdown):
                 self.accepting = False
                 self._drain = msg.drain

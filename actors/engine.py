@@ -69,10 +69,7 @@ class EngineActor(Actor):
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.EngineRequest):
-            if not self.accepting:
-                await self.send(msg.detokenizer, P.EngineError(rid=msg.rid, status=503,
-                                                               message="engine is draining"))
-                return
+            # a draining engine still serves what was routed to it before the api stopped routing here
             mm = []
             if msg.mm_items and any(it.tensor is None for it in msg.mm_items):
                 # a vision actor computes the embeddings: hold the request until they arrive
