@@ -42,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
     p.add_argument("--max-request-mb", type=float)
     p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
+    p.add_argument("--mm-feature-transport", choices=["cpu", "cuda_ipc", "auto"],
+                   help="how a separate vision actor hands embeddings to the engine (default auto = cpu here)")
     p.add_argument("--allow-remote-media", action="store_true", default=None,
                    help="fetch http(s) image/video URLs (size-limited, with a timeout)")
     p.add_argument("--tokenizer-replicas", type=int)
@@ -99,7 +101,8 @@ def build_topology(args: argparse.Namespace):
             engine[f.name] = v
     api = topo.api
     api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb",
-                                              "allowed_local_media_path", "allow_remote_media")
+                                              "allowed_local_media_path", "allow_remote_media",
+                                              "mm_feature_transport")
                 if getattr(args, k, None) is not None}
     if api_over.get("allowed_local_media_path"):
         api_over["allowed_local_media_path"] = os.path.abspath(os.path.expanduser(api_over["allowed_local_media_path"]))

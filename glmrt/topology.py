@@ -47,6 +47,7 @@ class ApiSection:
     max_queued_requests: int = 1024
     allowed_local_media_path: str | None = None   # local image/video paths only under this directory
     allow_remote_media: bool = False               # fetch http(s) image/video URLs
+    mm_feature_transport: str = "auto"             # vision actor -> engine: cpu | cuda_ipc | auto
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,11 @@ def validate(topo: Topology, num_gpus: int | None = None) -> None:
         raise TopologyError(f"prefill/decode disaggregation needs both kinds; the {missing!r} actor is missing")
     if not has_engine and not has_pd:
         raise TopologyError("the topology has no 'engine' actor (or 'prefill' + 'decode' pair)")
+    if topo.api.mm_feature_transport not in ("cpu", "cuda_ipc", "auto"):
+        raise TopologyError(f"mm_feature_transport must be cpu, cuda_ipc or auto, got {topo.api.mm_feature_transport!r}")
+    if topo.api.mm_feature_transport == "cuda_ipc":
+        raise TopologyError("mm_feature_transport = 'cuda_ipc' is not available in this build: vision embeddings "
+                            "travel through host memory; use 'cpu' or 'auto'")
     vision = topo.actor("vision")
     if vision is not None and vision.replicas < 1:
         raise TopologyError("vision: replicas must be >= 1 (leave the entry out to run the tower in the engine)")
