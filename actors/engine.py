@@ -181,9 +181,13 @@ class EngineActor(Actor):
         if result.error:
             self._pending.append(("error", (msg, result.error)))
             return
-        mm = [MMInput(it.kind, None, tuple(it.grid_thw), it.num_tokens,
-                      embeds=tensor_from_frame(ref, frames[ref.frame], as_torch=True).clone())
-              for it, ref in zip(msg.mm_items, result.embeddings)]
+        if result.cuda_ipc:  # the embeddings stayed on the GPU: map them, copy, let go
+            from transport.cuda_ipc import import_cuda
+            feats = [import_cuda(d).clone() for d in result.cuda_ipc]
+        else:
+            feats = [tensor_from_frame(ref, frames[ref.frame], as_torch=True).clone() for ref in result.embeddings]
+        mm = [MMInput(it.kind, None, tuple(it.grid_thw), it.num_tokens, embeds=f)
+              for it, f in zip(msg.mm_items, feats)]
         self._pending.append(("add", (msg, mm)))
 
     # ---- prefill/decode handoff (actors/handoff.py has the protocol) ---------------------

@@ -132,7 +132,8 @@ class Supervisor:
         media = {"allowed_local_media_path": self.topo.api.allowed_local_media_path,
                  "allow_remote_media": self.topo.api.allow_remote_media}
         if spec.kind == "vision":
-            return {"model_path": self.model_path, "torch_threads": 1}
+            return {"model_path": self.model_path, "torch_threads": 1, "dtype": self.topo.model.dtype,
+                    "feature_transport": self.topo.feature_transport}
         return {"model_path": self.model_path, "vocab_size": self.vocab_size, "media": media,
                 "vision_replicas": vision.replicas if vision is not None else 0}
 

@@ -3,7 +3,8 @@ when the topology places one; otherwise the engine runs the tower itself.
 
 Pixel patches arrive from the tokenizer as tensor frames; the embeddings go to the engine
 that computes the request's prompt, as tensor frames over the engine's inbox (feature
-transport `cpu`; `auto` picks it here — CUDA IPC handles are not sent in this build).
+transport `cpu`), or as CUDA IPC handles when the vision actor and the engine share GPUs
+(`cuda_ipc`; `auto` picks it then).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ class VisionActor(Actor):
 
         torch.set_num_threads(int(self.spec.config.get("torch_threads", 1)))
         device = "cuda" if self.spec.gpus and torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        want = self.spec.config.get("dtype", "auto")  # the engine's dtype, so both paths agree
+        dtype = getattr(torch, want) if want != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vision")
         loop = asyncio.get_running_loop()
         self.tower = await loop.run_in_executor(
             self._executor, lambda: load_vision_tower(self.spec.config["model_path"], dtype=dtype, device=device))
         self.device, self.dtype = device, dtype
         self.inflight = 0
-        return {"device": device, "feature_transport": "cpu"}
+        self.transport = self.spec.config.get("feature_transport", "cpu") if device == "cuda" else "cpu"
+        return {"device": device, "feature_transport": self.transport}
 
     def busy(self) -> bool:
         return self.inflight > 0
@@ -51,6 +54,8 @@ class VisionActor(Actor):
         with torch.no_grad():
             out = self.tower(torch.cat(pixels).to(self.device, self.dtype), grid)
         sizes = [it.num_tokens for it in msg.items]
+        if self.transport == "cuda_ipc":
+            return [t.contiguous() for t in out.split(sizes)]  # stay on the GPU: handles travel
         return [t.float().contiguous().cpu() for t in out.split(sizes)]
 
     async def handle(self, msg: Any, frames: list) -> None:
@@ -63,6 +68,11 @@ class VisionActor(Actor):
                 embeds = await loop.run_in_executor(self._executor, self._encode, msg, frames)
             except Exception as e:  # a bad item fails its request, not the actor
                 await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=[], error=f"vision failed: {e}"))
+                return
+            if self.transport == "cuda_ipc":
+                from transport.cuda_ipc import export_cuda
+                await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=[],
+                                                           cuda_ipc=[export_cuda(t) for t in embeds]))
                 return
             refs = [P.TensorRef(dtype="float32", shape=list(t.shape), frame=i) for i, t in enumerate(embeds)]
             await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=refs), embeds)

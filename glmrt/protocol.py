@@ -430,6 +430,7 @@ class VisionResult(Msg):
     rid: str
     embeddings: list[TensorRef]
     error: str | None = None
+    cuda_ipc: list[dict[str, Any]] | None = None  # feature transport cuda_ipc: handles instead of frames
 
 
 # ---------------------------------------------------------------------------------------------

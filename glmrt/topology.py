@@ -68,6 +68,18 @@ class Topology:
     actors: tuple[ActorSpec, ...] = ()
 
     @property
+    def feature_transport(self) -> str:
+        """The vision -> engine hop: cuda_ipc when asked (validated), or auto on shared GPUs."""
+        mode = self.api.mm_feature_transport
+        if mode != "auto":
+            return mode
+        vis = self.actor("vision")
+        engines = [a for a in self.actors if a.kind in ("engine", "prefill")]
+        if vis is not None and vis.gpus and engines and all(list(e.gpus) == list(vis.gpus) for e in engines):
+            return "cuda_ipc"
+        return "cpu"
+
+    @property
     def engine_kinds(self) -> tuple[str, ...]:
         """The actor kinds that run a model: ("engine",) or ("prefill", "decode")."""
         return ("prefill", "decode") if self.actor("prefill") else ("engine",)
@@ -187,8 +199,13 @@ def validate(topo: Topology, num_gpus: int | None = None) -> None:
     if topo.api.mm_feature_transport not in ("cpu", "cuda_ipc", "auto"):
         raise TopologyError(f"mm_feature_transport must be cpu, cuda_ipc or auto, got {topo.api.mm_feature_transport!r}")
     if topo.api.mm_feature_transport == "cuda_ipc":
-        raise TopologyError("mm_feature_transport = 'cuda_ipc' is not available in this build: vision embeddings "
-                            "travel through host memory; use 'cpu' or 'auto'")
+        vis, engines = topo.actor("vision"), [a for a in topo.actors if a.kind in ("engine", "prefill")]
+        if vis is None:
+            raise TopologyError("mm_feature_transport = 'cuda_ipc' needs a separate 'vision' actor")
+        if not vis.gpus or any(list(e.gpus) != list(vis.gpus) for e in engines):
+            raise TopologyError("mm_feature_transport = 'cuda_ipc' needs the vision actor and the engines on the same "
+                                f"GPUs (vision {list(vis.gpus)}, engines {[list(e.gpus) for e in engines]}); use "
+                                "'cpu' or 'auto'")
     vision = topo.actor("vision")
     if vision is not None and vision.replicas < 1:
         raise TopologyError("vision: replicas must be >= 1 (leave the entry out to run the tower in the engine)")
