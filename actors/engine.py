@@ -273,6 +273,9 @@ class EngineActor(Actor):
         for handle, decode, msg in pending:
             result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
             if result.ok:
+                c = self.engine.counters
+                c["handoff_transfer_seconds"] = c.get("handoff_transfer_seconds", 0.0) + result.seconds
+                c["handoff_transfers"] = c.get("handoff_transfers", 0) + 1
                 await self.send(decode, msg)
             else:
                 self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
@@ -337,7 +340,8 @@ class EngineActor(Actor):
             msgs.append((decode, P.HandoffOffer(
                 rid=o.rid, prompt_ids=list(req.prompt_ids), first_token=req.output_ids[0], sampling=sampling,
                 detokenizer=self._routes[o.rid][2], prefill=self.spec.actor_id, layout=self._layout,
-                cached_tokens=req.cached_tokens)))
+                cached_tokens=req.cached_tokens,
+                transfer_info=self.xfer.peer_info() if self.xfer is not None else None)))
         for rid, (_, offer, t) in list(self._reservations.items()):  # a prefill that never sends the state
             if now - t > HANDOFF_TIMEOUT_S:
                 from glmrt.engine import handoff

@@ -52,5 +52,9 @@ for name in ("unified", "pd"):
           f"{s.get('output_throughput', float('nan')):>10.1f} {s.get('errors', 0):>7}")
 info = json.load(open(os.path.join(out, "pd_info.json")))
 for k, v in info["engines"].items():
-    print(k, "transfer", v.get("kv_transfer"), "sent", v.get("handoff_bytes_sent"), "received", v.get("handoff_bytes_received"))
+    line = f"{k}: transfer {v.get('kv_transfer')}, sent {v.get('handoff_bytes_sent')}, received {v.get('handoff_bytes_received')}"
+    if v.get("handoff_transfers"):
+        n, t, b = v["handoff_transfers"], v["handoff_transfer_seconds"], v["handoff_bytes_sent"]
+        line += f", {n} transfers, mean {1000 * t / n:.2f} ms each, {b / max(t, 1e-9) / 1e9:.2f} GB/s"
+    print(line)
 PY
