@@ -8,6 +8,7 @@ model computes; requests and aborts that arrive during a step are applied betwee
 from __future__ import annotations
 
 import asyncio
+import os
 import concurrent.futures
 import time
 from typing import Any
@@ -257,7 +258,9 @@ class EngineActor(Actor):
         src_pages, src_slot = handoff.source_pages(self.engine, rid, acc.reused_tokens)
         local = regions(pool_tensors(self.engine).get, src_pages, src_slot)
         remote = regions(lambda tid: self.xfer.peer_tensor(peer, tid), list(acc.pages), acc.slot)
-        handle = self.xfer.write(peer, local, remote, checksum=True, transfer_id=rid)
+        # NOTE: a checksum of GPU memory costs a device-to-host copy of the bytes: opt-in
+        checksum = os.environ.get("GLMRT_KV_CHECKSUM", "0") == "1"
+        handle = self.xfer.write(peer, local, remote, checksum=checksum, transfer_id=rid)
         _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=[],
                           sampling=sampling, detokenizer=self._routes.get(rid, ("", 0, ""))[2],

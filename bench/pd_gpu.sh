@@ -37,6 +37,8 @@ run() {  # name topology
 }
 run unified /tmp/unified.toml
 run pd /tmp/pd.toml
+cp "$OUT/pd_info.json" "$OUT/pd_info_nochecksum.json"
+GLMRT_KV_CHECKSUM=1 run pdcrc /tmp/pd.toml
 python3 - "$OUT" <<'PY'
 import json, sys, os
 out = sys.argv[1]
@@ -50,9 +52,13 @@ for name in ("unified", "pd"):
     g = lambda k, q: s[k + "_ms"][q] if s.get(k + "_ms") else float("nan")
     print(f"{name:<8} {g('ttft','p50'):>12.1f} {g('ttft','p90'):>12.1f} {g('tpot','p50'):>12.1f} "
           f"{s.get('output_throughput', float('nan')):>10.1f} {s.get('errors', 0):>7}")
-info = json.load(open(os.path.join(out, "pd_info.json")))
-for k, v in info["engines"].items():
-    line = f"{k}: transfer {v.get('kv_transfer')}, sent {v.get('handoff_bytes_sent')}, received {v.get('handoff_bytes_received')}"
+for label, name in (("no checksum", "pd_info.json"), ("crc32 checked", "pdcrc_info.json")):
+  if not os.path.exists(os.path.join(out, name)):
+    continue
+  info = json.load(open(os.path.join(out, name)))
+  print(label)
+  for k, v in info["engines"].items():
+    line = f"  {k}: transfer {v.get('kv_transfer')}, sent {v.get('handoff_bytes_sent')}, received {v.get('handoff_bytes_received')}"
     if v.get("handoff_transfers"):
         n, t, b = v["handoff_transfers"], v["handoff_transfer_seconds"], v["handoff_bytes_sent"]
         line += f", {n} transfers, mean {1000 * t / n:.2f} ms each, {b / max(t, 1e-9) / 1e9:.2f} GB/s"
