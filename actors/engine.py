@@ -122,7 +122,6 @@ class EngineActor(Actor):
     def _apply_pending(self) -> list[tuple[str, P.Msg]]:
         """Runs in the step thread: add/abort requests. Returns errors to send."""
         from glmrt.engine.engine import ContextLengthExceeded
-        from glmrt.sampling_params import SamplingParams
 
         errors = []
         pending, self._pending = self._pending, []
@@ -154,12 +153,7 @@ class EngineActor(Actor):
                 errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=500,
                                                             message="prefill engine got a request without a decode")))
                 continue
-            params = SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-                ignore_eos=s.ignore_eos, max_tokens=s.max_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
-                top_logprobs=s.top_logprobs, n=s.n)
+            params = self._params(s, n=s.n)
             try:
                 rids = self.engine.add_request(m.prompt_ids, params, rid=f"{m.rid}#{time.monotonic_ns()}",
                                                mm_items=mm or None)
@@ -356,14 +350,15 @@ class EngineActor(Actor):
                 msgs += self._fail(rid, 503, f"handoff to {decode} timed out")
         return msgs
 
-    def _params(self, s: P.SamplingMsg):
+    @staticmethod
+    def _params(s: P.SamplingMsg, n: int = 1):
         from glmrt.sampling_params import SamplingParams
         return SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
             repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, max_tokens=s.max_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
-            top_logprobs=s.top_logprobs, n=1)
+            top_logprobs=s.top_logprobs, n=n)
 
     def _step(self) -> tuple[list, list]:
         errors = self._apply_pending()

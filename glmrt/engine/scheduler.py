@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from glmrt.cache.page_manager import PageManager
 from glmrt.cache.radix import Checkpoint, RadixCache
-from glmrt.cache.slot_manager import LIVE, SlotManager
+from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
 from glmrt.engine.request import Request, Status
 
 
@@ -318,15 +318,7 @@ class Scheduler:
             req, end = w.req, w.start + w.num
             if end in req.save_at:
                 req.save_at.remove(end)
-                slot = self._grab_ckpt_slot()
-                page = None
-                if slot is not None and end % ps:
-                    got = self._grab_pages(1)
-                    if got is None:
-                        self.slots.free(slot)
-                        slot = None
-                    else:
-                        page = got[0]
+                slot, page = self._slot_and_partial_page(CHECKPOINT, end)
                 if slot is not None:
                     src = req.pages[end // ps] if end % ps else None
                     plan.saves.append(Save(req, end, req.slot, slot, src, page))
@@ -335,24 +327,26 @@ class Scheduler:
                     self._plan_fork(plan, req, child)
                 req.fork_children = []
 
-    def _grab_ckpt_slot(self) -> int | None:
-        from glmrt.cache.slot_manager import CHECKPOINT
+    def _slot_and_partial_page(self, kind: str, position: int) -> tuple[int | None, int | None]:
+        """A state slot, plus a page for the partial page at `position` when it is not
+        page-aligned; (None, None) when either cannot be had (the caller skips the copy)."""
         if self.slots.num_free == 0:
             self.tree.evict(need_slots=1)
-        return self.slots.allocate(CHECKPOINT) if self.slots.num_free else None
+        if self.slots.num_free == 0:
+            return None, None
+        slot = self.slots.allocate(kind)
+        if position % self.cfg.page_size == 0:
+            return slot, None
+        got = self._grab_pages(1)
+        if got is None:
+            self.slots.free(slot)
+            return None, None
+        return slot, got[0]
 
     def _plan_fork(self, plan: StepPlan, parent: Request, child: Request) -> None:
         ps = self.cfg.page_size
         end = len(parent.prompt_ids)
-        slot = self._grab_slot()
-        page = None
-        if slot is not None and end % ps:
-            got = self._grab_pages(1)
-            if got is None:
-                self.slots.free(slot)
-                slot = None
-            else:
-                page = got[0]
+        slot, page = self._slot_and_partial_page(LIVE, end)
         child.fork_parent = None
         if slot is None:
             return  # no room: the child runs as an ordinary request (prefix cache helps)
