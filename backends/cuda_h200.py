@@ -8,6 +8,9 @@ and the registry keeps the reference. Triton itself is imported on the first ker
 Overridden today (everything else is the reference):
   indexer_select  decode batches (one token per request): Triton scores + tie-broken top-k
   sparse_mla      decode batches: Triton absorbed-MLA over the selected latent rows
+  rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
+  mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
+  mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -60,6 +63,34 @@ class CudaH200Ops(ReferenceOps):
             return super().sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
         from .kernels.sparse_mla import sparse_mla
         return sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
+
+    # ---- norms and mHC (every batch shape; kernels in backends/kernels/{norms,mhc}.py) ------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if (not (x.is_cuda or _interpreting()) or x.dim() == 0 or weight.dim() != 1
+                or weight.shape[0] != x.shape[-1] or weight.device != x.device
+                or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+            return super().rms_norm(x, weight, eps)
+        from .kernels.norms import rms_norm
+        return rms_norm(x, weight, eps)
+
+    def mhc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        m = streams.shape[1] if streams.dim() == 3 else 0
+        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8
+                or tuple(fn.shape) != ((2 + m) * m, m * streams.shape[2])
+                or any(t.device != streams.device for t in (fn, base, scale))):
+            return super().mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+        from .kernels.mhc import mhc_pre
+        return mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+    def mhc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        m = streams.shape[1] if streams.dim() == 3 else 0
+        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8 or y.dtype != streams.dtype
+                or tuple(y.shape) != (streams.shape[0], streams.shape[2])
+                or any(t.device != streams.device for t in (y, post, comb))):
+            return super().mhc_post(y, streams, post, comb)
+        from .kernels.mhc import mhc_post
+        return mhc_post(y, streams, post, comb)
 
 
 register("cuda-h200", CudaH200Ops)

@@ -1,0 +1,282 @@
+"""mHC (MODEL.md §2.2) as Triton kernels: the pre block (RMS + mixing matmul + gates +
+Sinkhorn + collapse) and the post combine.
+
+mhc_pre, per token, all fp32 (ReferenceOps.mhc_pre):
+    r = rsqrt(mean(x²) + norm_eps) over x = flatten(X) [M·D];   z = r · (fn · x)
+    pre  = sigmoid(z_pre·s0 + b_pre) + hc_eps;   post = 2·sigmoid(z_post·s1 + b_post)
+    C = softmax_row(z_comb·s2 + b_comb) + hc_eps;  C /= colsum + hc_eps;
+    (iters-1)×: C /= rowsum + hc_eps; C /= colsum + hc_eps
+    collapsed = cast(Σ_i pre[i]·X[i])
+(r is applied after the product, r·(fn·x) instead of fn·(r·x): equal up to fp32 rounding.)
+
+Two shapes of launch, chosen by the number of 16-token blocks:
+  * fused (many tokens, prefill): one program per BLOCK_N tokens streams its tokens and all
+    of fn through two fp32 matrix products (pre|post columns, comb columns), then does the
+    gates, the Sinkhorn iterations in registers ([BLOCK_N, M, M] tiles) and the collapse.
+  * split-K (few tokens, decode): `_mhc_mix_kernel` spreads the M·D reduction over a grid of
+    (token blocks × K splits) writing fp32 partials (no atomics: deterministic), then the same
+    epilogue kernel sums the partials and finishes. fn is [(2+M)M, M·D] fp32 = 1.5 MiB at
+    full size, so one program per token block would read it through one SM; splitting spreads
+    it over the chip.
+M is padded to BLOCK_M = max(4, next_pow2(M)) (M <= 8), so BLOCK_M² >= 16 for tl.dot.
+
+mhc_post: X'[j] = post[j]·y + Σ_i C[i, j]·X[i] with post and C rounded to the model dtype
+first and both terms rounded to the model dtype before their sum (HF / ReferenceOps order;
+the i-sum runs in fp32, one rounding, like torch's bf16 matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+from .norms import patch_interpreter_bf16_rounding
+
+patch_triton_interpreter()
+patch_interpreter_bf16_rounding()
+
+_BLOCK_PP = 16  # pre|post columns of z (2M <= 16)
+_NUM_SMS_GUESS = 132
+
+
+@triton.jit
+def _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, k_lo, k_hi,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_PP: tl.constexpr, PRECISION: tl.constexpr):
+    """Unnormalised z partials over flat columns [k_lo, k_hi): (z_prepost [BN, BPP],
+    z_comb [BN, BM*BM] (q = i*BM + j), sum of squares [BN])."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_pp = tl.arange(0, BLOCK_PP)
+    pp_ok = offs_pp < 2 * M
+    offs_q = tl.arange(0, BLOCK_M * BLOCK_M)
+    qi = offs_q // BLOCK_M
+    qj = offs_q % BLOCK_M
+    q_ok = (qi < M) & (qj < M)
+    q_row = tl.where(q_ok, 2 * M + qi * M + qj, 0)
+    x_row = tok.to(tl.int64) * stride_xn
+    zp = tl.zeros([BLOCK_N, BLOCK_PP], dtype=tl.float32)
+    zc = tl.zeros([BLOCK_N, BLOCK_M * BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_hi
+        x = tl.load(X + x_row[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, 1)
+        # fn rows are contiguous along k: load [rows, BLOCK_K] (coalesced) and transpose
+        fp = tl.load(FN + offs_pp[:, None] * stride_fn + kk[None, :], mask=pp_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        zp += tl.dot(x, tl.trans(fp), input_precision=PRECISION)
+        fc = tl.load(FN + q_row[:, None] * stride_fn + kk[None, :], mask=q_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        zc += tl.dot(x, tl.trans(fc), input_precision=PRECISION)
+    return zp, zc, ss
+
+
+@triton.jit
+def _mhc_mix_kernel(X, FN, ZP, ZC, SS, N, stride_xn, stride_fn, M, K, k_per,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_PP: tl.constexpr, PRECISION: tl.constexpr):
+    nb = tl.program_id(0)
+    s = tl.program_id(1)
+    tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = tok < N
+    k_lo = s * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    zp, zc, ss = _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, k_lo, k_hi,
+                          BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_PP, PRECISION)
+    row = (s * N + tok).to(tl.int64)
+    tl.store(ZP + row[:, None] * BLOCK_PP + tl.arange(0, BLOCK_PP)[None, :], zp, mask=n_ok[:, None])
+    BMM: tl.constexpr = BLOCK_M * BLOCK_M
+    tl.store(ZC + row[:, None] * BMM + tl.arange(0, BMM)[None, :], zc, mask=n_ok[:, None])
+    tl.store(SS + row, ss, mask=n_ok)
+
+
+@triton.jit
+def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
+                    N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    nb = tl.program_id(0)
+    tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = tok < N
+    K = M * D
+    BMM: tl.constexpr = BLOCK_M * BLOCK_M
+    offs_pp = tl.arange(0, BLOCK_PP)
+    offs_q = tl.arange(0, BMM)
+    if SPLIT:
+        zp = tl.zeros([BLOCK_N, BLOCK_PP], dtype=tl.float32)
+        zc = tl.zeros([BLOCK_N, BMM], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in range(0, n_split):
+            row = (s * N + tok).to(tl.int64)
+            zp += tl.load(ZP + row[:, None] * BLOCK_PP + offs_pp[None, :], mask=n_ok[:, None], other=0.0)
+            zc += tl.load(ZC + row[:, None] * BMM + offs_q[None, :], mask=n_ok[:, None], other=0.0)
+            ss += tl.load(SS + row, mask=n_ok, other=0.0)
+    else:
+        zp, zc, ss = _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, 0, K,
+                              BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_PP, PRECISION)
+    r = tl.rsqrt(ss / K + norm_eps)
+    zp = zp * r[:, None]
+    zc = zc * r[:, None]
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    s0 = tl.load(SCALE + 0).to(tl.float32)
+    s1 = tl.load(SCALE + 1).to(tl.float32)
+    s2 = tl.load(SCALE + 2).to(tl.float32)
+    # pre / post: pick columns m and M + m out of the BLOCK_PP pre|post columns (exact)
+    sel_pre = offs_pp[:, None] == offs_m[None, :]
+    sel_post = offs_pp[:, None] == (offs_m[None, :] + M)
+    z_pre = tl.sum(tl.where(sel_pre[None, :, :], zp[:, :, None], 0.0), 1)     # [BN, BM]
+    z_post = tl.sum(tl.where(sel_post[None, :, :], zp[:, :, None], 0.0), 1)
+    b_pre = tl.load(BASE + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+    b_post = tl.load(BASE + M + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+    pre = tl.sigmoid(z_pre * s0 + b_pre[None, :]) + hc_eps
+    pre = tl.where(m_ok[None, :], pre, 0.0)
+    post = 2.0 * tl.sigmoid(z_post * s1 + b_post[None, :])
+    tok64 = tok.to(tl.int64)
+    tl.store(POST + tok64[:, None] * M + offs_m[None, :], post, mask=n_ok[:, None] & m_ok[None, :])
+
+    # comb: row softmax, then Sinkhorn in registers on [BN, BM, BM]
+    zc3 = tl.reshape(zc, [BLOCK_N, BLOCK_M, BLOCK_M])
+    ii = offs_m[:, None]
+    jj = offs_m[None, :]
+    valid = (ii < M) & (jj < M)                                                 # [BM, BM]
+    b_comb = tl.load(BASE + 2 * M + ii * M + jj, mask=valid, other=0.0).to(tl.float32)
+    logit = zc3 * s2 + b_comb[None, :, :]
+    logit = tl.where((jj < M)[None, :, :], logit, float("-inf"))
+    mx = tl.max(logit, 2)
+    e = tl.exp(logit - mx[:, :, None])
+    e = tl.where((jj < M)[None, :, :], e, 0.0)
+    c = e / tl.sum(e, 2)[:, :, None]
+    v3 = valid[None, :, :]
+    c = tl.where(v3, c + hc_eps, 0.0)
+    c = tl.where(v3, c / (tl.sum(c, 1)[:, None, :] + hc_eps), 0.0)
+    for _ in range(1, iters):
+        c = tl.where(v3, c / (tl.sum(c, 2)[:, :, None] + hc_eps), 0.0)
+        c = tl.where(v3, c / (tl.sum(c, 1)[:, None, :] + hc_eps), 0.0)
+    tl.store(COMB + tok64[:, None, None] * (M * M) + (ii * M + jj)[None, :, :], c,
+             mask=n_ok[:, None, None] & v3)
+
+    # collapse: u = Σ_i pre[i] X[i] in fp32, cast to the stream dtype
+    offs_d = tl.arange(0, BLOCK_D)
+    x_base = X + tok64[:, None, None] * stride_xn + offs_m[None, :, None] * D
+    xm = n_ok[:, None, None] & m_ok[None, :, None]
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + offs_d
+        d_ok = dd < D
+        x = tl.load(x_base + dd[None, None, :], mask=xm & d_ok[None, None, :], other=0.0).to(tl.float32)
+        u = tl.sum(x * pre[:, :, None], 1)
+        tl.store(U + tok64[:, None] * stride_un + dd[None, :], u.to(U.dtype.element_ty),
+                 mask=n_ok[:, None] & d_ok[None, :])
+
+
+def _block_m(m: int) -> int:
+    assert 1 <= m <= 8, f"mhc kernels support 1 <= M <= 8 streams, got {m}"
+    return max(4, triton.next_power_of_2(m))
+
+
+def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            sinkhorn_iters: int, hc_eps: float, norm_eps: float, *, split: int | None = None,
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            block_n: int = 16, block_k: int = 64, precision: str = "ieee"):
+    """ReferenceOps.mhc_pre: streams [N, M, D] -> (post [N, M] f32, comb [N, M, M] f32,
+    collapsed [N, D] streams.dtype). fn [(2+M)M, M*D], base [(2+M)M], scale [3], any float dtype
+    (used in fp32). `split` = number of K splits (1 = one fused launch; None = by heuristic);
+    `out` = (post, comb, collapsed) written in place; `precision` is tl.dot's input_precision
+    for the fp32 products ("ieee" = exact fp32 FMAs; "tf32x3" is faster at ~fp32 accuracy)."""
+    n, m, d = streams.shape
+    k = m * d
+    assert fn.shape == ((2 + m) * m, k), (fn.shape, m, d)
+    bm = _block_m(m)
+    x = streams if streams.is_contiguous() else streams.contiguous()
+    fn = fn if fn.is_contiguous() else fn.contiguous()
+    base = base.contiguous()
+    scale = scale.contiguous()
+    dev = streams.device
+    if out is None:
+        post = torch.empty(n, m, dtype=torch.float32, device=dev)
+        comb = torch.empty(n, m, m, dtype=torch.float32, device=dev)
+        u = torch.empty(n, d, dtype=streams.dtype, device=dev)
+    else:
+        post, comb, u = out
+        assert post.shape == (n, m) and post.dtype == torch.float32 and post.is_contiguous()
+        assert comb.shape == (n, m, m) and comb.dtype == torch.float32 and comb.is_contiguous()
+        assert u.shape == (n, d) and u.dtype == streams.dtype and u.stride(-1) == 1
+    if n == 0:
+        return post, comb, u
+    nblocks = triton.cdiv(n, block_n)
+    if split is None:
+        split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
+                                                                    2 * _NUM_SMS_GUESS // nblocks))
+    k_per = triton.cdiv(triton.cdiv(k, max(1, split)), block_k) * block_k
+    n_split = triton.cdiv(k, k_per)
+    # the epilogue needs no tl.dot when the partials come from the split kernel: few tokens
+    # per program there, so that the collapse covers D in a few wide chunks
+    bn_fin = block_n if n_split == 1 else min(block_n, triton.next_power_of_2(n))
+    block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
+    if n_split > 1:
+        zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
+        zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
+        ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
+        _mhc_mix_kernel[(nblocks, n_split)](x, fn, zp, zc, ss, n, x.stride(0), fn.stride(0), m, k, k_per,
+                                            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                                            PRECISION=precision, num_warps=4)
+    else:
+        zp = zc = ss = post  # unused
+    _mhc_pre_kernel[(triton.cdiv(n, bn_fin),)](x, fn, base, scale, zp, zc, ss, post, comb, u,
+                                n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
+                                int(sinkhorn_iters), float(hc_eps), float(norm_eps),
+                                BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                                BLOCK_D=block_d, SPLIT=n_split > 1, PRECISION=precision, num_warps=4)
+    return post, comb, u
+
+
+@triton.jit
+def _mhc_post_kernel(Y, X, POST, COMB, OUT, stride_yn, stride_xn, stride_on, M, D,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    db = tl.program_id(1)
+    dt = OUT.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    x = tl.load(X + n * stride_xn + offs_m[:, None] * D + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)       # [BM(i), BD]
+    y = tl.load(Y + n * stride_yn + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+    post = tl.load(POST + n * M + offs_m, mask=m_ok, other=0.0).to(dt).to(tl.float32)
+    cm = m_ok[:, None] & m_ok[None, :]
+    comb = tl.load(COMB + n * M * M + offs_m[:, None] * M + offs_m[None, :], mask=cm,
+                   other=0.0).to(dt).to(tl.float32)                                  # [BM(i), BM(j)]
+    a = (post[:, None] * y[None, :]).to(dt).to(tl.float32)                           # [BM(j), BD]
+    b = tl.sum(comb[:, :, None] * x[:, None, :], 0).to(dt).to(tl.float32)           # [BM(j), BD]
+    tl.store(OUT + n * stride_on + offs_m[:, None] * D + offs_d[None, :], (a + b).to(dt),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+             out: torch.Tensor | None = None, block_d: int | None = None) -> torch.Tensor:
+    """ReferenceOps.mhc_post: y [N, D], streams [N, M, D], post [N, M], comb [N, M, M] ->
+    [N, M, D] in streams.dtype. `out` may alias nothing it reads except `streams` itself
+    (each program reads its tile of streams before writing the same tile)."""
+    n, m, d = streams.shape
+    assert y.shape == (n, d) and post.shape == (n, m) and comb.shape == (n, m, m)
+    bm = _block_m(m)
+    x = streams if streams.is_contiguous() else streams.contiguous()
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    post = post.contiguous()
+    comb = comb.contiguous()
+    if out is None:
+        out = torch.empty(n, m, d, dtype=streams.dtype, device=streams.device)
+    assert out.shape == (n, m, d) and out.dtype == streams.dtype and out.is_contiguous()
+    if n == 0:
+        return out
+    bd = block_d or min(triton.next_power_of_2(d), 4096 // bm)
+    _mhc_post_kernel[(n, triton.cdiv(d, bd))](y, x, post, comb, out, y.stride(0), x.stride(0), out.stride(0),
+                                              m, d, BLOCK_M=bm, BLOCK_D=bd, num_warps=4)
+    return out

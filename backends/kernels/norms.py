@@ -1,0 +1,117 @@
+"""Weighted RMSNorm (MODEL.md §2.1) as a Triton kernel.
+
+    y = w.to(dt) * cast_dt(x32 * rsqrt(mean(x32²) + eps))          dt = x.dtype
+
+in exactly ReferenceOps.rms_norm's order: normalise in fp32, round to the input dtype, then
+multiply by the weight rounded to the input dtype (the product of two bf16 values is exact
+in fp32, so one rounding of it equals torch's bf16 multiply). One program per row; rows up
+to MAX_FUSED_D elements are held in registers (one HBM read of x), longer rows take two
+passes over D in BLOCK_D chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+
+
+def patch_interpreter_bf16_rounding() -> None:
+    """Under TRITON_INTERPRET=1 only: make fp32 -> bf16 casts round to nearest even.
+
+    Triton 3.6's interpreter truncates a plain `x.to(tl.bfloat16)` (cast_impl with no rounding
+    mode), while compiled code rounds to nearest even, as torch does; the kernels here round
+    to the model dtype mid-computation (HF order), so truncation would cost ~1 ulp everywhere.
+    Idempotent; compiled (GPU) runs are untouched. (Belongs next to patch_triton_interpreter.)
+    """
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:  # pragma: no cover
+        return
+    import numpy as np
+
+    builder = getattr(_interp, "InterpreterBuilder", None)
+    orig = getattr(builder, "cast_impl", None)
+    if orig is None or getattr(orig, "_glmrt_rtne", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = np.asarray(src.data, dtype=np.float32)
+            b = data.view(np.uint32).astype(np.uint64)
+            r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+            r = np.where(np.isnan(data), ((b >> 16) | 0x40).astype(np.uint16), r)
+            return _interp.TensorHandle(r, tl.bfloat16)
+        return orig(self, src, dst_type)
+
+    cast_impl._glmrt_rtne = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl
+
+
+patch_triton_interpreter()
+patch_interpreter_bf16_rounding()
+
+MAX_FUSED_D = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps,
+                     BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    xdt = X.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    if ONE_PASS:
+        ok = offs < D
+        x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        y = (x * r).to(xdt).to(tl.float32)
+        w = tl.load(W + offs, mask=ok, other=0.0).to(xdt).to(tl.float32)
+        tl.store(Y + row * stride_y + offs, (w * y).to(Y.dtype.element_ty), mask=ok)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ok = d0 + offs < D
+            x = tl.load(X + row * stride_x + d0 + offs, mask=ok, other=0.0).to(tl.float32)
+            acc += x * x
+        r = tl.rsqrt(tl.sum(acc, 0) / D + eps)
+        for d0 in range(0, D, BLOCK_D):
+            ok = d0 + offs < D
+            x = tl.load(X + row * stride_x + d0 + offs, mask=ok, other=0.0).to(tl.float32)
+            y = (x * r).to(xdt).to(tl.float32)
+            w = tl.load(W + d0 + offs, mask=ok, other=0.0).to(xdt).to(tl.float32)
+            tl.store(Y + row * stride_y + d0 + offs, (w * y).to(Y.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
+             block_d: int | None = None) -> torch.Tensor:
+    """ReferenceOps.rms_norm for x [..., D] (any leading shape), weight [D]; returns x.dtype.
+
+    `out` (same shape as x, x.dtype) is written in place when given; `block_d` (a power of
+    two) forces the two-pass chunked path (tests)."""
+    d = x.shape[-1]
+    assert weight.shape == (d,), (weight.shape, d)
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+    if n == 0:
+        return out
+    y2 = out.view(-1, d)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    if block_d is None and d <= MAX_FUSED_D:
+        bd, one = triton.next_power_of_2(d), True
+    else:
+        bd, one = (block_d or 4096), False
+    num_warps = 4 if bd <= 2048 else (8 if bd <= 8192 else 16)
+    _rms_norm_kernel[(n,)](x2, w, y2, x2.stride(0), y2.stride(0), d, float(eps),
+                           BLOCK_D=bd, ONE_PASS=one, num_warps=num_warps)
+    return out

@@ -1,0 +1,202 @@
+"""The cuda-h200 RMSNorm and mHC Triton kernels against ReferenceOps.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is set
+before Triton is imported); with CUDA the same tests run compiled (the "cuda" parameter).
+Fresh random inputs per check, outputs NaN-poisoned first and checked fully written; bounds
+per /work/.library/device/METHOD.md: fp32 ~1e-5 relative, bf16 ~1e-2 relative.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.kernels.mhc import mhc_post, mhc_pre  # noqa: E402
+from backends.kernels.norms import rms_norm  # noqa: E402
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+REF = ReferenceOps()
+
+
+def _devices():
+    return [
+        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=[pytest.mark.gpu,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    ]
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _gen(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def _nan(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (2, 3, 80)])
+@pytest.mark.parametrize("block_d", [None, 32])
+def test_rms_norm(device, dtype, shape, block_d):
+    g = _gen("rms", str(dtype), shape, block_d)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(device)        # fp32 weight, cast inside
+    ref = REF.rms_norm(x.cpu(), w.cpu(), 1e-6)
+    out = _nan(shape, dtype, device)
+    res = rms_norm(x, w, 1e-6, out=out, block_d=block_d)
+    assert res is out and out.dtype == dtype
+    assert _rel(out, ref) < _tol(dtype)
+    out2 = rms_norm(x, w.to(dtype), 1e-6)                                  # weight in the model dtype
+    assert _rel(out2, REF.rms_norm(x.cpu(), w.to(dtype).cpu(), 1e-6)) < _tol(dtype)
+
+
+# ---- mHC pre ------------------------------------------------------------------------------------
+def _hc_params(m, d, g, dtype=torch.float32):
+    fn = torch.randn((2 + m) * m, m * d, generator=g) * (m * d) ** -0.5
+    base = torch.randn((2 + m) * m, generator=g) * 0.5
+    scale = 0.5 + torch.rand(3, generator=g)
+    return fn.to(dtype), base.to(dtype), scale.to(dtype)
+
+
+def _check_pre(device, dtype, m, d, n, iters, split, param_dtype=torch.float32, hc_eps=1e-6):
+    g = _gen("pre", str(dtype), m, d, n, iters, split, str(param_dtype))
+    streams = torch.randn(n, m, d, generator=g).to(dtype)
+    fn, base, scale = _hc_params(m, d, g, param_dtype)
+    ref = REF.mhc_pre(streams, fn, base, scale, iters, hc_eps, 1e-6)
+    out = (_nan((n, m), torch.float32, device), _nan((n, m, m), torch.float32, device), _nan((n, d), dtype, device))
+    res = mhc_pre(streams.to(device), fn.to(device), base.to(device), scale.to(device), iters, hc_eps, 1e-6,
+                  split=split, out=out)
+    assert all(a is b for a, b in zip(res, out))
+    post, comb, u = out
+    # post and comb are fp32 functions of the streams in either dtype: fp32 bounds
+    assert _rel(post, ref[0]) < 1e-5
+    assert _rel(comb, ref[1]) < 1e-5
+    assert u.dtype == dtype and _rel(u, ref[2]) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [3, 4])
+@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_mhc_pre(device, dtype, m, d, n, iters):
+    # alternate the fused single launch and the split-K launch over the grid of cases
+    split = 1 if (m + d // 32 + n + iters) % 2 else 3
+    _check_pre(device, dtype, m, d, n, iters, split)
+
+
+@pytest.mark.parametrize("split", [1, 2, None])
+def test_mhc_pre_splits(device, split):
+    _check_pre(device, torch.bfloat16, 4, 96, 7, 20, split)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_mhc_pre_other_m(device, m):
+    _check_pre(device, torch.float32, m, 32, 5, 20, None)
+
+
+def test_mhc_pre_bf16_params_zero_eps(device):
+    """HF keeps fn/base/scale in the model dtype (rounded): used in fp32 all the same; hc_eps 0."""
+    _check_pre(device, torch.bfloat16, 4, 64, 7, 20, 1, param_dtype=torch.bfloat16, hc_eps=0.0)
+
+
+def test_mhc_pre_many_tokens(device):
+    """More than one 16-token block (both launch shapes)."""
+    for split in (1, 2):
+        _check_pre(device, torch.bfloat16, 4, 64, 37, 20, split)
+
+
+# ---- mHC post -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [3, 4])
+@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("n", [1, 7])
+def test_mhc_post(device, dtype, m, d, n):
+    g = _gen("post", str(dtype), m, d, n)
+    streams = torch.randn(n, m, d, generator=g).to(dtype)
+    y = torch.randn(n, d, generator=g).to(dtype)
+    post = 2 * torch.rand(n, m, generator=g)
+    comb = torch.rand(n, m, m, generator=g)
+    comb = comb / comb.sum(-2, keepdim=True)
+    ref = REF.mhc_post(y, streams, post, comb)
+    out = _nan((n, m, d), dtype, device)
+    res = mhc_post(y.to(device), streams.to(device), post.to(device), comb.to(device), out=out,
+                   block_d=32 if d == 96 else None)
+    assert res is out and out.dtype == dtype
+    assert _rel(out, ref) < _tol(dtype)
+
+
+# ---- the ops ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_h200_ops_chain(device, dtype):
+    """CudaH200Ops.{mhc_pre, rms_norm, mhc_post} chained as in a decoder layer, vs the reference."""
+    from backends.cuda_h200 import CudaH200Ops
+
+    ops = CudaH200Ops()
+    g = _gen("ops", str(dtype))
+    n, m, d = 6, 4, 64
+    streams = torch.randn(n, m, d, generator=g).to(dtype)
+    fn, base, scale = _hc_params(m, d, g)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+
+    def layer(o, s, f, b, sc, ww):
+        post, comb, u = o.mhc_pre(s, f, b, sc, 20, 1e-6, 1e-6)
+        y = o.rms_norm(u, ww, 1e-6)
+        return post, comb, u, y, o.mhc_post(y, s, post, comb)
+
+    ref = layer(REF, streams, fn, base, scale, w)
+    out = layer(ops, *(t.to(device) for t in (streams, fn, base, scale, w)))
+    for a, b in zip(out, ref):
+        assert a.device.type == device.type and a.dtype == b.dtype and a.shape == b.shape
+        assert _rel(a, b) < (1e-5 if a.dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_full_size_mhc_gpu():
+    """Full size (M 4, D 4096, 20 iterations): decode and prefill token counts, bf16 streams."""
+    g = _gen("full")
+    m, d = 4, 4096
+    fn, base, scale = (t.cuda() for t in _hc_params(m, d, g))
+    for n in (1, 64, 3000):
+        streams = torch.randn(n, m, d, generator=g).to(torch.bfloat16).cuda()
+        ref = REF.mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        out = mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        assert _rel(out[0], ref[0]) < 1e-5 and _rel(out[1], ref[1]) < 1e-5 and _rel(out[2], ref[2]) < 1e-2
+        y = torch.randn(n, d, generator=g).to(torch.bfloat16).cuda()
+        assert _rel(mhc_post(y, streams, out[0], out[1]), REF.mhc_post(y, streams, out[0], out[1])) < 1e-2
+        w = torch.randn(d, generator=g).to(torch.bfloat16).cuda()
+        assert _rel(rms_norm(y, w, 1e-6), REF.rms_norm(y, w, 1e-6)) < 1e-2
