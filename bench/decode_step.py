@@ -57,7 +57,7 @@ def main(argv=None) -> list[dict]:
 
     dtype, dev = torch.bfloat16, "cuda"
     cfg = preset_config(args.preset)
-    ours = load_dummy(cfg, ReferenceOps(), dtype=dtype, device=dev, with_mtp=False, with_vision=False)
+    ours = load_dummy(cfg, ReferenceOps(), dtype=dtype, device=dev, with_mtp=False)  # HF needs the vision weights too
     hf = None
     if not args.no_hf:
         from bench.hf_reference import build_hf_from_ours
