@@ -21,8 +21,9 @@ import tempfile
 
 from glmrt.engine.config import EngineConfig
 
+# Set by [model] flags, or by placement (role, load_vision), not by engine flags.
 _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
-                     "device"}
+                     "device", "role", "load_vision"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
