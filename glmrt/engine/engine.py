@@ -102,6 +102,7 @@ class Engine:
                                   self.memory.kv_tokens)
         self.requests: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}   # prefill role: finished prompts whose state awaits transfer
+        self.imports: dict[str, Request] = {}    # decode role: reserved requests whose state is arriving
         self._arrival = itertools.count()
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
                          "finished": 0, "aborted": 0, "retractions": 0}
@@ -218,8 +219,9 @@ class Engine:
             w.req.num_computed = w.start + w.num
         for r in plan.restores:
             r.checkpoint.pins -= 1
+        saving = {id(sv.req) for sv in plan.saves}
         for req in {id(w.req): w.req for w in plan.work}.values():
-            self._cache_pages(req)
+            self._cache_pages(req, force=id(req) in saving)  # a save needs its anchor path in the tree
         for s in plan.saves:
             if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page) is None:
                 self.slots.free(s.dst_slot)
@@ -285,12 +287,17 @@ class Engine:
             return "length"
         return None
 
-    def _cache_pages(self, req: Request) -> None:
-        """Put the request's full computed pages in the tree; adopt the tree's copies of them."""
+    def _cache_pages(self, req: Request, force: bool = False) -> None:
+        """Put the request's full computed pages in the tree; adopt the tree's copies of them.
+
+        Walking the path costs O(prompt) in Python, so it happens when a page has completed
+        since the last walk (not on every decode step), or when `force`d for a checkpoint.
+        """
         ps = self.config.page_size
         n_full = min(req.num_computed // ps, len(req.pages))
-        if not self.tree.enabled or n_full == 0:
+        if not self.tree.enabled or n_full == 0 or (n_full <= req.num_tree_pages and not force):
             return
+        req.num_tree_pages = n_full
         canon = self.tree.insert(req.key_ids[:req.num_computed], req.pages[:n_full])
         for i, p in enumerate(canon):
             if p != req.pages[i]:
@@ -327,7 +334,7 @@ class Engine:
         """The finished request's live state becomes the tree's checkpoint (no copy)."""
         if not self.tree.enabled:
             return
-        self._cache_pages(req)
+        self._cache_pages(req, force=True)
         pos, ps = req.num_computed, self.config.page_size
         if self.tree.has_checkpoint(req.key_ids, pos):
             return

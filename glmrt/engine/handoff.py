@@ -72,7 +72,6 @@ def reserve(engine, rid: str, prompt_ids: list[int], first_token: int, params: S
                   status=Status.WAITING, slot=slot, pages=pages, num_computed=0, cached_tokens=reused,
                   admitted_once=True)
     engine.requests[rid] = req
-    engine.imports = getattr(engine, "imports", {})
     engine.imports[rid] = req
     return Reservation(rid, len(prompt_ids), reused, list(pages), slot)
 

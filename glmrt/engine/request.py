@@ -43,10 +43,20 @@ class Request:
     admitted_once: bool = False
     mm_key_ids: list[int] | None = None   # prompt ids with image tokens replaced by content hashes
     num_mm_items: int = 0
+    num_tree_pages: int = 0               # full pages already offered to the prefix cache
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without concatenating the whole sequence (the per-step hot path)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def key_prompt_ids(self) -> list[int]:

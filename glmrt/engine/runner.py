@@ -95,7 +95,7 @@ class ModelRunner:
         work = plan.work
         meta = BatchMeta.build([w.start for w in work], [w.num for w in work], [w.req.slot for w in work],
                                [w.req.pages for w in work], self.cache.page_size, self.device)
-        ids = torch.tensor([t for w in work for t in w.req.all_ids[w.start:w.start + w.num]], dtype=torch.long)
+        ids = torch.tensor([t for w in work for t in w.req.token_slice(w.start, w.start + w.num)], dtype=torch.long)
         rows = [i for i, w in enumerate(work) if w.sample]
         ends = meta.cu_seqlens
         idx = torch.tensor([ends[i + 1] - 1 for i in rows], dtype=torch.long, device=self.device)

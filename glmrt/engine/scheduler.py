@@ -137,6 +137,7 @@ class Scheduler:
         """Preempt: drop the request's cache and queue it to recompute prompt + outputs later."""
         self.free_request(req)  # then back to the front of the queue
         req.num_computed = 0
+        req.num_tree_pages = 0
         req.save_at = []
         req.status = Status.WAITING
         req.num_retractions += 1

@@ -217,6 +217,19 @@ def _literal(text: str) -> Any:
         return _MISSING
 
 
+def _parse_number(text: str) -> int | float | None:
+    """A string as an int when it is one, else as a float, else None."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def _coerce(value: Any, type_name: str) -> Any:
     """`value` converted to `type_name`, or _MISSING."""
     if _matches(value, type_name):
@@ -225,28 +238,16 @@ def _coerce(value: Any, type_name: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
-            text = value.strip()
-            try:
-                return int(text)
-            except ValueError:
-                pass
-            try:
-                number = float(text)
-            except ValueError:
-                return _MISSING
+            number = _parse_number(value)
+            if number is None or isinstance(number, int):
+                return _MISSING if number is None else number
             return int(number) if number.is_integer() else _MISSING
         return _MISSING
     if type_name == "number":
         if isinstance(value, str):
-            text = value.strip()
-            try:
-                return int(text)
-            except ValueError:
-                pass
-            try:
-                number = float(text)
-            except ValueError:
-                return _MISSING
+            number = _parse_number(value)
+            if number is None or isinstance(number, int):
+                return _MISSING if number is None else number
             return number if math.isfinite(number) else _MISSING
         return _MISSING
     if type_name == "boolean":
