@@ -28,6 +28,9 @@ class BatchMeta:
     page_table: torch.Tensor        # [B, max_pages] long, KV pages per request (-1 = none)
     out_loc: torch.Tensor           # [N] long, flat latent slot of each new token
     page_size: int
+    # The same lengths on the device, for kernels that must not read Python lists (CUDA graphs):
+    prefix_lens_t: torch.Tensor | None = None  # [B] long
+    cu_seqlens_t: torch.Tensor | None = None   # [B+1] long, flat start of each request
 
     @property
     def num_reqs(self) -> int:
@@ -75,5 +78,8 @@ class BatchMeta:
                 table[r, :len(pages)] = torch.tensor(pages, dtype=torch.long)
         dev = torch.device(device)
         as_t = lambda x: torch.tensor(x, dtype=torch.long).to(dev)  # noqa: E731
+        cu = [0]
+        for n in seq_lens:
+            cu.append(cu[-1] + n)
         return cls(list(prefix_lens), list(seq_lens), as_t(positions), as_t(req_index), as_t(slot_ids),
-                   table.to(dev), as_t(out_loc), page_size)
+                   table.to(dev), as_t(out_loc), page_size, as_t(list(prefix_lens)), as_t(cu))
