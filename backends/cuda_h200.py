@@ -7,6 +7,7 @@ and the registry keeps the reference. Triton itself is imported on the first ker
 
 Overridden today (everything else is the reference):
   indexer_select  decode batches (one token per request): Triton scores + tie-broken top-k
+  indexer_update  decode batches: tail append / pooled key of a completed pool, one launch
   sparse_mla      decode batches: Triton absorbed-MLA over the selected latent rows
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
@@ -55,6 +56,13 @@ class CudaH200Ops(ReferenceOps):
             return super().indexer_select(q, w, pooled, meta, kpool, topk_pools)
         from .kernels.indexer import indexer_select
         return indexer_select(q, w, pooled, meta, kpool, topk_pools)
+
+    def indexer_update(self, k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
+                       tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int) -> None:
+        if not _kernel_ok(k, meta):
+            return super().indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
+        from .kernels.indexer import indexer_update
+        return indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool, reference=self)
 
     def sparse_mla(self, q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                    sel: torch.Tensor | None, meta: BatchMeta, kpool: int, scale: float,

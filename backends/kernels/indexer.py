@@ -162,4 +162,85 @@ def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta:
     return sel.to(torch.long)
 
 
-__all__ = ["indexer_scores", "indexer_select", "topk_lower_index_ties", "default_config"]
+
+
+
+# ---------------------------------------------------------------------------------------
+# pooled-key update for decode batches (one new token per request)
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _indexer_update_decode_kernel(
+    K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE,
+    stride_kn, stride_gn, stride_ape,
+    stride_pool, stride_tslot, stride_trow, stride_tb,
+    DI, ppp,
+    KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    p0 = tl.load(PREFIX + b)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    t0 = p0 % KPOOL
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DI
+    k_new = tl.load(K + b.to(tl.int64) * stride_kn + offs_d, mask=d_ok, other=0.0)
+    g_new = tl.load(G + b.to(tl.int64) * stride_gn + offs_d, mask=d_ok, other=0.0)
+    tail = slot * stride_tslot
+    if t0 < KPOOL - 1:  # the pool stays incomplete: the token joins the tail
+        tl.store(TAIL_K + tail + t0 * stride_trow + offs_d, k_new.to(TAIL_K.dtype.element_ty), mask=d_ok)
+        tl.store(TAIL_G + tail + t0 * stride_trow + offs_d, g_new.to(TAIL_G.dtype.element_ty), mask=d_ok)
+    else:  # the token completes pool p0 // KPOOL: its pooled key is computed once, here
+        rows = tl.arange(0, BLOCK_K)
+        old = (rows < KPOOL - 1)[:, None] & d_ok[None, :]
+        ptr = tail + rows[:, None] * stride_trow + offs_d[None, :]
+        # like the reference: the tail is read back in the model dtype (that of k and g)
+        kk = tl.load(TAIL_K + ptr, mask=old, other=0.0).to(k_new.dtype).to(tl.float32)
+        gg = tl.load(TAIL_G + ptr, mask=old, other=0.0).to(g_new.dtype).to(tl.float32)
+        last = (rows == KPOOL - 1)[:, None]
+        kk = tl.where(last, k_new.to(tl.float32)[None, :], kk)
+        gg = tl.where(last, g_new.to(tl.float32)[None, :], gg)
+        row_ok = (rows < KPOOL)[:, None] & d_ok[None, :]
+        ape = tl.load(APE + rows[:, None] * stride_ape + offs_d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+        logits = tl.where(row_ok, gg + ape, float("-inf"))
+        mx = tl.max(logits, 0)
+        e = tl.exp(logits - mx[None, :])
+        e = tl.where(row_ok, e, 0.0)
+        probs = (e / tl.sum(e, 0)[None, :]).to(k_new.dtype).to(tl.float32)  # HF: probs in the model dtype
+        prod = (probs * kk).to(k_new.dtype).to(tl.float32)
+        key = tl.sum(tl.where(row_ok, prod, 0.0), 0)
+        pool = p0 // KPOOL
+        page = tl.load(TABLE + b.to(tl.int64) * stride_tb + pool // ppp).to(tl.int64)
+        dst = (page * ppp + pool % ppp) * stride_pool
+        tl.store(POOLED + dst + offs_d, key.to(k_new.dtype).to(POOLED.dtype.element_ty), mask=d_ok & (page >= 0))
+
+
+def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
+                   tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int, *,
+                   reference: ReferenceOps | None = None) -> None:
+    """ReferenceOps.indexer_update with decode batches on one kernel launch (others: the reference).
+
+    One program per request: the new key/gate joins its slot's tail, or, when it completes
+    the pool, the pooled key (softmax over the pool of gate + ape, per channel) is written
+    to its page. Reads only device tensors (prefix_lens_t, slot_ids, page_table), so it is
+    safe inside a CUDA graph.
+    """
+    if (not is_decode_batch(meta) or meta.prefix_lens_t is None or not pooled.is_contiguous()
+            or tail_k.stride() != tail_g.stride() or tail_k.stride(-1) != 1):
+        return (reference or ReferenceOps()).indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
+    b, di = k.shape
+    if b == 0:
+        return None
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    ape = ape.contiguous()
+    table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
+    flat = pooled.view(-1, di)
+    _indexer_update_decode_kernel[(b,)](
+        k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table,
+        k.stride(0), g.stride(0), ape.stride(0),
+        flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
+        di, meta.page_size // kpool,
+        KPOOL=kpool, BLOCK_K=triton.next_power_of_2(kpool), BLOCK_D=max(16, triton.next_power_of_2(di)),
+        num_warps=4,
+    )
+    return None
+__all__ = ["indexer_scores", "indexer_select", "indexer_update", "topk_lower_index_ties", "default_config"]

@@ -277,6 +277,33 @@ def test_indexer_select_exact_ties_and_fallback(device):
                        ReferenceOps().indexer_select(qp, wp, pooled, pre, kpool, topk))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_update_decode_matches_reference(device, dtype):
+    """Decode tokens that join a tail, that complete a pool (pooled key written once), and a
+    one-token prompt; slots are poisoned where the reference never reads them."""
+    from backends.cuda_h200 import CudaH200Ops
+
+    kpool, di = 4, 16
+    lens = [1, 3, 4, 8, 13, 16]  # positions 0, 2, 3 (completes), 7 (completes), 12, 15 (completes)
+    meta, num_pages = _decode_meta(lens, device, seed=77)
+    g = _gen(78)
+    k = torch.randn(len(lens), di, generator=g).to(device, dtype)
+    gate = torch.randn(len(lens), di, generator=g).to(device, dtype)
+    ape = torch.randn(kpool, di, generator=g).to(device, dtype)
+    pooled = torch.randn(num_pages, PAGE // kpool, di, generator=g).to(device, dtype)
+    tail_k = torch.randn(len(lens), kpool, di, generator=g).to(device, dtype)
+    tail_g = torch.randn(len(lens), kpool, di, generator=g).to(device, dtype)
+    ref = [t.clone() for t in (pooled, tail_k, tail_g)]
+    CudaH200Ops().indexer_update(k, gate, ape, pooled, tail_k, tail_g, meta, kpool)
+    ReferenceOps().indexer_update(k, gate, ape, *ref, meta, kpool)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(pooled.float().cpu(), ref[0].float().cpu(), rtol=tol, atol=tol)
+    for r, n in enumerate(lens):  # the tail rows the reference keeps (the rest is never read)
+        rest = n % kpool
+        assert torch.equal(tail_k[r, :rest].cpu(), ref[1][r, :rest].cpu())
+        assert torch.equal(tail_g[r, :rest].cpu(), ref[2][r, :rest].cpu())
+
+
 def test_topk_lower_index_ties(device):
     g = _gen(8)
     s = torch.randint(-3, 4, (6, 50), generator=g).float() * 0.5
