@@ -44,17 +44,20 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _sparse_mla_decode_kernel(
-    Q, KV, IDX, NTOK, O, OPART, LSE,
+    Q, KV, IDX, NTOK, O, OPART, LSE, SEL, POS, TABLE,
     stride_qb, stride_qh,
     stride_kv,
     stride_ib,
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
+    stride_sb, stride_tb,
     H, R, K, chunk,
     qk_scale,
+    NSEL, page_size,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
+    FROM_SEL: tl.constexpr, KPOOL: tl.constexpr, WITH_TAIL: tl.constexpr, BLOCK_SEL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -80,9 +83,36 @@ def _sparse_mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     idx_row = IDX + b.to(tl.int64) * stride_ib
+    if FROM_SEL:  # the token list is derived here from the selected pools (no glue kernels)
+        pos = tl.load(POS + b)
+        complete = (pos + 1) // KPOOL  # pools whose last token is <= pos
+        sel_row = SEL + b.to(tl.int64) * stride_sb
+        offs_sel = tl.arange(0, BLOCK_SEL)
+        sel_all = tl.load(sel_row + offs_sel, mask=offs_sel < NSEL, other=-1)
+        table_row = TABLE + b.to(tl.int64) * stride_tb
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + offs_n
-        idx = tl.load(idx_row + offs, mask=offs < end, other=-1)
+        if FROM_SEL:
+            in_pools = offs < NSEL * KPOOL
+            j = offs // KPOOL
+            pool = tl.load(sel_row + j, mask=in_pools & (offs < end), other=-1)
+            # a set, as in the reference: a pool repeated in the row counts once (first entry)
+            dup = tl.max(((sel_all[None, :] == pool[:, None]) & (offs_sel[None, :] < j[:, None])).to(tl.int32), 1)
+            tok_pool = pool * KPOOL + offs % KPOOL
+            ok = in_pools & (pool >= 0) & (pool < complete) & (dup == 0)
+            if WITH_TAIL:
+                tok_tail = complete * KPOOL + (offs - NSEL * KPOOL)
+                ok_tail = (~in_pools) & (tok_tail <= pos)
+                tok = tl.where(in_pools, tok_pool, tok_tail)
+                ok = ok | ok_tail
+            else:
+                tok = tok_pool
+            ok = ok & (offs < end)
+            tok = tl.where(ok, tok, 0)
+            page = tl.load(table_row + tok // page_size, mask=ok, other=-1)
+            idx = tl.where(ok & (page >= 0), page.to(tl.int64) * page_size + tok % page_size, -1)
+        else:
+            idx = tl.load(idx_row + offs, mask=offs < end, other=-1)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
         kv = tl.load(KV + rows[:, None] * stride_kv + offs_r[None, :],
@@ -208,7 +238,42 @@ def sparse_mla_decode(q_abs: torch.Tensor, latent_cache: torch.Tensor, token_idx
         token_idx = token_idx.contiguous()
     if num_tokens is not None and num_tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError("num_tokens must be int32 or int64")
-    k = token_idx.shape[1]
+    return _launch(q_abs, flat, token_idx.shape[1], scale, out, out_dtype, num_splits, config,
+                   idx=token_idx, num_tokens=num_tokens)
+
+
+def sparse_mla_decode_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: torch.Tensor, meta: BatchMeta,
+                          kpool: int, scale: float, with_tail: bool = True, *, out: torch.Tensor | None = None,
+                          out_dtype: torch.dtype | None = None, num_splits: int | None = None,
+                          config: dict | None = None) -> torch.Tensor:
+    """sparse_mla_decode over the token set of `sel` (what build_decode_token_idx would list),
+    derived inside the kernel from the pool ids, positions and page table: no glue launches.
+
+    sel [B, P] pool ids (-1 none; a repeated pool counts once, pools not complete at the
+    query are ignored); with_tail adds the visible tail of the incomplete pool.
+    """
+    b, h, r = q_abs.shape
+    if latent_cache.shape[-1] != r:
+        raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
+    if sel.dim() != 2 or sel.shape[0] != b:
+        raise ValueError(f"sel must be [B={b}, P], got {tuple(sel.shape)}")
+    if not latent_cache.is_contiguous():
+        raise ValueError("latent_cache must be contiguous")
+    flat = latent_cache.view(-1, r)
+    if q_abs.stride(-1) != 1:
+        q_abs = q_abs.contiguous()
+    sel = sel if sel.stride(-1) == 1 else sel.contiguous()
+    table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
+    nsel = sel.shape[1]
+    k = nsel * kpool + (kpool - 1 if with_tail else 0)
+    return _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config,
+                   sel=sel, positions=meta.positions, table=table, page_size=meta.page_size, kpool=kpool,
+                   with_tail=with_tail)
+
+
+def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=None, num_tokens=None,
+            sel=None, positions=None, table=None, page_size=1, kpool=1, with_tail=False):
+    b, h, r = q_abs.shape
     out_dtype = out_dtype or q_abs.dtype
     if out is None:
         out = torch.empty(b, h, r, dtype=out_dtype, device=q_abs.device)
@@ -235,20 +300,27 @@ def sparse_mla_decode(q_abs: torch.Tensor, latent_cache: torch.Tensor, token_idx
         lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q_abs.device)
     else:
         opart = lse = out  # unused
-    ntok = num_tokens if num_tokens is not None else token_idx  # dummy pointer when absent
+    from_sel = sel is not None
+    dummy = sel if from_sel else idx  # pointers the kernel never reads in this mode
+    ntok = num_tokens if num_tokens is not None else dummy
     grid = (b, head_blocks, num_splits)
     _sparse_mla_decode_kernel[grid](
-        q_abs, flat, token_idx, ntok, out, opart, lse,
+        q_abs, flat, idx if idx is not None else dummy, ntok, out, opart, lse,
+        sel if from_sel else dummy, positions if from_sel else dummy, table if from_sel else dummy,
         q_abs.stride(0), q_abs.stride(1),
         flat.stride(0),
-        token_idx.stride(0),
+        idx.stride(0) if idx is not None else 0,
         out.stride(0), out.stride(1),
         opart.stride(0) if split else 0, opart.stride(1) if split else 0, opart.stride(2) if split else 0,
         lse.stride(0) if split else 0, lse.stride(1) if split else 0,
+        sel.stride(0) if from_sel else 0, table.stride(0) if from_sel else 0,
         h, r, k, chunk,
         float(scale) * _LOG2E,
+        sel.shape[1] if from_sel else 0, page_size,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
+        FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail,
+        BLOCK_SEL=max(16, triton.next_power_of_2(sel.shape[1])) if from_sel else 16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
@@ -331,10 +403,13 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
         return (reference or ReferenceOps()).sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
     dt = q.dtype
     q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
-    token_idx, num_tokens = build_decode_token_idx(sel, meta, kpool, with_tail)
-    o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, num_tokens, out_dtype=dt)
+    if sel is not None and meta.positions.dtype in (torch.int32, torch.int64):
+        o_lat = sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, scale, with_tail, out_dtype=dt)
+    else:  # dense causal: the token list is every cached token
+        token_idx, num_tokens = build_decode_token_idx(sel, meta, kpool, with_tail)
+        o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, num_tokens, out_dtype=dt)
     return torch.bmm(o_lat.transpose(0, 1), w_vc.to(dt).transpose(1, 2)).transpose(0, 1).contiguous()
 
 
-__all__ = ["sparse_mla_decode", "sparse_mla", "build_decode_token_idx", "is_decode_batch", "default_config",
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "sparse_mla", "build_decode_token_idx", "is_decode_batch", "default_config",
            "choose_num_splits"]

@@ -163,6 +163,26 @@ def test_token_idx_equals_reference_mask(device, with_tail):
             assert (idx[int(cnt):] == -1).all()
 
 
+@pytest.mark.parametrize("with_tail", [True, False])
+def test_kernel_token_list_equals_built_list(device, with_tail):
+    """The token set derived inside the kernel from sel (repeats, -1, incomplete pools, pages)
+    gives the same attention as the explicit token list."""
+    from backends.kernels.sparse_mla import sparse_mla_decode_sel
+
+    g = _gen(19)
+    lens, kpool, r = [1, 3, 16, 33, 70], 4, 32
+    meta, num_pages = _decode_meta(lens, device, seed=2)
+    sel = _random_sel([n // kpool for n in lens], 6, g, odd=True).to(device)
+    cache = torch.randn(num_pages, PAGE, r, generator=g).to(device)
+    q_abs = torch.randn(len(lens), 4, r, generator=g).to(device)
+    token_idx, num = build_decode_token_idx(sel, meta, kpool, with_tail)
+    want = sparse_mla_decode(q_abs, cache, token_idx, 0.3, num)
+    for splits in (1, 3):
+        out = torch.full_like(q_abs, float("nan"))
+        sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, 0.3, with_tail, out=out, num_splits=splits)
+        assert _rel(out, want) < 1e-5
+
+
 def _mla_inputs(lens, r, dtype, device, seed, h=4, dn=16, dv=16):
     g = _gen(seed)
     meta, num_pages = _decode_meta(lens, device, seed)
