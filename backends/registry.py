@@ -1,9 +1,9 @@
 """Backend registry: detect the hardware and hand out a kernel set by name.
 
-`auto` picks the best backend the machine has. Only `reference` ships kernels today; the
-hardware backends (cuda-h200, cuda-blackwell, rocm-mi355x) are registered by name so a user
-asking for one on a machine without it gets a clear refusal, and they fill in their kernel
-sets in the fast-path issues. Detection never imports Triton or CUDA libraries eagerly.
+`auto` picks the best backend the machine has. The hardware kernel sets (cuda-h200,
+cuda-blackwell, rocm-mi355x) live in modules that register themselves when imported; the
+registry imports one lazily, only on its hardware, so detection never imports Triton or CUDA
+libraries eagerly. Their defaults and legal option combinations are in `backends.adapters`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from typing import Any, Callable
 
 import torch
 
+from .adapters import BackendError  # noqa: F401  (defined torch-free: `glmrt up` checks options without torch)
 from .reference import ReferenceOps
 
 BACKEND_NAMES = ("reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x")
-
-
-class BackendError(ValueError):
-    """A backend that cannot run here, or an illegal combination; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +45,7 @@ def detect_hardware() -> str:
 
 
 _REQUIRED_HW = {"cuda-h200": ("sm90",), "cuda-blackwell": ("sm100",), "rocm-mi355x": ("gfx950",)}
+_MODULES = {"cuda-h200": ".cuda_h200", "cuda-blackwell": ".cuda_blackwell", "rocm-mi355x": ".rocm_mi355x"}
 _FACTORIES: dict[str, Callable[[], Any]] = {"reference": ReferenceOps}
 
 
@@ -60,9 +58,10 @@ def register(name: str, factory: Callable[[], Any]) -> None:
 
 def resolve_name(name: str, hardware: str | None = None) -> str:
     hw = hardware or detect_hardware()
-    if hw == "sm90" and name in ("auto", "cuda-h200") and "cuda-h200" not in _FACTORIES:
-        with contextlib.suppress(ImportError):  # the module registers itself; it needs Triton
-            importlib.import_module(".cuda_h200", __package__)
+    for cand, need in _REQUIRED_HW.items():
+        if hw in need and name in ("auto", cand) and cand not in _FACTORIES:
+            with contextlib.suppress(ImportError):  # the module registers itself; it needs Triton
+                importlib.import_module(_MODULES[cand], __package__)
     if name == "auto":
         for cand, need in _REQUIRED_HW.items():
             if hw in need and cand in _FACTORIES:

@@ -27,8 +27,10 @@ Imports only torch, transformers and our packages (this runs on the GPU machines
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +89,34 @@ def _expected_tags(hf_name: str) -> set[str]:
 
 # ---- config and construction ----------------------------------------------------------------
 
+def import_hf_torch_kda() -> None:
+    """Import modeling_glm5_next with its torch KDA on a machine without a GPU.
+
+    transformers binds fla's Triton KDA kernels at import when fla-core is installed (the
+    `cuda` extra); they cannot run on the CPU, so there the import sees no fla.
+    """
+    mod = "transformers.models.glm5_next.modeling_glm5_next"
+    if torch.cuda.is_available() or mod in sys.modules:
+        return
+    saved = sys.modules.get("fla", _MISSING)
+    sys.modules["fla"] = None  # `import fla` raises ImportError: the torch path is chosen
+    try:
+        importlib.import_module(mod)
+    finally:
+        if saved is _MISSING:
+            del sys.modules["fla"]
+        else:
+            sys.modules["fla"] = saved
+
+
+_MISSING = object()
+
+
 def hf_config(model_config, *, attn: str = "eager", experts: str = "eager"):
     """transformers.Glm5NextConfig from our ModelConfig (dense weights: no quantization_config)."""
     import transformers
+
+    import_hf_torch_kda()
 
     d = model_config.to_dict()
     d.pop("quantization_config", None)

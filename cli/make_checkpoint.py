@@ -17,8 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", required=True, help="tiny | flash-4l | flash")
     p.add_argument("--out", help="output directory (required unless --meta)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "fp8"],
-                   help="weight dtype; fp8 writes e4m3 weights with 128x128 block scales")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "fp8", "mxfp4", "nvfp4"],
+                   help="weight dtype; fp8 writes e4m3 weights with 128x128 block scales; mxfp4 (Quark export) "
+                        "and nvfp4 (ModelOpt export) pack the MLP and expert weights to e2m1, the rest bf16")
     p.add_argument("--layout", default="nested", choices=["nested", "flat"],
                    help="key layout: nested (model.language_model.*, as HF writes) or flat (model.layers.*)")
     p.add_argument("--shard-size-gb", type=float, default=4.0)

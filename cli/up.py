@@ -26,6 +26,17 @@ _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", 
                      "device", "role", "load_vision"}
 
 
+# Kernel choices (SGLang's spellings); backends/adapters.py holds the table and refuses what a backend lacks.
+_FLAG_HELP = {
+    "attention_backend": "auto | dsa (GLM-5.3-Flash attention is DSA + KDA)",
+    "dsa_prefill_backend": "auto | torch (tilelang / trtllm / flashmla are not shipped: refused)",
+    "dsa_decode_backend": "auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference)",
+    "moe_runner_backend": "auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference); "
+                          "flashinfer_trtllm / deep_gemm / ... are not shipped: refused",
+    "linear_attn_backend": "KDA layers: auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference)",
+}
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a deployment (foreground)",
                        description="Start the actors of a topology (default: one host, unified engine, the tiny "
@@ -35,11 +46,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--backend", choices=["auto", "reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x"])
+    p.add_argument("--backend", choices=["auto", "reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x"],
+                   help="kernel set (auto: cuda-h200 on SM90, cuda-blackwell on SM100, rocm-mi355x on gfx950, "
+                        "else reference)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype")
+    p.add_argument("--kv-cache-dtype", help="auto | bfloat16 | fp8_e4m3 | the model dtype (auto: bfloat16 on "
+                                            "cuda-h200, fp8_e4m3 on cuda-blackwell / rocm-mi355x)")
     p.add_argument("--load-format", choices=["auto", "dummy"])
-    p.add_argument("--quantization", choices=["fp8"])
+    p.add_argument("--quantization", help="weight format: auto (the checkpoint's) | fp8 | mxfp4 | nvfp4; with "
+                                          "--load-format dummy, fp8 quantises the random weights")
     p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
     p.add_argument("--max-request-mb", type=float)
     p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
@@ -56,10 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            g.add_argument(flag, action="store_true", default=None)
+            g.add_argument(flag, action="store_true", default=None, help=_FLAG_HELP.get(f.name))
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            g.add_argument(flag, type=kind, default=None)
+            g.add_argument(flag, type=kind, default=None, help=_FLAG_HELP.get(f.name))
     p.set_defaults(func=run)
 
 
@@ -124,6 +139,7 @@ def build_topology(args: argparse.Namespace):
                 configs[spec.kind] = topo.engine_config(spec)
             except (ValueError, TypeError) as e:
                 raise TopologyError(f"engine flags of the {spec.kind} entry: {e}") from None
+    options = check_backend_options(configs)
     if "prefill" in configs and "decode" in configs:
         # the bootstrap check, at start: a prefill can only hand state to a decode of the same layout
         pre, dec = configs["prefill"], configs["decode"]
@@ -132,7 +148,66 @@ def build_topology(args: argparse.Namespace):
             if getattr(pre, field) != getattr(dec, field):
                 raise TopologyError(f"prefill and decode must agree on {field}: prefill {getattr(pre, field)!r}, "
                                     f"decode {getattr(dec, field)!r} (their state could not be handed over)")
+        kv = {k: options[k].kv_cache_dtype for k in ("prefill", "decode") if k in options}
+        if len(kv) == 2 and "auto" not in kv.values() and kv["prefill"] != kv["decode"]:
+            raise TopologyError(f"prefill and decode must agree on the KV cache dtype: prefill {kv['prefill']} "
+                                f"({options['prefill'].backend}), decode {kv['decode']} ({options['decode'].backend}); "
+                                "set --kv-cache-dtype")
     return topo
+
+
+def check_backend_options(configs: dict[str, EngineConfig], probe=None) -> dict:
+    """Refuse an illegal backend request (backends/adapters.py: the rules) before any actor starts.
+
+    Names no backend accepts are refused without looking at the machine. A request that depends on
+    the hardware (a named hardware backend, or `auto` with any option set) probes it once in a child
+    interpreter (this process never imports torch); the engine checks again when it starts. Returns
+    the resolved options of the engine kinds it could resolve.
+    """
+    from backends.adapters import (BackendError, IllegalOption, check_request, needs_hardware, probe_hardware,
+                                   resolve_options)
+    from glmrt.topology import TopologyError
+
+    hardware: list = []   # probed once, lazily
+    resolved = {}
+    for kind, cfg in configs.items():
+        req = cfg.backend_request()
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("float32" if cfg.device.startswith("cpu") else None)
+        try:
+            check_request(req, model_dtype=dtype)
+            if cfg.load_format == "dummy" and cfg.quantization not in (None, "auto", "fp8"):
+                raise IllegalOption("quantization", cfg.quantization, None, "--load-format dummy generates random "
+                                    "weights in the model dtype or fp8 (FP4 formats are read from checkpoints and "
+                                    "dequantised on load)", ["auto", "fp8"])
+            named = cfg.backend not in (None, "auto")
+            if needs_hardware(req) or (len({c.backend for c in configs.values()}) > 1):
+                if not hardware:
+                    hardware.append((probe or probe_hardware)())
+                if hardware[0] is not None or named:
+                    resolved[kind] = resolve_options(hardware[0], req, model_dtype=dtype)
+            elif cfg.backend == "reference":
+                resolved[kind] = resolve_options(None, req, model_dtype=dtype)
+        except BackendError as e:
+            raise TopologyError(f"{kind}: {e}") from None
+    return resolved
+
+
+def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> str | None:
+    """An explicit --quantization must name the checkpoint's own weight format (glmrt does not re-quantise
+    a checkpoint on load). Returns the refusal, or None."""
+    q = model_config.quantization
+    stored = "bf16" if q is None else getattr(q, "scheme", q.quant_method)
+    for kind, cfg in configs.items():
+        asked = cfg.quantization
+        if asked in (None, "auto") or cfg.load_format == "dummy":
+            continue
+        asked = {"modelopt_fp4": "nvfp4", "fp8_block": "fp8"}.get(str(asked).lower(), str(asked).lower())
+        if asked != stored:
+            alts = "auto" if stored == "bf16" else f"auto, {stored}"
+            return (f"{kind}: --quantization (quantization) {cfg.quantization!r} is refused: the checkpoint's weights "
+                    f"are {stored}. Rule: the weight format is the checkpoint's; glmrt does not re-quantise a "
+                    f"checkpoint on load. Alternatives: {alts}, or a checkpoint stored as {asked}.")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,6 +242,11 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
         mc = load_model_config(path)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    refusal = check_checkpoint_weights({a.kind: topo.engine_config(a) for a in topo.actors
+                                        if a.kind in ("engine", "prefill", "decode")}, mc)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     gen_path = os.path.join(path, "generation_config.json")
     gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}

@@ -24,22 +24,81 @@ class ConfigError(ValueError):
     """A config.json that glmrt cannot serve; the message names the field."""
 
 
+# FP4 weight formats: elements per scale along the input dim (layouts: glmrt/checkpoint/fp4.py).
+FP4_GROUP_SIZE = {"mxfp4": 32, "nvfp4": 16}
+
+# The MXFP4 weight spec of a Quark export (what AMD's MI355X releases carry).
+_QUARK_MXFP4 = {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1, "group_size": 32, "is_dynamic": False,
+                "symmetric": None, "round_method": "half_even", "scale_type": "float", "scale_format": "e8m0",
+                "scale_calculation_mode": "even", "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver",
+                "is_scale_quant": False}
+
+
+def _is_quark_mxfp4(spec: Any) -> bool:
+    if not isinstance(spec, dict):
+        return False
+    if spec.get("dtype") == "mx" and spec.get("mx_element_dtype") == "fp4":  # older Quark exports
+        return int(spec.get("group_size") or 32) == 32
+    return (spec.get("dtype") == "fp4" and spec.get("qscheme") == "per_group"
+            and spec.get("group_size") is not None and int(spec["group_size"]) == 32
+            and (spec.get("scale_format") == "e8m0"
+                 or (spec.get("scale_format") is None and "MX" in str(spec.get("observer_cls") or ""))))
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """`quantization_config` of a checkpoint (FP8 block-scaled, DeepSeek-V3 convention)."""
+    """`quantization_config` of a checkpoint, one of three weight formats (`scheme`):
+
+    * "fp8": block-scaled e4m3, DeepSeek-V3 convention (`quant_method: "fp8"`, MODEL.md §9.2);
+    * "mxfp4": OCP MXFP4 as AMD Quark exports it (`quant_method: "quark"`, MXFP4 weight spec;
+      HF's `quant_method: "mxfp4"` spelling is read as the same format);
+    * "nvfp4": NVIDIA ModelOpt NVFP4 (`quant_method: "modelopt"`, `quant_algo: "NVFP4"`, flat
+      config.json form or the nested `hf_quant_config.json` form).
+
+    `ignored` is the checkpoint's list of linear layers left in the model dtype. Tensor layouts
+    of the FP4 formats: glmrt/checkpoint/fp4.py.
+    """
 
     quant_method: str = "fp8"
-    fmt: str = "e4m3"
+    fmt: str = "e4m3"  # weight format: "e4m3" (fp8), "mxfp4", "nvfp4"
     weight_block_size: tuple[int, int] = (128, 128)
-    activation_scheme: str = "dynamic"
+    activation_scheme: str = "dynamic"  # FP4: "dynamic" / "static" (W4A4 engines) or "none" (W4A16)
     ignored: tuple[str, ...] = ()
     scale_fmt: str | None = None
+    group_size: int | None = None  # FP4: elements per scale along the input dim
+
+    @property
+    def scheme(self) -> str:
+        """"fp8", "mxfp4" or "nvfp4"."""
+        return "fp8" if self.quant_method == "fp8" else self.fmt
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.scheme in FP4_GROUP_SIZE
+
+    @classmethod
+    def mxfp4(cls, ignored: tuple[str, ...] = (), *, quant_method: str = "quark",
+              activation_scheme: str = "dynamic") -> "QuantConfig":
+        return cls(quant_method, "mxfp4", activation_scheme=activation_scheme, ignored=tuple(ignored),
+                   group_size=FP4_GROUP_SIZE["mxfp4"])
+
+    @classmethod
+    def nvfp4(cls, ignored: tuple[str, ...] = (), *, activation_scheme: str = "static") -> "QuantConfig":
+        return cls("modelopt", "nvfp4", activation_scheme=activation_scheme, ignored=tuple(ignored),
+                   group_size=FP4_GROUP_SIZE["nvfp4"])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QuantConfig":
-        method = d.get("quant_method", "fp8")
+        method = str(d.get("quant_method", "fp8")).lower()
+        if method == "quark":
+            return cls._from_quark(d)
+        if method == "mxfp4":  # HF's Mxfp4Config spelling
+            return cls.mxfp4(tuple(d.get("modules_to_not_convert") or ()), quant_method="mxfp4")
+        if method == "modelopt" or method == "modelopt_fp4":
+            return cls._from_modelopt(d)
         if method != "fp8":
-            raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (only 'fp8')")
+            raise ConfigError(f"quantization_config.quant_method={method!r} is not supported "
+                              "(fp8; quark or mxfp4 for MXFP4; modelopt for NVFP4)")
         block = d.get("weight_block_size") or [128, 128]
         if len(block) != 2:
             raise ConfigError(f"quantization_config.weight_block_size must have 2 entries, got {block!r}")
@@ -47,13 +106,71 @@ class QuantConfig:
         return cls(method, d.get("fmt", "e4m3"), (int(block[0]), int(block[1])),
                    d.get("activation_scheme", "dynamic"), tuple(ignored), d.get("scale_fmt"))
 
+    @classmethod
+    def _from_quark(cls, d: dict[str, Any]) -> "QuantConfig":
+        g = d.get("global_quant_config") or {}
+        weight = g.get("weight")
+        if not _is_quark_mxfp4(weight):
+            raise ConfigError("quantization_config: only the MXFP4 Quark scheme is supported (weight dtype fp4, "
+                              f"per_group, group_size 32, e8m0 scales); global_quant_config.weight is {weight!r}")
+        for key in ("layer_quant_config", "layer_type_quant_config"):
+            for name, spec in (d.get(key) or {}).items():
+                w = (spec or {}).get("weight")
+                if w is not None and not _is_quark_mxfp4(w):
+                    raise ConfigError(f"quantization_config.{key}[{name!r}]: only MXFP4 weights are supported, "
+                                      f"got {w!r}")
+        act = "dynamic" if isinstance(g.get("input_tensors"), dict) else "none"
+        return cls.mxfp4(tuple(d.get("exclude") or ()), activation_scheme=act)
+
+    @classmethod
+    def _from_modelopt(cls, d: dict[str, Any]) -> "QuantConfig":
+        q = d["quantization"] if isinstance(d.get("quantization"), dict) else d  # hf_quant_config.json form
+        algo = str(q.get("quant_algo") or "").upper()
+        if algo not in ("NVFP4", "W4A16_NVFP4"):
+            raise ConfigError(f"quantization_config: ModelOpt quant_algo={algo or None!r} is not supported "
+                              "(only NVFP4)")
+        group = int(q.get("group_size") or 16)
+        if group != 16:
+            raise ConfigError(f"quantization_config.group_size must be 16 for NVFP4, got {group}")
+        ignored = q.get("ignore") or q.get("exclude_modules") or d.get("ignore") or []
+        return cls.nvfp4(tuple(ignored), activation_scheme="static" if algo == "NVFP4" else "none")
+
     def to_dict(self) -> dict[str, Any]:
+        if self.scheme == "mxfp4":
+            if self.quant_method == "mxfp4":
+                return {"quant_method": "mxfp4", "modules_to_not_convert": list(self.ignored)}
+            act = {**_QUARK_MXFP4, "is_dynamic": True} if self.activation_scheme != "none" else None
+            return {"quant_method": "quark", "quant_mode": "eager_mode", "version": "0.10",
+                    "global_quant_config": {"weight": dict(_QUARK_MXFP4), "input_tensors": act,
+                                            "output_tensors": None, "bias": None, "target_device": None},
+                    "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": list(self.ignored),
+                    "algo_config": None,
+                    "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                               "weight_format": "real_quantized", "weight_merge_groups": None}}
+        if self.scheme == "nvfp4":
+            algo = "NVFP4" if self.activation_scheme != "none" else "W4A16_NVFP4"
+            fp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
+            group = {"weights": fp4, "targets": ["Linear"]}
+            if algo == "NVFP4":
+                group["input_activations"] = dict(fp4)
+            return {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16, "kv_cache_quant_algo": None,
+                    "producer": {"name": "modelopt"}, "config_groups": {"group_0": group},
+                    "ignore": list(self.ignored)}
         d = {"quant_method": self.quant_method, "fmt": self.fmt,
              "activation_scheme": self.activation_scheme,
              "weight_block_size": list(self.weight_block_size), "ignore": list(self.ignored)}
         if self.scale_fmt:
             d["scale_fmt"] = self.scale_fmt
         return d
+
+    def hf_quant_config(self) -> dict[str, Any] | None:
+        """The legacy ModelOpt `hf_quant_config.json` (NVFP4 only; older loaders read only this file)."""
+        if self.scheme != "nvfp4":
+            return None
+        d = self.to_dict()
+        return {"producer": d["producer"],
+                "quantization": {"quant_algo": d["quant_algo"], "kv_cache_quant_algo": None, "group_size": 16,
+                                 "exclude_modules": list(self.ignored)}}
 
 
 @dataclass(frozen=True)
@@ -399,6 +516,19 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         raise ConfigError(f"no config.json at {p}") from e
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from e
+    # Older ModelOpt (NVFP4) releases carry their quantization only in hf_quant_config.json.
+    hq = os.path.join(os.path.dirname(p), "hf_quant_config.json")
+    if isinstance(d, dict) and not d.get("quantization_config") and not (
+            isinstance(d.get("text_config"), dict) and d["text_config"].get("quantization_config")) \
+            and os.path.exists(hq):
+        try:
+            with open(hq, encoding="utf-8") as f:
+                hd = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{hq} is not valid JSON: {e}") from e
+        if isinstance(hd, dict) and isinstance(hd.get("quantization"), dict) \
+                and hd["quantization"].get("quant_algo"):
+            d = {**d, "quantization_config": {"quant_method": "modelopt", **hd}}
     try:
         return ModelConfig.from_dict(d)
     except TypeError as e:  # wrong value types reaching the dataclass

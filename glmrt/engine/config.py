@@ -6,6 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 
 
+_BACKEND_OPTIONS = ("backend", "kv_cache_dtype", "quantization", "attention_backend", "dsa_prefill_backend",
+                    "dsa_decode_backend", "moe_runner_backend", "linear_attn_backend")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
@@ -14,12 +18,27 @@ class EngineConfig:
     load_format: str = "auto"
     """auto (safetensors) | dummy (random weights in device memory, no files)."""
     quantization: str | None = None
-    """fp8 with load_format='dummy' quantises the linear layers (block-scaled e4m3)."""
+    """None: the checkpoint's format. fp8 with load_format='dummy' quantises the linear layers
+    (block-scaled e4m3). mxfp4 / nvfp4 are refused until the loader reads them."""
     dtype: str = "auto"
     """auto: bfloat16 on a GPU, float32 on the CPU."""
     device: str = "auto"
     backend: str = "auto"
+    """auto | reference | cuda-h200 | cuda-blackwell | rocm-mi355x (backends/adapters.py: the table)."""
     kv_cache_dtype: str = "auto"
+    """auto (bfloat16 on cuda-h200, fp8_e4m3 on cuda-blackwell / rocm-mi355x, the model dtype on the
+    reference) | bfloat16 | fp8_e4m3 | the model dtype."""
+    attention_backend: str = "auto"
+    """auto | dsa (SGLang's spelling): GLM-5.3-Flash attention is DSA (MLA layers) + KDA."""
+    dsa_prefill_backend: str = "auto"
+    """auto | torch. TileLang / TRT-LLM / FlashMLA are refused: glmrt does not ship them."""
+    dsa_decode_backend: str = "auto"
+    """auto | triton (the CUDA/ROCm kernel sets) | torch (the reference)."""
+    moe_runner_backend: str = "auto"
+    """auto | triton (the CUDA/ROCm kernel sets) | torch (the reference). flashinfer_trtllm, deep_gemm,
+    ... are refused: glmrt does not ship them."""
+    linear_attn_backend: str = "auto"
+    """KDA: auto | triton (the CUDA/ROCm kernel sets) | torch (the reference)."""
     mamba_ssm_dtype: str = "float32"
     """KDA recurrent state dtype: float32 or bfloat16."""
     mem_fraction_static: float = 0.85
@@ -44,6 +63,12 @@ class EngineConfig:
     context_length: int | None = None
     load_vision: bool = True
     """Load the vision tower in the engine (False when a separate vision actor runs it)."""
+    disable_cuda_graph: bool = False
+    """Run decode eagerly (graphs are used only where the kernel set is graph-safe, on CUDA)."""
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch replayed from a graph (default: max_running_requests, at most 256)."""
+    disable_overlap_schedule: bool = False
+    """Schedule step N+1 only after step N's tokens are on the host (no CPU/GPU overlap)."""
     role: str = "unified"
     """unified | prefill (computes prompts, hands the state over after the first token) |
     decode (receives handed-over requests and continues them)."""
@@ -72,6 +97,10 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device.startswith("cuda") else "float32"
+
+    def backend_request(self) -> dict[str, str | None]:
+        """The options `backends.adapters.resolve_options` checks and fills."""
+        return {k: getattr(self, k) for k in _BACKEND_OPTIONS}
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

@@ -67,11 +67,15 @@ class Engine:
     def __init__(self, config: EngineConfig, *, log=print, model=None):
         self.config = config
         self.log = log
-        from backends.registry import get_backend
+        from backends.adapters import resolve_options
+        from backends.registry import detect_hardware, get_backend
 
         device = config.resolved_device()
         self.backend = get_backend(config.backend, device)
         self.dtype = _DTYPES[config.resolved_dtype(device)]
+        # the kernel set's defaults and legal combinations on this hardware, checked before weights load
+        self.options = resolve_options(detect_hardware(), {**config.backend_request(), "backend": self.backend.name},
+                                       model_dtype=config.resolved_dtype(device))
         self.model = model if model is not None else self._load_model(device)
         self.model_config = self.model.config
         text = self.model_config.text
@@ -80,13 +84,18 @@ class Engine:
         if isinstance(self.eos_ids, int):
             self.eos_ids = [self.eos_ids]
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
-        kv_dtype = dtype_name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        kv_dtype = self.options.kv_cache_dtype
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
                                               state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
         self.memory: MemoryPlan = plan_memory(
             self.layout, self._cache_budget(device), ratio=config.mamba_full_memory_ratio,
             max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
-        self.cache = ModelCache.allocate(text, self.memory.num_pages, self.memory.num_slots, device,
+        # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
+        # allocated past the ones the managers hand out.
+        graphs = (device.startswith("cuda") and not config.disable_cuda_graph
+                  and getattr(self.backend.ops, "decode_graph_safe", False))
+        spare = 1 if graphs else 0
+        self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
                                          page_size=config.page_size, kv_dtype=kv_dtype,
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
         self.pages = PageManager(self.memory.num_pages)
@@ -100,6 +109,13 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids)
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
+        if graphs:
+            max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
+            self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
+                                      pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+        # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
+        self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
+        self._inflight = None  # the launched decode step whose tokens are not read yet
         self.requests: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}   # prefill role: finished prompts whose state awaits transfer
         self.imports: dict[str, Request] = {}    # decode role: reserved requests whose state is arriving
@@ -107,7 +123,9 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
                          "finished": 0, "aborted": 0, "retractions": 0}
         self.log(f"glmrt engine: {self.backend.description}, dtype {dtype_name}, KV {kv_dtype}, "
-                 f"state {config.mamba_ssm_dtype}")
+                 f"state {config.mamba_ssm_dtype}, decode CUDA graphs "
+                 + (f"up to batch {self.runner.graphs.max_bs}" if self.runner.graphs else "off"))
+        self.log(f"glmrt engine: {self.options.describe()}")
         for line in self.memory.describe().splitlines():
             self.log(line)
 
@@ -207,13 +225,32 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the tokens whose values are now known.
+
+        With the overlap schedule, a decode plan that CUDA graphs and the device sampler can
+        run without the host is launched before the previous step's tokens are read: the
+        scheduling and launch of step N+1 happen while the GPU runs step N, and the outputs
+        returned are step N's. Its inputs that are still PLACEHOLDERs come from step N's
+        tokens on the device. Any other plan first waits for the step in flight.
+        """
         plan = self.scheduler.schedule()
         self.counters["retractions"] += len(plan.retracted)
-        if not plan:
-            return []
+        for w in plan.work:
+            w.req.inflight += 1
+        launched = None
+        if self.overlap and plan and self.runner.can_launch_async(plan):
+            launched = self.runner.launch(plan, self._inflight)
+            self._mark_launched(launched)
+        outputs = self._resolve(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        if plan and launched is None:
+            outputs += self._run_sync(plan)
+        return outputs
+
+    def _run_sync(self, plan) -> list[RequestOutput]:
         results = self.runner.execute(plan)
         for w in plan.work:
             w.req.num_computed = w.start + w.num
@@ -221,7 +258,8 @@ class Engine:
             r.checkpoint.pins -= 1
         saving = {id(sv.req) for sv in plan.saves}
         for req in {id(w.req): w.req for w in plan.work}.values():
-            self._cache_pages(req, force=id(req) in saving)  # a save needs its anchor path in the tree
+            if not req.finished and req.finishing is None:
+                self._cache_pages(req, force=id(req) in saving)  # a save needs its anchor path in the tree
         for s in plan.saves:
             if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page) is None:
                 self.slots.free(s.dst_slot)
@@ -230,19 +268,79 @@ class Engine:
         outputs = []
         for res in results:
             req = res.req
+            if req.finished or req.finishing is not None:
+                continue  # finished by the step before (overlap): this token is past its end
             req.output_ids.append(res.token)
             if req.params.logprobs:
                 req.logprobs.append(res.logprob)
                 req.top_logprobs.append(res.top_logprobs)
-            self.counters["generation_tokens"] += 1
-            reason = self._finish_reason(req, res.token)
-            out = RequestOutput(req.rid, [res.token], [res.logprob] if req.params.logprobs else [],
-                                [res.top_logprobs] if req.params.logprobs else [], reason is not None, reason,
-                                len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
-            if reason is not None:
-                self._finish(req, reason)
-            outputs.append(out)
+            outputs.append(self._emit(req, res.token, res.logprob, res.top_logprobs, len(req.output_ids)))
+        self._step_done(plan)
         return outputs
+
+    # ---- the overlap schedule ------------------------------------------------------------
+    def _mark_launched(self, launched) -> None:
+        """Advance the launched requests as if their tokens were known: num_computed, and a
+        PLACEHOLDER output (so the next plan decodes it) unless the count alone ends them."""
+        from glmrt.engine.runner import PLACEHOLDER
+
+        launched.placeholder_at = []
+        for w in launched.plan.work:
+            req = w.req
+            req.num_computed = w.start + w.num
+            n_out = len(req.output_ids) + 1
+            if n_out >= req.params.max_tokens or len(req.prompt_ids) + n_out >= self.context_length:
+                launched.placeholder_at.append(None)  # its last token: nothing more to schedule
+            else:
+                launched.placeholder_at.append(len(req.output_ids))
+                req.output_ids.append(PLACEHOLDER)
+
+    def _resolve(self, launched) -> list[RequestOutput]:
+        """Read a launched step's tokens (the one host sync) and apply them."""
+        tokens = launched.tokens.tolist()
+        outputs = []
+        for req, tok, at in zip(launched.reqs, tokens, launched.placeholder_at):
+            if req.finished or req.finishing is not None:
+                continue
+            if at is None:
+                req.output_ids.append(tok)
+                at = len(req.output_ids) - 1
+            else:
+                req.output_ids[at] = tok
+            outputs.append(self._emit(req, tok, None, None, at + 1))
+        for req in {id(r): r for r in launched.reqs}.values():
+            if not req.finished and req.finishing is None:
+                self._cache_pages(req)
+        self._step_done(launched.plan)
+        return outputs
+
+    def _emit(self, req: Request, token: int, logprob, top, n_out: int) -> RequestOutput:
+        """Count and report one token (the n_out-th output); finish the request if it ends it."""
+        self.counters["generation_tokens"] += 1
+        reason = self._finish_reason(req, token, n_out)
+        lp = req.params.logprobs
+        out = RequestOutput(req.rid, [token], [logprob] if lp else [], [top] if lp else [], reason is not None,
+                            reason, len(req.prompt_ids), n_out, req.cached_tokens)
+        if reason is not None:
+            del req.output_ids[n_out:]  # a PLACEHOLDER of a step still in flight
+            if req.inflight > 1 and reason != "handoff":
+                # a later step still computes with this request's slot and pages: keep them
+                # until it has run, and schedule nothing more for it
+                req.finishing = reason
+                if req in self.scheduler.running:
+                    self.scheduler.running.remove(req)
+            else:
+                self._finish(req, reason)
+        return out
+
+    def _step_done(self, plan) -> None:
+        for w in plan.work:
+            req = w.req
+            req.inflight -= 1
+            if req.finishing is not None and req.inflight == 0 and not req.finished:
+                reason, req.finishing = req.finishing, None
+                req.num_computed = min(req.num_computed, req.num_tokens)
+                self._finish(req, reason)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[list[Completion]]:
@@ -271,19 +369,18 @@ class Engine:
         return Completion(req.rid, req.prompt_ids, req.output_ids, req.finish_reason, req.cached_tokens,
                           req.logprobs, req.top_logprobs)
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if self.config.role == "prefill" and len(req.output_ids) == 1:
-            normal = self._finish_reason_unified(req, token)
+    def _finish_reason(self, req: Request, token: int, n_out: int) -> str | None:
+        """Why the n_out-th output token `token` ends the request (None: it goes on)."""
+        if self.config.role == "prefill" and n_out == 1:
+            normal = self._finish_reason_unified(req, token, n_out)
             return normal if normal is not None else "handoff"
-        return self._finish_reason_unified(req, token)
+        return self._finish_reason_unified(req, token, n_out)
 
-    def _finish_reason_unified(self, req: Request, token: int) -> str | None:
+    def _finish_reason_unified(self, req: Request, token: int, n_out: int) -> str | None:
         p = req.params
-        if len(req.output_ids) >= p.min_tokens and (token in p.stop_token_ids
-                                                    or (not p.ignore_eos and token in self.eos_ids)):
+        if n_out >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)):
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.context_length:
+        if n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.context_length:
             return "length"
         return None
 

@@ -44,6 +44,8 @@ class Request:
     mm_key_ids: list[int] | None = None   # prompt ids with image tokens replaced by content hashes
     num_mm_items: int = 0
     num_tree_pages: int = 0               # full pages already offered to the prefix cache
+    inflight: int = 0                     # planned or launched steps not yet applied (overlap)
+    finishing: str | None = None          # finished, but a step in flight still uses its cache
 
     @property
     def all_ids(self) -> list[int]:

@@ -19,6 +19,21 @@ from glmrt.engine.sampler import Sampler, SamplerRow
 from glmrt.engine.scheduler import StepPlan
 
 
+PLACEHOLDER = -1
+"""An output token sampled on the device whose value the host has not read yet (overlap)."""
+
+
+@dataclass
+class InFlight:
+    """A decode step launched ahead of its predecessor's results (the overlap schedule)."""
+
+    plan: StepPlan
+    reqs: list[Request]          # sampled rows, in order
+    tokens: torch.Tensor         # [len(reqs)] on the device
+    row_of: dict[int, int]       # id(req) -> row
+    placeholder_at: list[int | None] = None  # index of the row's PLACEHOLDER in output_ids
+
+
 @dataclass
 class StepOutput:
     req: Request
@@ -36,6 +51,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
+        self.graphs = None  # glmrt.engine.cuda_graphs.DecodeGraphs when enabled
+
+    def enable_graphs(self, *, max_bs: int, max_pages: int, pad_slot: int, pad_page: int) -> None:
+        from glmrt.engine.cuda_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self.model, self.cache, max_bs=max_bs, max_pages=max_pages,
+                                   pad_slot=pad_slot, pad_page=pad_page)
+
+    def graph_key(self, work) -> tuple[int, int] | None:
+        """The graph that can run this batch: decode only (one sampled token each, no images)."""
+        if self.graphs is None or not work:
+            return None
+        for w in work:
+            if w.num != 1 or not w.sample or (w.req.rid in self.mm and w.start < len(w.req.prompt_ids)):
+                return None
+        ps = self.cache.page_size
+        return self.graphs.key(len(work), max(w.start // ps + 1 for w in work))
 
     # ---- copies --------------------------------------------------------------------------
     def copy_page(self, src: int, dst: int) -> None:
@@ -85,6 +116,40 @@ class ModelRunner:
             offset += w.num
         return embeds
 
+    # ---- the overlapped decode step -------------------------------------------------------
+    def can_launch_async(self, plan: StepPlan) -> bool:
+        """Decode work that a graph replays and the device sampler finishes with no host sync."""
+        if plan.restores or plan.saves or plan.forks or plan.retracted:
+            return False
+        if self.graph_key(plan.work) is None:
+            return False
+        return all(self.sampler.can_sample_async(SamplerRow(w.req.params, w.req.prompt_ids, w.req.output_ids))
+                   for w in plan.work)
+
+    @torch.no_grad()
+    def launch(self, plan: StepPlan, prev: InFlight | None) -> InFlight:
+        """Enqueue the forward and sampling of a decode plan; nothing here waits for the GPU.
+
+        An input token that is still a PLACEHOLDER is fed from `prev.tokens` on the device.
+        """
+        work = plan.work
+        ids, src = [], []
+        for w in work:
+            tok = w.req.token_slice(w.start, w.start + 1)[0]
+            if tok == PLACEHOLDER:
+                src.append(prev.row_of[id(w.req)])
+                ids.append(0)
+            else:
+                src.append(-1)
+                ids.append(tok)
+        logits = self.graphs.run(self.graph_key(work), ids, [w.start for w in work], [w.req.slot for w in work],
+                                 [w.req.pages for w in work], src_rows=src,
+                                 prev_tokens=prev.tokens if prev is not None else None)
+        reqs = [w.req for w in work]
+        rows_in = [SamplerRow(r.params, r.prompt_ids, r.output_ids, self.generator(r), self.eos_ids) for r in reqs]
+        tokens = self.sampler.sample_async(logits, rows_in)
+        return InFlight(plan, reqs, tokens, {id(r): i for i, r in enumerate(reqs)})
+
     # ---- the step ------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> list[StepOutput]:
@@ -93,6 +158,16 @@ class ModelRunner:
             if r.src_page is not None:
                 self.copy_page(r.src_page, r.dst_page)
         work = plan.work
+        key = self.graph_key(work)
+        if key is not None:
+            logits = self.graphs.run(key, [w.req.token_slice(w.start, w.start + 1)[0] for w in work],
+                                     [w.start for w in work], [w.req.slot for w in work],
+                                     [w.req.pages for w in work])
+        else:
+            logits = self._forward(work)
+        return self._after_forward(plan, work, logits)
+
+    def _forward(self, work) -> torch.Tensor:
         meta = BatchMeta.build([w.start for w in work], [w.num for w in work], [w.req.slot for w in work],
                                [w.req.pages for w in work], self.cache.page_size, self.device)
         ids = torch.tensor([t for w in work for t in w.req.token_slice(w.start, w.start + w.num)], dtype=torch.long)
@@ -102,6 +177,10 @@ class ModelRunner:
         ids = ids.to(self.device)
         logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(work, ids),
                                logits_indices=idx)
+        return logits
+
+    def _after_forward(self, plan: StepPlan, work, logits: torch.Tensor) -> list[StepOutput]:
+        rows = [i for i, w in enumerate(work) if w.sample]
         for s in plan.saves:
             self.copy_state(s.src_slot, s.dst_slot)
             if s.src_page is not None:

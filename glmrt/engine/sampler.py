@@ -49,6 +49,19 @@ class SampleResult:
 class Sampler:
     """Stateless: all per-request state (history, generator) comes in through the rows."""
 
+    # ---- the overlap schedule's path: tokens stay on the device ----------------------------
+    @staticmethod
+    def can_sample_async(row: SamplerRow) -> bool:
+        """Rows whose token needs no host data: no penalties (they read the history), no
+        logprobs, min_tokens already met (the blocking reads the output count), greedy."""
+        p = row.params
+        return (p.is_greedy and not _has_penalties(p) and not p.logprobs
+                and len(row.output_ids) >= p.min_tokens)
+
+    def sample_async(self, logits: Tensor, rows: list[SamplerRow]) -> Tensor:
+        """Tokens [B] on the device for rows that pass can_sample_async (no host sync)."""
+        return logits.argmax(dim=-1)  # first maximum: ties go to the lowest id, as in sample()
+
     def sample(self, logits: Tensor, rows: list[SamplerRow]) -> SampleResult:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")

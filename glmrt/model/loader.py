@@ -3,17 +3,25 @@
 The model is built on the `meta` device, switched to FP8 where the checkpoint (or
 `--quantization fp8`) asks for it, materialised empty on the target device, and then filled
 one checkpoint tensor at a time, so a checkpoint is never held twice in memory.
+
+MXFP4 and NVFP4 checkpoints (recognised from config.json's `quantization_config`; layouts in
+glmrt/checkpoint/fp4.py) have no native path in our kernels yet: each packed weight is read
+with its scales and dequantised into its model-dtype parameter, one weight at a time. Which
+linear layers are packed is read off the checkpoint itself (a uint8 `X.weight` with its
+scales), as for FP8, so the ignore list is honoured whatever it names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
+from glmrt.checkpoint import fp4
 from glmrt.config import ModelConfig, QuantConfig, load_model_config
 from glmrt.model.glm5_next import Glm5NextForCausalLM
 from glmrt.model.layers import Linear, StackedLinear
@@ -90,6 +98,57 @@ def _summarise(names: list[str], limit: int = 20) -> str:
     return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
 
 
+# Companion tensors of a packed FP4 weight `X.weight`, by suffix (the order matters: longest first).
+_FP4_PARTS = ((".weight_scale_2", "weight_scale_2"), (".weight_scale", "weight_scale"), (".input_scale", "input_scale"))
+_NEEDS = {"mxfp4": ("weight", "weight_scale"), "nvfp4": ("weight", "weight_scale", "weight_scale_2")}
+_ALLOWED = {"mxfp4": {"weight", "weight_scale"}, "nvfp4": {"weight", "weight_scale", "weight_scale_2", "input_scale"}}
+
+
+@dataclass
+class _Packed:
+    """One packed FP4 weight and its companions: role -> (file, key)."""
+
+    target: Target
+    parts: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def _fp4_part(key: str) -> tuple[str, str] | None:
+    """`X.weight_scale` -> (`X.weight`, "weight_scale"), etc.; None for other names."""
+    for suffix, role in _FP4_PARTS:
+        if key.endswith(suffix):
+            return key[: -len(suffix)] + ".weight", role
+    return None
+
+
+def _dequantize_packed(scheme: str, group: _Packed, tensors: dict[str, torch.Tensor], shape: tuple[int, ...],
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Check the packed weight and its scales against the parameter shape, then dequantise."""
+    wkey = group.parts["weight"][1]
+    n = fp4.GROUP_SIZE[scheme]
+    out, inn = shape[:-1], shape[-1]
+    if inn % n:
+        raise CheckpointError(f"{wkey}: {scheme} needs the input dimension ({inn}) to be a multiple of {n}")
+    w, s = tensors["weight"], tensors["weight_scale"]
+    want = {"weight": (*out, inn // 2), "weight_scale": (*out, inn // n)}
+    for role, t in (("weight", w), ("weight_scale", s)):
+        if tuple(t.shape) != want[role]:
+            raise CheckpointError(f"{group.parts[role][1]}: shape {tuple(t.shape)} in checkpoint, {want[role]} "
+                                  f"expected ({scheme} of a {tuple(shape)} weight)")
+    if scheme == "mxfp4":
+        if s.dtype not in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
+            raise CheckpointError(f"{group.parts['weight_scale'][1]}: {s.dtype}, expected uint8 E8M0 scales")
+        if bool((s.view(torch.uint8) == 255).any()):
+            raise CheckpointError(f"{group.parts['weight_scale'][1]}: E8M0 scale 255 (NaN)")
+        return fp4.dequantize_mxfp4(w, s, dtype)
+    if s.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{group.parts['weight_scale'][1]}: {s.dtype}, expected float8_e4m3fn scales")
+    for role in ("weight_scale_2", "input_scale"):
+        t = tensors.get(role)
+        if t is not None and (t.numel() != 1 or not t.is_floating_point()):
+            raise CheckpointError(f"{group.parts[role][1]}: expected one float, got {t.dtype} {tuple(t.shape)}")
+    return fp4.dequantize_nvfp4(w, s, tensors["weight_scale_2"], dtype)
+
+
 def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", with_vision: bool = True, with_mtp: bool = True,
                     progress: bool | None = None) -> tuple[Glm5NextForCausalLM, LoadReport]:
@@ -97,56 +156,101 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
 
     Every parameter must be filled by the checkpoint and every checkpoint tensor must land
     somewhere (the MTP layer and vision tower may be skipped on request); otherwise
-    CheckpointError lists the names.
+    CheckpointError lists the names. MXFP4 / NVFP4 weights are dequantised to `dtype`.
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
     config = load_model_config(path)
     text = config.text
+    scheme = config.quantization.scheme if config.quantization else None
+    fp4_scheme = scheme if scheme in fp4.FP4_SCHEMES else None
     files = _checkpoint_files(path)
     plan: list[tuple[str, str, Target]] = []
+    packed: dict[tuple[str, int | None], _Packed] = {}
+    orphans: list[str] = []  # FP4 scales whose weight is not packed
     unexpected, skipped = [], []
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                tgt = to_internal(key, text, with_mtp=with_mtp, with_vision=with_vision)
+                part = _fp4_part(key) if fp4_scheme else None
+                role = part[1] if part else None
+                if part is None and fp4_scheme and key.endswith(".weight") and f.get_slice(key).get_dtype() == "U8":
+                    part, role = (key, "weight"), "weight"
+                tgt = to_internal(part[0] if part else key, text, with_mtp=with_mtp, with_vision=with_vision)
                 if tgt is None:
                     unexpected.append(key)
                 elif tgt is SKIP:
                     skipped.append(key)
-                else:
+                elif part is None:
                     plan.append((file, key, tgt))
+                else:
+                    group = packed.setdefault((tgt.param, tgt.expert), _Packed(tgt))
+                    if role in group.parts:
+                        raise CheckpointError(f"{path}: {key} appears twice ({group.parts[role][0]}, {file})")
+                    group.parts[role] = (file, key)
     fp8 = sorted({t.param[: -len(".weight_scale_inv")] for _, _, t in plan if t.param.endswith(".weight_scale_inv")})
     block = config.quantization.weight_block_size if config.quantization else (128, 128)
     model = build_model(config, ops, dtype, device, fp8_modules=fp8, fp8_block=block,
                         with_vision=with_vision, with_mtp=with_mtp)
     params = dict(model.named_parameters())
     unexpected += [key for _, key, t in plan if t.param not in params]
+    for key, group in list(packed.items()):
+        if group.target.param not in params:
+            unexpected += [k for _, k in group.parts.values()]
+            del packed[key]
+        elif "weight" not in group.parts:
+            orphans += [k for _, k in group.parts.values()]
+        else:
+            unexpected += [k for r, (_, k) in group.parts.items() if r not in _ALLOWED[fp4_scheme]]
     if unexpected:
         raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) not in this model: "
                               f"{_summarise(unexpected)}")
+    if orphans:
+        raise CheckpointError(f"{path}: {fp4_scheme} scale tensor(s) whose weight is not packed FP4 (uint8): "
+                              f"{_summarise(orphans)}")
+    for group in packed.values():
+        missing_parts = [r for r in _NEEDS[fp4_scheme] if r not in group.parts]
+        if missing_parts:
+            raise CheckpointError(f"{path}: packed {fp4_scheme} weight {group.parts['weight'][1]} without its "
+                                  f"{', '.join(missing_parts)} tensor(s)")
     filled: dict[str, set] = {n: set() for n in params}
     total_bytes = sum(os.path.getsize(f) for f in files)
     bar = None
     if progress or (progress is None and total_bytes > 2 << 30):
         from tqdm import tqdm
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights")
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for _, key, tgt in (p for p in plan if p[0] == file):
-                t = f.get_tensor(key)
-                dst = params[tgt.param].data
-                if tgt.expert is not None:
-                    dst = dst[tgt.expert]
+    # Every file stays open (memory-mapped) so that a packed weight can read its scales from any
+    # shard; tensors are still read, converted and copied one at a time.
+    work = sorted([(file, key, tgt, None) for file, key, tgt in plan]
+                  + [(g.parts["weight"][0], g.parts["weight"][1], g.target, g) for g in packed.values()],
+                  key=lambda x: files.index(x[0]))
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in files}
+        for file, key, tgt, group in work:
+            dst = params[tgt.param].data
+            if tgt.expert is not None:
+                dst = dst[tgt.expert]
+            if group is not None:
+                # dequantised where the parameter lives: 4x less to copy, and fast on a GPU
+                parts = {role: handles[f].get_tensor(k).to(dst.device) for role, (f, k) in group.parts.items()}
+                nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+                t = _dequantize_packed(fp4_scheme, group, parts, tuple(dst.shape), dst.dtype)
+                del parts
+            else:
+                t = handles[file].get_tensor(key)
+                nbytes = t.numel() * t.element_size()
+                if t.dtype == torch.uint8 and dst.is_floating_point():
+                    raise CheckpointError(f"{key}: uint8 (packed FP4?) weight, but config.json's quantization_config "
+                                          f"declares no MXFP4/NVFP4 format")
                 if tuple(t.shape) != tuple(dst.shape):
                     raise CheckpointError(f"{key}: shape {tuple(t.shape)} in checkpoint, {tuple(dst.shape)} expected")
                 if t.is_floating_point() and t.element_size() == 1 and dst.element_size() != 1:
                     raise CheckpointError(f"{key}: {t.dtype} weight without its weight_scale_inv tensor")
-                dst.copy_(t.to(device=dst.device))
-                filled[tgt.param].add(tgt.expert)
-                if bar:
-                    bar.update(t.numel() * t.element_size())
+            dst.copy_(t.to(device=dst.device))
+            filled[tgt.param].add(tgt.expert)
+            if bar:
+                bar.update(nbytes)
     if bar:
         bar.close()
     missing = []
@@ -160,7 +264,7 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
             missing.append(name)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: {_summarise(missing)}")
-    return model, LoadReport(len(plan), total_bytes, skipped)
+    return model, LoadReport(len(plan) + sum(len(g.parts) for g in packed.values()), total_bytes, skipped)
 
 
 def init_random(model: Glm5NextForCausalLM, seed: int = 0) -> Glm5NextForCausalLM:
