@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kv_fp8
 from .meta import BatchMeta
 
 
@@ -250,6 +251,8 @@ class ReferenceOps:
 
     # ---- sparse MLA -----------------------------------------------------------------------
     def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, meta: BatchMeta) -> None:
+        if kv_fp8.is_fp8_rows(cache, latent.shape[-1]):
+            latent = kv_fp8.quantize_rows(latent)
         cache.view(-1, cache.shape[-1])[meta.out_loc] = latent.to(cache.dtype)
 
     def sparse_mla(self, q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
@@ -272,7 +275,8 @@ class ReferenceOps:
             total = meta.prefix_lens[r] + s1 - s0
             pages = meta.page_table[r, : -(-total // meta.page_size)]
             locs = (pages[:, None] * meta.page_size + torch.arange(meta.page_size, device=q.device)).flatten()[:total]
-            c = flat[locs].to(q.dtype)  # [T, R]
+            c = flat[locs]  # [T, R]
+            c = kv_fp8.dequantize_rows(c, w_kc.shape[-1], q.dtype) if c.dtype == torch.uint8 else c.to(q.dtype)
             mask = self._token_mask(sel[s0:s1] if sel is not None else None, meta.positions[s0:s1], total, kpool,
                                     with_tail)
             qr = q[s0:s1]

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import kv_fp8
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
 from . import patch_triton_interpreter
@@ -44,20 +45,21 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _sparse_mla_decode_kernel(
-    Q, KV, IDX, NTOK, O, OPART, LSE, SEL, POS, TABLE,
+    Q, KV, IDX, NTOK, O, OPART, LSE, SEL, POS, TABLE, SC,
     stride_qb, stride_qh,
     stride_kv,
     stride_ib,
     stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    stride_sb, stride_tb,
+    stride_sb, stride_tb, stride_sc, sc_off,
     H, R, K, chunk,
     qk_scale,
     NSEL, page_size,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
     FROM_SEL: tl.constexpr, KPOOL: tl.constexpr, WITH_TAIL: tl.constexpr, BLOCK_SEL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -71,7 +73,8 @@ def _sparse_mla_decode_kernel(
 
     q = tl.load(Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_r[None, :],
                 mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q = q.to(KV.dtype.element_ty)
+    if not KV_FP8:  # fp8 rows are widened to q's dtype after the load
+        q = q.to(KV.dtype.element_ty)
 
     n_b = K
     if HAS_NTOK:
@@ -117,6 +120,10 @@ def _sparse_mla_decode_kernel(
         rows = tl.where(valid, idx, 0).to(tl.int64)
         kv = tl.load(KV + rows[:, None] * stride_kv + offs_r[None, :],
                      mask=valid[:, None] & r_ok[None, :], other=0.0)
+        if KV_FP8:  # e4m3 bytes x the fp32 scale of their 128-value group (backends/kv_fp8.py)
+            sc = tl.load(SC + rows[:, None] * stride_sc + sc_off + offs_r[None, :] // 128,
+                         mask=valid[:, None] & r_ok[None, :], other=0.0)
+            kv = (kv.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(q.dtype)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -223,13 +230,12 @@ def sparse_mla_decode(q_abs: torch.Tensor, latent_cache: torch.Tensor, token_idx
     (default q_abs.dtype). A request with no valid token gets zeros (the reference gives NaN).
     """
     b, h, r = q_abs.shape
-    if latent_cache.shape[-1] != r:
-        raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
+    _check_rank(latent_cache, r)
     if token_idx.dim() != 2 or token_idx.shape[0] != b:
         raise ValueError(f"token_idx must be [B={b}, K], got {tuple(token_idx.shape)}")
     if not latent_cache.is_contiguous():
         raise ValueError("latent_cache must be contiguous")
-    flat = latent_cache.view(-1, r)
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
     if q_abs.stride(-1) != 1:
         q_abs = q_abs.contiguous()
     if token_idx.dtype not in (torch.int32, torch.int64):
@@ -253,13 +259,12 @@ def sparse_mla_decode_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: 
     query are ignored); with_tail adds the visible tail of the incomplete pool.
     """
     b, h, r = q_abs.shape
-    if latent_cache.shape[-1] != r:
-        raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
+    _check_rank(latent_cache, r)
     if sel.dim() != 2 or sel.shape[0] != b:
         raise ValueError(f"sel must be [B={b}, P], got {tuple(sel.shape)}")
     if not latent_cache.is_contiguous():
         raise ValueError("latent_cache must be contiguous")
-    flat = latent_cache.view(-1, r)
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
     if q_abs.stride(-1) != 1:
         q_abs = q_abs.contiguous()
     sel = sel if sel.stride(-1) == 1 else sel.contiguous()
@@ -271,9 +276,16 @@ def sparse_mla_decode_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: 
                    with_tail=with_tail)
 
 
+def _check_rank(latent_cache: torch.Tensor, r: int) -> None:
+    if latent_cache.shape[-1] != r and not kv_fp8.is_fp8_rows(latent_cache, r):
+        raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
+
+
 def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=None, num_tokens=None,
             sel=None, positions=None, table=None, page_size=1, kpool=1, with_tail=False):
     b, h, r = q_abs.shape
+    fp8 = flat.dtype == torch.uint8
+    sc = flat.view(torch.float32) if fp8 else flat  # the rows' scales, read as fp32 (R % 4 == 0)
     out_dtype = out_dtype or q_abs.dtype
     if out is None:
         out = torch.empty(b, h, r, dtype=out_dtype, device=q_abs.device)
@@ -282,7 +294,8 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
     if b == 0 or h == 0:
         return out
 
-    cfg = dict(default_config(h, r, flat.dtype))
+    compute = q_abs.dtype if fp8 else flat.dtype
+    cfg = dict(default_config(h, r, compute))
     if config:
         cfg.update(config)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
@@ -293,7 +306,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
                                                                 _num_sms(q_abs.device))
     num_splits = max(1, min(int(num_splits), max(1, triton.cdiv(k, block_n))))
     chunk = triton.cdiv(triton.cdiv(max(k, 1), num_splits), block_n) * block_n
-    precision = "ieee" if flat.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
+    precision = "ieee" if compute == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
     split = num_splits > 1
     if split:
         opart = torch.empty(b, h, num_splits, r, dtype=torch.float32, device=q_abs.device)
@@ -306,7 +319,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
     grid = (b, head_blocks, num_splits)
     _sparse_mla_decode_kernel[grid](
         q_abs, flat, idx if idx is not None else dummy, ntok, out, opart, lse,
-        sel if from_sel else dummy, positions if from_sel else dummy, table if from_sel else dummy,
+        sel if from_sel else dummy, positions if from_sel else dummy, table if from_sel else dummy, sc,
         q_abs.stride(0), q_abs.stride(1),
         flat.stride(0),
         idx.stride(0) if idx is not None else 0,
@@ -314,12 +327,13 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
         opart.stride(0) if split else 0, opart.stride(1) if split else 0, opart.stride(2) if split else 0,
         lse.stride(0) if split else 0, lse.stride(1) if split else 0,
         sel.stride(0) if from_sel else 0, table.stride(0) if from_sel else 0,
+        sc.stride(0) if fp8 else 0, r // 4 if fp8 else 0,
         h, r, k, chunk,
         float(scale) * _LOG2E,
         sel.shape[1] if from_sel else 0, page_size,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
-        FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail,
+        FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail, KV_FP8=fp8,
         BLOCK_SEL=max(16, triton.next_power_of_2(sel.shape[1])) if from_sel else 16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

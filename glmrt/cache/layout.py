@@ -50,15 +50,24 @@ class CacheLayout:
         return self.page_size // self.kpool
 
     # ---- bytes ----------------------------------------------------------------------------
-    def _row_bytes(self, width: int) -> float:
-        """Bytes of one cached row; fp8 rows carry one fp32 scale per 128 values."""
-        b = DTYPE_BYTES[self.kv_dtype]
-        return width * b + (4 * -(-width // 128) if self.kv_dtype == "fp8_e4m3" else 0)
+    @property
+    def index_dtype(self) -> str:
+        """Pooled indexer keys and the indexer tail: the KV dtype, except that an fp8 KV
+        cache keeps them in the model dtype (only the MLA latent is fp8: backends/kv_fp8.py)."""
+        return self.conv_dtype if self.kv_dtype == "fp8_e4m3" else self.kv_dtype
+
+    @property
+    def latent_row_bytes(self) -> int:
+        """Bytes of one token's MLA latent; fp8 rows carry one fp32 scale per 128 values."""
+        r = self.kv_lora_rank
+        if self.kv_dtype == "fp8_e4m3":
+            return r + 4 * -(-r // 128)
+        return r * DTYPE_BYTES[self.kv_dtype]
 
     @property
     def kv_bytes_per_token(self) -> float:
-        return (self.num_dsa * self._row_bytes(self.kv_lora_rank)
-                + self.num_indexer * self._row_bytes(self.index_head_dim) / self.kpool)
+        return (self.num_dsa * self.latent_row_bytes
+                + self.num_indexer * self.index_head_dim * DTYPE_BYTES[self.index_dtype] / self.kpool)
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -74,7 +83,7 @@ class CacheLayout:
 
     @property
     def tail_bytes_per_slot(self) -> int:
-        return self.num_indexer * 2 * self.kpool * self.index_head_dim * DTYPE_BYTES[self.kv_dtype]
+        return self.num_indexer * 2 * self.kpool * self.index_head_dim * DTYPE_BYTES[self.index_dtype]
 
     @property
     def state_bytes_per_slot(self) -> int:

@@ -26,11 +26,14 @@ class KVPool:
     def __init__(self, layout: CacheLayout, num_pages: int, device: torch.device | str):
         self.layout = layout
         self.num_pages = num_pages
-        dt = torch_dtype(layout.kv_dtype)
-        self.latent = torch.zeros(layout.num_dsa, num_pages, layout.page_size, layout.kv_lora_rank,
-                                  dtype=dt, device=device)
+        if layout.kv_dtype == "fp8_e4m3":  # e4m3 values + fp32 group scales in one byte row
+            self.latent = torch.zeros(layout.num_dsa, num_pages, layout.page_size, layout.latent_row_bytes,
+                                      dtype=torch.uint8, device=device)
+        else:
+            self.latent = torch.zeros(layout.num_dsa, num_pages, layout.page_size, layout.kv_lora_rank,
+                                      dtype=torch_dtype(layout.kv_dtype), device=device)
         self.pooled = torch.zeros(layout.num_indexer, num_pages, layout.pools_per_page, layout.index_head_dim,
-                                  dtype=dt, device=device)
+                                  dtype=torch_dtype(layout.index_dtype), device=device)
 
     @property
     def nbytes(self) -> int:
@@ -45,7 +48,7 @@ class StatePool:
                                 dtype=torch_dtype(layout.conv_dtype), device=device)
         self.recurrent = torch.zeros(layout.num_kda, num_slots, layout.kda_heads, layout.kda_dk, layout.kda_dv,
                                      dtype=torch_dtype(layout.state_dtype), device=device)
-        tail_dt = torch_dtype(layout.kv_dtype)
+        tail_dt = torch_dtype(layout.index_dtype)
         self.tail_k = torch.zeros(layout.num_indexer, num_slots, layout.kpool, layout.index_head_dim,
                                   dtype=tail_dt, device=device)
         self.tail_g = torch.zeros_like(self.tail_k)

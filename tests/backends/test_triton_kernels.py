@@ -212,6 +212,36 @@ def test_sparse_mla_op_matches_reference(device, dtype, r, lens):
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_mla_fp8_latent_cache(device, dtype):
+    """An fp8 (e4m3 + group scales) latent pool: the kernel widens the rows exactly as the
+    reference dequantises them, and both stay within fp8 rounding of the unquantised cache."""
+    from backends import kv_fp8
+    from backends.cuda_h200 import CudaH200Ops
+
+    kpool, topk, r = 4, 5, 256  # two 128-value scale groups per row
+    lens = [5, 64, 19, 100, 2]
+    meta, cache, q, w_kc, w_vc = _mla_inputs(lens, r, dtype, device, seed=31)
+    cache = cache * torch.linspace(0.01, 4, r, device=device, dtype=dtype)  # groups of different ranges
+    rows = kv_fp8.quantize_rows(cache)
+    assert rows.dtype == torch.uint8 and rows.shape[-1] == kv_fp8.row_bytes(r) == r + 8
+    back = kv_fp8.dequantize_rows(rows, r, torch.float32)
+    group_max = cache.float().view(*cache.shape[:-1], 2, 128).abs().amax(-1).repeat_interleave(128, -1)
+    assert ((back - cache.float()).abs() <= group_max * 2.0 ** -4 + 1e-6).all()  # e4m3: 3 mantissa bits
+    sel = _random_sel([n // kpool for n in lens], topk, _gen(4), odd=True).to(device)
+    got = CudaH200Ops().sparse_mla(q, rows, w_kc, w_vc, sel, meta, kpool, 0.25, True)
+    ref = ReferenceOps().sparse_mla(q, rows, w_kc, w_vc, sel, meta, kpool, 0.25, True)
+    assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    full = ReferenceOps().sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, 0.25, True)
+    assert _rel(got, full) < 0.08
+    # write_latent quantises into the pool
+    pool = torch.zeros_like(rows)
+    lat = torch.randn(len(lens), r, generator=_gen(5)).to(device, dtype)
+    ReferenceOps().write_latent(lat, pool, meta)
+    flat = pool.view(-1, pool.shape[-1])[meta.out_loc]
+    assert torch.equal(flat, kv_fp8.quantize_rows(lat))
+
+
 def test_sparse_mla_dense_and_prefill(device):
     """sel=None (dense causal) on the kernel; a prefill batch defers to the reference exactly."""
     from backends.cuda_h200 import CudaH200Ops

@@ -296,8 +296,18 @@ def test_engine_allocates_the_resolved_kv_dtype():
     cfg = EngineConfig(load_format="dummy", preset="tiny", cache_memory_gb=0.01, load_vision=False)
     eng = Engine(cfg, log=lambda *a: None)
     assert eng.options.backend == "reference" and eng.cache.kv.latent.dtype == torch.float32
-    eng = Engine(cfg.replace(kv_cache_dtype="fp8_e4m3"), log=lambda *a: None)
-    assert eng.layout.kv_dtype == "fp8_e4m3" and eng.cache.kv.latent.dtype == torch.float8_e4m3fn
+    eng8 = Engine(cfg.replace(kv_cache_dtype="fp8_e4m3"), log=lambda *a: None)
+    # e4m3 values + fp32 scales per 128 in one byte row (backends/kv_fp8.py); indexer keys stay fp32
+    lat = eng8.cache.kv.latent
+    assert eng8.layout.kv_dtype == "fp8_e4m3" and lat.dtype == torch.uint8
+    assert lat.shape[-1] == eng8.layout.latent_row_bytes == eng8.layout.kv_lora_rank + 4
+    assert eng8.cache.kv.pooled.dtype == torch.float32
+    from glmrt.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(5, 45))
+    got = eng8.generate([prompt], params)[0][0].output_ids
+    want = eng.generate([prompt], params)[0][0].output_ids
+    assert len(got) == 6 and got[0] == want[0]  # fp8 rounding of the latent: the first token agrees
 
 
 def test_engine_refuses_before_loading(monkeypatch):

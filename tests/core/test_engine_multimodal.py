@@ -20,6 +20,9 @@ from glmrt.vision import ImageProcessorConfig, process_image  # noqa: E402
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from bench.hf_reference import import_hf_torch_kda
+
+    import_hf_torch_kda()  # the CPU oracle keeps torch KDA even where fla-core is installed
     from transformers import Glm5NextForConditionalGeneration
 
     cfg = preset_config("tiny")
