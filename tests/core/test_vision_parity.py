@@ -54,6 +54,9 @@ PATCH_DIM = 3 * 2 * 4 * 4
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(HF model fp32 eager with perturbed vision weights, our tower loaded from its checkpoint)."""
+    from bench.hf_reference import import_hf_torch_kda
+
+    import_hf_torch_kda()  # the CPU oracle keeps torch KDA even where fla-core is installed
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     torch.manual_seed(0)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU serving sweep: `glmrt up` on flash-4l (dummy weights, cuda-h200 kernels, decode CUDA
+# graphs and the overlap schedule) and `glmrt bench serving` at 0%, 50% and 93.75% shared
+# prefix, concurrency 1, 8, 32, 64. Run on the lent H200 from the repo root with the wheels
+# of ../shared/tools/device-wheels.sh .whl --fla carried in .whl:
+#     bash bench/serving_sweep.sh [input_len] [output_len] [num_prompts]
+# Writes $OUT/serving_<ratio>.json and .png, the server log, and prints the tables last.
+set -u
+IN=${1:-1024}; OUTLEN=${2:-32}; N=${3:-64}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m cli.main make-checkpoint --preset flash-4l --out /tmp/f4l --no-weights > /dev/null || exit 1
+cat > /tmp/serve.toml <<'EOF'
+[model]
+path = "/tmp/f4l"
+load_format = "dummy"
+[engine]
+page_size = 64
+mem_fraction_static = 0.6
+max_running_requests = 64
+[[actors]]
+kind = "tokenizer"
+[[actors]]
+kind = "detokenizer"
+[[actors]]
+kind = "engine"
+gpus = [0]
+EOF
+python3 -m cli.main up /tmp/serve.toml --port 30000 > "$OUT/serving_up.log" 2>&1 &
+pid=$!
+for i in $(seq 1 300); do
+  curl -sf http://127.0.0.1:30000/health > /dev/null && break
+  kill -0 $pid 2> /dev/null || { echo "glmrt up died"; tail -40 "$OUT/serving_up.log"; exit 1; }
+  sleep 1
+done
+curl -sf http://127.0.0.1:30000/health > /dev/null || { echo "not healthy"; tail -40 "$OUT/serving_up.log"; exit 1; }
+echo "healthy after ${i}s"
+for r in 0 0.5 0.9375; do
+  python3 -m cli.main bench serving --dataset shared-prefix --shared-prefix-ratio $r --num-groups 1 \
+    --input-len "$IN" --output-len "$OUTLEN" --num-prompts "$N" --vocab-size 154880 \
+    --max-concurrency 1,8,32,64 --quiet --out "$OUT/serving_$r.json" --plot "$OUT/serving_$r.png" \
+    > "$OUT/serving_$r.txt" 2>&1
+  echo "== shared prefix $r (exit $?)"
+  tail -8 "$OUT/serving_$r.txt"
+done
+grep -E "graphs|engine:" "$OUT/serving_up.log" | head -5
+python3 -m cli.main down > /dev/null 2>&1 || kill $pid
+wait $pid 2> /dev/null
