@@ -12,6 +12,8 @@ Overridden today (everything else is the reference):
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
+  causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
+  kda             every batch, with fla-core: fused_recurrent in place (decode), chunk_kda (prefill)
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -49,6 +51,16 @@ class CudaH200Ops(ReferenceOps):
     """ReferenceOps with the decode-path DSA indexer and sparse MLA on Triton kernels."""
 
     name = "cuda-h200"
+
+    @property
+    def decode_graph_safe(self) -> bool:
+        """Every op of a decode step runs as a kernel that reads per-request values only from
+        device tensors, with no host synchronisation: decode can be captured in CUDA graphs
+        and overlapped with scheduling. KDA needs fla-core for that (the reference loops)."""
+        try:
+            return importlib.util.find_spec("fla") is not None
+        except ValueError:
+            return False
 
     def indexer_select(self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta,
                        kpool: int, topk_pools: int) -> torch.Tensor:
@@ -99,6 +111,44 @@ class CudaH200Ops(ReferenceOps):
             return super().mhc_post(y, streams, post, comb)
         from .kernels.mhc import mhc_post
         return mhc_post(y, streams, post, comb)
+
+    # ---- KDA (every batch; in place on the state slots; backends/kernels/{conv,kda}.py) -------
+    def causal_conv(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                    meta: BatchMeta) -> torch.Tensor:
+        if x.is_cuda or _interpreting():
+            from .kernels import conv
+            if conv.supports(x, conv_state, weight) and meta.num_tokens == x.shape[0]:
+                return conv.causal_conv(x, conv_state, weight, meta)
+        return super().causal_conv(x, conv_state, weight, meta)
+
+    _fla_kda = None  # backends.kernels.kda once imported; False when fla-core is missing
+
+    def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64) -> torch.Tensor:
+        if (q.is_cuda or _interpreting()) and CudaH200Ops._fla_kda is None:
+            try:
+                from .kernels import kda as fla_kda
+            except ImportError:  # fla-core not installed: the reference
+                fla_kda = False
+            CudaH200Ops._fla_kda = fla_kda
+        kk = CudaH200Ops._fla_kda
+        # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
+        if (kk and (q.is_cuda or _interpreting()) and kk.supports(q, k, v, g, beta, state)
+                and meta.num_tokens == q.shape[0]
+                and (q.is_cuda or kk.INTERPRET_CHUNK or (meta.num_reqs and all(s == 1 for s in meta.seq_lens)))):
+            return kk.kda(q, k, v, g, beta, state, meta)
+        return super().kda(q, k, v, g, beta, state, meta, chunk_size)
+
+    # ---- routed MoE experts (every batch; kernels in backends/kernels/fused_moe.py) ----------
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
+                    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+        if x.is_cuda or _interpreting():
+            from .kernels import fused_moe as fm
+            if fm.supported(x, ids, weights, w_gate, w_up, w_down, scales, block):
+                return fm.fused_moe(x, ids, weights, w_gate, w_up, w_down, limit, scales, block)
+        return super().moe_experts(x, ids, weights, w_gate, w_up, w_down, limit, scales, block)
 
 
 register("cuda-h200", CudaH200Ops)

@@ -1,0 +1,478 @@
+"""Fused routed-expert MoE (MODEL.md §5, MoE) as Triton kernels: ReferenceOps.moe_experts, fast.
+
+    out[t] = Σ_k w[t,k] · down_e( silu(clamp(gate_e x_t)) · clamp(up_e x_t) ),   e = ids[t,k]
+
+Stacked weights gate/up [E, I, D], down [E, D, I] (bf16/fp16/fp32, or fp8 e4m3 with DeepSeek
+128x128 block scales `scale_inv [E, out/bo, in/bi]`). Four launches at decode sizes, six above;
+no host sync, every size an upper bound computed from (N, top_k, E, BLOCK_M), so the whole op
+can be captured in a CUDA graph:
+
+1. Alignment. The M = N·top_k (token, slot) pairs are grouped by expert and each expert's
+   group padded to a multiple of BLOCK_M, so that every BLOCK_M-row block of the sorted list
+   belongs to one expert. Three steps, three launches (or, up to ONE_LAUNCH_MAX_PAIRS pairs,
+   i.e. decode, one program that runs them in turn with barriers between):
+     COUNT     per chunk of CHUNK pairs: a histogram over experts       -> counts [C, EB]
+     SCAN      one program: totals, padded exclusive prefix over experts, per-(chunk, expert)
+               base offsets, and the block table: expert of each block (-1 past the end) and
+               its number of real rows (padding rows are never read or written)
+     SCATTER   per chunk: rank of each pair among the same expert's pairs of the chunk (a
+               CHUNK x CHUNK comparison), sorted[base + rank] = flat pair index
+   The order inside an expert is the token order, so the layout is deterministic (and a row's
+   result does not depend on the other rows of its block anyway).
+   Blocks: at most M // BLOCK_M + min(M, E) (each non-empty expert wastes < one block), which
+   for decode (N=1, top-8) is 8 blocks rather than the usual (M + E·(BLOCK_M-1)) / BLOCK_M.
+2. _gate_up  grouped GEMM over (block, I-tile): both projections in one program (two weight
+   pointers, two accumulators) with the clamped SwiGLU fused in the epilogue; writes the
+   activation h [M, I] at the pair's flat index.
+3. _down     grouped GEMM over (block, D-tile): y = h · W_downᵀ, times the routing weight,
+   written to ybuf [M, D] = [N, top_k, D] at the pair's flat index (no atomics).
+4. _sum      out[t] = Σ_k ybuf[t, k] in fp32, rounded once: deterministic.
+
+Numerics follow ReferenceOps.moe_experts step by step: fp8 weight tiles are dequantised in
+registers exactly as dequantize_block_fp8 does (fp8 -> fp32, times the block scale, rounded to
+the activation dtype: w8a16, activations stay in the model dtype), the products accumulate in
+fp32 on the tensor cores, and gate, up, silu(gate), the activation, the down product and the
+weighted term are each rounded to the model dtype where the reference rounds them. Only the
+final top-k sum differs: fp32 with one rounding here, a chain of bf16 adds in the reference.
+
+Tiles per token count come from CONFIGS (decode: BLOCK_M 16 and wide K tiles, memory-bound,
+every routed expert's weights read once per step; prefill: BLOCK_M 64/128 tensor-core tiles
+with a grouped launch order so that the blocks of one expert share its weight tiles in L2).
+fp8 needs BLOCK_N and BLOCK_K to divide the scale block (one scale per weight tile).
+
+Expert ids outside [0, E) (e.g. -1) are dropped: the pair contributes nothing (the reference
+has no such notion; the model never produces them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+from .norms import patch_interpreter_bf16_rounding
+
+patch_triton_interpreter()
+patch_interpreter_bf16_rounding()
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_DTYPES = ACT_DTYPES + FP8_DTYPES
+
+CHUNK = 128                  # pairs per alignment chunk (the rank step compares CHUNK x CHUNK)
+ONE_LAUNCH_MAX_PAIRS = 1024  # up to this many (token, slot) pairs the alignment is one program
+
+# Tiles by number of tokens N (first row with N <= max_tokens wins). BLOCK_M is shared by both
+# GEMMs (one alignment). gate_up's BLOCK_N is per projection: a program computes BLOCK_N gate
+# AND BLOCK_N up columns (2·BLOCK_N output columns of a fused gate_up).
+CONFIGS: list[tuple[int, dict]] = [
+    (32, dict(BLOCK_M=16,
+              gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+              down=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))),
+    (256, dict(BLOCK_M=16,
+               gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+               down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3))),
+    (1024, dict(BLOCK_M=32,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=3),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=3))),
+    (4096, dict(BLOCK_M=64,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+                down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))),
+    (1 << 62, dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+                   down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3))),
+]
+# fp32 activations are the parity path (FMA dots on the GPU): small tiles.
+FP32_CONFIG = dict(BLOCK_M=16,
+                   gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2),
+                   down=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2))
+
+
+def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The tile table's entry for N tokens (a fresh copy; callers may edit it)."""
+    if act_dtype == torch.float32:
+        src = FP32_CONFIG
+    else:
+        src = next(c for lim, c in CONFIGS if n_tokens <= lim)
+    return dict(BLOCK_M=src["BLOCK_M"], gate_up=dict(src["gate_up"]), down=dict(src["down"]))
+
+
+def max_blocks(m: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the BLOCK_M blocks of the aligned list for m pairs (no data needed)."""
+    return max(1, min(m // block_m + min(m, num_experts), triton.cdiv(m + num_experts * (block_m - 1), block_m)))
+
+
+# ---------------------------------------------------------------------------------------
+# alignment
+# ---------------------------------------------------------------------------------------
+# Sizes that change with the batch are not specialised on (no recompile per token count).
+@triton.jit(do_not_specialize=["M", "C", "NUM_BLOCKS"])
+def _align_kernel(IDS, COUNTS, BASE, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, C, E, NUM_BLOCKS,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
+                  BB: tl.constexpr, COUNT: tl.constexpr, SCAN: tl.constexpr, SCATTER: tl.constexpr):
+    """The alignment steps selected by COUNT / SCAN / SCATTER. Alone, COUNT and SCATTER take one
+    chunk per program; with SCAN (one program) they loop over every chunk, and the scratch one
+    step writes is read by other threads of the block in the next: a barrier between.
+    (One kernel with flags rather than @jit helpers: Triton's interpreter cannot run nested
+    helpers that call tl.sum & co when triton was imported before TRITON_INTERPRET was set.)"""
+    if SCAN:
+        c_lo = 0
+        c_hi = C
+    else:
+        c_lo = tl.program_id(0)
+        c_hi = c_lo + 1
+    loc = tl.arange(0, CHUNK)
+    offs_e = tl.arange(0, EB)
+    if COUNT:  # per chunk: histogram over experts (dropped ids and padding -> dummy bin E < EB)
+        for c in range(c_lo, c_hi):
+            offs = c * CHUNK + loc
+            ids = tl.load(IDS + offs, mask=offs < M, other=-1).to(tl.int32)
+            ids = tl.where((ids >= 0) & (ids < E), ids, E)
+            tl.store(COUNTS + c * EB + offs_e, tl.histogram(ids, EB))
+    if COUNT and SCAN:
+        tl.debug_barrier()
+    if SCAN:
+        e_ok = offs_e < E
+        offs_c = tl.arange(0, CB)
+        totals = tl.full([EB], 0, dtype=tl.int32)
+        for c0 in range(0, C, CB):
+            cc = c0 + offs_c
+            ok = (cc < C)[:, None] & e_ok[None, :]
+            t = tl.load(COUNTS + cc[:, None] * EB + offs_e[None, :], mask=ok, other=0)
+            totals += tl.sum(t, axis=0)
+        padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pend = tl.cumsum(padded, axis=0)
+        pstart = pend - padded
+        # base[c, e] = start of expert e + pairs of e in chunks before c
+        carry = pstart
+        for c0 in range(0, C, CB):
+            cc = c0 + offs_c
+            ok = (cc < C)[:, None] & e_ok[None, :]
+            t = tl.load(COUNTS + cc[:, None] * EB + offs_e[None, :], mask=ok, other=0)
+            tl.store(BASE + cc[:, None] * EB + offs_e[None, :], carry[None, :] + tl.cumsum(t, axis=0) - t, mask=ok)
+            carry += tl.sum(t, axis=0)
+        # block table: the expert whose padded range holds row b·BLOCK_M, and its real rows there
+        vend = pstart + totals
+        offs_b = tl.arange(0, BB)
+        for b0 in range(0, NUM_BLOCKS, BB):
+            bb = b0 + offs_b
+            row0 = bb * BLOCK_M
+            inside = (pstart[None, :] <= row0[:, None]) & (row0[:, None] < pend[None, :]) & e_ok[None, :]
+            expert = tl.sum(tl.where(inside, offs_e[None, :], 0), axis=1)
+            found = tl.sum(inside.to(tl.int32), axis=1) > 0
+            rows = tl.minimum(tl.sum(tl.where(inside, vend[None, :], 0), axis=1) - row0, BLOCK_M)
+            b_ok = bb < NUM_BLOCKS
+            tl.store(BLOCK_EXPERT + bb, tl.where(found, expert, -1), mask=b_ok)
+            tl.store(BLOCK_ROWS + bb, tl.where(found, rows, 0), mask=b_ok)
+    if SCAN and SCATTER:
+        tl.debug_barrier()
+    if SCATTER:  # per chunk: rank among the chunk's earlier pairs of the same expert
+        for c in range(c_lo, c_hi):
+            offs = c * CHUNK + loc
+            ok = offs < M
+            ids = tl.load(IDS + offs, mask=ok, other=-1).to(tl.int32)
+            ok = ok & (ids >= 0) & (ids < E)
+            ids = tl.where(ok, ids, E)
+            same = (ids[:, None] == ids[None, :]) & (loc[None, :] < loc[:, None])
+            rank = tl.sum(same.to(tl.int32), axis=1)
+            base = tl.load(BASE + c * EB + ids, mask=ok, other=0)
+            tl.store(SORTED + base + rank, offs, mask=ok)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, one_launch: bool | None = None):
+    """Group the (token, slot) pairs of ids [N, k] by expert in BLOCK_M blocks, on the device.
+
+    Returns (sorted [num_blocks·BLOCK_M] int32 flat pair indices, block_expert [num_blocks]
+    int32 (-1: unused block), block_rows [num_blocks] int32 real rows per block). Entries of
+    `sorted` past a block's real rows are never written (nor read by the GEMMs). Up to
+    ONE_LAUNCH_MAX_PAIRS pairs (decode) everything runs in one program, else in three
+    launches (`one_launch` forces either)."""
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    m = flat.numel()
+    dev = ids.device
+    eb = triton.next_power_of_2(num_experts + 1)
+    c = triton.cdiv(m, CHUNK)
+    nb = max_blocks(m, num_experts, block_m)
+    counts = torch.empty(c, eb, dtype=torch.int32, device=dev)
+    base = torch.empty(c, eb, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
+    tile = max(1, min(32, 8192 // eb))  # rows of the [tile, EB] int32 tiles of the scan
+    if one_launch is None:
+        one_launch = m <= ONE_LAUNCH_MAX_PAIRS
+    args = (flat, counts, base, sorted_ids, block_expert, block_rows, m, c, num_experts, nb)
+    meta = dict(BLOCK_M=block_m, CHUNK=CHUNK, EB=eb, CB=tile, BB=tile)
+    if one_launch:
+        _align_kernel[(1,)](*args, **meta, COUNT=True, SCAN=True, SCATTER=True, num_warps=8)
+    else:
+        _align_kernel[(c,)](*args, **meta, COUNT=True, SCAN=False, SCATTER=False, num_warps=4)
+        _align_kernel[(1,)](*args, **meta, COUNT=False, SCAN=True, SCATTER=False, num_warps=8)
+        _align_kernel[(c,)](*args, **meta, COUNT=False, SCAN=False, SCATTER=True, num_warps=4)
+    return sorted_ids, block_expert, block_rows
+
+
+# ---------------------------------------------------------------------------------------
+# grouped GEMMs
+# ---------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_pid_m"])
+def _gate_up_kernel(
+    X, WG, WU, SG, SU, H, SORTED, BLOCK_EXPERT, BLOCK_ROWS,
+    D, I, top_k, num_pid_m, limit,
+    stride_xm,
+    stride_ge, stride_gn, stride_ue, stride_un,
+    stride_sge, stride_sgn, stride_sgk, stride_sue, stride_sun, stride_suk,
+    stride_hm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
+    pid = tl.program_id(0)
+    in_group = GROUP_M * tl.cdiv(I, BLOCK_N)
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    dt = X.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
+    pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    tok = pair // top_k
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = WG + e * stride_ge + offs_n[None, :] * stride_gn + offs_k[:, None]   # [BK, BN]
+    u_ptrs = WU + e * stride_ue + offs_n[None, :] * stride_un + offs_k[:, None]
+    if FP8:
+        sg_ptr = SG + e * stride_sge + (n0 // SCALE_BN) * stride_sgn
+        su_ptr = SU + e * stride_sue + (n0 // SCALE_BN) * stride_sun
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            sg = tl.load(sg_ptr + (k0 // SCALE_BK) * stride_sgk).to(tl.float32)
+            su = tl.load(su_ptr + (k0 // SCALE_BK) * stride_suk).to(tl.float32)
+            bg = (bg.to(tl.float32) * sg).to(dt)
+            bu = (bu.to(tl.float32) * su).to(dt)
+        else:
+            bg = bg.to(dt)
+            bu = bu.to(dt)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+
+    # clamped SwiGLU with the reference's roundings (gate, up, silu(gate), product)
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    h = (s * u).to(dt)
+    tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pid_m"])
+def _down_kernel(
+    H, WD, SD, RW, Y, SORTED, BLOCK_EXPERT, BLOCK_ROWS,
+    D, I, num_pid_m,
+    stride_hm, stride_de, stride_dn, stride_sde, stride_sdn, stride_sdk, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
+    pid = tl.program_id(0)
+    in_group = GROUP_M * tl.cdiv(D, BLOCK_N)
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    dt = H.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
+    pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = H + pair[:, None] * stride_hm + offs_k[None, :]
+    b_ptrs = WD + e * stride_de + offs_n[None, :] * stride_dn + offs_k[:, None]   # [BK, BN]
+    if FP8:
+        s_ptr = SD + e * stride_sde + (n0 // SCALE_BN) * stride_sdn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < I - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sdk).to(tl.float32)
+            b = (b.to(tl.float32) * sc).to(dt)
+        else:
+            b = b.to(dt)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    w = tl.load(RW + pair, mask=row_ok, other=0.0).to(tl.float32)
+    y = acc.to(dt).to(tl.float32) * w[:, None]
+    tl.store(Y + pair[:, None] * stride_ym + offs_n[None, :], y.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(Y, IDS, OUT, D, E, top_k, stride_ym, stride_om, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in range(0, top_k):
+        e = tl.load(IDS + t * top_k + k)
+        routed = (e >= 0) & (e < E)
+        acc += tl.load(Y + (t * top_k + k) * stride_ym + offs, mask=ok & routed, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------
+def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+              w_up: torch.Tensor, w_down: torch.Tensor,
+              scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              block: tuple[int, int] = (128, 128)) -> bool:
+    """Whether fused_moe takes these arguments (shapes, dtypes, layouts); else use the reference."""
+    if x.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        return False
+    if x.dtype not in ACT_DTYPES or ids.dtype not in (torch.int32, torch.int64) or not weights.is_floating_point():
+        return False
+    if w_gate.dim() != 3 or w_gate.shape != w_up.shape or w_down.dim() != 3:
+        return False
+    e, i, d = w_gate.shape
+    if x.shape[1] != d or tuple(w_down.shape) != (e, d, i) or e < 1 or ids.shape[1] < 1:
+        return False
+    ws = (w_gate, w_up, w_down)
+    if any(w.stride(-1) != 1 for w in ws) or len({w.dtype for w in ws}) != 1 or w_gate.dtype not in WEIGHT_DTYPES:
+        return False
+    tensors = [x, ids, weights, *ws]
+    if (scales is None) != (w_gate.dtype not in FP8_DTYPES):
+        return False
+    if scales is not None:
+        if len(scales) != 3 or len(block) != 2:
+            return False
+        bo, bi = int(block[0]), int(block[1])
+        if bo < 16 or bi < 16 or bo & (bo - 1) or bi & (bi - 1):
+            return False
+        want = ((e, triton.cdiv(i, bo), triton.cdiv(d, bi)),) * 2 + ((e, triton.cdiv(d, bo), triton.cdiv(i, bi)),)
+        if any(tuple(s.shape) != w or not s.is_floating_point() for s, w in zip(scales, want)):
+            return False
+        tensors += list(scales)
+    return all(t.device == x.device for t in tensors)
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+              w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
+              scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              block: tuple[int, int] = (128, 128), *, out: torch.Tensor | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
+
+    `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
+    tile table entry (same layout as get_config's result)."""
+    n, d = x.shape
+    top_k = ids.shape[1]
+    e, i, _ = w_gate.shape
+    if out is None:
+        out = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    assert out.shape == (n, d) and out.dtype == x.dtype and out.stride(-1) == 1
+    if n == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = n * top_k
+    fp8 = scales is not None
+    cfg = get_config(n, x.dtype)
+    if config:
+        cfg.update({k: v for k, v in config.items() if k == "BLOCK_M"})
+        for part in ("gate_up", "down"):
+            cfg[part].update(config.get(part, {}))
+    bm = cfg["BLOCK_M"]
+    gu, dn = cfg["gate_up"], cfg["down"]
+    bo, bi = (int(block[0]), int(block[1])) if fp8 else (1 << 30, 1 << 30)
+    if fp8:  # one scale per weight tile: the tile must sit inside one scale block
+        kmax = 32 if x.dtype == torch.float32 else bi  # fp32 + dequant at K 64 spills (parity path)
+        gu = dict(gu, BLOCK_N=min(gu["BLOCK_N"], bo), BLOCK_K=min(gu["BLOCK_K"], bi, kmax))
+        dn = dict(dn, BLOCK_N=min(dn["BLOCK_N"], bo), BLOCK_K=min(dn["BLOCK_K"], bi, kmax))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
+
+    sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
+    nb = block_expert.shape[0]
+    rw = weights.reshape(-1)
+    if not rw.is_contiguous():
+        rw = rw.contiguous()
+    h = torch.empty(m, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    if fp8:
+        sg, su, sd = scales
+    else:
+        sg = su = sd = w_gate  # unused (FP8=False)
+    sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
+
+    grid = (nb * triton.cdiv(i, gu["BLOCK_N"]),)
+    _gate_up_kernel[grid](
+        x, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows,
+        d, i, top_k, nb, float(limit) if limit is not None else 0.0,
+        x.stride(0),
+        w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
+        *sstr(sg), *sstr(su),
+        h.stride(0),
+        BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], GROUP_M=gu["GROUP_M"],
+        FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
+        EVEN_K=d % gu["BLOCK_K"] == 0, PRECISION=precision,
+        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+    )
+    grid = (nb * triton.cdiv(d, dn["BLOCK_N"]),)
+    _down_kernel[grid](
+        h, w_down, sd, rw, y, sorted_ids, block_expert, block_rows,
+        d, i, nb,
+        h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], GROUP_M=dn["GROUP_M"],
+        FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, EVEN_K=i % dn["BLOCK_K"] == 0, PRECISION=precision,
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+    )
+    flat_ids = ids if ids.is_contiguous() else ids.contiguous()
+    block_d = min(1024, triton.next_power_of_2(d))
+    _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
+                                              BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,239 @@
+"""KDA delta rule (MODEL.md §4 steps 5-6) on fla-core 0.6.0, reading and writing the state pool.
+
+ReferenceOps.kda's contract: q, k [N, H, dk] and v [N, H, dv] in the model dtype, g [N, H, dk]
+fp32 log-decay, beta [N, H]; state [slots, H, dk, dv] (fp32, or bf16/fp16) is one layer's view
+of the pool; request r starts from state[slot_ids[r]] (zeros when prefix_len is 0: slots are
+not zeroed) and leaves its final state there. q/k are l2-normalised inside fla's kernels with
+x / sqrt(Σx² + 1e-6) (fused_recurrent: in registers, fp32; chunk: fla's l2norm_fwd, rounded
+to the input dtype), and q scaled by dk^-0.5: the reference's formula.
+
+Decode (one token per request): fla's fused_recurrent_kda_fwd with ssm_state_indices=slot_ids
+and inplace_final_state=True reads and writes each slot in place (one pass over 4 MiB per
+request and layer at full size: the floor). Slots of requests with prefix_len 0 are zeroed first
+by a masked-store kernel that reads prefix_lens_t on the device (no host sync, no gather), so
+the step is graph-capturable: its grids depend on B only, and it never reads meta's Python
+lists (a captured graph's lists are placeholders; cuda_graphs.py).
+
+Prefill / mixed: fla's chunk_kda has no slot indices, so the states of the batch's multi-token
+requests are gathered (index_select, zeros for new requests: no read at all when every one is
+new), passed as initial_state, and the final states scattered back (index_copy_). That is 3
+state passes per request (gather read+write, chunk read, chunk write, scatter read+write counted
+as 6 half-passes) against a prefill's T·H·dk·dv·O(1) FLOPs: noise for T in the hundreds. For the
+single-token rows of a mixed batch (decode requests riding along with a prefill chunk) the same
+gather/scatter would triple their state traffic, which dominates their cost (4 MiB moved per
+~0.1 MFLOP token), so by default they take fused_recurrent in place, on their gathered token
+rows (`split_decode=False` runs everything through chunk_kda; bench/kda_h200.py times both).
+fused_recurrent cannot take the multi-token rows in place: with 1-D ssm_state_indices its
+kernel stores the state after token i_t at indices[i_n + i_t] (a 2-D per-token index layout
+for speculative decoding), i.e. into the next request's slot.
+
+fla's kernels run under TRITON_INTERPRET=1 (CPU tensors): fused_recurrent with the repo's
+interpreter patch; chunk_kda only after `enable_interpreted_chunk()` (two more interpreter
+fixes, below) and slowly (~10 s a call at toy sizes), so CudaH200Ops keeps the reference for
+interpreted prefill unless INTERPRET_CHUNK is set (tests/backends/test_triton_kda.py sets it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fla.ops.kda import chunk_kda
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+from ..meta import BatchMeta
+from . import patch_triton_interpreter
+from .conv import device_lens
+
+patch_triton_interpreter()
+
+INTERPRET_CHUNK = False  # see enable_interpreted_chunk()
+
+
+@triton.jit
+def _zero_new_slots_kernel(STATE, PREFIX, SLOTS, S, stride_s, BLOCK: tl.constexpr):
+    """state[slot_ids[b]] = 0 where prefix_lens[b] == 0: masked stores only, no state reads."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    new = tl.load(PREFIX + b) == 0
+    base = STATE + tl.load(SLOTS + b).to(tl.int64) * stride_s
+    tl.store(base + offs, tl.zeros([BLOCK], dtype=STATE.dtype.element_ty), mask=(offs < S) & new)
+
+
+def zero_new_slots(state: torch.Tensor, prefix_lens_t: torch.Tensor, slot_ids: torch.Tensor,
+                   block: int = 8192) -> None:
+    b = slot_ids.shape[0]
+    size = state[0].numel()
+    if b:
+        _zero_new_slots_kernel[(b, triton.cdiv(size, block))](state, prefix_lens_t, slot_ids, size, state.stride(0),
+                                                              BLOCK=block, num_warps=4)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor) -> bool:
+    """What the fla paths take: [N, H, d] inputs, K <= 256, a state whose slots are dense
+    [H, dk, dv] blocks (fla indexes a slot by its stride, then assumes the inner layout)."""
+    fl = (torch.float32, torch.bfloat16, torch.float16)
+    if q.dim() != 3 or state.dim() != 4 or q.shape != k.shape or g.shape != q.shape:
+        return False
+    n, h, dk = q.shape
+    dv = v.shape[-1]
+    return (tuple(v.shape) == (n, h, dv) and tuple(beta.shape) == (n, h) and dk <= 256
+            and tuple(state.shape[1:]) == (h, dk, dv) and state.stride()[1:] == (dk * dv, dv, 1)
+            and all(t.dtype in fl for t in (q, k, v, g, beta, state)) and q.dtype == k.dtype == v.dtype
+            and all(t.device == q.device for t in (k, v, g, beta, state)))
+
+
+def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, out=None) -> torch.Tensor:
+    """One token per request, in place on state[slot_ids]; returns [N, H, dv] in v.dtype."""
+    zero_new_slots(state, prefix_lens_t, slot_ids)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+    fused_recurrent_kda_fwd(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
+                            g.contiguous()[None], beta.contiguous()[None], initial_state=state,
+                            scale=q.shape[-1] ** -0.5, inplace_final_state=True, cu_seqlens=cu_seqlens_t,
+                            ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True, out=o[None])
+    return o
+
+
+def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], has_hist: list[bool],
+                slot_ids: torch.Tensor) -> torch.Tensor:
+    """Requests `reqs` (their tokens are q.. in order, seq_lens each) through chunk_kda with the
+    states gathered from and scattered back to their slots. Host lists: prefill is not captured."""
+    dev = q.device
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    cu_cpu = torch.tensor(cu, dtype=torch.long)
+    slots = slot_ids[torch.tensor(reqs, dtype=torch.long, device=dev)] if len(reqs) != slot_ids.shape[0] \
+        else slot_ids
+    init = None
+    if any(has_hist):
+        init = state.index_select(0, slots).float()
+        if not all(has_hist):  # where, not a multiply: a stale slot may hold anything (NaN too)
+            keep = torch.tensor(has_hist, device=dev)[:, None, None, None]
+            init = torch.where(keep, init, 0.0)
+    o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
+                         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu)
+    state.index_copy_(0, slots, final.to(state.dtype))
+    return o[0]
+
+
+def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True) -> torch.Tensor:
+    """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype."""
+    pre_t, cu_t = device_lens(meta, q.device)
+    seq = meta.seq_lens
+    if meta.num_reqs and all(s == 1 for s in seq):
+        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    cu = meta.cu_seqlens
+    ones = [r for r, s in enumerate(seq) if s == 1] if split_decode else []
+    many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]
+    # Requests with no new token keep their state untouched (as the reference does).
+    if ones:
+        idx = torch.tensor([cu[r] for r in ones], dtype=torch.long, device=q.device)
+        rt = torch.tensor(ones, dtype=torch.long, device=q.device)
+        out[idx] = kda_decode(q[idx], k[idx], v[idx], g[idx], beta[idx], state, meta.slot_ids[rt], pre_t[rt],
+                              torch.arange(len(ones) + 1, device=q.device))
+    if many:
+        args = (q, k, v, g, beta)
+        if ones:  # gather the multi-token rows (q, k, v are copied to contiguous anyway)
+            rows = torch.cat([torch.arange(cu[r], cu[r + 1]) for r in many]).to(q.device)
+            args = tuple(t[rows] for t in args)
+        o = kda_chunked(*args, state, many, [seq[r] for r in many], [meta.prefix_lens[r] > 0 for r in many],
+                        meta.slot_ids)
+        if ones:
+            out[rows] = o.to(out.dtype)
+        else:
+            out.copy_(o)  # every token belongs to a multi-token request
+    return out
+
+
+# ---- Triton interpreter support for chunk_kda (CPU tests only) --------------------------------
+def enable_interpreted_chunk() -> None:
+    """Let fla's chunk_kda run under TRITON_INTERPRET=1 and route interpreted prefill to it.
+
+    Three fixes to Triton 3.6's interpreter, process-wide (compiled runs are untouched):
+    * loop variables of `range` / `tl.range` loops are Python ints in the interpreter but
+      tensors in compiled code; fla calls `.to(tl.int64)` on them. The AST rewrite now wraps
+      the loop variable as a tensor at the top of each iteration (what compiled code sees).
+    * autotuned kernels benchmark every config through the active GPU driver, which does not
+      exist here: the interpreter skips the timing and takes the first config.
+    * bf16 values are stored as raw uint16 and elementwise float ops run on that storage
+      (1.5 * 2 gives 0); fla multiplies bf16 operands (beta, k). Float ops on bf16 now widen to
+      fp32 and round the result back to nearest even: what compiled code does.
+    """
+    global INTERPRET_CHUNK
+    import ast
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return  # compiled Triton needs neither fix
+    from triton.runtime import autotuner, interpreter
+
+    tr = interpreter.ASTTransformer
+    if not getattr(tr, "_glmrt_loop_tensors", False):
+        def visit_For(self, node):
+            self.generic_visit(node)
+            it = node.iter
+            name = getattr(it.func, "id", getattr(it.func, "attr", None)) if isinstance(it, ast.Call) else None
+            if name == "range" and isinstance(node.target, ast.Name):
+                wrap = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
+                                  value=ast.Call(func=ast.Attribute(value=ast.Name(id="interpreter_semantic",
+                                                                                   ctx=ast.Load()),
+                                                                    attr="to_tensor", ctx=ast.Load()),
+                                                 args=[ast.Name(id=node.target.id, ctx=ast.Load()),
+                                                       ast.Constant(value=False)], keywords=[]))
+                node.body.insert(0, wrap)
+                ast.fix_missing_locations(node)
+            return node
+
+        tr.visit_For = visit_For
+        tr._glmrt_loop_tensors = True
+    _patch_bf16_math(interpreter)
+    if not getattr(autotuner.Autotuner, "_glmrt_no_bench", False):
+        autotuner.Autotuner._bench = lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]
+        autotuner.Autotuner._glmrt_no_bench = True
+    INTERPRET_CHUNK = True
+
+
+_BF16_ARITH = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_precise_divf", "create_frem",
+               "create_minimumf", "create_minnumf", "create_maximumf", "create_maxnumf", "create_fma",
+               "create_exp", "create_exp2", "create_log", "create_log2", "create_sqrt", "create_precise_sqrt",
+               "create_rsqrt", "create_sin", "create_cos", "create_erf", "create_floor", "create_ceil")
+_BF16_CMP = tuple(f"create_fcmp{c}" for c in ("OLT", "OGT", "OLE", "OGE", "OEQ", "ONE",
+                                              "ULT", "UGT", "ULE", "UGE", "UEQ", "UNE"))
+
+
+def _patch_bf16_math(interpreter) -> None:
+    import numpy as np
+
+    b = interpreter.InterpreterBuilder
+    if getattr(b, "_glmrt_bf16_math", False):
+        return
+    th = interpreter.TensorHandle
+
+    def widen(h):
+        if isinstance(h, th) and h.dtype.scalar == tl.bfloat16:
+            return th((np.asarray(h.data).astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def narrow(h):  # fp32 -> bf16, round to nearest even (NaN stays NaN)
+        data = np.asarray(h.data, dtype=np.float32)
+        bits = data.view(np.uint32).astype(np.uint64)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return th(np.where(np.isnan(data), ((bits >> 16) | 0x40).astype(np.uint16), r), tl.bfloat16)
+
+    def wrap(orig, back):
+        def op(self, *args):
+            is_bf = any(isinstance(a, th) and a.dtype.scalar == tl.bfloat16 for a in args)
+            out = orig(self, *(widen(a) for a in args))
+            return narrow(out) if is_bf and back else out
+        return op
+
+    for name in _BF16_ARITH + _BF16_CMP:
+        orig = getattr(b, name, None)
+        if orig is not None:
+            setattr(b, name, wrap(orig, name in _BF16_ARITH))
+    b._glmrt_bf16_math = True

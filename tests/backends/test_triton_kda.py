@@ -1,0 +1,250 @@
+"""The cuda-h200 KDA path against ReferenceOps: our conv kernels and fla-core's KDA kernels.
+
+Without CUDA everything runs in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is
+set before Triton is imported): the conv kernels and fla's fused_recurrent as they are, fla's
+chunk_kda after `enable_interpreted_chunk()` (interpreter fixes: tensor loop variables, no
+autotune timing, bf16 arithmetic). With CUDA the same tests run compiled ("cuda"). The fla
+tests skip when fla-core is not installed. Every check draws fresh random inputs, poisons
+outputs with NaN, fills the slots of new requests (prefix_len 0) with NaN (they must be
+ignored), and checks that slots outside the batch keep every bit. Bounds as in
+test_triton_kernels.py: fp32 1e-5, bf16 1e-2 relative to an fp32 evaluation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from backends.meta import BatchMeta  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.kernels.conv import causal_conv  # noqa: E402
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_HAVE_FLA = importlib.util.find_spec("fla") is not None
+needs_fla = pytest.mark.skipif(not _HAVE_FLA, reason="needs fla-core (pip install fla-core==0.6.0 einops)")
+
+
+def _devices():
+    return [
+        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=[pytest.mark.gpu,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    ]
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element, or a stale slot was read)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def _batch(prefix, seqs, device, seed, spare=3):
+    """BatchMeta with shuffled slots (some unused), plus the slot ids of new / untouched requests."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(len(seqs) + spare, generator=g)[: len(seqs)].tolist()
+    meta = BatchMeta.build(prefix, seqs, slots, [[0]] * len(seqs), 1 << 20, device)
+    new = [s for s, p in zip(slots, prefix) if p == 0]
+    return meta, len(seqs) + spare, new, g
+
+
+# ---- conv ---------------------------------------------------------------------------------------
+CONV_CASES = {
+    # prefix lens, new tokens: long runs, runs shorter than K-1 over history, an empty request,
+    # new requests with short and long runs, all in one batch
+    "mixed": ([0, 9, 4, 2, 0, 6], [13, 1, 2, 0, 2, 21]),
+    "decode": ([5, 0, 1, 8], [1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("k", [4, 3])
+def test_conv_kernel(device, case, dtype, state_dtype, k):
+    prefix, seqs = CONV_CASES[case]
+    c = 40  # two channel blocks of 32 with a ragged tail
+    seed = 17 * k + 3 * len(case) + (dtype == torch.bfloat16) + 5 * (state_dtype == torch.bfloat16)
+    meta, slots, new, g = _batch(prefix, seqs, device, seed=seed)
+    n = sum(seqs)
+    x = torch.randn(n, c, generator=g).to(dtype)
+    w = torch.randn(c, k, generator=g)
+    state = torch.randn(slots, k - 1, c, generator=g).to(state_dtype)
+    state[new] = float("nan")
+    ref_state = state.clone()
+    ref_state[new] = 0.0  # the reference ignores them too; zeros keep its arithmetic NaN-free
+    ref = ReferenceOps().causal_conv(x.float(), ref_state, w, meta)
+    modes = [None, False] if case == "decode" else [None]
+    for mode in modes:  # decode batches: the fused kernel, then the general two-kernel path
+        st = state.clone().to(device)
+        out = torch.full((n, c), float("nan"), dtype=dtype, device=device)
+        res = causal_conv(x.to(device), st, w.to(device), meta, out=out, decode=mode, block_t=4, block_c=32)
+        assert res is out
+        assert _rel(out, ref) < _tol(dtype)
+        for s in range(slots):
+            if s in meta.slot_ids.tolist():
+                assert torch.equal(st[s].cpu().float(), ref_state[s].to(state_dtype).float()), f"slot {s}"
+            else:
+                assert torch.equal(st[s].cpu(), state[s]), f"slot {s} outside the batch was written"
+
+
+def test_conv_via_ops_uses_device_lengths(device):
+    """CudaH200Ops.causal_conv on a decode batch whose Python prefix_lens are placeholders (as in
+    a captured CUDA graph): only the device tensors may be read."""
+    from backends.cuda_h200 import CudaH200Ops
+
+    prefix, seqs = [3, 0, 7], [1, 1, 1]
+    meta, slots, new, g = _batch(prefix, seqs, device, seed=5)
+    x = torch.randn(3, 24, generator=g)
+    w = torch.randn(24, 4, generator=g)
+    state = torch.randn(slots, 3, 24, generator=g)
+    ref_state = state.clone()
+    ref = ReferenceOps().causal_conv(x, ref_state, w, meta)
+    meta.prefix_lens = [999] * 3
+    st = state.to(device)
+    out = CudaH200Ops().causal_conv(x.to(device), st, w.to(device), meta)
+    assert _rel(out, ref) < 1e-5
+    assert torch.equal(st.cpu(), ref_state)
+
+
+# ---- KDA through fla ----------------------------------------------------------------------------
+def _kda_inputs(n, h, dk, dv, dtype, g):
+    q = torch.randn(n, h, dk, generator=g).to(dtype)
+    k = torch.randn(n, h, dk, generator=g).to(dtype)
+    v = torch.randn(n, h, dv, generator=g).to(dtype)
+    # the model's bounded gate: lb * sigmoid(.) with lb = -5, so values anywhere in (-5, 0)
+    gate = -5.0 * torch.sigmoid(2 * torch.randn(n, h, dk, generator=g))
+    beta = torch.sigmoid(torch.randn(n, h, generator=g)).to(dtype)
+    return q, k, v, gate, beta
+
+
+def _kda_check(device, prefix, seqs, dtype, state_dtype, seed, h=2, dk=16, dv=32, run=None, fp32_tol=1e-5):
+    meta, slots, new, g = _batch(prefix, seqs, device, seed)
+    n = sum(seqs)
+    q, k, v, gate, beta = _kda_inputs(n, h, dk, dv, dtype, g)
+    state = (0.3 * torch.randn(slots, h, dk, dv, generator=g)).to(state_dtype)
+    state[new] = float("nan")
+    truth_state = state.float().clone()
+    truth_state[new] = 0.0
+    # fp32 truth on the same (rounded) inputs and the same starting state
+    ref = ReferenceOps().kda(q.float(), k.float(), v.float(), gate, beta.float(), truth_state, meta)
+    st = state.to(device)
+    args = [t.to(device) for t in (q, k, v, gate, beta)]
+    out = run(*args, st, meta)
+    assert out.dtype == v.dtype and out.shape == v.shape
+    tol = fp32_tol if dtype == torch.float32 else _tol(dtype)
+    assert _rel(out, ref) < tol
+    batch_slots = [s for s, n_ in zip(meta.slot_ids.tolist(), seqs) if n_ > 0]
+    tol = fp32_tol if dtype == state_dtype == torch.float32 else _tol(torch.bfloat16)
+    for s in range(slots):
+        if s in batch_slots:
+            assert _rel(st[s], truth_state[s]) < tol, f"slot {s}"
+        else:  # outside the batch, or a request with no new token: every bit kept
+            assert torch.equal(torch.nan_to_num(st[s].cpu(), 7.0), torch.nan_to_num(state[s], 7.0)), f"slot {s}"
+
+
+@needs_fla
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_kda_decode_fused_recurrent(device, dtype, state_dtype):
+    """Decode: zero the new requests' slots, then fla's fused_recurrent in place on the slots."""
+    from backends.kernels import kda as kk
+
+    def run(q, k, v, gate, beta, st, meta):
+        out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device)
+        res = kk.kda_decode(q, k, v, gate, beta, st, meta.slot_ids, meta.prefix_lens_t, meta.cu_seqlens_t, out=out)
+        assert res is out
+        return out
+
+    _kda_check(device, [4, 0, 1, 9, 0], [1] * 5, dtype, state_dtype, seed=11, run=run)
+
+
+@needs_fla
+def test_kda_decode_via_ops_uses_device_lengths(device):
+    from backends.cuda_h200 import CudaH200Ops
+
+    def run(q, k, v, gate, beta, st, meta):
+        meta.prefix_lens = [999] * meta.num_reqs  # graph placeholders: must not be read
+        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta)
+
+    _kda_check(device, [2, 0, 6], [1, 1, 1], torch.float32, torch.float32, seed=12, run=run)
+
+
+@pytest.fixture
+def interpreted_chunk(device):
+    """Interpreted prefill through chunk_kda for this test only: later CPU tests of whole models
+    keep the (much faster) reference prefill."""
+    from backends.kernels import kda as kk
+    if device.type == "cpu":
+        kk.enable_interpreted_chunk()
+    yield
+    kk.INTERPRET_CHUNK = False
+
+
+# One chunk_kda call costs seconds in the interpreter: few cases, small heads.
+@needs_fla
+@pytest.mark.parametrize("split_decode", [True, False])
+def test_kda_mixed_batch(device, interpreted_chunk, split_decode):
+    """A prefill chunk of 70 tokens (two chunks of 64) over history, a new request, an empty one and
+    decode rows (one new): fused_recurrent on the single-token rows, chunk_kda with gathered and
+    scattered states on the rest; or (split_decode=False) everything through chunk_kda."""
+    from backends.kernels import kda as kk
+
+    def run(q, k, v, gate, beta, st, meta):
+        return kk.kda(q, k, v, gate, beta, st, meta, split_decode=split_decode)
+
+    # compiled, fla's fp32 tl.dot runs in tf32 (10-bit mantissa): a tf32-level bound there
+    _kda_check(device, [0, 5, 3, 7, 0], [9, 1, 0, 70, 1], torch.float32, torch.float32, seed=13, h=1, run=run,
+               fp32_tol=5e-3 if device.type == "cuda" else 1e-5)
+
+
+@needs_fla
+def test_kda_prefill_bf16_via_ops(device, interpreted_chunk):
+    """bf16 inputs and state, prefill only (one request over history, one new), through CudaH200Ops."""
+    from backends.cuda_h200 import CudaH200Ops
+
+    def run(q, k, v, gate, beta, st, meta):
+        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta)
+
+    _kda_check(device, [4, 0], [20, 3], torch.bfloat16, torch.bfloat16, seed=14, h=1, run=run)
+
+
+# ---- real head sizes, GPU only (fla specializes its kernels on dk/dv) -------------------------------
+@needs_fla
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_kda_real_head_dims_gpu(state_dtype):
+    from backends.cuda_h200 import CudaH200Ops
+
+    def run(q, k, v, gate, beta, st, meta):
+        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta)
+
+    dev = torch.device("cuda")
+    _kda_check(dev, [0, 300, 7, 12], [200, 1, 1, 129], torch.bfloat16, state_dtype, seed=21, h=4, dk=128, dv=128,
+               run=run)
+    _kda_check(dev, [0, 300, 7, 12], [1, 1, 1, 1], torch.bfloat16, state_dtype, seed=22, h=4, dk=128, dv=128, run=run)
