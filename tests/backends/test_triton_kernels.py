@@ -171,16 +171,17 @@ def test_kernel_token_list_equals_built_list(device, with_tail):
 
     g = _gen(19)
     lens, kpool, r = [1, 3, 16, 33, 70], 4, 32
+    dt = torch.float32 if device.type == "cpu" else torch.bfloat16  # fp32 + sel: not on sm90 (sparse_mla)
     meta, num_pages = _decode_meta(lens, device, seed=2)
     sel = _random_sel([n // kpool for n in lens], 6, g, odd=True).to(device)
-    cache = torch.randn(num_pages, PAGE, r, generator=g).to(device)
-    q_abs = torch.randn(len(lens), 4, r, generator=g).to(device)
+    cache = torch.randn(num_pages, PAGE, r, generator=g).to(device, dt)
+    q_abs = torch.randn(len(lens), 4, r, generator=g).to(device, dt)
     token_idx, num = build_decode_token_idx(sel, meta, kpool, with_tail)
     want = sparse_mla_decode(q_abs, cache, token_idx, 0.3, num)
     for splits in (1, 3):
         out = torch.full_like(q_abs, float("nan"))
         sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, 0.3, with_tail, out=out, num_splits=splits)
-        assert _rel(out, want) < 1e-5
+        assert _rel(out, want) < (1e-5 if dt == torch.float32 else 1e-2)
 
 
 def _mla_inputs(lens, r, dtype, device, seed, h=4, dn=16, dv=16):
