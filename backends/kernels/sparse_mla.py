@@ -419,7 +419,8 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
     q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
     # Triton 3.6 fails to compile the in-kernel token list for an fp32 cache on sm90 (a
     # layout-conversion pass error); fp32 is the parity path, so it builds the list instead.
-    if sel is not None and (cache.dtype != torch.float32 or not cache.is_cuda):
+    fp32_math = torch.float32 in (q.dtype, cache.dtype)
+    if sel is not None and (not fp32_math or not cache.is_cuda):
         o_lat = sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, scale, with_tail, out_dtype=dt)
     else:  # dense causal: the token list is every cached token
         token_idx, num_tokens = build_decode_token_idx(sel, meta, kpool, with_tail)
