@@ -92,9 +92,9 @@ def test_overlap_equals_sync_with_stops_lengths_and_min_tokens(ckpt, model):
 
 
 def test_overlap_random_traffic_with_aborts_and_retractions(ckpt, model):
-    """Tight pools, random aborts, greedy and sampled rows mixed (sampled rows make a step
-    synchronous while one is in flight): invariants at every step, pools empty at the end,
-    and every greedy request's tokens equal the synchronous engine's."""
+    """Tight pools, random aborts, greedy and seeded sampled rows mixed: invariants at every
+    step, pools empty at the end, and every finished request's tokens equal the synchronous
+    engine's."""
     rng = random.Random(0)
     shared = [toks(1000 + i, 24) for i in range(3)]
     script, submitted = [], 0  # the traffic is fixed up front: the same in both runs
@@ -143,8 +143,5 @@ def test_overlap_random_traffic_with_aborts_and_retractions(ckpt, model):
     assert async_steps >= 10 and retractions > 0
     both = (set(want) & set(got)) - aborted
     assert len(both) > 60
-    for rid in both:
-        if want[rid][0] == 0.0:
-            assert got[rid] == want[rid], rid
-        else:
-            assert len(got[rid][1]) == len(want[rid][1])
+    for rid in both:  # sampled rows too: the overlapped draw is the synchronous one
+        assert got[rid] == want[rid], rid
