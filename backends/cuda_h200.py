@@ -62,6 +62,17 @@ class CudaH200Ops(ReferenceOps):
         except ValueError:
             return False
 
+    # ---- dense FP8 linear (w8a16, every batch; backends/kernels/fp8_linear.py) -------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+        if scale_inv is not None and (x.is_cuda or _interpreting()):
+            from .kernels import fp8_linear as f8
+            if f8.supported(x, weight, scale_inv, block, bias):
+                x2 = x.reshape(-1, x.shape[-1])
+                y = f8.fp8_linear(x2, weight, scale_inv, block, bias)
+                return y.view(*x.shape[:-1], weight.shape[0])
+        return super().linear(x, weight, bias, scale_inv, block)
+
     def indexer_select(self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta,
                        kpool: int, topk_pools: int) -> torch.Tensor:
         if not _kernel_ok(q, meta) or not pooled.is_contiguous():

@@ -88,7 +88,7 @@ def make_logits(b: int, v: int, dev: torch.device, g: torch.Generator) -> torch.
 
 
 def scenario_params(name: str, b: int, g: torch.Generator) -> list[dict]:
-    r = torch.rand(b, 4, generator=g).tolist()
+    r = torch.rand(b, 4, generator=g, device=g.device).tolist()
     out = []
     for i in range(b):
         if name == "decode":

@@ -1,0 +1,239 @@
+"""Dense w8a16 linear (ReferenceOps.linear with `scale_inv`) as a Triton kernel.
+
+    y [N, out] = x [N, in] · dequant(W)ᵀ (+ bias),   dequant(W)[o, i] = fp8[o, i] · scale_inv[o // bo, i // bi]
+
+W is fp8 (e4m3, or e5m2) with DeepSeek block scales `scale_inv [ceil(out/bo), ceil(in/bi)]`
+(bo, bi powers of two >= 16, normally 128x128). The reference dequantises the whole matrix to
+the activation dtype on every call (a full extra write + read of 2·out·in bytes); here each
+[BLOCK_K, BLOCK_N] weight tile is dequantised in registers exactly as dequantize_block_fp8 does
+(fp8 -> fp32, times its block's scale, rounded to the activation dtype), the products accumulate
+in fp32 (tensor cores for bf16/fp16, IEEE fp32 for fp32 activations), and the result (+ bias,
+rounded to x.dtype first as the reference does) is rounded once. Every weight byte is read once
+per BLOCK_M rows of x: once in all for decode (N <= BLOCK_M).
+
+Decode (N = 1..256) is memory bound: the grid is the (M-tile, out-tile) pairs in grouped order
+(the M tiles of one weight tile are neighbours, so a second M tile hits L2). When that gives
+fewer programs than SMs (e.g. 4096 -> 512, N = 1: 8 tiles for 132 SMs), K is split as well
+(split-K): each split writes an fp32 partial to a [S, N, out] workspace and a second small
+launch sums the splits in order (deterministic, no atomics), adds the bias and rounds. The
+split count is capped so that the workspace traffic stays under the weight bytes.
+
+Prefill (N up to 16K) uses 128x128 tensor-core tiles; the dequantisation is repeated once per
+M tile (cheap next to the MMA).
+
+No host sync: the split count and grid come from shapes only and the SM count (cached), so the
+op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import patch_triton_interpreter
+from .fused_moe import ACT_DTYPES, FP8_DTYPES
+from .norms import patch_interpreter_bf16_rounding
+
+patch_triton_interpreter()
+patch_interpreter_bf16_rounding()
+
+# Tiles by token count N (first row with N <= max_tokens wins). BLOCK_N / BLOCK_K are capped at
+# the scale block (one scale per weight tile).
+CONFIGS: list[tuple[int, dict]] = [
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
+    (1 << 62, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)),
+]
+# fp32 activations are the parity path (FMA dots on the GPU): small tiles (dequant at K 64 spills).
+FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+
+SPLIT_MIN_WAVES = 2.0   # split K while the tiles fill fewer than SMs: aim for this many programs per SM
+SPLIT_WS_RATIO = 1.0    # workspace bytes (fp32 partials, written + read) at most this x the weight bytes
+REDUCE_BLOCK = 1024
+
+_SM_COUNT: dict = {}
+
+
+def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The tile table's entry for N tokens (a fresh copy; callers may edit it)."""
+    if act_dtype == torch.float32:
+        return dict(FP32_CONFIG)
+    return dict(next(c for lim, c in CONFIGS if n_tokens <= lim))
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: pretend to be an H200
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def split_k(n_tokens: int, out_f: int, in_f: int, cfg: dict, sms: int) -> tuple[int, int]:
+    """(splits, K elements per split, a multiple of BLOCK_K) for this problem and tile."""
+    bk = cfg["BLOCK_K"]
+    kb = triton.cdiv(in_f, bk)
+    tiles = triton.cdiv(n_tokens, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"])
+    s = 1
+    if tiles < sms and kb > 1:
+        want = triton.cdiv(int(SPLIT_MIN_WAVES * sms), tiles)
+        cap = max(1, int(SPLIT_WS_RATIO * in_f) // (8 * n_tokens))  # S·N·out·8 <= ratio·out·in
+        s = max(1, min(kb, want, cap))
+    per = triton.cdiv(kb, s)
+    return triton.cdiv(kb, per), per * bk
+
+
+@triton.jit
+def dequant_tile(w, scale, DT: tl.constexpr):
+    """fp8 (or any) weight tile -> activation dtype, as dequantize_block_fp8 rounds it."""
+    return (w.to(tl.float32) * scale).to(DT)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(
+    X, W, S, B, Y, WS,
+    M, N_OUT, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    in_group = GROUP_M * tl.cdiv(N_OUT, BLOCK_N)
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    dt = X.dtype.element_ty
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = offs_m < M
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    b_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + (k_lo + offs_k)[:, None]   # [BK, BN]
+    s_ptr = S + (n0 // SCALE_BN) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
+        acc = tl.dot(a.to(dt), dequant_tile(b, sc, dt), acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    ok = row_ok[:, None] & n_ok[None, :]
+    if SPLIT:  # fp32 partial of this K range; _reduce_kernel sums the splits
+        ws = WS + (pid_k * M + offs_m)[:, None] * N_OUT + offs_n[None, :]
+        tl.store(ws, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(dt).to(tl.float32)
+            acc += bias[None, :]
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_kernel(WS, B, Y, M, N_OUT, SPLITS, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs_n < N_OUT
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(WS + (s * M + row) * N_OUT + offs_n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_ym + offs_n, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------
+def supported(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
+              block: tuple[int, int] = (128, 128), bias: torch.Tensor | None = None) -> bool:
+    """Whether fp8_linear takes these arguments (x [..., in]); else use the reference."""
+    if scale_inv is None or w.dim() != 2 or w.dtype not in FP8_DTYPES or w.stride(-1) != 1:
+        return False
+    if x.dim() < 1 or x.dtype not in ACT_DTYPES or x.shape[-1] != w.shape[1]:
+        return False
+    if len(block) != 2:
+        return False
+    bo, bi = int(block[0]), int(block[1])
+    if bo < 16 or bi < 16 or bo & (bo - 1) or bi & (bi - 1):
+        return False
+    out_f, in_f = w.shape
+    if tuple(scale_inv.shape) != (triton.cdiv(out_f, bo), triton.cdiv(in_f, bi)) or not scale_inv.is_floating_point():
+        return False
+    tensors = [x, w, scale_inv]
+    if bias is not None:
+        if tuple(bias.shape) != (out_f,) or not bias.is_floating_point():
+            return False
+        tensors.append(bias)
+    return all(t.device == x.device for t in tensors)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+               bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+               config: dict | None = None, splits: int | None = None) -> torch.Tensor:
+    """ReferenceOps.linear(x, w, bias, scale_inv, block) for x [N, in], fp8 w [out, in] -> [N, out].
+
+    `out` [N, out] (x.dtype, unit last stride) is written in place when given; `config` overrides
+    the tile table entry; `splits` forces the split-K count (1: none)."""
+    n, in_f = x.shape
+    out_f = w.shape[0]
+    if out is None:
+        out = torch.empty(n, out_f, dtype=x.dtype, device=x.device)
+    assert out.shape == (n, out_f) and out.dtype == x.dtype and out.stride(-1) == 1
+    if n == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = get_config(n, x.dtype)
+    if config:
+        cfg.update(config)
+    bo, bi = int(block[0]), int(block[1])
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], bo)  # one scale per weight tile
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], bi)
+    bk = cfg["BLOCK_K"]
+    if splits is None:
+        s, k_split = split_k(n, out_f, in_f, cfg, sm_count(x.device))
+    else:
+        kb = triton.cdiv(in_f, bk)
+        per = triton.cdiv(kb, max(1, min(int(splits), kb)))
+        s, k_split = triton.cdiv(kb, per), per * bk
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
+    ws = torch.empty(s, n, out_f, dtype=torch.float32, device=x.device) if s > 1 else out
+    b = bias if bias is not None else scale_inv  # unused when HAS_BIAS=False
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
+    _fp8_linear_kernel[grid](
+        x, w, scale_inv, b, out, ws,
+        n, out_f, in_f, k_split,
+        x.stride(0), w.stride(0), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        SCALE_BN=bo, SCALE_BK=bi, HAS_BIAS=bias is not None, SPLIT=s > 1,
+        EVEN_K=in_f % bk == 0, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if s > 1:
+        blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
+        _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
+                                                    HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+    return out
