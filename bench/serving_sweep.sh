@@ -2,12 +2,12 @@
 # The GPU serving sweep: `glmrt up` on flash-4l (dummy weights, cuda-h200 kernels, decode CUDA
 # graphs and the overlap schedule) and `glmrt bench serving` at 0%, 50% and 93.75% shared
 # prefix, concurrency 1, 8, 32, 64. Run on the lent H200 from the repo root with the wheels
-# of ../shared/tools/device-wheels.sh .whl --fla carried in .whl:
+# of ../shared/tools/device-wheels.sh .whlg --fla carried in .whlg:
 #     bash bench/serving_sweep.sh [input_len] [output_len] [num_prompts]
 # Writes $OUT/serving_<ratio>.json and .png, the server log, and prints the tables last.
 set -u
-IN=${1:-1024}; OUTLEN=${2:-32}; N=${3:-64}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+IN=${1:-1024}; OUTLEN=${2:-64}; N=${3:-128}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlg/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m cli.main make-checkpoint --preset flash-4l --out /tmp/f4l --no-weights > /dev/null || exit 1
@@ -36,6 +36,10 @@ for i in $(seq 1 300); do
 done
 curl -sf http://127.0.0.1:30000/health > /dev/null || { echo "not healthy"; tail -40 "$OUT/serving_up.log"; exit 1; }
 echo "healthy after ${i}s"
+# warm-up (not recorded): compiles kernels and captures the decode graphs of each batch bucket
+python3 -m cli.main bench serving --dataset random --input-len 256 --output-len 8 --num-prompts 64 \
+  --vocab-size 154880 --max-concurrency 64,32,8,1 --quiet > "$OUT/serving_warmup.txt" 2>&1
+echo "warm-up exit $?"
 for r in 0 0.5 0.9375; do
   python3 -m cli.main bench serving --dataset shared-prefix --shared-prefix-ratio $r --num-groups 1 \
     --input-len "$IN" --output-len "$OUTLEN" --num-prompts "$N" --vocab-size 154880 \
