@@ -28,17 +28,24 @@ can be captured in a CUDA graph:
    written to ybuf [M, D] = [N, top_k, D] at the pair's flat index (no atomics).
 4. _sum      out[t] = Σ_k ybuf[t, k] in fp32, rounded once: deterministic.
 
-Numerics follow ReferenceOps.moe_experts step by step: fp8 weight tiles are dequantised in
-registers exactly as dequantize_block_fp8 does (fp8 -> fp32, times the block scale, rounded to
-the activation dtype: w8a16, activations stay in the model dtype), the products accumulate in
-fp32 on the tensor cores, and gate, up, silu(gate), the activation, the down product and the
-weighted term are each rounded to the model dtype where the reference rounds them. Only the
-final top-k sum differs: fp32 with one rounding here, a chain of bf16 adds in the reference.
+Numerics follow ReferenceOps.moe_experts step by step, but for one thing: fp8 weight tiles are
+converted exactly to the activation dtype (w8a16: activations stay in the model dtype), the
+products accumulate in fp32 on the tensor cores, and the 128x128 block scale multiplies each K
+tile's fp32 partial product (acc += dot(x, w)·s; one multiply per output element per K tile)
+instead of each weight element before the dot, where the reference rounds w·s to the activation
+dtype (dequantize_block_fp8). That is closer to the exact product, and differs from the
+reference by about the reference's own error (bf16: a few 1e-3 relative). Tiles that straddle
+scale blocks along K (BLOCK_K above the block), or a config's scale_acc=False, dequantise per
+element exactly as the reference does. Gate, up, silu(gate), the activation, the down product
+and the weighted term are each rounded to the model dtype where the reference rounds them; the
+final top-k sum is fp32 with one rounding here, a chain of bf16 adds in the reference.
 
-Tiles per token count come from CONFIGS (decode: BLOCK_M 16 and wide K tiles, memory-bound,
-every routed expert's weights read once per step; prefill: BLOCK_M 64/128 tensor-core tiles
-with a grouped launch order so that the blocks of one expert share its weight tiles in L2).
-fp8 needs BLOCK_N and BLOCK_K to divide the scale block (one scale per weight tile).
+Tiles per token count come from CONFIGS (16-bit weights) and FP8_CONFIGS (fp8 weights: half the
+bytes per element, so wider tiles / deeper pipelines) (decode: BLOCK_M 16 and wide K tiles,
+memory-bound, every routed expert's weights read once per step; prefill: BLOCK_M 64/128
+tensor-core tiles with a grouped launch order so that the blocks of one expert share its weight
+tiles in L2). A config may also ask for SWAP_AB (the transposed product accᵀ = W·xᵀ, the weight
+tile as the MMA's A operand).
 
 Expert ids outside [0, E) (e.g. -1) are dropped: the pair contributes nothing (the reference
 has no such notion; the model never produces them).
@@ -83,16 +90,49 @@ CONFIGS: list[tuple[int, dict]] = [
                    gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
                    down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3))),
 ]
+# fp8 (w8a16) weights: their own table, since a weight element is half the bytes of bf16's (wider
+# N tiles / deeper pipelines keep as many bytes in flight). Edit freely: per GEMM the keys are
+# BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages and optionally
+#   SWAP_AB    (default False) compute accᵀ = W·xᵀ: the converted weight tile is the MMA's A
+#              operand (registers on Hopper's wgmma), the tokens its N side;
+#   scale_acc  (default True) scale the fp32 partial per K tile (acc += dot(x, w)·s) rather than
+#              each weight element; needs BLOCK_K <= the scale block's K (128), else per element.
+# BLOCK_N may exceed the scale block's N (then one scale per column); BLOCK_K above it straddles
+# scale blocks and takes the per-element path. bench/moe_h200.py --sweep --kinds fp8 times
+# alternatives (the sweep's FP8 lists) and prints the best per token count.
+FP8_CONFIGS: list[tuple[int, dict]] = [
+    # decode rows: the best of `bench.moe_h200 --sweep --kinds fp8` on an H200, 2026-11-30
+    # (N=1: 0.147 ms, N=16: 0.770 ms, N=64: 1.457 ms, N=128: 1.821 ms; 0.68-0.78x bf16)
+    (32, dict(BLOCK_M=16,
+              gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=4),
+              down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=5))),
+    (256, dict(BLOCK_M=16,
+               gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+               down=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))),
+    (1024, dict(BLOCK_M=32,
+                gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=3),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=4))),
+    (4096, dict(BLOCK_M=64,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))),
+    (1 << 62, dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+                   down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3))),
+]
 # fp32 activations are the parity path (FMA dots on the GPU): small tiles.
 FP32_CONFIG = dict(BLOCK_M=16,
                    gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2),
                    down=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2))
 
 
-def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The tile table's entry for N tokens (a fresh copy; callers may edit it)."""
+def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16,
+               weight_dtype: torch.dtype | None = None) -> dict:
+    """The tile table's entry for N tokens (a fresh copy; callers may edit it). fp8 weights
+    (weight_dtype in FP8_DTYPES) with 16-bit activations use FP8_CONFIGS, else CONFIGS."""
     if act_dtype == torch.float32:
         src = FP32_CONFIG
+    elif weight_dtype in FP8_DTYPES:
+        src = next(c for lim, c in FP8_CONFIGS if n_tokens <= lim)
     else:
         src = next(c for lim, c in CONFIGS if n_tokens <= lim)
     return dict(BLOCK_M=src["BLOCK_M"], gate_up=dict(src["gate_up"]), down=dict(src["down"]))
@@ -218,6 +258,18 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, one_launch: 
 # ---------------------------------------------------------------------------------------
 # grouped GEMMs
 # ---------------------------------------------------------------------------------------
+# fp8 weights (FP8) are applied in one of two ways, picked per launch (constexpr):
+#   SCALE_ACC  the K tile sits inside one scale block (BLOCK_K divides SCALE_BK): the fp8 tile
+#              is converted to the activation dtype (exact for e4m3/e5m2 -> bf16/fp16/fp32),
+#              multiplied in a fresh fp32 partial, and the partial is scaled as it is added:
+#              acc += dot(x, w) * s  (one multiply per output element per K step instead of one
+#              per weight element; s a scalar when BLOCK_N <= SCALE_BN, else one per column).
+#   else       per element, as dequantize_block_fp8 does: (w.f32 * s[k // SBK, n // SBN]) -> dt
+#              (K tiles that straddle scale blocks, or config scale_acc=False).
+# SWAP_AB computes the transposed product accᵀ [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] ·
+# xᵀ [BLOCK_K, BLOCK_M]: the (converted) weight tile is the MMA's A operand, which Hopper's
+# wgmma can take from registers (no shared-memory round trip after the fp8 -> bf16 convert),
+# and the weight rows fill the MMA's M side while the few tokens of decode sit on its N side.
 @triton.jit(do_not_specialize=["num_pid_m"])
 def _gate_up_kernel(
     X, WG, WU, SG, SU, H, SORTED, BLOCK_EXPERT, BLOCK_ROWS,
@@ -229,6 +281,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -251,37 +304,92 @@ def _gate_up_kernel(
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = WG + e * stride_ge + offs_n[None, :] * stride_gn + offs_k[:, None]   # [BK, BN]
-    u_ptrs = WU + e * stride_ue + offs_n[None, :] * stride_un + offs_k[:, None]
+    if SWAP_AB:  # x tile [BK, BM], weight tiles [BN, BK], accumulators [BN, BM]
+        a_ptrs = X + tok[None, :] * stride_xm + offs_k[:, None]
+        g_ptrs = WG + e * stride_ge + offs_n[:, None] * stride_gn + offs_k[None, :]
+        u_ptrs = WU + e * stride_ue + offs_n[:, None] * stride_un + offs_k[None, :]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:        # x tile [BM, BK], weight tiles [BK, BN], accumulators [BM, BN]
+        a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+        g_ptrs = WG + e * stride_ge + offs_n[None, :] * stride_gn + offs_k[:, None]
+        u_ptrs = WU + e * stride_ue + offs_n[None, :] * stride_un + offs_k[:, None]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FP8:
-        sg_ptr = SG + e * stride_sge + (n0 // SCALE_BN) * stride_sgn
-        su_ptr = SU + e * stride_sue + (n0 // SCALE_BN) * stride_sun
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sg_base = SG + e * stride_sge
+        su_base = SU + e * stride_sue
+        sg_n = (offs_n // SCALE_BN) * stride_sgn   # per column (clamped by the masks)
+        su_n = (offs_n // SCALE_BN) * stride_sun
     for k0 in range(0, D, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        if SWAP_AB:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < D - k0
+                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < D - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            sg = tl.load(sg_ptr + (k0 // SCALE_BK) * stride_sgk).to(tl.float32)
-            su = tl.load(su_ptr + (k0 // SCALE_BK) * stride_suk).to(tl.float32)
-            bg = (bg.to(tl.float32) * sg).to(dt)
-            bu = (bu.to(tl.float32) * su).to(dt)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < D - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8 and SCALE_ACC:
+            kb = k0 // SCALE_BK
+            if BLOCK_N <= SCALE_BN:  # one scale for the whole tile
+                sg = tl.load(sg_base + (n0 // SCALE_BN) * stride_sgn + kb * stride_sgk).to(tl.float32)
+                su = tl.load(su_base + (n0 // SCALE_BN) * stride_sun + kb * stride_suk).to(tl.float32)
+            else:                    # one per column
+                sg = tl.load(sg_base + sg_n + kb * stride_sgk, mask=n_ok, other=0.0).to(tl.float32)
+                su = tl.load(su_base + su_n + kb * stride_suk, mask=n_ok, other=0.0).to(tl.float32)
+                if SWAP_AB:
+                    sg = sg[:, None]
+                    su = su[:, None]
+                else:
+                    sg = sg[None, :]
+                    su = su[None, :]
+            if SWAP_AB:
+                acc_g += tl.dot(bg.to(dt), a, input_precision=PRECISION) * sg
+                acc_u += tl.dot(bu.to(dt), a, input_precision=PRECISION) * su
+            else:
+                acc_g += tl.dot(a, bg.to(dt), input_precision=PRECISION) * sg
+                acc_u += tl.dot(a, bu.to(dt), input_precision=PRECISION) * su
         else:
-            bg = bg.to(dt)
-            bu = bu.to(dt)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            if FP8:  # per element, exactly as dequantize_block_fp8 (the tile may straddle blocks)
+                kk = (k0 + offs_k) // SCALE_BK
+                if SWAP_AB:
+                    s_ok = n_ok[:, None] & (k0 + offs_k < D)[None, :]
+                    sg = tl.load(sg_base + sg_n[:, None] + kk[None, :] * stride_sgk, mask=s_ok, other=0.0)
+                    su = tl.load(su_base + su_n[:, None] + kk[None, :] * stride_suk, mask=s_ok, other=0.0)
+                else:
+                    s_ok = (k0 + offs_k < D)[:, None] & n_ok[None, :]
+                    sg = tl.load(sg_base + kk[:, None] * stride_sgk + sg_n[None, :], mask=s_ok, other=0.0)
+                    su = tl.load(su_base + kk[:, None] * stride_suk + su_n[None, :], mask=s_ok, other=0.0)
+                bg = (bg.to(tl.float32) * sg.to(tl.float32)).to(dt)
+                bu = (bu.to(tl.float32) * su.to(tl.float32)).to(dt)
+            else:
+                bg = bg.to(dt)
+                bu = bu.to(dt)
+            if SWAP_AB:
+                acc_g = tl.dot(bg, a, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(bu, a, acc_u, input_precision=PRECISION)
+            else:
+                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
 
     # clamped SwiGLU with the reference's roundings (gate, up, silu(gate), product)
     g = acc_g.to(dt).to(tl.float32)
@@ -303,6 +411,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -324,27 +433,68 @@ def _down_kernel(
     n_ok = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = H + pair[:, None] * stride_hm + offs_k[None, :]
-    b_ptrs = WD + e * stride_de + offs_n[None, :] * stride_dn + offs_k[:, None]   # [BK, BN]
+    if SWAP_AB:  # h tile [BK, BM], weight tile [BN, BK], accumulator [BN, BM]
+        a_ptrs = H + pair[None, :] * stride_hm + offs_k[:, None]
+        b_ptrs = WD + e * stride_de + offs_n[:, None] * stride_dn + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:        # h tile [BM, BK], weight tile [BK, BN], accumulator [BM, BN]
+        a_ptrs = H + pair[:, None] * stride_hm + offs_k[None, :]
+        b_ptrs = WD + e * stride_de + offs_n[None, :] * stride_dn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if FP8:
-        s_ptr = SD + e * stride_sde + (n0 // SCALE_BN) * stride_sdn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        s_base = SD + e * stride_sde
+        s_n = (offs_n // SCALE_BN) * stride_sdn
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        if SWAP_AB:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < I - k0
+                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < I - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sdk).to(tl.float32)
-            b = (b.to(tl.float32) * sc).to(dt)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < I - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8 and SCALE_ACC:
+            kb = k0 // SCALE_BK
+            if BLOCK_N <= SCALE_BN:
+                sc = tl.load(s_base + (n0 // SCALE_BN) * stride_sdn + kb * stride_sdk).to(tl.float32)
+            else:
+                sc = tl.load(s_base + s_n + kb * stride_sdk, mask=n_ok, other=0.0).to(tl.float32)
+                if SWAP_AB:
+                    sc = sc[:, None]
+                else:
+                    sc = sc[None, :]
+            if SWAP_AB:
+                acc += tl.dot(b.to(dt), a, input_precision=PRECISION) * sc
+            else:
+                acc += tl.dot(a, b.to(dt), input_precision=PRECISION) * sc
         else:
-            b = b.to(dt)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if FP8:
+                kk = (k0 + offs_k) // SCALE_BK
+                if SWAP_AB:
+                    s_ok = n_ok[:, None] & (k0 + offs_k < I)[None, :]
+                    sc = tl.load(s_base + s_n[:, None] + kk[None, :] * stride_sdk, mask=s_ok, other=0.0)
+                else:
+                    s_ok = (k0 + offs_k < I)[:, None] & n_ok[None, :]
+                    sc = tl.load(s_base + kk[:, None] * stride_sdk + s_n[None, :], mask=s_ok, other=0.0)
+                b = (b.to(tl.float32) * sc.to(tl.float32)).to(dt)
+            else:
+                b = b.to(dt)
+            if SWAP_AB:
+                acc = tl.dot(b, a, acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     w = tl.load(RW + pair, mask=row_ok, other=0.0).to(tl.float32)
     y = acc.to(dt).to(tl.float32) * w[:, None]
@@ -422,18 +572,22 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         x = x.contiguous()
     m = n * top_k
     fp8 = scales is not None
-    cfg = get_config(n, x.dtype)
+    cfg = get_config(n, x.dtype, w_gate.dtype)
     if config:
         cfg.update({k: v for k, v in config.items() if k == "BLOCK_M"})
         for part in ("gate_up", "down"):
             cfg[part].update(config.get(part, {}))
     bm = cfg["BLOCK_M"]
-    gu, dn = cfg["gate_up"], cfg["down"]
+    gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
     bo, bi = (int(block[0]), int(block[1])) if fp8 else (1 << 30, 1 << 30)
-    if fp8:  # one scale per weight tile: the tile must sit inside one scale block
-        kmax = 32 if x.dtype == torch.float32 else bi  # fp32 + dequant at K 64 spills (parity path)
-        gu = dict(gu, BLOCK_N=min(gu["BLOCK_N"], bo), BLOCK_K=min(gu["BLOCK_K"], bi, kmax))
-        dn = dict(dn, BLOCK_N=min(dn["BLOCK_N"], bo), BLOCK_K=min(dn["BLOCK_K"], bi, kmax))
+    flags = {}
+    for part, c in (("gate_up", gu), ("down", dn)):
+        if fp8 and x.dtype == torch.float32:
+            c["BLOCK_K"] = min(c["BLOCK_K"], 32)  # fp32 + dequant at K 64 spills (parity path)
+        # the scale may multiply the K tile's partial product when the tile is inside one scale
+        # block along K (powers of two: BLOCK_K <= bi means it divides it); else per element
+        flags[part] = dict(SCALE_ACC=bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi),
+                           SWAP_AB=bool(c.get("SWAP_AB", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
     sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
@@ -459,7 +613,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         h.stride(0),
         BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], GROUP_M=gu["GROUP_M"],
         FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
-        EVEN_K=d % gu["BLOCK_K"] == 0, PRECISION=precision,
+        EVEN_K=d % gu["BLOCK_K"] == 0, PRECISION=precision, **flags["gate_up"],
         num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )
     grid = (nb * triton.cdiv(d, dn["BLOCK_N"]),)
@@ -469,6 +623,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0),
         BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], GROUP_M=dn["GROUP_M"],
         FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, EVEN_K=i % dn["BLOCK_K"] == 0, PRECISION=precision,
+        **flags["down"],
         num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )
     flat_ids = ids if ids.is_contiguous() else ids.contiguous()
