@@ -37,7 +37,7 @@ done
 curl -sf http://127.0.0.1:30000/health > /dev/null || { echo "not healthy"; tail -40 "$OUT/serving_up.log"; exit 1; }
 echo "healthy after ${i}s"
 # warm-up (not recorded): compiles kernels and captures the decode graphs of each batch bucket
-python3 -m cli.main bench serving --dataset random --input-len 256 --output-len 8 --num-prompts 64 \
+python3 -m cli.main bench serving --dataset random --input-len "$IN" --output-len 8 --num-prompts 64 \
   --vocab-size 154880 --max-concurrency 64,32,8,1 --quiet > "$OUT/serving_warmup.txt" 2>&1
 echo "warm-up exit $?"
 for r in 0 0.5 0.9375; do

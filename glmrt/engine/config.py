@@ -67,6 +67,9 @@ class EngineConfig:
     """Run decode eagerly (graphs are used only where the kernel set is graph-safe, on CUDA)."""
     cuda_graph_max_bs: int | None = None
     """Largest decode batch replayed from a graph (default: max_running_requests, at most 256)."""
+    cuda_graph_warmup_tokens: int = 4096
+    """Capture the decode graphs of every batch bucket for contexts up to this many tokens at
+    start (0: capture each on first use, which stalls the batch that needs it)."""
     disable_overlap_schedule: bool = False
     """Schedule step N+1 only after step N's tokens are on the host (no CPU/GPU overlap)."""
     role: str = "unified"

@@ -33,11 +33,13 @@ def batch_buckets(max_bs: int) -> list[int]:
     return out + [max_bs]
 
 
-def page_buckets(max_pages: int, smallest: int = 16) -> list[int]:
+def page_buckets(max_pages: int, smallest: int = 16, factor: int = 4) -> list[int]:
+    """Context buckets in pages: 16, 64, 256, ... (x4: few graphs; a request in a larger
+    bucket only makes the indexer score more (-inf) pool slots, which costs little)."""
     out, p = [], smallest
     while p < max_pages:
         out.append(p)
-        p *= 2
+        p *= factor
     return out + [max_pages]
 
 
@@ -116,9 +118,15 @@ class DecodeGraphs:
             logits, _ = self.model(ids, meta, self.cache, logits_indices=idx)
         self.graphs[(bs, pages)] = (graph, logits)
 
-    def warmup(self, keys: list[tuple[int, int]]) -> None:
+    def warmup(self, keys: list[tuple[int, int]] | None = None, *, upto_tokens: int = 4096) -> int:
+        """Capture ahead of traffic (a first-use capture stalls every running request):
+        by default every batch bucket at the context buckets up to `upto_tokens`."""
+        if keys is None:
+            keys = [(bs, p) for bs in self.bs_buckets for p in self.page_buckets
+                    if p * self.page_size <= max(upto_tokens, self.page_buckets[0] * self.page_size)]
         for bs, pages in sorted(keys, reverse=True):  # largest first: later ones reuse its pool
             self.capture(bs, pages)
+        return len(keys)
 
     # ---- replay --------------------------------------------------------------------------
     def run(self, key: tuple[int, int], ids: list[int], prefix_lens: list[int],

@@ -113,6 +113,11 @@ class Engine:
             max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
             self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
                                       pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+            if config.cuda_graph_warmup_tokens > 0:
+                import time
+                t0 = time.perf_counter()
+                n = self.runner.graphs.warmup(upto_tokens=config.cuda_graph_warmup_tokens)
+                self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
         self._inflight = None  # the launched decode step whose tokens are not read yet
