@@ -171,8 +171,8 @@ _TRITON_NOTES = {
     "linear_attn_backend": "KDA runs on Triton: glmrt's conv kernel and fla-core's recurrence (torch when fla-core "
                            "is not installed)",
 }
-_FP8_TRITON = ("routed experts dequantised per weight tile in the Triton fused MoE (w8a16); other linears "
-               "dequantised to the model dtype per matmul (no FP8 GEMM kernel; DeepGEMM is not shipped)")
+_FP8_TRITON = ("routed experts in the Triton fused MoE and every other block-scaled linear in glmrt's Triton "
+               "w8a16 linear (fp8 tiles widened in the kernel; no fp8 tensor-core GEMM: DeepGEMM is not shipped)")
 
 ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
     Adapter(
