@@ -163,8 +163,9 @@ class Adapter:
 
 
 _TRITON_NOTES = {
-    "dsa_prefill_backend": "DSA prefill (several tokens per request) runs on the torch path in this build: no Triton "
-                           "prefill kernel yet",
+    "dsa_prefill_backend": "DSA prefill (several tokens per request) runs on the torch path by default; 'triton' runs "
+                           "glmrt's per-token indexer + sparse-MLA kernels (tested in Triton's interpreter, not yet "
+                           "validated on a GPU, hence opt-in)",
     "dsa_decode_backend": "DSA decode (one token per request) runs on glmrt's Triton indexer + sparse-MLA kernels",
     "moe_runner_backend": "routed experts run on glmrt's Triton fused-MoE kernel (shapes it does not take fall "
                           "back to torch)",
@@ -202,7 +203,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         default_kv_dtype="bfloat16", kv_dtypes=("bfloat16", "fp8_e4m3"),
         weights=MappingProxyType({"bf16": "native (torch matmul; Triton fused MoE)",
                                   "fp8": _FP8_TRITON, "mxfp4": _FP4_ON_LOAD, "nvfp4": _FP4_ON_LOAD}),
-        preferred_weights="fp8", attention_backends=("dsa",), dsa_prefill_backends=("torch",),
+        preferred_weights="fp8", attention_backends=("dsa",), dsa_prefill_backends=("torch", "triton"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
         speculative=("EAGLE", "DFLASH2"), prefill_graphs=("breakable",), decode_graphs=True, module=".cuda_h200",
         needs="triton",
@@ -216,7 +217,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         default_kv_dtype="fp8_e4m3", kv_dtypes=("fp8_e4m3", "bfloat16"),
         weights=MappingProxyType({"bf16": "native (torch matmul; Triton fused MoE)",
                                   "fp8": _FP8_TRITON, "nvfp4": _FP4_ON_LOAD, "mxfp4": _FP4_ON_LOAD}),
-        preferred_weights="nvfp4", attention_backends=("dsa",), dsa_prefill_backends=("torch",),
+        preferred_weights="nvfp4", attention_backends=("dsa",), dsa_prefill_backends=("torch", "triton"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
         speculative=("EAGLE", "DFLASH2"), prefill_graphs=("breakable",), decode_graphs=True,
         module=".cuda_blackwell", needs="triton",
@@ -230,7 +231,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         default_kv_dtype="fp8_e4m3", kv_dtypes=("fp8_e4m3", "bfloat16"),
         weights=MappingProxyType({"bf16": "native (torch matmul; Triton fused MoE)",
                                   "fp8": _FP8_TRITON, "mxfp4": _FP4_ON_LOAD, "nvfp4": _FP4_ON_LOAD}),
-        preferred_weights="mxfp4", attention_backends=("dsa",), dsa_prefill_backends=("torch",),
+        preferred_weights="mxfp4", attention_backends=("dsa",), dsa_prefill_backends=("torch", "triton"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
         speculative=("EAGLE",), prefill_graphs=(), decode_graphs=True, module=".rocm_mi355x", needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,

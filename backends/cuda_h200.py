@@ -6,9 +6,12 @@ registry itself never imports Triton. If Triton is missing the import fails with
 and the registry keeps the reference. Triton itself is imported on the first kernel call.
 
 Overridden today (everything else is the reference):
-  indexer_select  decode batches (one token per request): Triton scores + tie-broken top-k
+  indexer_select  decode batches; prefill / mixed with prefill_kernels (one row per token):
+                  Triton scores + tie-broken top-k
   indexer_update  decode batches: tail append / pooled key of a completed pool, one launch
-  sparse_mla      decode batches: Triton absorbed-MLA over the selected latent rows
+  sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
+                  selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
+                  per query token (dense causal / fp32-on-GPU prefill: the reference)
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
@@ -41,8 +44,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _device_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda or _interpreting()
+
+
 def _kernel_ok(t: torch.Tensor, meta: BatchMeta) -> bool:
-    if not (t.is_cuda or _interpreting()):
+    """A kernel device and a decode batch (one new token per request)."""
+    if not _device_ok(t):
         return False
     return meta.num_reqs > 0 and all(s == 1 for s in meta.seq_lens)
 
@@ -51,6 +59,9 @@ class CudaH200Ops(ReferenceOps):
     """ReferenceOps with the decode-path DSA indexer and sparse MLA on Triton kernels."""
 
     name = "cuda-h200"
+    # Prefill / mixed batches on the per-token indexer + sparse-MLA kernels: opt-in
+    # (--dsa-prefill-backend triton) until they are validated on a GPU; off = the reference.
+    prefill_kernels = False
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -75,7 +86,9 @@ class CudaH200Ops(ReferenceOps):
 
     def indexer_select(self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta,
                        kpool: int, topk_pools: int) -> torch.Tensor:
-        if not _kernel_ok(q, meta) or not pooled.is_contiguous():
+        # decode and (opt-in) prefill / mixed batches (one row per query token; the wrapper dispatches)
+        if (not _device_ok(q) or meta.num_reqs == 0 or not pooled.is_contiguous()
+                or not (self.prefill_kernels or _kernel_ok(q, meta))):
             return super().indexer_select(q, w, pooled, meta, kpool, topk_pools)
         from .kernels.indexer import indexer_select
         return indexer_select(q, w, pooled, meta, kpool, topk_pools)
@@ -90,7 +103,10 @@ class CudaH200Ops(ReferenceOps):
     def sparse_mla(self, q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                    sel: torch.Tensor | None, meta: BatchMeta, kpool: int, scale: float,
                    with_tail: bool = True) -> torch.Tensor:
-        if not _kernel_ok(q, meta) or not cache.is_contiguous():
+        # decode, and prefill / mixed batches with a selection in 16-bit math (or interpreted);
+        # dense causal and fp32-on-GPU prefill go back to the reference inside the wrapper
+        if (not _device_ok(q) or meta.num_reqs == 0 or not cache.is_contiguous()
+                or not (self.prefill_kernels or _kernel_ok(q, meta))):
             return super().sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
         from .kernels.sparse_mla import sparse_mla
         return sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)

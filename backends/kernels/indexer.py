@@ -1,4 +1,4 @@
-"""DSA k-pool indexer for decode queries (MODEL.md §3.3) as a Triton kernel + a tie-broken top-k.
+"""DSA k-pool indexer for decode (and, one row per token, prefill) queries (MODEL.md §3.3) as a Triton kernel + a tie-broken top-k.
 
 Score of pool p for the query of request b (fp32):
     I(b, p) = Σ_h w[b, h] · relu(q[b, h] · K_p · di^-0.5)
@@ -30,7 +30,7 @@ patch_triton_interpreter()
 
 @triton.jit
 def _indexer_scores_kernel(
-    Q, W, POOLED, TABLE, NPOOLS, OUT,
+    Q, W, POOLED, TABLE, NPOOLS, OUT, REQ,
     stride_qb, stride_qh,
     stride_wb,
     stride_pool,
@@ -39,6 +39,7 @@ def _indexer_scores_kernel(
     HI, DI, P_OUT, ppp,
     scale,
     BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_REQ: tl.constexpr,
 ):
     b = tl.program_id(0)
     pb = tl.program_id(1)
@@ -50,7 +51,11 @@ def _indexer_scores_kernel(
 
     n = tl.load(NPOOLS + b)
     p_ok = offs_p < n
-    page = tl.load(TABLE + b.to(tl.int64) * stride_tb + offs_p // ppp, mask=p_ok, other=0)
+    if HAS_REQ:  # per-token rows (prefill): the page-table row of the row's request
+        trow = tl.load(REQ + b).to(tl.int64)
+    else:
+        trow = b.to(tl.int64)
+    page = tl.load(TABLE + trow * stride_tb + offs_p // ppp, mask=p_ok, other=0)
     ok = p_ok & (page >= 0)
     row = tl.where(ok, page * ppp + offs_p % ppp, 0).to(tl.int64)
     keys = tl.load(POOLED + row[:, None] * stride_pool + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -71,8 +76,12 @@ def default_config(hi: int, di: int) -> dict:
 
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_table: torch.Tensor,
                    n_pools: torch.Tensor, pools_per_page: int, max_pools: int, *,
-                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, config: dict | None = None,
+                   req_index: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [B, max_pools] fp32 of the decode queries; -inf past n_pools[b] (or on a -1 page).
+
+    req_index [B] (optional): row b reads page_table[req_index[b]] instead of page_table[b]
+    (one row per prefill token; n_pools[b] is then that token's visible pools).
 
     q [B, Hi, di] (any float dtype); w [B, Hi] (fp32 head weights, already scaled by Hi^-0.5);
     pooled [num_pages, pools_per_page, di] contiguous; page_table [B, max_pages] (-1 = none);
@@ -111,7 +120,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         cfg.update(config)
     grid = (b, triton.cdiv(max_pools, cfg["BLOCK_P"]))
     _indexer_scores_kernel[grid](
-        q, w, flat, page_table, n_pools, out,
+        q, w, flat, page_table, n_pools, out, req_index if req_index is not None else n_pools,
         q.stride(0), q.stride(1),
         w.stride(0),
         flat.stride(0),
@@ -120,7 +129,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         hi, di, max_pools, pools_per_page,
         float(di ** -0.5),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
-        BLOCK_P=cfg["BLOCK_P"], PRECISION=precision,
+        BLOCK_P=cfg["BLOCK_P"], PRECISION=precision, HAS_REQ=req_index is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -143,13 +152,17 @@ def topk_lower_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta, kpool: int,
-                   topk_pools: int, *, reference: ReferenceOps | None = None) -> torch.Tensor:
-    """ReferenceOps.indexer_select with decode batches on the kernel (others go to the reference).
+                   topk_pools: int, *, reference: ReferenceOps | None = None,
+                   max_score_bytes: int = 256 << 20) -> torch.Tensor:
+    """ReferenceOps.indexer_select on the kernel: decode batches, and prefill / mixed batches
+    with one row per query token.
 
     Returns [N, topk_pools] long pool indices, -1 = none, identical to the reference.
     """
-    if not is_decode_batch(meta):
+    if meta.num_reqs == 0:
         return (reference or ReferenceOps()).indexer_select(q, w, pooled, meta, kpool, topk_pools)
+    if not is_decode_batch(meta):
+        return _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
     dev = q.device
     n_pools = torch.div(meta.positions + 1, kpool, rounding_mode="floor")  # decode: all complete pools visible
     max_pools = max(t // kpool for t in meta.total_lens)
@@ -162,7 +175,41 @@ def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta:
     return sel.to(torch.long)
 
 
+def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes):
+    """Prefill / mixed batch: every query token is a row, scored against the pools complete at
+    its position (n = (pos+1)//kpool; the rest -inf), page-table row via req_index.
 
+    As in the reference, the "take all in index order" rule is per REQUEST (its pools at the end
+    of the batch, total_len // kpool <= topk), not per token; otherwise the token takes its
+    topk best (ties to the lower pool) and the entries that are not visible to it become -1.
+    Rows go in chunks so the [rows, max_pools] scores (and top-k keys) stay bounded. Uses the
+    Python lengths of meta: never graph captured.
+    """
+    n = q.shape[0]
+    dev = q.device
+    sel = torch.full((n, topk_pools), -1, dtype=torch.long, device=dev)
+    if n == 0 or topk_pools == 0:
+        return sel
+    req_pools_list = [t // kpool for t in meta.total_lens]
+    max_pools = max(req_pools_list)
+    visible = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
+    j = torch.arange(topk_pools, device=dev)
+    small = torch.where(j[None, :] < visible[:, None], j[None, :], -1)  # request has <= topk pools
+    if max_pools <= topk_pools:
+        return small.to(torch.long)
+    req_pools = torch.tensor(req_pools_list, dtype=torch.long, device=dev)[meta.req_index]
+    table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
+    req = meta.req_index.contiguous()
+    chunk = max(1, min(n, max_score_bytes // (4 * max_pools)))
+    for c0 in range(0, n, chunk):
+        c1 = min(c0 + chunk, n)
+        vis = visible[c0:c1]
+        scores = indexer_scores(q[c0:c1], w[c0:c1], pooled, table, vis, meta.page_size // kpool, max_pools,
+                                req_index=req[c0:c1])
+        top = topk_lower_index_ties(scores, topk_pools)
+        top = torch.where(top < vis[:, None], top, -1)  # eligible pools sort first; the rest are -1
+        sel[c0:c1] = torch.where((req_pools[c0:c1] > topk_pools)[:, None], top, small[c0:c1])
+    return sel
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ into NUM_SPLITS contiguous chunks (flash-decoding): each split writes its normal
 output and log-sum-exp, and a second small kernel merges them. With one split the first
 kernel writes the final output directly.
 
+Prefill and mixed batches use the same kernel with one row per query TOKEN (its own
+position, its own selected pools; HAS_REQ reads the page-table row of the token's request):
+see `sparse_mla_rows_sel` and `_sparse_mla_prefill`.
+
 Inputs of the kernel:
   q_abs      [B, H, R]   query already multiplied by W_kc (R = kv_lora_rank)
   latent     [num_pages, page_size, R] (or any [..., R] contiguous view) bf16/fp16/fp32
@@ -45,7 +49,7 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _sparse_mla_decode_kernel(
-    Q, KV, IDX, NTOK, O, OPART, LSE, SEL, POS, TABLE, SC,
+    Q, KV, IDX, NTOK, O, OPART, LSE, SEL, POS, TABLE, SC, REQ,
     stride_qb, stride_qh,
     stride_kv,
     stride_ib,
@@ -59,7 +63,7 @@ def _sparse_mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
     FROM_SEL: tl.constexpr, KPOOL: tl.constexpr, WITH_TAIL: tl.constexpr, BLOCK_SEL: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -92,7 +96,10 @@ def _sparse_mla_decode_kernel(
         sel_row = SEL + b.to(tl.int64) * stride_sb
         offs_sel = tl.arange(0, BLOCK_SEL)
         sel_all = tl.load(sel_row + offs_sel, mask=offs_sel < NSEL, other=-1)
-        table_row = TABLE + b.to(tl.int64) * stride_tb
+        if HAS_REQ:  # per-token rows (prefill): the page-table row of the row's request
+            table_row = TABLE + tl.load(REQ + b).to(tl.int64) * stride_tb
+        else:
+            table_row = TABLE + b.to(tl.int64) * stride_tb
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + offs_n
         if FROM_SEL:
@@ -276,13 +283,45 @@ def sparse_mla_decode_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: 
                    with_tail=with_tail)
 
 
+def sparse_mla_rows_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: torch.Tensor,
+                       positions: torch.Tensor, req_index: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                       kpool: int, scale: float, with_tail: bool = True, *, out: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None, num_splits: int | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """sparse_mla_decode_sel with one row per query TOKEN (prefill / mixed batches).
+
+    Row b is a query at position positions[b] of request req_index[b]: its token set is that
+    of its own selection sel[b] under the positional causal rules (a pool counts iff it is
+    complete at the token, the tail is the tokens <= positions[b] of its incomplete pool),
+    and its pages are page_table[req_index[b]] (read in the kernel: no [N, max_pages] gather).
+    """
+    b, h, r = q_abs.shape
+    _check_rank(latent_cache, r)
+    if sel.dim() != 2 or sel.shape[0] != b:
+        raise ValueError(f"sel must be [B={b}, P], got {tuple(sel.shape)}")
+    if positions.shape != (b,) or req_index.shape != (b,):
+        raise ValueError("positions and req_index must be [B]")
+    if not latent_cache.is_contiguous():
+        raise ValueError("latent_cache must be contiguous")
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    if q_abs.stride(-1) != 1:
+        q_abs = q_abs.contiguous()
+    sel = sel if sel.stride(-1) == 1 else sel.contiguous()
+    table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    nsel = sel.shape[1]
+    k = nsel * kpool + (kpool - 1 if with_tail else 0)
+    return _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config,
+                   sel=sel, positions=positions.contiguous(), table=table, page_size=page_size, kpool=kpool,
+                   with_tail=with_tail, req=req_index.contiguous())
+
+
 def _check_rank(latent_cache: torch.Tensor, r: int) -> None:
     if latent_cache.shape[-1] != r and not kv_fp8.is_fp8_rows(latent_cache, r):
         raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
 
 
 def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=None, num_tokens=None,
-            sel=None, positions=None, table=None, page_size=1, kpool=1, with_tail=False):
+            sel=None, positions=None, table=None, page_size=1, kpool=1, with_tail=False, req=None):
     b, h, r = q_abs.shape
     fp8 = flat.dtype == torch.uint8
     sc = flat.view(torch.float32) if fp8 else flat  # the rows' scales, read as fp32 (R % 4 == 0)
@@ -320,6 +359,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
     _sparse_mla_decode_kernel[grid](
         q_abs, flat, idx if idx is not None else dummy, ntok, out, opart, lse,
         sel if from_sel else dummy, positions if from_sel else dummy, table if from_sel else dummy, sc,
+        req if req is not None else dummy,
         q_abs.stride(0), q_abs.stride(1),
         flat.stride(0),
         idx.stride(0) if idx is not None else 0,
@@ -333,7 +373,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
         sel.shape[1] if from_sel else 0, page_size,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
-        FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail, KV_FP8=fp8,
+        FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail, KV_FP8=fp8, HAS_REQ=req is not None,
         BLOCK_SEL=max(16, triton.next_power_of_2(sel.shape[1])) if from_sel else 16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -405,21 +445,30 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
     return token_idx[:, :width], ok.sum(dim=1, dtype=torch.int32)
 
 
+PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds the [rows, H, R] temporaries)
+
+
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                sel: torch.Tensor | None, meta: BatchMeta, kpool: int, scale: float,
-               with_tail: bool = True, *, reference: ReferenceOps | None = None) -> torch.Tensor:
-    """ReferenceOps.sparse_mla with the decode case on the kernel (others go to the reference).
+               with_tail: bool = True, *, reference: ReferenceOps | None = None,
+               chunk_rows: int | None = None) -> torch.Tensor:
+    """ReferenceOps.sparse_mla on the kernel: decode batches, and prefill / mixed batches with a
+    selection (every query token is a row, like a decode query); the rest go to the reference.
 
     Decode: q̃ = q·W_kc per head (one batched matmul), the kernel over the selected latent
     rows, then o = õ·W_vcᵀ per head, all in q's dtype like the reference.
     """
-    if not is_decode_batch(meta):
-        return (reference or ReferenceOps()).sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
     dt = q.dtype
-    q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
     # Triton 3.6 fails to compile the in-kernel token list for an fp32 cache on sm90 (a
     # layout-conversion pass error); fp32 is the parity path, so it builds the list instead.
     fp32_math = torch.float32 in (q.dtype, cache.dtype)
+    if not is_decode_batch(meta):
+        if sel is None or meta.num_tokens == 0 or (fp32_math and cache.is_cuda):
+            # dense causal prefill and fp32 prefill on the GPU stay on the reference
+            return (reference or ReferenceOps()).sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
+        return _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail,
+                                   chunk_rows or PREFILL_CHUNK_ROWS)
+    q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
     if sel is not None and (not fp32_math or not cache.is_cuda):
         o_lat = sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, scale, with_tail, out_dtype=dt)
     else:  # dense causal: the token list is every cached token
@@ -428,5 +477,31 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
     return torch.bmm(o_lat.transpose(0, 1), w_vc.to(dt).transpose(1, 2)).transpose(0, 1).contiguous()
 
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "sparse_mla", "build_decode_token_idx", "is_decode_batch", "default_config",
+def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail, chunk_rows):
+    """Prefill / mixed batch, absorbed MQA form per query token: q̃ = q·W_kc, the decode kernel
+    with one row per token (own position, own selection, page-table row via req_index), then
+    õ·W_vcᵀ; tokens in chunks of `chunk_rows` to bound the [rows, H, R] temporaries.
+
+    FLOPs: the absorbed form costs 4·H·R per (query, selected token) against 2·H·(dn + dv)
+    when K/V are expanded per request (the reference's prefill form), i.e. ~2x more at the
+    flash shapes (2R = 1024 vs dn + dv = 512), but it reads each selected latent row once for all heads
+    and needs no per-request [T, H, dn + dv] expansion; with a sparse selection (topk pools,
+    not the whole prefix) it is the form SGLang / DeepSeek's sparse (DSA) prefill uses too.
+    """
+    n, h, _ = q.shape
+    dt = q.dtype
+    wk = w_kc.to(dt)
+    wvt = w_vc.to(dt).transpose(1, 2)  # [H, R, dv]
+    out = torch.empty(n, h, w_vc.shape[1], dtype=dt, device=q.device)
+    table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
+    for c0 in range(0, n, chunk_rows):
+        c1 = min(c0 + chunk_rows, n)
+        q_abs = torch.bmm(q[c0:c1].transpose(0, 1), wk).transpose(0, 1)  # [rows, H, R]
+        o_lat = sparse_mla_rows_sel(q_abs, cache, sel[c0:c1], meta.positions[c0:c1], meta.req_index[c0:c1],
+                                    table, meta.page_size, kpool, scale, with_tail, out_dtype=dt)
+        out[c0:c1] = torch.bmm(o_lat.transpose(0, 1), wvt).transpose(0, 1)
+    return out
+
+
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "sparse_mla_rows_sel", "sparse_mla", "build_decode_token_idx", "is_decode_batch", "default_config",
            "choose_num_splits"]

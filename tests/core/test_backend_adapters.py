@@ -174,7 +174,7 @@ REFUSED = [
     ("sm90", {"attention_backend": "fa3"}, "attention_backend", "FlashAttention 3", ("auto", "dsa")),
     ("sm90", {"attention_backend": "triton"}, "attention_backend", "--dsa-decode-backend triton", ("auto", "dsa")),
     # what glmrt has, but not on this adapter
-    ("sm90", {"dsa_prefill_backend": "triton"}, "dsa_prefill_backend", "no Triton prefill kernel", ("auto", "torch")),
+    ("cpu", {"dsa_prefill_backend": "triton"}, "dsa_prefill_backend", "torch only", ("auto", "torch")),
     ("cpu", {"dsa_decode_backend": "triton"}, "dsa_decode_backend", "torch only", ("auto", "torch")),
     ("cpu", {"moe_runner_backend": "triton"}, "moe_runner_backend", "torch only", ("auto", "torch")),
     ("cpu", {"linear_attn_backend": "triton"}, "linear_attn_backend", "torch only", ("auto", "torch")),
