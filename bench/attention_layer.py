@@ -23,32 +23,10 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 import torch
 
-
-def _graph_ms(fn, n: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(n):
-        ev[0].record()
-        g.replay()
-        ev[1].record()
-        ev[1].synchronize()
-        times.append(ev[0].elapsed_time(ev[1]))
-    return statistics.median(times)
+from bench.timing import graph_ms
 
 
 def main(argv=None) -> list[dict]:
@@ -95,8 +73,8 @@ def main(argv=None) -> list[dict]:
             need = ctx // ps + 1
             pages = torch.randperm(num_pages - 1, generator=perm_gen)[: b * need].view(b, need).tolist()
             meta = BatchMeta.build([ctx - 1] * b, [1] * b, list(range(b)), pages, ps, dev)
-            dsa_ms = _graph_ms(lambda: dsa_layer(x, meta, cache, None))
-            kda_ms = _graph_ms(lambda: kda_layer(x, meta, cache)) if ctx == contexts[0] else rows[-1]["kda_ms"]
+            dsa_ms = graph_ms(lambda: dsa_layer(x, meta, cache, None))
+            kda_ms = graph_ms(lambda: kda_layer(x, meta, cache)) if ctx == contexts[0] else rows[-1]["kda_ms"]
             rows.append({"batch": b, "context": ctx, "dsa_ms": dsa_ms, "kda_ms": kda_ms})
             print(f"B={b} ctx={ctx}: DSA layer {dsa_ms * 1000:.0f} us, KDA layer {kda_ms * 1000:.0f} us", flush=True)
     out = os.environ.get("OUT")

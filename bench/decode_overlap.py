@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
+
+from bench.timing import replay_ms
 
 
 def _engine(args):
@@ -144,22 +145,6 @@ def floor_ms(engine, b: int, ctx: int, tbps: float = 4.09) -> float:
     return (dense + routed + kv + state) / (tbps * 1e12) * 1e3
 
 
-def _replay_ms(graphs, key, n=20) -> float:
-    g, _ = graphs.graphs[key]
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    times = []
-    for _ in range(n):
-        ev[0].record()
-        g.replay()
-        ev[1].record()
-        ev[1].synchronize()
-        times.append(ev[0].elapsed_time(ev[1]))
-    return statistics.median(times)
-
-
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-4l")
@@ -196,7 +181,7 @@ def main(argv=None) -> list[dict]:
             row[f"{mode}_host_ms"] = 1000 * cpu / max(steps, 1)
             print(mode, b, f"{row[f'{mode}_ms']:.2f} ms/step", flush=True)
         key = graphs.key(b, -(-(args.context + args.tokens) // graphs.page_size))
-        row["replay_ms"] = _replay_ms(graphs, key) if key in graphs.graphs else float("nan")
+        row["replay_ms"] = replay_ms(graphs.graphs[key][0]) if key in graphs.graphs else float("nan")
         row["floor_ms"] = floor_ms(engine, b, args.context + args.tokens // 2)
         ref = outs.get("eager") or outs[next(iter(outs))]
         for mode in ("graphs", "overlap"):

@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:
@@ -53,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from bench import timing  # noqa: E402
+
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import conv as kconv  # noqa: E402
 from backends.kernels import kda as kk  # noqa: E402
@@ -63,35 +63,6 @@ CEILING_TBPS = 4.09
 FULL = dict(h=64, dk=128, dv=128, c=3 * 8192, k=4, prefill_t=8192, prefill_splits=(1, 4, 16), decode=(1, 16, 64, 128),
             mixed=(2048, 127))
 SMOKE = dict(h=2, dk=16, dv=16, c=48, k=4, prefill_t=80, prefill_splits=(1, 4), decode=(1, 3), mixed=(40, 3))
-
-
-def _timers(dev):
-    if dev.type == "cuda":
-        def kernel_ms(fn):
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-        def ref_ms(fn, n=3):
-            fn()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(n):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b))
-            return statistics.median(ts)
-        return kernel_ms, ref_ms
-
-    def host_ms(fn, n=1):
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(ts)
-    return host_ms, host_ms
 
 
 def _rel(out, ref) -> float:
@@ -273,7 +244,7 @@ def main(argv=None) -> int:
             return 2
         kk.enable_interpreted_chunk()
     d = SMOKE if args.smoke else FULL
-    timers = _timers(dev)
+    timers = timing.timers(dev, host_repeats=1)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     import fla
     env = dict(torch=torch.__version__, triton=triton.__version__, fla=fla.__version__, device=str(dev),

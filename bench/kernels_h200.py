@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+from bench.timing import timers  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import indexer as ix  # noqa: E402
@@ -81,37 +82,6 @@ IDX_SWEEP_CONFIGS = [dict(BLOCK_P=p, num_warps=w, num_stages=1) for p in (32, 64
 
 
 # ---------------------------------------------------------------------------------------
-def _timer(dev: torch.device):
-    if dev.type == "cuda":
-        def kernel_ms(fn):
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-        def ref_ms(fn, n=3):
-            fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(n):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            return statistics.median(times)
-    else:
-        def kernel_ms(fn, n=3):
-            fn()
-            times = []
-            for _ in range(n):
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-            return statistics.median(times)
-
-        ref_ms = kernel_ms
-    return kernel_ms, ref_ms
-
-
 def _meta(lens: list[int], page_size: int, dev: torch.device, g: torch.Generator):
     need = [-(-n // page_size) for n in lens]
     num_pages = sum(need) + 1
@@ -318,7 +288,7 @@ def main(argv=None) -> int:
     contexts = [64, 203] if args.smoke else [int(x) for x in args.contexts.split(",")]
     if args.smoke:
         args.sweep_batches, args.sweep_context = [2], 64
-    kernel_ms, ref_ms = _timer(dev)
+    kernel_ms, ref_ms = timers(dev)
     env = dict(torch=torch.__version__, triton=triton.__version__, device=str(dev),
                name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
                dims=dims, ceiling_tbps=CEILING_TBPS)

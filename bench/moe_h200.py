@@ -61,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from bench.timing import timers  # noqa: E402
+
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
 from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
@@ -148,37 +150,6 @@ def table_config(kind: str, n: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-def _timers(dev: torch.device):
-    if dev.type == "cuda":
-        def kernel_ms(fn):
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-        def ref_ms(fn, n=3):
-            fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(n):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            return statistics.median(times)
-    else:
-        def kernel_ms(fn, n=2):
-            fn()
-            times = []
-            for _ in range(n):
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-            return statistics.median(times)
-
-        ref_ms = kernel_ms
-    return kernel_ms, ref_ms
-
-
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.float(), ref.float()
     if torch.isnan(out).any():
@@ -444,7 +415,7 @@ def main(argv=None) -> int:
             lists["prefill"] = lists["prefill"][:2]
     kinds = args.kinds.split(",")
     baseline = args.sweep and "fp8" in kinds and "bf16" not in kinds and not args.no_baseline
-    kernel_ms, ref_ms = _timers(dev)
+    kernel_ms, ref_ms = timers(dev, host_repeats=2)
     env = dict(torch=torch.__version__, triton=triton.__version__, device=str(dev),
                name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
                dims=dims, ceiling_tbps=CEILING_TBPS, ceiling_tflops=CEILING_TFLOPS)

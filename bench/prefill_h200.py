@@ -50,7 +50,7 @@ from backends.kernels import indexer as ix  # noqa: E402
 from backends.kernels import sparse_mla as sm  # noqa: E402
 from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
-from bench.kernels_h200 import _timer  # noqa: E402
+from bench.timing import timers  # noqa: E402
 
 PEAK_TFLOPS = 779.0  # H200 dense bf16
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     cases = SMOKE_CASES if args.smoke else FULL_CASES
     if args.smoke:
         args.ref_chunk = min(args.ref_chunk, 32)
-    kernel_ms, ref_ms = _timer(dev)
+    kernel_ms, ref_ms = timers(dev)
     env = dict(torch=torch.__version__, triton=triton.__version__, device=str(dev),
                name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)", dims=d,
                peak_tflops=PEAK_TFLOPS)

@@ -28,39 +28,16 @@ from backends.reference import ReferenceOps  # noqa: E402
 from backends.kernels.conv import causal_conv  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from tests.backends.conftest import tol as _tol  # noqa: E402
+
 _HAVE_FLA = importlib.util.find_spec("fla") is not None
 needs_fla = pytest.mark.skipif(not _HAVE_FLA, reason="needs fla-core (pip install fla-core==0.6.0 einops)")
-
-
-def _devices():
-    return [
-        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
-        pytest.param("cuda", marks=[pytest.mark.gpu,
-                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
-    ]
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    return torch.device(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out).any(), "NaN in output (unwritten element, or a stale slot was read)"
     return float((out - ref).norm() / ref.norm())
-
-
-def _tol(dtype: torch.dtype) -> float:
-    return 1e-5 if dtype == torch.float32 else 1e-2
 
 
 def _batch(prefix, seqs, device, seed, spare=3):

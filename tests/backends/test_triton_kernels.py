@@ -27,28 +27,9 @@ from backends.kernels.indexer import indexer_scores, indexer_select, topk_lower_
 from backends.kernels.sparse_mla import build_decode_token_idx, sparse_mla_decode  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from tests.backends.conftest import rel as _rel, tol as _tol  # noqa: E402
+
 PAGE = 16
-
-
-def _devices():
-    return [
-        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
-        pytest.param("cuda", marks=[pytest.mark.gpu,
-                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
-    ]
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    return torch.device(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _h200(prefill: bool = True):
@@ -62,16 +43,6 @@ def _h200(prefill: bool = True):
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
-    return float((out - ref).norm() / ref.norm())
-
-
-def _tol(dtype: torch.dtype) -> float:
-    return 1e-5 if dtype == torch.float32 else 1e-2
 
 
 def _decode_meta(lens, device, seed, spare_pages=3):

@@ -25,43 +25,14 @@ from backends.kernels import fused_moe as fm  # noqa: E402
 from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from tests.backends.conftest import rel as _rel, tol as _tol  # noqa: E402
+
 REF = ReferenceOps()
 FP8 = torch.float8_e4m3fn
 
 
-def _devices():
-    return [
-        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
-        pytest.param("cuda", marks=[pytest.mark.gpu,
-                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
-    ]
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    return torch.device(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _gen(*key):
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
-    return float((out - ref).norm() / ref.norm())
-
-
-def _tol(dtype: torch.dtype) -> float:
-    return 1e-5 if dtype == torch.float32 else 1e-2
 
 
 def _route(g, n, e, k, used=None):

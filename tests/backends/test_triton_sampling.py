@@ -30,32 +30,12 @@ from glmrt.engine.sampler import Sampler, SamplerRow  # noqa: E402
 from glmrt.sampling_params import SamplingParams  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 TINY = torch.finfo(torch.float32).tiny
 CAP, CHUNK = 32, 256  # small: the vocabularies here then take every path
 
 # info[:, 1] bits set by the select kernel (see _select_kernel)
 UNFILTERED, NO_CUT, TOPK_MASS, TOPK_TIES, RACE_BUFFER, RACE_PASS, CUT_TIES = 1, 2, 4, 8, 16, 32, 64
-
-
-def _devices():
-    return [
-        pytest.param("cpu", marks=pytest.mark.skipif(not _INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
-        pytest.param("cuda", marks=[pytest.mark.gpu,
-                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
-    ]
-
-
-@pytest.fixture(params=_devices())
-def device(request):
-    return torch.device(request.param)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _gen(*key):

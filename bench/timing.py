@@ -1,0 +1,74 @@
+"""How the GPU benches time things (METHOD.md): `do_bench` medians for kernels, event-timed
+medians for slow reference calls, CUDA-graph replays for chains of small launches."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def timers(dev: torch.device, host_repeats: int = 3) -> tuple[Callable, Callable]:
+    """-> (kernel_ms, ref_ms). On CUDA: triton's do_bench median (L2 flushed) and the median of
+    n event-timed calls after one warm-up; elsewhere (the interpreter) host-clock medians."""
+    if dev.type == "cuda":
+        import triton
+
+        def kernel_ms(fn):
+            return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+        def ref_ms(fn, n=3):
+            fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(n):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            return statistics.median(times)
+        return kernel_ms, ref_ms
+
+    def host_ms(fn, n=host_repeats):
+        fn()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    return host_ms, host_ms
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
+    """Median event-timed replay of a captured graph (after 3 warm replays)."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(n):
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fn: Callable, n: int = 30) -> float:
+    """Capture fn (after two eager warm-ups on a side stream) and time its replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return replay_ms(g, n)

@@ -1,0 +1,51 @@
+"""Shared setup of the kernel tests: where they run, and how results are compared.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 is set
+here, before any test module imports Triton. With CUDA the same tests run compiled on the GPU
+(the "cuda" case of the `device` fixture, marked `gpu`; bench/gpu_tests.sh runs them there).
+Bounds per /work/.library/device/METHOD.md: fp32 ~1e-5 relative, bf16 operands ~1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _devices():
+    return [
+        pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=[pytest.mark.gpu,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    ]
+
+
+@pytest.fixture(params=_devices())
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; a NaN in `out` (an unwritten element) fails."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
+    return float((out - ref).norm() / ref.norm())
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
