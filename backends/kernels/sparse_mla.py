@@ -236,15 +236,10 @@ def sparse_mla_decode(q_abs: torch.Tensor, latent_cache: torch.Tensor, token_idx
     anywhere); num_tokens [B] optional bound per request. Returns [B, H, R] in `out_dtype`
     (default q_abs.dtype). A request with no valid token gets zeros (the reference gives NaN).
     """
-    b, h, r = q_abs.shape
-    _check_rank(latent_cache, r)
+    b = q_abs.shape[0]
     if token_idx.dim() != 2 or token_idx.shape[0] != b:
         raise ValueError(f"token_idx must be [B={b}, K], got {tuple(token_idx.shape)}")
-    if not latent_cache.is_contiguous():
-        raise ValueError("latent_cache must be contiguous")
-    flat = latent_cache.view(-1, latent_cache.shape[-1])
-    if q_abs.stride(-1) != 1:
-        q_abs = q_abs.contiguous()
+    q_abs, flat = _query_and_rows(q_abs, latent_cache)
     if token_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError("token_idx must be int32 or int64")
     if token_idx.stride(-1) != 1:
@@ -265,15 +260,10 @@ def sparse_mla_decode_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: 
     sel [B, P] pool ids (-1 none; a repeated pool counts once, pools not complete at the
     query are ignored); with_tail adds the visible tail of the incomplete pool.
     """
-    b, h, r = q_abs.shape
-    _check_rank(latent_cache, r)
+    b = q_abs.shape[0]
     if sel.dim() != 2 or sel.shape[0] != b:
         raise ValueError(f"sel must be [B={b}, P], got {tuple(sel.shape)}")
-    if not latent_cache.is_contiguous():
-        raise ValueError("latent_cache must be contiguous")
-    flat = latent_cache.view(-1, latent_cache.shape[-1])
-    if q_abs.stride(-1) != 1:
-        q_abs = q_abs.contiguous()
+    q_abs, flat = _query_and_rows(q_abs, latent_cache)
     sel = sel if sel.stride(-1) == 1 else sel.contiguous()
     table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
     nsel = sel.shape[1]
@@ -295,17 +285,12 @@ def sparse_mla_rows_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: to
     complete at the token, the tail is the tokens <= positions[b] of its incomplete pool),
     and its pages are page_table[req_index[b]] (read in the kernel: no [N, max_pages] gather).
     """
-    b, h, r = q_abs.shape
-    _check_rank(latent_cache, r)
+    b = q_abs.shape[0]
     if sel.dim() != 2 or sel.shape[0] != b:
         raise ValueError(f"sel must be [B={b}, P], got {tuple(sel.shape)}")
     if positions.shape != (b,) or req_index.shape != (b,):
         raise ValueError("positions and req_index must be [B]")
-    if not latent_cache.is_contiguous():
-        raise ValueError("latent_cache must be contiguous")
-    flat = latent_cache.view(-1, latent_cache.shape[-1])
-    if q_abs.stride(-1) != 1:
-        q_abs = q_abs.contiguous()
+    q_abs, flat = _query_and_rows(q_abs, latent_cache)
     sel = sel if sel.stride(-1) == 1 else sel.contiguous()
     table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
     nsel = sel.shape[1]
@@ -315,9 +300,15 @@ def sparse_mla_rows_sel(q_abs: torch.Tensor, latent_cache: torch.Tensor, sel: to
                    with_tail=with_tail, req=req_index.contiguous())
 
 
-def _check_rank(latent_cache: torch.Tensor, r: int) -> None:
+def _query_and_rows(q_abs: torch.Tensor, latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked kernel operands: q_abs with unit stride in R, the cache as flat rows (R values,
+    or fp8 rows of R bytes + scales)."""
+    r = q_abs.shape[-1]
     if latent_cache.shape[-1] != r and not kv_fp8.is_fp8_rows(latent_cache, r):
         raise ValueError(f"latent rank {latent_cache.shape[-1]} != q_abs rank {r}")
+    if not latent_cache.is_contiguous():
+        raise ValueError("latent_cache must be contiguous")
+    return (q_abs if q_abs.stride(-1) == 1 else q_abs.contiguous()), latent_cache.view(-1, latent_cache.shape[-1])
 
 
 def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=None, num_tokens=None,
