@@ -99,12 +99,13 @@ def _check_graph_logits(engine, prompts) -> dict:
     plan = engine.scheduler.schedule()
     for w in plan.work:
         w.req.inflight += 1
-    ok_async = engine.runner.can_launch_async(plan)
+    async_key = engine.runner.async_key(plan)
+    ok_async = async_key is not None
     sync_error = None
     if ok_async:
         torch.cuda.set_sync_debug_mode("error")
         try:
-            launched = engine.runner.launch(plan, None)
+            launched = engine.runner.launch(plan, None, async_key)
         except RuntimeError as e:  # a synchronising call inside the launch path
             sync_error = str(e).splitlines()[0]
             launched = None

@@ -248,8 +248,9 @@ class Engine:
         for w in plan.work:
             w.req.inflight += 1
         launched = None
-        if self.overlap and plan and self.runner.can_launch_async(plan):
-            launched = self.runner.launch(plan, self._inflight)
+        key = self.runner.async_key(plan) if self.overlap and plan else None
+        if key is not None:
+            launched = self.runner.launch(plan, self._inflight, key)
             self._mark_launched(launched)
         outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = launched

@@ -120,22 +120,23 @@ class ModelRunner:
         return embeds
 
     # ---- the overlapped decode step -------------------------------------------------------
-    def can_launch_async(self, plan: StepPlan) -> bool:
-        """Decode work that a graph replays and the device sampler finishes with no host sync."""
+    def async_key(self, plan: StepPlan) -> tuple[int, int] | tuple[()] | None:
+        """For decode work that a graph replays and the device sampler finishes with no host
+        sync: its graph key (() for the tests' eager launch); None for any other plan."""
         if plan.restores or plan.saves or plan.forks or plan.retracted:
-            return False
-        if self.graph_key(plan.work) is None and not self.eager_async:
-            return False
-        if any(w.num != 1 or not w.sample for w in plan.work):
-            return False
-        return all(self.sampler.can_sample_async(SamplerRow(w.req.params, w.req.prompt_ids, w.req.output_ids))
-                   for w in plan.work)
+            return None
+        if not all(self.sampler.can_sample_async(w.req.params, len(w.req.output_ids)) for w in plan.work):
+            return None
+        key = self.graph_key(plan.work)
+        if key is None and self.eager_async and all(w.num == 1 and w.sample for w in plan.work):
+            return ()
+        return key
 
     @torch.no_grad()
-    def launch(self, plan: StepPlan, prev: InFlight | None) -> InFlight:
-        """Enqueue the forward and sampling of a decode plan; nothing here waits for the GPU.
-
-        An input token that is still a PLACEHOLDER is fed from `prev.tokens` on the device.
+    def launch(self, plan: StepPlan, prev: InFlight | None, key: tuple[int, int] | tuple[()]) -> InFlight:
+        """Enqueue the forward and sampling of a decode plan (`key` from async_key); nothing
+        here waits for the GPU. An input token that is still a PLACEHOLDER is fed from
+        `prev.tokens` on the device.
         """
         work = plan.work
         ids, src = [], []
@@ -147,8 +148,7 @@ class ModelRunner:
             else:
                 src.append(-1)
                 ids.append(tok)
-        key = self.graph_key(work)
-        if key is not None:
+        if key:
             logits = self.graphs.run(key, ids, [w.start for w in work], [w.req.slot for w in work],
                                      [w.req.pages for w in work], src_rows=src,
                                      prev_tokens=prev.tokens if prev is not None else None)

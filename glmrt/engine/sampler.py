@@ -71,13 +71,12 @@ class Sampler:
 
     # ---- the overlap schedule's path: tokens stay on the device ----------------------------
     @staticmethod
-    def can_sample_async(row: SamplerRow) -> bool:
+    def can_sample_async(p: SamplingParams, num_output: int) -> bool:
         """Rows whose token needs no host data: no penalties (they read the history), no
         logprobs, min_tokens already met (the blocking reads the output count). Greedy and
         temperature/top-k/top-p/min-p rows (seeded or not) qualify: sample_async draws them
         exactly as sample() does."""
-        p = row.params
-        return not _has_penalties(p) and not p.logprobs and len(row.output_ids) >= p.min_tokens
+        return not _has_penalties(p) and not p.logprobs and num_output >= p.min_tokens
 
     def sample_async(self, logits: Tensor, rows: list[SamplerRow]) -> Tensor:
         """Tokens [B] on the device for rows that pass can_sample_async (no host sync).
