@@ -12,6 +12,23 @@ through Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when one is prese
 """
 
 
+def bf16_bits_to_f32(bits):
+    """Triton's interpreter stores bf16 as raw uint16: widen those bits to float32 (exact)."""
+    import numpy as np
+
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(data):
+    """float32 -> bf16 bits, rounded to nearest even as compiled code and torch do (NaN stays NaN)."""
+    import numpy as np
+
+    data = np.asarray(data, dtype=np.float32)
+    b = data.view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(data), ((b >> 16) | 0x40).astype(np.uint16), r)
+
+
 def patch_triton_interpreter() -> None:
     """Two fixes to Triton 3.6's interpreter, applied only under TRITON_INTERPRET=1.
 
@@ -30,7 +47,6 @@ def patch_triton_interpreter() -> None:
         from triton.runtime import interpreter as _interp
     except ImportError:  # pragma: no cover - triton without an interpreter
         return
-    import numpy as np
     import triton.language as tl
 
     orig = getattr(_interp, "_patch_lang_tensor", None)
@@ -47,7 +63,7 @@ def patch_triton_interpreter() -> None:
     if dot is not None and not getattr(dot, "_glmrt_patched", False):
         def _widen(h):
             if h.dtype.scalar == tl.bfloat16:
-                return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+                return _interp.TensorHandle(bf16_bits_to_f32(h.data), tl.float32)
             return h
 
         def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

@@ -207,7 +207,7 @@ _BF16_CMP = tuple(f"create_fcmp{c}" for c in ("OLT", "OGT", "OLE", "OGE", "OEQ",
 
 
 def _patch_bf16_math(interpreter) -> None:
-    import numpy as np
+    from . import bf16_bits_to_f32, f32_to_bf16_bits
 
     b = interpreter.InterpreterBuilder
     if getattr(b, "_glmrt_bf16_math", False):
@@ -216,14 +216,11 @@ def _patch_bf16_math(interpreter) -> None:
 
     def widen(h):
         if isinstance(h, th) and h.dtype.scalar == tl.bfloat16:
-            return th((np.asarray(h.data).astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return th(bf16_bits_to_f32(h.data), tl.float32)
         return h
 
     def narrow(h):  # fp32 -> bf16, round to nearest even (NaN stays NaN)
-        data = np.asarray(h.data, dtype=np.float32)
-        bits = data.view(np.uint32).astype(np.uint64)
-        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return th(np.where(np.isnan(data), ((bits >> 16) | 0x40).astype(np.uint16), r), tl.bfloat16)
+        return th(f32_to_bf16_bits(h.data), tl.bfloat16)
 
     def wrap(orig, back):
         def op(self, *args):

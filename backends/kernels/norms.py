@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import patch_triton_interpreter
+from . import f32_to_bf16_bits, patch_triton_interpreter
 
 
 def patch_interpreter_bf16_rounding() -> None:
@@ -24,7 +24,7 @@ def patch_interpreter_bf16_rounding() -> None:
     Triton 3.6's interpreter truncates a plain `x.to(tl.bfloat16)` (cast_impl with no rounding
     mode), while compiled code rounds to nearest even, as torch does; the kernels here round
     to the model dtype mid-computation (HF order), so truncation would cost ~1 ulp everywhere.
-    Idempotent; compiled (GPU) runs are untouched. (Belongs next to patch_triton_interpreter.)
+    Idempotent; compiled (GPU) runs are untouched. (Shares its rounding with backends.kernels.f32_to_bf16_bits.)
     """
     import os
 
@@ -34,7 +34,6 @@ def patch_interpreter_bf16_rounding() -> None:
         from triton.runtime import interpreter as _interp
     except ImportError:  # pragma: no cover
         return
-    import numpy as np
 
     builder = getattr(_interp, "InterpreterBuilder", None)
     orig = getattr(builder, "cast_impl", None)
@@ -43,11 +42,7 @@ def patch_interpreter_bf16_rounding() -> None:
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = np.asarray(src.data, dtype=np.float32)
-            b = data.view(np.uint32).astype(np.uint64)
-            r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-            r = np.where(np.isnan(data), ((b >> 16) | 0x40).astype(np.uint16), r)
-            return _interp.TensorHandle(r, tl.bfloat16)
+            return _interp.TensorHandle(f32_to_bf16_bits(src.data), tl.bfloat16)
         return orig(self, src, dst_type)
 
     cast_impl._glmrt_rtne = True  # type: ignore[attr-defined]
