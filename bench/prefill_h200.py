@@ -110,6 +110,7 @@ def run_case(lens: list[int], d: dict, dev: torch.device, args, kernel_ms, ref_m
     w_vc = rnd(d["h"], d["dv"], d["r"], s=d["r"] ** -0.5)
     scale = d["dn"] ** -0.5
     ops = CudaH200Ops()
+    ops.prefill_kernels = True  # the per-token prefill kernels (--dsa-prefill-backend triton)
 
     # ---- indexer -----------------------------------------------------------------------
     vis = ((meta.positions + 1) // kpool).double()

@@ -30,11 +30,9 @@ import triton
 import triton.language as tl
 
 from ..meta import BatchMeta
-from . import patch_triton_interpreter
-from .norms import patch_interpreter_bf16_rounding
+from .interpreter import patch_interpreter
 
-patch_triton_interpreter()
-patch_interpreter_bf16_rounding()  # the state and output stores round fp32 to bf16, as compiled code does
+patch_interpreter()  # interpreter only: the state and output stores round fp32 to bf16, as compiled code does
 
 
 @triton.jit

@@ -31,12 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import patch_triton_interpreter
 from .fused_moe import ACT_DTYPES, FP8_DTYPES
-from .norms import patch_interpreter_bf16_rounding
+from .interpreter import patch_interpreter
 
-patch_triton_interpreter()
-patch_interpreter_bf16_rounding()
+patch_interpreter()
 
 # Tiles by token count N (first row with N <= max_tokens wins). BLOCK_N / BLOCK_K are capped at
 # the scale block (one scale per weight tile).

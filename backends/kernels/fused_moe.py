@@ -57,11 +57,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import patch_triton_interpreter
-from .norms import patch_interpreter_bf16_rounding
+from .interpreter import patch_interpreter
 
-patch_triton_interpreter()
-patch_interpreter_bf16_rounding()
+patch_interpreter()
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -551,6 +549,33 @@ def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return all(t.device == x.device for t in tensors)
 
 
+# Tiles that a table or a caller asks for but whose shared memory the device lacks (the per-element
+# dequant keeps a converted weight tile per stage): fewer stages first, then a narrower K tile,
+# once per (kernel, tile, K); the shrunk tile is remembered. Triton compiles at the first launch,
+# so the OutOfResources comes before anything runs.
+_FITTED: dict[tuple, tuple[int, int]] = {}
+
+
+def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
+    key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc, k_dim % c["BLOCK_K"] == 0,
+           meta["FP8"], meta["SWAP_AB"])
+    bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
+    while True:
+        try:
+            kernel[grid(c)](*args, **meta, BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, EVEN_K=k_dim % bk == 0,
+                            SCALE_ACC=scale_acc and bk <= meta["SCALE_BK"],
+                            num_warps=c["num_warps"], num_stages=stages)
+            _FITTED[key] = (bk, stages)
+            return
+        except triton.runtime.errors.OutOfResources:
+            if stages > 1:
+                stages -= 1
+            elif bk > 16:
+                bk, stages = bk // 2, c["num_stages"]
+            else:
+                raise
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
               w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -603,29 +628,25 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         sg = su = sd = w_gate  # unused (FP8=False)
     sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
 
-    grid = (nb * triton.cdiv(i, gu["BLOCK_N"]),)
-    _gate_up_kernel[grid](
-        x, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows,
-        d, i, top_k, nb, float(limit) if limit is not None else 0.0,
-        x.stride(0),
-        w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
-        *sstr(sg), *sstr(su),
-        h.stride(0),
-        BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], GROUP_M=gu["GROUP_M"],
-        FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
-        EVEN_K=d % gu["BLOCK_K"] == 0, PRECISION=precision, **flags["gate_up"],
-        num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-    )
-    grid = (nb * triton.cdiv(d, dn["BLOCK_N"]),)
-    _down_kernel[grid](
-        h, w_down, sd, rw, y, sorted_ids, block_expert, block_rows,
-        d, i, nb,
-        h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], GROUP_M=dn["GROUP_M"],
-        FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, EVEN_K=i % dn["BLOCK_K"] == 0, PRECISION=precision,
-        **flags["down"],
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"],
-    )
+    _launch_fitting(
+        _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
+        (x, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows,
+         d, i, top_k, nb, float(limit) if limit is not None else 0.0,
+         x.stride(0),
+         w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
+         *sstr(sg), *sstr(su),
+         h.stride(0)),
+        dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
+             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"]),
+        gu, d, flags["gate_up"]["SCALE_ACC"])
+    _launch_fitting(
+        _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
+        (h, w_down, sd, rw, y, sorted_ids, block_expert, block_rows,
+         d, i, nb,
+         h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0)),
+        dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
+             SWAP_AB=flags["down"]["SWAP_AB"]),
+        dn, i, flags["down"]["SCALE_ACC"])
     flat_ids = ids if ids.is_contiguous() else ids.contiguous()
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),

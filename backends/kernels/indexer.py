@@ -22,10 +22,10 @@ import triton.language as tl
 
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
-from . import patch_triton_interpreter
+from .interpreter import patch_interpreter
 from .sparse_mla import is_decode_batch
 
-patch_triton_interpreter()
+patch_interpreter()
 
 
 @triton.jit

@@ -28,9 +28,10 @@ kernel stores the state after token i_t at indices[i_n + i_t] (a 2-D per-token i
 for speculative decoding), i.e. into the next request's slot.
 
 fla's kernels run under TRITON_INTERPRET=1 (CPU tensors): fused_recurrent with the repo's
-interpreter patch; chunk_kda only after `enable_interpreted_chunk()` (two more interpreter
-fixes, below) and slowly (~10 s a call at toy sizes), so CudaH200Ops keeps the reference for
-interpreted prefill unless INTERPRET_CHUNK is set (tests/backends/test_triton_kda.py sets it).
+interpreter patches; chunk_kda only after `enable_interpreted_chunk()` (three more interpreter
+fixes, all in backends/kernels/interpreter.py) and slowly (~10 s a call at toy sizes), so
+CudaH200Ops keeps the reference for interpreted prefill unless INTERPRET_CHUNK is set
+(tests/backends/test_triton_kda.py sets it).
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from fla.ops.kda import chunk_kda
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
 from ..meta import BatchMeta
-from . import patch_triton_interpreter
 from .conv import device_lens
+from .interpreter import interpreting, patch_interpreter
 
-patch_triton_interpreter()
+patch_interpreter()
 
 INTERPRET_CHUNK = False  # see enable_interpreted_chunk()
 
@@ -154,83 +155,12 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 def enable_interpreted_chunk() -> None:
     """Let fla's chunk_kda run under TRITON_INTERPRET=1 and route interpreted prefill to it.
 
-    Three fixes to Triton 3.6's interpreter, process-wide (compiled runs are untouched):
-    * loop variables of `range` / `tl.range` loops are Python ints in the interpreter but
-      tensors in compiled code; fla calls `.to(tl.int64)` on them. The AST rewrite now wraps
-      the loop variable as a tensor at the top of each iteration (what compiled code sees).
-    * autotuned kernels benchmark every config through the active GPU driver, which does not
-      exist here: the interpreter skips the timing and takes the first config.
-    * bf16 values are stored as raw uint16 and elementwise float ops run on that storage
-      (1.5 * 2 gives 0); fla multiplies bf16 operands (beta, k). Float ops on bf16 now widen to
-      fp32 and round the result back to nearest even: what compiled code does.
+    Three fixes to Triton 3.6's interpreter, process-wide (compiled runs are untouched): tensor
+    loop variables, no autotune benchmarking, bf16 elementwise math; see
+    `backends.kernels.interpreter.patch_interpreter(fla_chunk=True)`.
     """
     global INTERPRET_CHUNK
-    import ast
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return  # compiled Triton needs neither fix
-    from triton.runtime import autotuner, interpreter
-
-    tr = interpreter.ASTTransformer
-    if not getattr(tr, "_glmrt_loop_tensors", False):
-        def visit_For(self, node):
-            self.generic_visit(node)
-            it = node.iter
-            name = getattr(it.func, "id", getattr(it.func, "attr", None)) if isinstance(it, ast.Call) else None
-            if name == "range" and isinstance(node.target, ast.Name):
-                wrap = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
-                                  value=ast.Call(func=ast.Attribute(value=ast.Name(id="interpreter_semantic",
-                                                                                   ctx=ast.Load()),
-                                                                    attr="to_tensor", ctx=ast.Load()),
-                                                 args=[ast.Name(id=node.target.id, ctx=ast.Load()),
-                                                       ast.Constant(value=False)], keywords=[]))
-                node.body.insert(0, wrap)
-                ast.fix_missing_locations(node)
-            return node
-
-        tr.visit_For = visit_For
-        tr._glmrt_loop_tensors = True
-    _patch_bf16_math(interpreter)
-    if not getattr(autotuner.Autotuner, "_glmrt_no_bench", False):
-        autotuner.Autotuner._bench = lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]
-        autotuner.Autotuner._glmrt_no_bench = True
+    if not interpreting():
+        return  # compiled Triton needs none of the fixes
+    patch_interpreter(fla_chunk=True)
     INTERPRET_CHUNK = True
-
-
-_BF16_ARITH = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_precise_divf", "create_frem",
-               "create_minimumf", "create_minnumf", "create_maximumf", "create_maxnumf", "create_fma",
-               "create_exp", "create_exp2", "create_log", "create_log2", "create_sqrt", "create_precise_sqrt",
-               "create_rsqrt", "create_sin", "create_cos", "create_erf", "create_floor", "create_ceil")
-_BF16_CMP = tuple(f"create_fcmp{c}" for c in ("OLT", "OGT", "OLE", "OGE", "OEQ", "ONE",
-                                              "ULT", "UGT", "ULE", "UGE", "UEQ", "UNE"))
-
-
-def _patch_bf16_math(interpreter) -> None:
-    from . import bf16_bits_to_f32, f32_to_bf16_bits
-
-    b = interpreter.InterpreterBuilder
-    if getattr(b, "_glmrt_bf16_math", False):
-        return
-    th = interpreter.TensorHandle
-
-    def widen(h):
-        if isinstance(h, th) and h.dtype.scalar == tl.bfloat16:
-            return th(bf16_bits_to_f32(h.data), tl.float32)
-        return h
-
-    def narrow(h):  # fp32 -> bf16, round to nearest even (NaN stays NaN)
-        return th(f32_to_bf16_bits(h.data), tl.bfloat16)
-
-    def wrap(orig, back):
-        def op(self, *args):
-            is_bf = any(isinstance(a, th) and a.dtype.scalar == tl.bfloat16 for a in args)
-            out = orig(self, *(widen(a) for a in args))
-            return narrow(out) if is_bf and back else out
-        return op
-
-    for name in _BF16_ARITH + _BF16_CMP:
-        orig = getattr(b, name, None)
-        if orig is not None:
-            setattr(b, name, wrap(orig, name in _BF16_ARITH))
-    b._glmrt_bf16_math = True

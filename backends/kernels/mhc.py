@@ -31,11 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import patch_triton_interpreter
-from .norms import patch_interpreter_bf16_rounding
+from .interpreter import patch_interpreter
 
-patch_triton_interpreter()
-patch_interpreter_bf16_rounding()
+patch_interpreter()
 
 _BLOCK_PP = 16  # pre|post columns of z (2M <= 16)
 _NUM_SMS_GUESS = 132

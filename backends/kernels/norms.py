@@ -15,42 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import f32_to_bf16_bits, patch_triton_interpreter
+from .interpreter import patch_interpreter
 
-
-def patch_interpreter_bf16_rounding() -> None:
-    """Under TRITON_INTERPRET=1 only: make fp32 -> bf16 casts round to nearest even.
-
-    Triton 3.6's interpreter truncates a plain `x.to(tl.bfloat16)` (cast_impl with no rounding
-    mode), while compiled code rounds to nearest even, as torch does; the kernels here round
-    to the model dtype mid-computation (HF order), so truncation would cost ~1 ulp everywhere.
-    Idempotent; compiled (GPU) runs are untouched. (Shares its rounding with backends.kernels.f32_to_bf16_bits.)
-    """
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        from triton.runtime import interpreter as _interp
-    except ImportError:  # pragma: no cover
-        return
-
-    builder = getattr(_interp, "InterpreterBuilder", None)
-    orig = getattr(builder, "cast_impl", None)
-    if orig is None or getattr(orig, "_glmrt_rtne", False):
-        return
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return _interp.TensorHandle(f32_to_bf16_bits(src.data), tl.bfloat16)
-        return orig(self, src, dst_type)
-
-    cast_impl._glmrt_rtne = True  # type: ignore[attr-defined]
-    builder.cast_impl = cast_impl
-
-
-patch_triton_interpreter()
-patch_interpreter_bf16_rounding()
+patch_interpreter()
 
 MAX_FUSED_D = 16384
 

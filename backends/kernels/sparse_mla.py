@@ -37,9 +37,9 @@ import triton.language as tl
 from .. import kv_fp8
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
-from . import patch_triton_interpreter
+from .interpreter import patch_interpreter
 
-patch_triton_interpreter()
+patch_interpreter()
 
 _LOG2E = 1.4426950408889634
 

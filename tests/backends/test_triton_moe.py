@@ -359,3 +359,39 @@ def test_route_and_experts_graph_safe():
     torch.cuda.synchronize()
     assert _rel(static, step()) == 0.0
     assert _rel(static, eager) > 0.0  # the replay saw the new input
+
+
+def test_tiles_shrink_until_they_fit():
+    """A tile whose shared memory the device lacks is retried with fewer stages, then a narrower K
+    tile (per-element dequant stays per element), and the fitted tile is remembered."""
+    from triton.runtime.errors import OutOfResources
+
+    launches = []
+
+    class Kernel:  # stands in for a compiled kernel: "fits" at BLOCK_K <= 64 and one stage
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_K, num_stages, SCALE_ACC, **meta):
+                launches.append((BLOCK_K, num_stages, SCALE_ACC, grid))
+                if BLOCK_K > 64 or num_stages > 1:
+                    raise OutOfResources(300000, 232448, "shared memory")
+            return launch
+
+    k = Kernel()
+    c = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+    meta = dict(FP8=True, SWAP_AB=False, SCALE_BK=128)
+    fm._launch_fitting(k, lambda c: (c["BLOCK_N"],), (), meta, c, 320, False)
+    assert launches[-1] == (64, 1, False, (32,))
+    assert [x[:2] for x in launches] == [(256, 3), (256, 2), (256, 1), (128, 3), (128, 2), (128, 1), (64, 3),
+                                         (64, 2), (64, 1)]
+    launches.clear()
+    fm._launch_fitting(k, lambda c: (c["BLOCK_N"],), (), meta, c, 320, False)
+    assert launches == [(64, 1, False, (32,))]  # remembered
+
+    class Never:  # fits nowhere: the error surfaces once the smallest tile fails
+        def __getitem__(self, grid):
+            def launch(**meta):
+                raise OutOfResources(300000, 232448, "shared memory")
+            return lambda *a, **m: launch(**m)
+
+    with pytest.raises(OutOfResources):
+        fm._launch_fitting(Never(), lambda c: (1,), (), meta, dict(c, BLOCK_K=32), 320, False)

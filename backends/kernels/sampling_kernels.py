@@ -1,0 +1,429 @@
+"""The Triton kernels of on-GPU sampling: `_stats_kernel`, `_pivot_kernel`, `_select_kernel` and
+their @triton.jit helpers. What they compute and how: backends.kernels.sampling's docstring;
+that module (the one other code imports) holds the host side that launches them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .interpreter import np_sort_desc as _np_sort_desc
+from .interpreter import patch_interpreter
+
+patch_interpreter()
+
+_KEY_LO_ALL = tl.constexpr(-2139095040)  # key(-inf) + 1: every finite z has a key >= this
+
+
+# ---- elementwise helpers --------------------------------------------------------------------
+@triton.jit
+def _key(z):
+    """Order-preserving int32 key of fp32 z (-0.0 and +0.0 share key 0)."""
+    b = z.to(tl.int32, bitcast=True)
+    k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return tl.where(k == -1, 0, k)
+
+
+@triton.jit
+def _unkey(k):
+    b = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _div(x, t):
+    """z = x / t, IEEE-rounded as torch divides (skipped when t == 1: then z = x exactly)."""
+    if t == 1.0:
+        z = x
+    else:
+        z = tl.math.div_rn(x, t)
+    return z
+
+
+@triton.jit
+def _log(v, EXACT_LOG: tl.constexpr):
+    if EXACT_LOG:
+        return libdevice.log(v)
+    else:
+        return tl.log(v)
+
+
+@triton.jit
+def _params(PRM, r):
+    base = PRM + r * 8
+    t = tl.load(base + 0).to(tl.float32, bitcast=True)
+    topp = tl.load(base + 1).to(tl.float32, bitcast=True)
+    lmp = tl.load(base + 2).to(tl.float32, bitcast=True)
+    k = tl.load(base + 3)
+    nrow = tl.load(base + 4)
+    return t, topp, lmp, k, nrow
+
+
+@triton.jit
+def _unfiltered(k, topp, lmp, V):
+    return (k >= V) & (topp >= 1.0) & (lmp == float("-inf"))
+
+
+@triton.jit
+def _combine(PF, PI, r, NS, NSP: tl.constexpr):
+    """Merge the per-split statistics of row r (same code, same order in every kernel)."""
+    ss = tl.arange(0, NSP)
+    ok = ss < NS
+    base = (r * NS + ss) * 4
+    ms = tl.load(PF + base, mask=ok, other=float("-inf"))
+    ses = tl.load(PF + base + 1, mask=ok, other=0.0)
+    bs = tl.load(PF + base + 2, mask=ok, other=float("-inf"))
+    am = tl.load(PI + base, mask=ok, other=2147483647)
+    nf = tl.load(PI + base + 1, mask=ok, other=0)
+    bi = tl.load(PI + base + 2, mask=ok, other=2147483647)
+    m = tl.max(ms, 0)
+    S = tl.sum(ses * tl.exp(ms - tl.where(m == float("-inf"), 0.0, m)), 0)
+    amax = tl.min(tl.where(ok & (ms == m), am, 2147483647), 0)
+    nfin = tl.sum(nf, 0)
+    best = tl.max(bs, 0)
+    ridx = tl.min(tl.where(ok & (bs == best), bi, 2147483647), 0)
+    return m, S, nfin, amax, ridx
+
+
+@triton.jit
+def _initial_pivots(DTAB, m, lmp, NP: tl.constexpr):
+    jj = tl.arange(0, NP)
+    piv = m - tl.load(DTAB + jj)
+    piv = tl.where((jj == NP - 1) & (lmp > float("-inf")), m + lmp, piv)
+    return _key(piv)
+
+
+@triton.jit
+def _count_pass(xrow, t, m, pk, c0, c1, NP: tl.constexpr, PBLOCK: tl.constexpr):
+    """C[j] = #{z >= pk[j]}, M[j] = sum exp(z - m) over them, for ids in [c0, c1)."""
+    C = tl.zeros([PBLOCK, NP], dtype=tl.int32)  # per lane; reduced once at the end
+    M = tl.zeros([PBLOCK, NP], dtype=tl.float32)
+    offs0 = tl.arange(0, PBLOCK)
+    for start in range(c0, c1, PBLOCK):
+        offs = start + offs0
+        valid = offs < c1
+        x = tl.load(xrow + offs, mask=valid, other=float("-inf"))
+        z = _div(x, t)
+        kz = _key(z)
+        e = tl.exp(z - m)  # m is finite here: exp(-inf) = 0
+        ge = kz[:, None] >= pk[None, :]
+        C += ge.to(tl.int32)
+        M += tl.where(ge, e[:, None], 0.0)
+    return tl.sum(C, 0), tl.sum(M, 0)
+
+
+# ---- kernel 1: per-split statistics (+ the whole race for unfiltered rows) -------------------
+@triton.jit
+def _stats_kernel(X, stride_x, PRM, E, PF, PI, V, CHUNK,
+                  BLOCK: tl.constexpr, EXACT_LOG: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    NS = tl.num_programs(1)
+    t, topp, lmp, k, nrow = _params(PRM, r)
+    race = (nrow >= 0) & _unfiltered(k, topp, lmp, V)
+    xrow = X + r.to(tl.int64) * stride_x
+    erow = E + tl.maximum(nrow, 0).to(tl.int64) * V
+    c0 = s * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, V)
+    offs0 = tl.arange(0, BLOCK)
+    # per lane: running max, sum exp(z - max), first id of the max, finite count, race winner
+    mv = tl.full([BLOCK], float("-inf"), tl.float32)
+    sev = tl.zeros([BLOCK], dtype=tl.float32)
+    iv = tl.full([BLOCK], 2147483647, tl.int32)
+    nv = tl.zeros([BLOCK], dtype=tl.int32)
+    bv = tl.full([BLOCK], float("-inf"), tl.float32)
+    biv = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(c0, c1, BLOCK):
+        offs = start + offs0
+        valid = offs < c1
+        x = tl.load(xrow + offs, mask=valid, other=float("-inf"))
+        z = _div(x, t)
+        iv = tl.where((z > mv) | (valid & (iv == 2147483647)), offs, iv)  # earlier tiles win ties
+        hi = tl.maximum(mv, z)
+        lo = tl.minimum(mv, z)
+        d = tl.exp(lo - tl.where(hi == float("-inf"), 0.0, hi))  # exp(-|z - m|), 0 for -inf
+        sev = tl.where(z > mv, sev * d + 1.0, sev + d)
+        mv = hi
+        nv += (z > float("-inf")).to(tl.int32)
+        if race:
+            eg = tl.load(erow + offs, mask=valid, other=1.0)
+            sc = tl.where(valid, z - _log(tl.maximum(eg, 1.1754943508222875e-38), EXACT_LOG), float("-inf"))
+            biv = tl.where((sc > bv) | (valid & (biv == 2147483647)), offs, biv)
+            bv = tl.maximum(bv, sc)
+    m = tl.max(mv, 0)
+    se = tl.sum(sev * tl.exp(mv - tl.where(m == float("-inf"), 0.0, m)), 0)
+    amax = tl.min(tl.where(mv == m, iv, 2147483647), 0)
+    nfin = tl.sum(nv, 0)
+    best = tl.max(bv, 0)
+    bidx = tl.min(tl.where(bv == best, biv, 2147483647), 0)
+    base = (r * NS + s) * 4
+    tl.store(PF + base, m)
+    tl.store(PF + base + 1, se)
+    tl.store(PF + base + 2, best)
+    tl.store(PI + base, amax)
+    tl.store(PI + base + 1, nfin)
+    tl.store(PI + base + 2, bidx)
+
+
+# ---- kernel 2: counts and masses at the first pivots, per split ------------------------------
+@triton.jit
+def _pivot_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, V, CHUNK,
+                  NSP: tl.constexpr, NP: tl.constexpr, PBLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    NS = tl.num_programs(1)
+    t, topp, lmp, k, nrow = _params(PRM, r)
+    if (nrow >= 0) & (_unfiltered(k, topp, lmp, V) == 0):
+        m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
+        if nfin > 0:
+            pk = _initial_pivots(DTAB, m, lmp, NP)
+            xrow = X + r.to(tl.int64) * stride_x
+            c0 = s * CHUNK
+            c1 = tl.minimum(c0 + CHUNK, V)
+            C, M = _count_pass(xrow, t, m, pk, c0, c1, NP, PBLOCK)
+            jj = tl.arange(0, NP)
+            tl.store(PC + (r * NS + s) * NP + jj, C)
+            tl.store(PM + (r * NS + s) * NP + jj, M)
+
+
+# ---- kernel 3 helpers ------------------------------------------------------------------------
+@triton.jit
+def _narrow(pk, C, M, lo, cLo, hi, cA, sA, k_eff, has_k, has_p, has_m, kmin, p_thr, count_only):
+    """Shrink [lo, hi) with pivot keys pk whose counts/masses are C/M (both monotone in pk)."""
+    # count_only: the bracket of position k_eff (sure = inside the top k, cut = beyond it);
+    # else that of the cut. Every pivot is sure or cut (or both), so each pass narrows.
+    sure = (C <= k_eff) & (count_only | (((has_p == 0) | (M < p_thr)) & ((has_m == 0) | (pk >= kmin))))
+    cut = (C >= k_eff) & (count_only | has_k)
+    cut = cut | ((count_only == 0) & ((has_p & (M >= p_thr)) | (has_m & (pk <= kmin))))
+    cand_hi = tl.min(tl.where(sure, pk, 2147483647), 0)
+    at_hi = sure & (pk == cand_hi)
+    better_hi = cand_hi < hi
+    new_cA = tl.where(better_hi, tl.max(tl.where(at_hi, C, 0), 0), cA)
+    new_sA = tl.where(better_hi, tl.max(tl.where(at_hi, M, 0.0), 0), sA)
+    new_hi = tl.where(better_hi, cand_hi, hi)
+    cand_lo = tl.max(tl.where(cut, pk, -2147483647 - 1), 0)
+    at_lo = cut & (pk == cand_lo)
+    better_lo = cand_lo > lo
+    new_cLo = tl.where(better_lo, tl.max(tl.where(at_lo, C, 0), 0), cLo)
+    new_lo = tl.where(better_lo, cand_lo, lo)
+    return new_lo, new_cLo, new_hi, new_cA, new_sA
+
+
+@triton.jit
+def _bracket(xrow, t, m, V, pk0, C0, M0, lo, cLo, hi, cA, sA, k_eff, has_k, has_p, has_m, kmin,
+             p_thr, count_only, NP: tl.constexpr, PBLOCK: tl.constexpr,
+             CAP: tl.constexpr, MAXIT: tl.constexpr):
+    lo, cLo, hi, cA, sA = _narrow(pk0, C0, M0, lo, cLo, hi, cA, sA, k_eff, has_k, has_p, has_m,
+                                  kmin, p_thr, count_only)
+    jj = tl.arange(0, NP).to(tl.int64)
+    it = 0
+    while (cLo - cA > CAP) & (hi.to(tl.int64) - lo.to(tl.int64) > 1) & (it < MAXIT):
+        span = hi.to(tl.int64) - lo.to(tl.int64)
+        pk = (lo.to(tl.int64) + (span * (jj + 1)) // (NP + 1)).to(tl.int32)
+        C, M = _count_pass(xrow, t, m, pk, 0, V, NP, PBLOCK)
+        lo, cLo, hi, cA, sA = _narrow(pk, C, M, lo, cLo, hi, cA, sA, k_eff, has_k, has_p, has_m,
+                                      kmin, p_thr, count_only)
+        it += 1
+    return lo, cLo, hi, cA, sA, it
+
+
+@triton.jit
+def _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK: tl.constexpr, CAP: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Ids with lo <= key(z) < hi, as (z, id) in stable descending order; n of them (<= CAP)."""
+    tl.debug_barrier()  # earlier reads of the buffer (a previous gather) come first
+    offs0 = tl.arange(0, BLOCK)
+    cnt = 0
+    for start in range(0, V, BLOCK):
+        offs = start + offs0
+        valid = offs < V
+        x = tl.load(xrow + offs, mask=valid, other=float("-inf"))
+        kz = _key(_div(x, t))
+        inb = valid & (kz >= lo) & (kz < hi)
+        pos = cnt + tl.cumsum(inb.to(tl.int32), 0) - 1
+        key64 = (kz.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+        tl.store(BUFROW + pos, key64, mask=inb & (pos < CAP))
+        cnt += tl.sum(inb.to(tl.int32), 0)
+    tl.debug_barrier()
+    n = tl.minimum(cnt, CAP)
+    ii = tl.arange(0, CAP)
+    keys = tl.load(BUFROW + ii, mask=ii < n, other=-9223372036854775807 - 1)
+    if INTERPRET:
+        keys = _np_sort_desc(keys)
+    else:
+        keys = tl.sort(keys, descending=True)
+    kz = (keys >> 32).to(tl.int32)
+    ids = 2147483647 - keys.to(tl.int32)
+    return _unkey(kz), kz, ids, n
+
+
+@triton.jit
+def _keep_sorted(zs, n, cA, sA, Sk, m, k_eff, has_k, has_p, has_m, topp, tmin, CAP: tl.constexpr):
+    """The sampler's cuts on a sorted bracket whose first element sits at position cA."""
+    ii = tl.arange(0, CAP)
+    valid = ii < n
+    pos = cA + ii
+    keep = valid & ((has_k == 0) | (pos < k_eff)) & ((has_m == 0) | (zs >= tmin))
+    if has_p:
+        e = tl.where(valid, tl.exp(zs - m), 0.0)
+        p = e / Sk
+        c = sA / Sk + tl.cumsum(p, 0)
+        keep = keep & ~(((c - p) >= topp) & (pos > 0))
+    return keep
+
+
+@triton.jit
+def _race_sorted(zs, ids, keep, erow, EXACT_LOG: tl.constexpr):
+    eg = tl.load(erow + ids, mask=keep, other=1.0)
+    sc = tl.where(keep, zs - _log(tl.maximum(eg, 1.1754943508222875e-38), EXACT_LOG), float("-inf"))
+    best = tl.max(sc, 0)
+    return tl.min(tl.where(keep & (sc == best), ids, 2147483647), 0)
+
+
+@triton.jit
+def _race_pass(xrow, erow, t, vkey, q, V, BLOCK: tl.constexpr, EXACT_LOG: tl.constexpr):
+    """Race over {key(z) > vkey} and the first q ids (in id order) with key(z) == vkey."""
+    offs0 = tl.arange(0, BLOCK)
+    bv = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane; reduced once at the end
+    biv = tl.full([BLOCK], 2147483647, tl.int32)
+    run = 0
+    for start in range(0, V, BLOCK):
+        offs = start + offs0
+        valid = offs < V
+        x = tl.load(xrow + offs, mask=valid, other=float("-inf"))
+        z = _div(x, t)
+        kz = _key(z)
+        kept = valid & (kz > vkey)
+        if q > 0:  # the first q ids of the tie group at vkey, in id order
+            eq = valid & (kz == vkey)
+            rank = run + tl.cumsum(eq.to(tl.int32), 0) - 1
+            kept = kept | (eq & (rank < q))
+            run += tl.sum(eq.to(tl.int32), 0)
+        eg = tl.load(erow + offs, mask=kept, other=1.0)
+        sc = tl.where(kept, z - _log(tl.maximum(eg, 1.1754943508222875e-38), EXACT_LOG), float("-inf"))
+        biv = tl.where(sc > bv, offs, biv)  # strictly greater: earlier tiles win ties
+        bv = tl.maximum(bv, sc)
+    best = tl.max(bv, 0)
+    bidx = tl.min(tl.where(bv == best, biv, 2147483647), 0)
+    return bidx
+
+
+@triton.jit
+def _threshold(kzs, keep, hi, CAP: tl.constexpr):
+    """(v, q) such that {key > v} + first q of key == v is the kept prefix (bracket below hi)."""
+    ii = tl.arange(0, CAP)
+    last = tl.max(tl.where(keep, ii, -1), 0)
+    v = tl.max(tl.where(ii == last, kzs, -2147483647 - 1), 0)
+    q = tl.sum((keep & (kzs == v)).to(tl.int32), 0)
+    v = tl.where(last < 0, hi - 1, v)
+    q = tl.where(last < 0, 0, q)
+    return v, q
+
+
+# ---- kernel 3: one program per row -----------------------------------------------------------
+@triton.jit
+def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V, NS,
+                   NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                   PBLOCK: tl.constexpr, MAXIT: tl.constexpr, EXACT_LOG: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Row r's token to OUT[r]; INFO[r] = (ids kept, path bits): 1 race done by the stats
+    kernel (no filter), 2 no cut (top-k at or above the finite count), 4 S_k from a gathered
+    bracket, 8 S_k from a tie group larger than CAP, 16 race in the buffer, 32 final race
+    pass, 64 cut inside a tie group larger than CAP; bits 8-15 and 16-23 count the refinement
+    passes of the top-k bracket and of the cut's bracket."""
+    r = tl.program_id(0)
+    t, topp, lmp, k, nrow = _params(PRM, r)
+    m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
+    tok = amax
+    nkept = tl.minimum(nfin, 1)
+    path = tl.zeros((), dtype=tl.int32)
+    if (nrow >= 0) & (nfin > 0):
+        if _unfiltered(k, topp, lmp, V):
+            tok = ridx
+            nkept = nfin
+            path = path + 1
+        else:
+            xrow = X + r.to(tl.int64) * stride_x
+            erow = E + nrow.to(tl.int64) * V
+            BUFROW = BUF + r.to(tl.int64) * CAP
+            k_eff = tl.minimum(k, nfin)
+            has_k = k_eff < nfin
+            has_p = topp < 1.0
+            has_m = lmp > float("-inf")
+            tmin = m + lmp
+            kmin = _key(tmin)
+            pk0 = _initial_pivots(DTAB, m, lmp, NP)
+            ss = tl.arange(0, NSP)
+            jj = tl.arange(0, NP)
+            pidx = (r * NS + ss)[:, None] * NP + jj[None, :]
+            pok = (ss < NS)[:, None] & (jj < NP)[None, :]
+            C0 = tl.sum(tl.load(PC + pidx, mask=pok, other=0), 0)
+            M0 = tl.sum(tl.load(PM + pidx, mask=pok, other=0.0), 0)
+            top = _key(m) + 1
+            zero = tl.zeros((), dtype=tl.int32)
+            Sk = S
+            done = zero
+            vkey = zero + (_KEY_LO_ALL - 1)  # no cut at all: race over every finite z
+            q = zero
+            nkept = nfin
+            # phase 0: the bracket of position k_eff, for S_k (only when top-p needs it);
+            # phase 1: the bracket of the cut itself. One code site each for the count passes,
+            # the gather and sort, and the races (the kernel stays small to compile).
+            phase = tl.where(has_k & has_p, 0, 1) + tl.where(has_k | has_p | has_m, 0, 2)
+            path = path | tl.where(phase >= 2, 2, 0)
+            while phase < 2:
+                lo, cLo, hi, cA, sA, it = _bracket(xrow, t, m, V, pk0, C0, M0, zero + _KEY_LO_ALL, nfin,
+                                                   top, zero, S * 0.0, k_eff, has_k, has_p, has_m, kmin,
+                                                   topp * Sk, phase == 0, NP, PBLOCK, CAP, MAXIT)
+                path = path | (it << (8 + 8 * phase))
+                if cLo <= CAP:  # everything from the top fits: gather it all
+                    hi = top
+                    cA = zero
+                    sA = S * 0.0
+                if (cLo - cA <= CAP) | (hi.to(tl.int64) - lo.to(tl.int64) > 1):
+                    zs, kzs, ids, n = _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK, CAP, INTERPRET)
+                    if phase == 0:
+                        ii = tl.arange(0, CAP)
+                        e = tl.where(ii < n, tl.exp(zs - m), 0.0)
+                        Sk = sA + tl.sum(tl.where(cA + ii < k_eff, e, 0.0), 0)
+                        path = path | 4
+                        if cA == 0:  # the whole top k is in the buffer: take the cut there too
+                            phase = zero + 1
+                    if phase == 1:
+                        keep = _keep_sorted(zs, n, cA, sA, Sk, m, k_eff, has_k, has_p, has_m, topp, tmin, CAP)
+                        nkept = cA + tl.sum(keep.to(tl.int32), 0)
+                        if cA == 0:
+                            tok = _race_sorted(zs, ids, keep, erow, EXACT_LOG)
+                            path = path | 16
+                            done = zero + 1
+                        else:
+                            vkey, q = _threshold(kzs, keep, hi, CAP)
+                else:  # a tie group of more than CAP ids at the boundary: resolve it by arithmetic
+                    ev = tl.exp(_unkey(lo) - m)
+                    if phase == 0:
+                        Sk = sA + (k_eff - cA).to(tl.float32) * ev
+                        path = path | 8
+                    else:
+                        vkey = lo
+                        q = cLo - cA
+                        if has_k:
+                            q = tl.minimum(q, k_eff - cA)
+                        if has_p:
+                            need = tl.minimum(tl.maximum((topp * Sk - sA) / ev, 0.0), 1e9)
+                            first_drop = tl.math.ceil(need).to(tl.int32)
+                            if cA == 0:
+                                first_drop = tl.maximum(first_drop, 1)
+                            q = tl.minimum(q, first_drop)
+                        if has_m & (_unkey(lo) < tmin):
+                            q = zero
+                        nkept = cA + q
+                        path = path | 64
+                phase += 1
+            if done == 0:
+                tok = _race_pass(xrow, erow, t, vkey, q, V, BLOCK, EXACT_LOG)
+                path = path | 32
+    tl.store(OUT + r, tok.to(tl.int64))
+    tl.store(INFO + r * 2, nkept)
+    tl.store(INFO + r * 2 + 1, path)
