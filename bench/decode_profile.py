@@ -1,0 +1,119 @@
+"""Where the decode step's time goes on the GPU: per op and per kernel, beside the HBM floor.
+
+    python3 -m bench.decode_profile [--preset flash-4l] [--batches 1,64] [--context 1024] [--quantization bf16,fp8]
+
+For each batch: the step replayed from its decode CUDA graph (GPU time per replay), the sum of
+the kernels inside it (from the profiler: the gap is launch bubbles between graph nodes), the
+kernels grouped by name, and an eager step with every `ops.*` call and every module wrapped in
+a profiler range, so each op's device time is attributed to what the model calls. The floor
+column is `bench.decode_overlap.floor_ms`'s bytes over the copy ceiling. A short table is printed
+last; JSON to $OUT/decode_profile.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+
+import torch
+
+from bench.timing import replay_ms
+
+
+def _kernel_table(prof) -> dict[str, float]:
+    """device µs per kernel name (summed over the profiled region)."""
+    acc = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name] += e.device_time
+    return dict(acc)
+
+
+def profile_batch(model, b: int, ctx: int, args) -> dict:
+    from glmrt.engine.cuda_graphs import DecodeGraphs
+    from glmrt.model.session import DirectSession
+
+    vocab = model.config.text.vocab_size - 100
+    prompts = torch.randint(10, vocab, (b, ctx), generator=torch.Generator().manual_seed(b))
+    sess = DirectSession(model, max_requests=b + 1, max_tokens=ctx + 64, page_size=64, shuffle_pages=False)
+    rids = [sess.new_request() for _ in range(b)]
+    with torch.no_grad():
+        for i, r in enumerate(rids):  # one at a time: bounded prefill memory at large batches
+            sess.step({r: prompts[i]}, all_logits=False)
+    graphs = DecodeGraphs(model, sess.cache, max_bs=b, max_pages=sess.pages_per_req, pad_slot=b,
+                          pad_page=sess._free_pages[0])
+    lens = [sess.lens[r] for r in rids]
+    key = graphs.key(b, max(n // 64 + 1 for n in lens))
+    slots, pages = [sess.slots[r] for r in rids], [sess.pages[r] for r in rids]
+    graphs.run(key, [11] * b, lens, slots, pages)  # captures
+    graph = graphs.graphs[key][0]
+    rep = replay_ms(graph)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = {k: v / args.reps for k, v in _kernel_table(prof).items()}
+    del sess, graphs, graph
+    torch.cuda.empty_cache()
+    return {"batch": b, "context": ctx, "replay_ms": rep, "graph_kernels_ms": sum(kernels.values()) / 1e3,
+            "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+
+
+def _floor(model, b: int, ctx: int) -> float:
+    """bench.decode_overlap.floor_ms without an Engine: the same byte count."""
+    from glmrt.cache.layout import CacheLayout
+    from bench.decode_overlap import floor_ms
+
+    class _E:  # the two attributes floor_ms reads
+        pass
+    e = _E()
+    e.model, e.model_config = model, model.config
+    e.layout = CacheLayout.from_config(model.config.text, page_size=64, kv_dtype="bfloat16", model_dtype="bfloat16")
+    return floor_ms(e, b, ctx)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="flash-4l")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--quantization", default="bf16,fp8", help="weight formats, one model each, in one run")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+
+    from backends.cuda_h200 import CudaH200Ops
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.model.loader import load_dummy
+
+    cfg = preset_config(args.preset)
+    rows = []
+    for quant in args.quantization.split(","):
+        model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
+                           with_vision=False, quantization=None if quant == "bf16" else quant)
+        for b in [int(x) for x in args.batches.split(",")]:
+            row = dict(profile_batch(model, b, args.context, args), weights=quant)
+            row["floor_ms"] = _floor(model, b, args.context)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+            print("  kernels (graph, µs/step): " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in
+                                                          list(row["kernels_us"].items())[:args.top]), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        json.dump(rows, open(os.path.join(out, "decode_profile.json"), "w"), indent=1)
+    base = {r["batch"]: r["replay_ms"] for r in rows if r["weights"] == "bf16"}
+    print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
+    print(f"{'weights':>7} {'batch':>5} {'replay ms':>9} {'kernels ms':>10} {'floor ms':>8} {'/floor':>6} {'bf16/this':>9}")
+    for r in rows:
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
+              f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} "
+              f"{base.get(r['batch'], float('nan')) / r['replay_ms']:>9.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

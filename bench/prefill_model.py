@@ -1,0 +1,155 @@
+"""Whole-model prefill on one GPU: achieved FLOP rate over the bf16 ceiling, and transformers beside it.
+
+    python3 -m bench.prefill_model [--preset flash-4l] [--tokens 4096,16384] [--hf-tokens 4096]
+
+One request of T prompt tokens through the model in one forward (DirectSession, cache
+written, last-token logits), with the `cuda-h200` kernel set: DSA prefill on the reference
+(`--dsa-prefill-backend torch`) and on the per-token kernels (`triton`). The FLOPs counted are
+the useful ones: 2 x T x the parameters a token multiplies (non-expert weights, the shared
+expert, k/E of the routed experts; the LM head once), the sparse attention over the selected
+tokens (non-absorbed form), the indexer over the completed pools, and the KDA recurrence
+(4 dk dv per head and token). transformers 5.17.0 runs the same weights at `--hf-tokens`.
+Prints a short table last; JSON to $OUT/prefill_model.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+CEILING_TFLOPS = 779.0  # measured bf16 dense on the H200 (H200.md)
+
+
+def useful_flops(model, t: int) -> dict[str, float]:
+    cfg = model.config.text
+    experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
+    exp_params = sum(p.numel() for m in experts for p in m.parameters())
+    head = model.lm_head.weight.numel()
+    embed = model.model.embed_tokens.weight.numel()
+    dense = sum(p.numel() for p in model.model.layers.parameters()) - exp_params
+    active = dense + exp_params * cfg.num_experts_per_tok / cfg.n_routed_experts
+    out = {"weights": 2.0 * t * active + 2.0 * head, "embed_params": float(embed)}
+    n_dsa = sum(1 for x in cfg.layer_types if x == "deepseek_sparse_attention")
+    n_kda = cfg.num_hidden_layers - n_dsa
+    sel = cfg.index_topk + cfg.index_kpool - 1
+    att = sum(min(i + 1, sel) for i in range(t))
+    out["sparse_attention"] = n_dsa * 2.0 * att * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                                                              + cfg.v_head_dim)
+    pools = sum((i + 1) // cfg.index_kpool for i in range(t))
+    out["indexer"] = n_dsa * 2.0 * pools * cfg.index_n_heads * cfg.index_head_dim
+    out["kda"] = n_kda * 4.0 * t * cfg.linear_num_heads * cfg.linear_head_dim ** 2
+    out["total"] = out["weights"] + out["sparse_attention"] + out["indexer"] + out["kda"]
+    return out
+
+
+def _time_ms(fn, reps: int) -> float:
+    if not torch.cuda.is_available():  # the CPU smoke run (tests the plumbing, times nothing)
+        fn()
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ours_prefill_ms(model, prompt: torch.Tensor, reps: int) -> tuple[float, torch.Tensor]:
+    from glmrt.model.session import DirectSession
+
+    t = prompt.numel()
+    sess = DirectSession(model, max_requests=1, max_tokens=t + 64, page_size=64, shuffle_pages=False)
+    last = {}
+
+    def run():
+        rid = sess.new_request()
+        with torch.no_grad():
+            last["logits"] = sess.step({rid: prompt}, all_logits=False)[rid]
+        sess.release(rid)
+    ms = _time_ms(run, reps)
+    logits = last["logits"].float().reshape(-1)
+    sess.cache = None  # free the pools before the next configuration
+    torch.cuda.empty_cache()
+    return ms, logits
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="flash-4l")
+    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--hf-tokens", default="4096", help="lengths transformers also runs ('' for none)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dsa", default="torch,triton", help="DSA prefill backends (the torch reference expands "
+                   "[H, T, T] scores: it does not fit at 16K in one forward)")
+    args = p.parse_args(argv)
+
+    from backends.cuda_h200 import CudaH200Ops
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.model.loader import load_dummy
+
+    cfg = preset_config(args.preset)
+    ops = CudaH200Ops()
+    hf_lens = {int(x) for x in args.hf_tokens.split(",") if x}
+    model = load_dummy(cfg, ops, dtype=torch.bfloat16, device="cuda", with_mtp=False, with_vision=bool(hf_lens))
+    hf = None
+    if hf_lens:
+        from bench.hf_reference import build_hf_from_ours
+        hf = build_hf_from_ours(model, "cuda", torch.bfloat16)
+    rows = []
+    for t in [int(x) for x in args.tokens.split(",")]:
+        prompt = torch.randint(10, cfg.text.vocab_size - 100, (t,), generator=torch.Generator().manual_seed(t))
+        fl = useful_flops(model, t)
+        row = {"tokens": t, "tflop": fl["total"] / 1e12, "flops": fl}
+        got = {}
+        for name, kernels in (("torch", False), ("triton", True)):
+            if name not in args.dsa.split(","):
+                row[f"{name}_ms"], got[name] = float("nan"), None
+                continue
+            ops.prefill_kernels = kernels
+            row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
+            print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
+        ops.prefill_kernels = False
+        a, b = got["torch"], got["triton"]
+        if a is not None and b is not None:
+            row["triton_vs_torch_rel"] = float((a - b).norm() / a.norm())
+            row["same_argmax"] = bool(a.argmax() == b.argmax())
+        a = a if a is not None else b
+        if hf is not None and t in hf_lens:
+            ids = prompt.cuda()[None]
+            with torch.no_grad():
+                hl = {}
+
+                def hf_run():
+                    hl["x"] = hf(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+                row["hf_ms"] = _time_ms(hf_run, args.reps)
+                h = hl["x"].float().reshape(-1)
+                row["hf_vs_ours_rel"] = float((h - a).norm() / h.norm())
+            torch.cuda.empty_cache()
+        rows.append(row)
+    out = os.environ.get("OUT")
+    if out:
+        json.dump(rows, open(os.path.join(out, "prefill_model.json"), "w"), indent=1)
+    print(f"\nprefill, {args.preset} bf16 on {torch.cuda.get_device_name()}, one request; ceiling {CEILING_TFLOPS} TFLOP/s")
+    print(f"{'tokens':>6} {'TFLOP':>6} {'torch ms':>9} {'%ceil':>6} {'triton ms':>10} {'%ceil':>6} {'HF ms':>8} "
+          f"{'HF/ours':>8} {'tri~torch rel':>13} {'HF~ours rel':>11}")
+    for r in rows:
+        best = min(x for x in (r["torch_ms"], r["triton_ms"]) if x == x)
+        pc = lambda ms: 100 * r["tflop"] / (ms / 1e3) / CEILING_TFLOPS  # noqa: E731
+        hf_ms = r.get("hf_ms", float("nan"))
+        print(f"{r['tokens']:>6} {r['tflop']:>6.2f} {r['torch_ms']:>9.1f} {pc(r['torch_ms']):>5.1f}% {r['triton_ms']:>10.1f} "
+              f"{pc(r['triton_ms']):>5.1f}% {hf_ms:>8.1f} {hf_ms / best:>8.1f} {r.get('triton_vs_torch_rel', float('nan')):>13.2e} "
+              f"{r.get('hf_vs_ours_rel', float('nan')):>11.2e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
