@@ -163,9 +163,9 @@ class Adapter:
 
 
 _TRITON_NOTES = {
-    "dsa_prefill_backend": "DSA prefill (several tokens per request) runs on the torch path by default; 'triton' runs "
-                           "glmrt's per-token indexer + sparse-MLA kernels (tested in Triton's interpreter, not yet "
-                           "validated on a GPU, hence opt-in)",
+    "dsa_prefill_backend": "DSA prefill (several tokens per request) runs on the torch path by default here; 'triton' "
+                           "runs glmrt's per-token indexer + sparse-MLA kernels (validated on the H200 only, hence "
+                           "opt-in on this hardware)",
     "dsa_decode_backend": "DSA decode (one token per request) runs on glmrt's Triton indexer + sparse-MLA kernels",
     "moe_runner_backend": "routed experts run on glmrt's Triton fused-MoE kernel (shapes it does not take fall "
                           "back to torch)",
@@ -197,17 +197,22 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         })),
     Adapter(
         name="cuda-h200", hardware=("sm90",), devices="NVIDIA H100 / H200 (SM90)",
-        kernels="the reference plus Triton kernels: DSA indexer + sparse-MLA decode, fused MoE, KDA (conv; "
+        kernels="the reference plus Triton kernels: DSA indexer + sparse-MLA (decode and prefill), fused MoE, KDA (conv; "
                 "fla-core's recurrence), RMSNorm, mHC",
         tested="H200: kernels vs the reference (tests/backends), decode step and parity (bench/RESULTS.md)",
         default_kv_dtype="bfloat16", kv_dtypes=("bfloat16", "fp8_e4m3"),
         weights=MappingProxyType({"bf16": "native (torch matmul; Triton fused MoE)",
                                   "fp8": _FP8_TRITON, "mxfp4": _FP4_ON_LOAD, "nvfp4": _FP4_ON_LOAD}),
-        preferred_weights="fp8", attention_backends=("dsa",), dsa_prefill_backends=("torch", "triton"),
+        preferred_weights="fp8", attention_backends=("dsa",), dsa_prefill_backends=("triton", "torch"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
         speculative=("EAGLE", "DFLASH2"), prefill_graphs=("breakable",), decode_graphs=True, module=".cuda_h200",
         needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,
+                                "dsa_prefill_backend": "DSA prefill runs on glmrt's per-token indexer + sparse-MLA "
+                                                       "kernels by default (validated on the H200: bench/RESULTS.md; "
+                                                       "they read only the selected rows, where the torch path "
+                                                       "expands [heads, tokens, context] scores); 'torch' is the "
+                                                       "reference",
                                 "kv_cache_dtype": "cuda-h200 caches KV in bfloat16 (the default, the seeds' H100/H200 "
                                                   "pairing), fp8_e4m3 (legal, off by default) or the model dtype"})),
     Adapter(

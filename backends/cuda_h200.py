@@ -6,7 +6,7 @@ registry itself never imports Triton. If Triton is missing the import fails with
 and the registry keeps the reference. Triton itself is imported on the first kernel call.
 
 Overridden today (everything else is the reference):
-  indexer_select  decode batches; prefill / mixed with prefill_kernels (one row per token):
+  indexer_select  decode batches; prefill / mixed with prefill_kernels (default; one row per token):
                   Triton scores + tie-broken top-k
   indexer_update  decode batches: tail append / pooled key of a completed pool, one launch
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
@@ -59,9 +59,9 @@ class CudaH200Ops(ReferenceOps):
     """ReferenceOps with the decode-path DSA indexer and sparse MLA on Triton kernels."""
 
     name = "cuda-h200"
-    # Prefill / mixed batches on the per-token indexer + sparse-MLA kernels: opt-in
-    # (--dsa-prefill-backend triton) until they are validated on a GPU; off = the reference.
-    prefill_kernels = False
+    # Prefill / mixed batches on the per-token indexer + sparse-MLA kernels (the default since
+    # their H200 validation, bench/RESULTS.md); --dsa-prefill-backend torch turns them off.
+    prefill_kernels = True
 
     @property
     def decode_graph_safe(self) -> bool:

@@ -29,7 +29,7 @@ _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", 
 # Kernel choices (SGLang's spellings); backends/adapters.py holds the table and refuses what a backend lacks.
 _FLAG_HELP = {
     "attention_backend": "auto | dsa (GLM-5.3-Flash attention is DSA + KDA)",
-    "dsa_prefill_backend": "auto | torch (tilelang / trtllm / flashmla are not shipped: refused)",
+    "dsa_prefill_backend": "auto | triton (cuda-h200 default; opt-in on cuda-blackwell, rocm-mi355x) | torch (tilelang / trtllm / flashmla are not shipped: refused)",
     "dsa_decode_backend": "auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference)",
     "moe_runner_backend": "auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference); "
                           "flashinfer_trtllm / deep_gemm / ... are not shipped: refused",

@@ -489,7 +489,7 @@ def test_registration_and_ops():
         assert registry.resolve_name("cuda-h200", hardware="sm90") == "cuda-h200"
         assert registry.resolve_name("auto", hardware="sm90") == "cuda-h200"
         ops = cuda_h200.CudaH200Ops()
-        assert ops.prefill_kernels is False  # opt-in: --dsa-prefill-backend triton
+        assert ops.prefill_kernels is True  # the default; --dsa-prefill-backend torch turns it off
         assert isinstance(ops, ReferenceOps) and ops.name == "cuda-h200"
     finally:
         registry._FACTORIES.clear()

@@ -64,7 +64,7 @@ def test_auto_without_the_kernels_installed_falls_back_to_the_reference():
 # ---- defaults -------------------------------------------------------------------------------
 @pytest.mark.parametrize("hw,want", [
     ("sm90", dict(backend="cuda-h200", kv_cache_dtype="bfloat16", attention_backend="dsa",
-                  dsa_prefill_backend="torch", dsa_decode_backend="triton", moe_runner_backend="triton",
+                  dsa_prefill_backend="triton", dsa_decode_backend="triton", moe_runner_backend="triton",
                   linear_attn_backend="triton")),
     ("sm100", dict(backend="cuda-blackwell", kv_cache_dtype="fp8_e4m3", attention_backend="dsa",
                    dsa_prefill_backend="torch", dsa_decode_backend="triton", moe_runner_backend="triton",
