@@ -102,6 +102,8 @@ class Sampler:
 
     def _tokens(self, x: Tensor, rows: list[SamplerRow]) -> Tensor:
         """One token per row of the penalised fp32 logits x, on x's device."""
+        if all(r.params.is_greedy for r in rows):  # one argmax beats the kernels' three passes (H200: 0.17 vs 0.30 ms at B=1)
+            return x.argmax(dim=-1)
         kernels = self._kernels(x)
         if kernels is not None:
             return _sample_kernel(kernels, x, rows)

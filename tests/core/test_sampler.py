@@ -47,6 +47,22 @@ def test_greedy_is_argmax_and_ties_go_to_lowest_id():
     assert out.tokens == logits.argmax(-1).tolist()
 
 
+def test_all_greedy_batches_skip_the_kernels(monkeypatch):
+    """A batch of greedy rows is one argmax, also where the kernel path is forced: the kernels
+    are never loaded (on the H200 their three passes cost more than the argmax)."""
+    import glmrt.engine.sampler as sampler_mod
+
+    def no_kernels():
+        raise AssertionError("the kernel path was taken for an all-greedy batch")
+    monkeypatch.setattr(sampler_mod, "_load_kernels", no_kernels)
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(3))
+    logits[2, [7, 9]] = 100.0  # a tie: the lowest id
+    rows = [row(temperature=0.0, repetition_penalty=1.3 if i % 2 else 1.0, output=[9]) for i in range(8)]
+    out = Sampler(use_kernel=True).sample(logits, rows)
+    assert out.tokens[2] == 7
+    assert out.tokens == Sampler(use_kernel=False).sample(logits, rows).tokens
+
+
 def test_temperature_zero_and_top_k_one_agree_and_draw_nothing():
     logits = torch.tensor([[0.5, 3.0, 2.0, 1.0]]).expand(4, -1)
     g = torch.Generator().manual_seed(3)
