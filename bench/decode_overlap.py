@@ -122,13 +122,14 @@ def _check_graph_logits(engine, prompts) -> dict:
             "async_launch": ok_async, "sync_in_launch": sync_error}
 
 
-def floor_ms(engine, b: int, ctx: int, tbps: float = 4.09) -> float:
+def floor_ms(engine, b: int, ctx: int, tbps: float = 4.09, experts_touched: int | None = None) -> float:
     """HBM floor of one decode step: the bytes it must touch over the measured copy ceiling.
 
     Every non-expert weight once (embedding: only b rows), the routed experts the batch is
     expected to reach (E (1 - (1 - k/E)^b) per MoE layer, uniform routing), the selected KV
     (<= 2048 + 15 latent rows per request and DSA layer, plus the pooled keys the indexer
-    scores), and the KDA state read and written.
+    scores), and the KDA state read and written. `experts_touched` (distinct experts summed over
+    the MoE layers, as measured in a step) replaces the uniform-routing expectation.
     """
     model, t = engine.model, engine.model_config.text
     experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
@@ -138,7 +139,7 @@ def floor_ms(engine, b: int, ctx: int, tbps: float = 4.09) -> float:
     dense = total - exp_bytes - embed.numel() * embed.element_size() + b * embed.shape[1] * embed.element_size()
     e, k = t.n_routed_experts, t.num_experts_per_tok
     per_expert = exp_bytes / max(1, len(experts) * e)
-    routed = len(experts) * e * (1 - (1 - k / e) ** b) * per_expert
+    routed = (len(experts) * e * (1 - (1 - k / e) ** b) if experts_touched is None else experts_touched) * per_expert
     lay = engine.layout
     kv = lay.num_dsa * b * min(ctx, t.index_topk_pools * t.index_kpool + t.index_kpool - 1) * lay.latent_row_bytes
     kv += lay.num_indexer * b * (ctx // t.index_kpool) * t.index_head_dim * 2

@@ -31,6 +31,23 @@ def _kernel_table(prof) -> dict[str, float]:
     return dict(acc)
 
 
+def count_experts(model, step) -> int:
+    """Distinct routed experts per MoE layer, summed over the layers, in one call of `step`."""
+    ops, seen = model.ops, []
+
+    def route(*a, **k):
+        weights, ids = type(ops).moe_route(ops, *a, **k)
+        seen.append(int(torch.unique(ids).numel()))
+        return weights, ids
+    ops.moe_route = route
+    try:
+        with torch.no_grad():
+            step()
+    finally:
+        del ops.moe_route
+    return sum(seen)
+
+
 def profile_batch(model, b: int, ctx: int, args) -> dict:
     from glmrt.engine.cuda_graphs import DecodeGraphs
     from glmrt.model.session import DirectSession
@@ -44,10 +61,15 @@ def profile_batch(model, b: int, ctx: int, args) -> dict:
             sess.step({r: prompts[i]}, all_logits=False)
     graphs = DecodeGraphs(model, sess.cache, max_bs=b, max_pages=sess.pages_per_req, pad_slot=b,
                           pad_page=sess._free_pages[0])
+    # A decode token per row, all different (one token for every row would route the whole batch
+    # alike and read few experts); one eager step counts the experts this batch really reaches.
+    gen = torch.Generator().manual_seed(1000 + b)
+    touched = count_experts(model, lambda: sess.step(
+        {r: torch.randint(10, vocab, (1,), generator=gen) for r in rids}, all_logits=False))
     lens = [sess.lens[r] for r in rids]
     key = graphs.key(b, max(n // 64 + 1 for n in lens))
     slots, pages = [sess.slots[r] for r in rids], [sess.pages[r] for r in rids]
-    graphs.run(key, [11] * b, lens, slots, pages)  # captures
+    graphs.run(key, torch.randint(10, vocab, (b,), generator=gen).tolist(), lens, slots, pages)  # captures
     graph = graphs.graphs[key][0]
     rep = replay_ms(graph)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -55,13 +77,12 @@ def profile_batch(model, b: int, ctx: int, args) -> dict:
             graph.replay()
         torch.cuda.synchronize()
     kernels = {k: v / args.reps for k, v in _kernel_table(prof).items()}
-    del sess, graphs, graph
-    torch.cuda.empty_cache()
     return {"batch": b, "context": ctx, "replay_ms": rep, "graph_kernels_ms": sum(kernels.values()) / 1e3,
+            "experts_touched": touched,
             "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
-def _floor(model, b: int, ctx: int) -> float:
+def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float:
     """bench.decode_overlap.floor_ms without an Engine: the same byte count."""
     from glmrt.cache.layout import CacheLayout
     from bench.decode_overlap import floor_ms
@@ -71,7 +92,7 @@ def _floor(model, b: int, ctx: int) -> float:
     e = _E()
     e.model, e.model_config = model, model.config
     e.layout = CacheLayout.from_config(model.config.text, page_size=64, kv_dtype="bfloat16", model_dtype="bfloat16")
-    return floor_ms(e, b, ctx)
+    return floor_ms(e, b, ctx, experts_touched=experts_touched)
 
 
 def main(argv=None) -> list[dict]:
@@ -95,7 +116,9 @@ def main(argv=None) -> list[dict]:
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         for b in [int(x) for x in args.batches.split(",")]:
             row = dict(profile_batch(model, b, args.context, args), weights=quant)
-            row["floor_ms"] = _floor(model, b, args.context)
+            torch.cuda.empty_cache()  # the batch's session and graphs are gone
+            row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the issue's floors)
+            row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
             print("  kernels (graph, µs/step): " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in
@@ -107,10 +130,13 @@ def main(argv=None) -> list[dict]:
         json.dump(rows, open(os.path.join(out, "decode_profile.json"), "w"), indent=1)
     base = {r["batch"]: r["replay_ms"] for r in rows if r["weights"] == "bf16"}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'replay ms':>9} {'kernels ms':>10} {'floor ms':>8} {'/floor':>6} {'bf16/this':>9}")
+    print("floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached")
+    print(f"{'weights':>7} {'batch':>5} {'replay ms':>9} {'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
+          f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'bf16/this':>9}")
     for r in rows:
         print(f"{r['weights']:>7} {r['batch']:>5} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
-              f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} "
+              f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} {r['experts_touched']:>7} "
+              f"{r['floor_routed_ms']:>12.3f} {r['replay_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{base.get(r['batch'], float('nan')) / r['replay_ms']:>9.2f}")
     return rows
 
