@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-
 import torch
+
+from bench.timing import event_ms
 
 CEILING_TFLOPS = 779.0  # measured bf16 dense on the H200 (H200.md)
 
@@ -50,17 +50,7 @@ def _time_ms(fn, reps: int) -> float:
     if not torch.cuda.is_available():  # the CPU smoke run (tests the plumbing, times nothing)
         fn()
         return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_ms(fn, reps)
 
 
 def ours_prefill_ms(model, prompt: torch.Tensor, reps: int) -> tuple[float, torch.Tensor]:

@@ -19,19 +19,7 @@ def timers(dev: torch.device, host_repeats: int = 3) -> tuple[Callable, Callable
         def kernel_ms(fn):
             return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
-        def ref_ms(fn, n=3):
-            fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(n):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            return statistics.median(times)
-        return kernel_ms, ref_ms
+        return kernel_ms, event_ms
 
     def host_ms(fn, n=host_repeats):
         fn()
@@ -42,6 +30,21 @@ def timers(dev: torch.device, host_repeats: int = 3) -> tuple[Callable, Callable
             times.append((time.perf_counter() - t) * 1e3)
         return statistics.median(times)
     return host_ms, host_ms
+
+
+def event_ms(fn: Callable, n: int = 3) -> float:
+    """Median event-timed call of fn on the current CUDA stream, after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
