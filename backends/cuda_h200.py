@@ -13,6 +13,8 @@ Overridden today (everything else is the reference):
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
+  gated_rms_norm  rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
+  moe_route       n_group 1: router logits (one launch, tiled over experts) + top-k selection
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
@@ -120,6 +122,13 @@ class CudaH200Ops(ReferenceOps):
         from .kernels.norms import rms_norm
         return rms_norm(x, weight, eps)
 
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.is_cuda or _interpreting():
+            from .kernels import norms
+            if norms.gated_supported(x, gate, weight):
+                return norms.gated_rms_norm(x, gate, weight, eps)
+        return super().gated_rms_norm(x, gate, weight, eps)
+
     def mhc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         m = streams.shape[1] if streams.dim() == 3 else 0
@@ -165,6 +174,15 @@ class CudaH200Ops(ReferenceOps):
                 and (q.is_cuda or kk.INTERPRET_CHUNK or (meta.num_reqs and all(s == 1 for s in meta.seq_lens)))):
             return kk.kda(q, k, v, g, beta, state, meta)
         return super().kda(q, k, v, g, beta, state, meta, chunk_size)
+
+    # ---- the MoE router (n_group 1; backends/kernels/moe_route.py) ----------------------------
+    def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                  topk_group: int, norm_topk_prob: bool, scaling: float):
+        if x.is_cuda or _interpreting():
+            from .kernels import moe_route as mr
+            if mr.supported(x, gate_w, bias, top_k, n_group):
+                return mr.moe_route(x, gate_w, bias, top_k, norm_topk_prob, scaling)
+        return super().moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
 
     # ---- routed MoE experts (every batch; kernels in backends/kernels/fused_moe.py) ----------
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,

@@ -77,3 +77,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     _rms_norm_kernel[(n,)](x2, w, y2, x2.stride(0), y2.stride(0), d, float(eps),
                            BLOCK_D=bd, ONE_PASS=one, num_warps=num_warps)
     return out
+
+
+# ---- gated RMSNorm (the KDA output norm) ---------------------------------------------------------
+# ReferenceOps.gated_rms_norm, all fp32 then one rounding:
+#     y = cast_dt(x32 * rsqrt(mean(x32²) + eps) * w32 * sigmoid(g32))
+# Rows are short (the KDA head dim, 128), so a program takes BLOCK_R rows at once: one launch
+# instead of the reference's eight elementwise kernels, and no program per 128-element row.
+@triton.jit
+def _gated_rms_norm_kernel(X, G, W, Y, R, stride_x, stride_g, stride_y, D, eps,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    r_ok = rows < R
+    d_ok = offs < D
+    ok = r_ok[:, None] & d_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_g + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + offs, mask=d_ok, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    y = x * r[:, None] * w[None, :]
+    y = y * (1.0 / (1.0 + tl.exp(-g)))  # torch's sigmoid: 1 / (1 + exp(-g))
+    tl.store(Y + rows[:, None] * stride_y + offs[None, :], y.to(Y.dtype.element_ty), mask=ok)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """ReferenceOps.gated_rms_norm for x, gate [..., D] (same shape), weight [D]; x.dtype out.
+    Rows of up to MAX_GATED_D elements (the KDA head dim); longer rows are the caller's to route
+    to the reference (`gated_supported`)."""
+    d = x.shape[-1]
+    assert gated_supported(x, gate, weight), (x.shape, gate.shape, weight.shape)
+    x2 = x.reshape(-1, d)
+    g2 = gate.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    n = x2.shape[0]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+    if n == 0:
+        return out
+    y2 = out.view(-1, d)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    bd = triton.next_power_of_2(d)
+    br = max(1, min(16, 2048 // bd))
+    _gated_rms_norm_kernel[(triton.cdiv(n, br),)](x2, g2, w, y2, n, x2.stride(0), g2.stride(0), y2.stride(0), d,
+                                                  float(eps), BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+MAX_GATED_D = 1024
+
+
+def gated_supported(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> bool:
+    d = x.shape[-1] if x.dim() else 0
+    return (x.dim() >= 1 and 1 <= d <= MAX_GATED_D and gate.shape == x.shape and weight.shape == (d,)
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and gate.device == x.device and weight.device == x.device)

@@ -395,3 +395,45 @@ def test_tiles_shrink_until_they_fit():
 
     with pytest.raises(OutOfResources):
         fm._launch_fitting(Never(), lambda c: (1,), (), meta, dict(c, BLOCK_K=32), 320, False)
+
+
+# ---- the router -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,d,e,k,norm,dtype", [
+    (1, 256, 288, 8, True, torch.bfloat16),      # decode, the real expert count and top-k
+    (37, 192, 288, 8, True, torch.bfloat16),     # several token blocks, D not a multiple of the K tile
+    (20, 128, 64, 6, False, torch.float32),      # fp32 model, no renormalisation
+    (3, 64, 16, 16, True, torch.bfloat16),       # k == E: every expert, in choice order
+])
+def test_moe_route_matches_reference(device, n, d, e, k, norm, dtype):
+    from backends.kernels.moe_route import moe_route, supported
+
+    g = _gen("route", n, d, e, k, norm, str(dtype))
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.randn(e, d, generator=g) * d ** -0.5).to(dtype)
+    bias = torch.randn(e, generator=g) * 0.05
+    ref_w, ref_ids = REF.moe_route(x, w, bias, k, 1, 1, norm, 2.5)
+    x, w, bias = x.to(device), w.to(device), bias.to(device)
+    assert supported(x, w, bias, k, 1)
+    got_w, got_ids = moe_route(x, w, bias, k, norm, 2.5)
+    assert got_ids.dtype == torch.long and got_w.dtype == torch.float32
+    # same experts in the same (descending choice) order; weights to fp32 rounding
+    assert torch.equal(got_ids.cpu(), ref_ids)
+    assert _rel(got_w, ref_w) < 1e-5
+
+
+def test_moe_route_ties_and_fallbacks(device):
+    """Equal choices go to the lower id; group-limited routing and mixed dtypes take the reference."""
+    from backends.kernels.moe_route import moe_route, supported
+
+    x = torch.ones(2, 32, dtype=torch.bfloat16, device=device)
+    w = torch.zeros(8, 32, dtype=torch.bfloat16, device=device)   # every logit 0: a full tie
+    bias = torch.zeros(8, device=device)
+    wts, ids = moe_route(x, w, bias, 3, True, 1.0)
+    assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert torch.allclose(wts.cpu(), torch.full((2, 3), 1 / 3))
+    assert not supported(x, w, bias, 3, 2)                        # n_group > 1
+    assert not supported(x, w.float(), bias, 3, 1)                # bf16 tokens with an fp32 router
+    ops = CudaH200Ops()
+    gw, gids = ops.moe_route(x, w, bias, 3, 2, 1, True, 1.0)     # group routing: the reference's answer
+    rw, rids = REF.moe_route(x.cpu(), w.cpu(), bias.cpu(), 3, 2, 1, True, 1.0)
+    assert _rel(gw, rw) < 1e-6 and gids.shape == rids.shape

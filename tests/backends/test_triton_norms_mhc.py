@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from backends.reference import ReferenceOps  # noqa: E402
 from backends.kernels.mhc import mhc_post, mhc_pre  # noqa: E402
-from backends.kernels.norms import rms_norm  # noqa: E402
+from backends.kernels.norms import gated_rms_norm, rms_norm  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 from tests.backends.conftest import rel as _rel, tol as _tol  # noqa: E402
@@ -52,6 +52,41 @@ def test_rms_norm(device, dtype, shape, block_d):
     assert _rel(out, ref) < _tol(dtype)
     out2 = rms_norm(x, w.to(dtype), 1e-6)                                  # weight in the model dtype
     assert _rel(out2, REF.rms_norm(x.cpu(), w.to(dtype).cpu(), 1e-6)) < _tol(dtype)
+
+
+# ---- gated RMSNorm (KDA output norm) ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64, 128), (5, 3, 128), (37, 96), (2, 1000)])
+def test_gated_rms_norm(device, dtype, shape):
+    g = _gen("gated", str(dtype), shape)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    gate = (torch.randn(shape, generator=g) * 2).to(dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
+    ref = REF.gated_rms_norm(x, gate, w, 1e-5)
+    out = _nan(shape, dtype, device)
+    res = gated_rms_norm(x.to(device), gate.to(device), w.to(device), 1e-5, out=out)
+    assert res is out and out.dtype == dtype
+    assert _rel(out, ref) < (1e-6 if dtype == torch.float32 else _tol(dtype))
+    # non-contiguous gate (a view), fp32 weight: same values
+    wide = torch.cat([gate, gate], dim=-1).to(device)
+    res2 = gated_rms_norm(x.to(device), wide[..., :shape[-1]], w.float().to(device), 1e-5)
+    assert _rel(res2, REF.gated_rms_norm(x, gate, w.float(), 1e-5)) < (1e-6 if dtype == torch.float32 else _tol(dtype))
+
+
+def test_gated_rms_norm_through_the_ops():
+    """CudaH200Ops takes the kernel for the KDA shapes and the reference for rows it does not take."""
+    from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import norms
+
+    ops = CudaH200Ops()
+    g = _gen("gated-ops")
+    x, gate = torch.randn(3, 4, 128, generator=g), torch.randn(3, 4, 128, generator=g)
+    w = torch.rand(128, generator=g) + 0.5
+    assert norms.gated_supported(x, gate, w) and not norms.gated_supported(torch.randn(2, 2048), torch.randn(2, 2048),
+                                                                          torch.ones(2048))
+    assert _rel(ops.gated_rms_norm(x, gate, w, 1e-5), REF.gated_rms_norm(x, gate, w, 1e-5)) < 1e-6
+    y = torch.randn(2, 2048, generator=g)
+    assert torch.equal(ops.gated_rms_norm(y, y, torch.ones(2048), 1e-5), REF.gated_rms_norm(y, y, torch.ones(2048), 1e-5))
 
 
 # ---- mHC pre ------------------------------------------------------------------------------------
