@@ -13,6 +13,7 @@ Overridden today (everything else is the reference):
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
+  kda_gate        every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       n_group 1: router logits (one launch, tiled over experts) + top-k selection
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
@@ -121,6 +122,14 @@ class CudaH200Ops(ReferenceOps):
             return super().rms_norm(x, weight, eps)
         from .kernels.norms import rms_norm
         return rms_norm(x, weight, eps)
+
+    def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
+                 num_heads: int) -> torch.Tensor:
+        if f.is_cuda or _interpreting():
+            from .kernels import kda_gate as kg
+            if kg.supported(f, dt_bias, a_log, num_heads):
+                return kg.kda_gate(f, dt_bias, a_log, lower_bound, num_heads)
+        return super().kda_gate(f, dt_bias, a_log, lower_bound, num_heads)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.is_cuda or _interpreting():

@@ -56,6 +56,18 @@ class ReferenceOps:
         y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return weight.to(x.dtype) * y
 
+    def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
+                 num_heads: int) -> torch.Tensor:
+        """KDA's per head and channel log-decay g (< 0), fp32 [N, H, d], from the forget-gate
+        projection f [N, H*d]: with a lower bound lb·sigmoid(exp(A_log)·(f + dt_bias)), else
+        -exp(A_log)·softplus(f + dt_bias)."""
+        f = f.float() + dt_bias.float()
+        f = f.view(f.shape[0], num_heads, -1)
+        rate = a_log.float().exp()[:, None]
+        if lower_bound is not None:
+            return lower_bound * torch.sigmoid(rate * f)
+        return -rate * torch.where(f > 20.0, f, F.softplus(f))
+
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()

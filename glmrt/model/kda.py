@@ -7,7 +7,6 @@ K-1 pre-conv q/k/v inputs and the [H, dk, dv] recurrent state (MODEL.md §4, §8
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glmrt.config import TextConfig
@@ -45,12 +44,8 @@ class KDAAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Per head and channel log-decay g (< 0), fp32, [N, H, d]."""
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        f = f.view(x.shape[0], self.num_heads, self.head_dim)
-        rate = self.A_log.float().exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * torch.where(f > 20.0, f, F.softplus(f))
+        return self.ops.kda_gate(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log, self.lower_bound,
+                                 self.num_heads)
 
     def forward(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
         n = x.shape[0]

@@ -225,3 +225,23 @@ def test_kda_real_head_dims_gpu(state_dtype):
     _kda_check(dev, [0, 300, 7, 12], [200, 1, 1, 129], torch.bfloat16, state_dtype, seed=21, h=4, dk=128, dv=128,
                run=run)
     _kda_check(dev, [0, 300, 7, 12], [1, 1, 1, 1], torch.bfloat16, state_dtype, seed=22, h=4, dk=128, dv=128, run=run)
+
+
+# ---- the forget gate -----------------------------------------------------------------------------
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("n,h,d,dtype", [(1, 64, 128, torch.bfloat16), (9, 4, 16, torch.float32), (33, 3, 20, torch.bfloat16)])
+def test_kda_gate_matches_reference(device, lower_bound, n, h, d, dtype):
+    from backends.kernels.kda_gate import kda_gate, supported
+    from tests.backends.conftest import rel
+
+    g = torch.Generator().manual_seed(n * 1000 + h + (0 if lower_bound is None else 1))
+    f = (torch.randn(n, h * d, generator=g) * 8).to(dtype)   # both sides of the softplus threshold
+    dt_bias = torch.randn(h * d, generator=g)
+    a_log = torch.randn(h, generator=g) * 0.5
+    ref = ReferenceOps().kda_gate(f, dt_bias, a_log, lower_bound, h)
+    f, dt_bias, a_log = f.to(device), dt_bias.to(device), a_log.to(device)
+    assert supported(f, dt_bias, a_log, h)
+    got = kda_gate(f, dt_bias, a_log, lower_bound, h)
+    assert got.shape == (n, h, d) and got.dtype == torch.float32
+    assert rel(got, ref) < 1e-6
+    assert bool((got < 0).all()) or lower_bound is None  # a decay
