@@ -197,8 +197,8 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         })),
     Adapter(
         name="cuda-h200", hardware=("sm90",), devices="NVIDIA H100 / H200 (SM90)",
-        kernels="the reference plus Triton kernels: DSA indexer + sparse-MLA (decode and prefill), fused MoE, KDA (conv; "
-                "fla-core's recurrence), RMSNorm, mHC",
+        kernels="the reference plus Triton kernels: DSA indexer + sparse-MLA (decode and prefill), MoE router + "
+                "fused MoE, KDA (conv, forget gate, gated norm; fla-core's recurrence), RMSNorm, mHC",
         tested="H200: kernels vs the reference (tests/backends), decode step and parity (bench/RESULTS.md)",
         default_kv_dtype="bfloat16", kv_dtypes=("bfloat16", "fp8_e4m3"),
         weights=MappingProxyType({"bf16": "native (torch matmul; Triton fused MoE)",
