@@ -13,9 +13,9 @@ Overridden today (everything else is the reference):
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
-  kda_gate        every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
-  gated_rms_norm  rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
-  moe_route       n_group 1: router logits (one launch, tiled over experts) + top-k selection
+  kda_gate        with fused_small_ops (opt-in until GPU-checked), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
+  gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
+  moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
@@ -65,6 +65,10 @@ class CudaH200Ops(ReferenceOps):
     # Prefill / mixed batches on the per-token indexer + sparse-MLA kernels (the default since
     # their H200 validation, bench/RESULTS.md); --dsa-prefill-backend torch turns them off.
     prefill_kernels = True
+    # The router, KDA forget-gate and gated-norm kernels (each replaces 6-10 small launches):
+    # checked against the reference in Triton's interpreter, not yet compiled on a GPU, so
+    # opt-in until bench/decode_profile.py --fused-small-ops has run them on the H200.
+    fused_small_ops = False
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -125,14 +129,14 @@ class CudaH200Ops(ReferenceOps):
 
     def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
                  num_heads: int) -> torch.Tensor:
-        if f.is_cuda or _interpreting():
+        if self.fused_small_ops and (f.is_cuda or _interpreting()):
             from .kernels import kda_gate as kg
             if kg.supported(f, dt_bias, a_log, num_heads):
                 return kg.kda_gate(f, dt_bias, a_log, lower_bound, num_heads)
         return super().kda_gate(f, dt_bias, a_log, lower_bound, num_heads)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.is_cuda or _interpreting():
+        if self.fused_small_ops and (x.is_cuda or _interpreting()):
             from .kernels import norms
             if norms.gated_supported(x, gate, weight):
                 return norms.gated_rms_norm(x, gate, weight, eps)
@@ -187,7 +191,7 @@ class CudaH200Ops(ReferenceOps):
     # ---- the MoE router (n_group 1; backends/kernels/moe_route.py) ----------------------------
     def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                   topk_group: int, norm_topk_prob: bool, scaling: float):
-        if x.is_cuda or _interpreting():
+        if self.fused_small_ops and (x.is_cuda or _interpreting()):
             from .kernels import moe_route as mr
             if mr.supported(x, gate_w, bias, top_k, n_group):
                 return mr.moe_route(x, gate_w, bias, top_k, norm_topk_prob, scaling)

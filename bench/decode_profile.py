@@ -103,6 +103,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--quantization", default="bf16,fp8", help="weight formats, one model each, in one run")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--fused-small-ops", default="off,on",
+                   help="CudaH200Ops.fused_small_ops settings to run side by side (router, KDA gate, gated norm)")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
@@ -114,8 +116,9 @@ def main(argv=None) -> list[dict]:
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
-        for b in [int(x) for x in args.batches.split(",")]:
-            row = dict(profile_batch(model, b, args.context, args), weights=quant)
+        for b, fused in [(int(x), f) for x in args.batches.split(",") for f in args.fused_small_ops.split(",")]:
+            model.ops.fused_small_ops = fused == "on"
+            row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused)
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])
@@ -128,13 +131,14 @@ def main(argv=None) -> list[dict]:
     out = os.environ.get("OUT")
     if out:
         json.dump(rows, open(os.path.join(out, "decode_profile.json"), "w"), indent=1)
-    base = {r["batch"]: r["replay_ms"] for r in rows if r["weights"] == "bf16"}
+    first = args.fused_small_ops.split(",")[0]
+    base = {r["batch"]: r["replay_ms"] for r in rows if r["weights"] == "bf16" and r["fused"] == first}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
     print("floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached")
-    print(f"{'weights':>7} {'batch':>5} {'replay ms':>9} {'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
-          f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'bf16/this':>9}")
+    print(f"{'weights':>7} {'fused':>5} {'batch':>5} {'replay ms':>9} {'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
+          f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'base/this':>9}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
+        print(f"{r['weights']:>7} {r['fused']:>5} {r['batch']:>5} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
               f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} {r['experts_touched']:>7} "
               f"{r['floor_routed_ms']:>12.3f} {r['replay_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{base.get(r['batch'], float('nan')) / r['replay_ms']:>9.2f}")

@@ -36,7 +36,7 @@ PAGE = 16
 
 
 def _h200(prefill: bool = True):
-    """CudaH200Ops with the (opt-in) prefill kernels on, so prefill / mixed batches test them."""
+    """CudaH200Ops with the prefill kernels on (the default) or off."""
     from backends.cuda_h200 import CudaH200Ops
 
     ops = CudaH200Ops()
@@ -531,6 +531,18 @@ def test_tiny_model_with_prefill_kernels(device, dtype):
         assert int((errs >= max(1.5 * ref_errs.max(), 1e-2)).sum()) <= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_model_with_fused_small_ops(device, dtype):
+    """With fused_small_ops the KDA forget gate and gated norm run as kernels too (the tiny model's
+    router is group-limited, so it stays on the reference; the router kernel has its own tests).
+    DSA prefill on the reference, so that only these ops differ from the strict-bound test above."""
+    got, truth, ref = _tiny_decode(device, dtype, prefill_kernels=False, fused_small_ops=True)
+    if dtype == torch.float32:
+        assert _rel(got, truth) < 1e-4
+    else:
+        assert _rel(got, truth) < max(1.5 * _rel(ref, truth), 1e-2)
+
+
 def _check_fla_tf32(device, truth, *, prefill_kernels: bool) -> None:
     """On a GPU with fla-core the KDA op is fla's, whose fp32 dots run in TF32 (10-bit mantissa):
     the fp32 checks above hold KDA on the reference so that they bound our kernels at 1e-4; the
@@ -540,7 +552,7 @@ def _check_fla_tf32(device, truth, *, prefill_kernels: bool) -> None:
         assert _rel(got, truth) < 3e-3
 
 
-def _tiny_decode(device, dtype, *, prefill_kernels: bool, fla_kda: bool = False):
+def _tiny_decode(device, dtype, *, prefill_kernels: bool, fla_kda: bool = False, fused_small_ops: bool = False):
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
     from glmrt.model.session import DirectSession
@@ -560,6 +572,7 @@ def _tiny_decode(device, dtype, *, prefill_kernels: bool, fla_kda: bool = False)
 
     truth = decode_logits(ReferenceOps(), torch.float32)  # same weights, bf16 ones are their rounding
     ops = _h200(prefill_kernels)
+    ops.fused_small_ops = fused_small_ops
     if dtype == torch.float32 and not fla_kda:  # see _check_fla_tf32
         ops.kda = functools.partial(ReferenceOps.kda, ops)
     got = decode_logits(ops, dtype)

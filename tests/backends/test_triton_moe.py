@@ -339,6 +339,7 @@ def test_route_and_experts_graph_safe():
     gate_w = torch.randn(e, d, generator=g).to(dev, torch.bfloat16) * d ** -0.5
     bias = torch.randn(e, generator=g).to(dev) * 0.01
     ops = CudaH200Ops()
+    ops.fused_small_ops = True  # the router kernel too
 
     def step():
         w, ids = ops.moe_route(x, gate_w, bias, k, 1, 1, True, 2.5)

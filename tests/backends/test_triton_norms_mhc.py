@@ -79,6 +79,7 @@ def test_gated_rms_norm_through_the_ops():
     from backends.kernels import norms
 
     ops = CudaH200Ops()
+    ops.fused_small_ops = True
     g = _gen("gated-ops")
     x, gate = torch.randn(3, 4, 128, generator=g), torch.randn(3, 4, 128, generator=g)
     w = torch.rand(128, generator=g) + 0.5
