@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from glmrt.config import TextConfig
-from glmrt.model.layers import Linear, WeightOnly, _param
+from glmrt.model.layers import Linear, LinearGroup, WeightOnly, _param, join_columns
 
 
 class KDAAttention(nn.Module):
@@ -37,24 +37,27 @@ class KDAAttention(nn.Module):
         self.g_b_proj = Linear(ops, self.head_dim, hd, dtype=dtype)
         self.o_norm = WeightOnly(self.head_dim, dtype=dtype)
         self.o_proj = Linear(ops, hd, d, dtype=dtype)
+        # every projection of the layer input, one GEMV once fused (q, k, v first: `mixed`)
+        self.in_proj = LinearGroup(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
+        self.linear_groups = (self.in_proj,)
 
     def conv_weight(self) -> torch.Tensor:
         """[3*qkv, K]: the three depthwise kernels in q, k, v channel order."""
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per head and channel log-decay g (< 0), fp32, [N, H, d]."""
-        return self.ops.kda_gate(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log, self.lower_bound,
-                                 self.num_heads)
+    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per head and channel log-decay g (< 0), fp32, [N, H, d], from f_a_proj's output."""
+        return self.ops.kda_gate(self.f_b_proj(f_a), self.dt_bias, self.A_log, self.lower_bound, self.num_heads)
 
     def forward(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
         n = x.shape[0]
         shape = (n, self.num_heads, self.head_dim)
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q, k, v, f_a, g_a, b = self.in_proj(x)
+        mixed = join_columns([q, k, v])  # a view of the fused product
         mixed = self.ops.causal_conv(mixed, cache.conv(self.layer), self.conv_weight(), meta)
         q, k, v = (t.reshape(shape) for t in mixed.chunk(3, dim=-1))
-        beta = torch.sigmoid(self.b_proj(x))  # model dtype, as the reference computes it
-        o = self.ops.kda(q, k, v, self.forget_gate(x), beta, cache.recurrent(self.layer), meta)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(shape)
+        beta = torch.sigmoid(b)  # model dtype, as the reference computes it
+        o = self.ops.kda(q, k, v, self.forget_gate(f_a), beta, cache.recurrent(self.layer), meta)
+        gate = self.g_b_proj(g_a).view(shape)
         o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, -1)
         return self.o_proj(o)

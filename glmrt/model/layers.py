@@ -55,6 +55,97 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight, self.bias, self.weight_scale_inv, self.block)
 
 
+class LinearGroup:
+    """Linear layers that read the same input, run as one matmul once `fuse()` has been called.
+
+    The members keep their own checkpoint-named parameters; `fuse()` (after the model is
+    materialised, before its weights are written) re-seats them as row views of one shared
+    weight (and FP8 scale) tensor, so loading, quantising and counting parameters see them
+    unchanged while a decode step launches one GEMV instead of several small ones. Members
+    that cannot share (different formats, biases on some only, FP8 scale blocks split between
+    two members) leave the group unfused: the members then run one by one, as before.
+    Not a Module: the members stay registered only under their own names.
+    """
+
+    def __init__(self, *members: Linear):
+        self.members = list(members)
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.scale_inv: torch.Tensor | None = None
+        self.sizes = [m.out_features for m in members]
+
+    def fusable(self) -> bool:
+        m0 = self.members[0]
+        same = all(m.in_features == m0.in_features and m.weight.dtype == m0.weight.dtype
+                   and m.is_fp8 == m0.is_fp8 and m.block == m0.block and (m.bias is None) == (m0.bias is None)
+                   and m.weight.device == m0.weight.device and m.weight.device.type != "meta"
+                   for m in self.members)
+        # block-scaled members share scale rows only when every block boundary lines up
+        aligned = not m0.is_fp8 or all(m.out_features % m0.block[0] == 0 for m in self.members[:-1])
+        return len(self.members) > 1 and same and aligned
+
+    def fuse(self) -> bool:
+        if self.weight is not None:
+            return True
+        if not self.fusable():
+            return False
+        m0 = self.members[0]
+        self.weight = torch.empty(sum(self.sizes), m0.in_features, dtype=m0.weight.dtype, device=m0.weight.device)
+        if m0.bias is not None:
+            self.bias = torch.empty(sum(self.sizes), dtype=m0.bias.dtype, device=m0.bias.device)
+        if m0.is_fp8:
+            rows = [math.ceil(n / m0.block[0]) for n in self.sizes]
+            self.scale_inv = torch.empty(sum(rows), m0.weight_scale_inv.shape[1], dtype=torch.float32,
+                                         device=m0.weight.device)
+        row = srow = 0
+        for m, n in zip(self.members, self.sizes):
+            m.weight = nn.Parameter(self.weight[row:row + n], requires_grad=False)
+            if self.bias is not None:
+                m.bias = nn.Parameter(self.bias[row:row + n], requires_grad=False)
+            if self.scale_inv is not None:
+                r = math.ceil(n / m0.block[0])
+                m.weight_scale_inv = nn.Parameter(self.scale_inv[srow:srow + r], requires_grad=False)
+                srow += r
+            row += n
+        return True
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's output, in order (column views of one product when fused)."""
+        if self.weight is None:
+            return [m(x) for m in self.members]
+        m0 = self.members[0]
+        y = m0.ops.linear(x, self.weight, self.bias, self.scale_inv, m0.block)
+        return list(y.split(self.sizes, dim=-1))
+
+
+def join_columns(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, -1) for 2-D tensors; a view, with no copy, when the parts are side-by-side
+    column slices of one tensor (a fused LinearGroup's outputs)."""
+    p0 = parts[0]
+    width = sum(p.shape[-1] for p in parts)
+    adjacent = all(p.dim() == 2 and p.stride() == p0.stride() and p.dtype == p0.dtype and p.stride(1) == 1
+                   and p.shape[0] == p0.shape[0] for p in parts)
+    if adjacent:
+        off = p0.storage_offset()
+        for p in parts:
+            if p.untyped_storage().data_ptr() != p0.untyped_storage().data_ptr() or p.storage_offset() != off:
+                adjacent = False
+                break
+            off += p.shape[-1]
+    if adjacent and (p0.shape[0] <= 1 or p0.stride(0) >= width):
+        return p0.as_strided((p0.shape[0], width), p0.stride(), p0.storage_offset())
+    return torch.cat(parts, dim=-1)
+
+
+def fuse_linear_groups(model: nn.Module) -> int:
+    """Fuse every LinearGroup that a module of `model` declares in `linear_groups`; -> fused count."""
+    fused = 0
+    for mod in model.modules():
+        for group in getattr(mod, "linear_groups", ()):
+            fused += group.fuse()
+    return fused
+
+
 class StackedLinear(nn.Module):
     """E expert matrices stored as one [E, out, in] tensor (FP8-capable like Linear)."""
 
@@ -114,6 +205,9 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = Linear(ops, hidden, inter, dtype=dtype)
         self.up_proj = Linear(ops, hidden, inter, dtype=dtype)
         self.down_proj = Linear(ops, inter, hidden, dtype=dtype)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
+        self.linear_groups = (self.gate_up,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = self.gate_up(x)
+        return self.down_proj(self.ops.swiglu(gate, up, self.limit))

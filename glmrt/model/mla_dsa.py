@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from glmrt.config import TextConfig
-from glmrt.model.layers import LayerNorm, Linear, RMSNorm, _param
+from glmrt.model.layers import LayerNorm, Linear, LinearGroup, RMSNorm, _param
 
 
 class Indexer(nn.Module):
@@ -61,13 +61,16 @@ class DSAAttention(nn.Module):
         self.kv_b_proj = Linear(ops, cfg.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), dtype=dtype)
         self.o_proj = Linear(ops, h * self.v_head_dim, d, bias=bias, dtype=dtype)
         self.indexer = Indexer(cfg, layer, ops, dtype) if has_indexer else None
+        self.in_proj = LinearGroup(self.q_a_proj, self.kv_a_proj_with_mqa)  # one GEMV of x once fused
+        self.linear_groups = (self.in_proj,)
 
     def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
         """-> (output [N, D], the selection this layer used, for a following shared layer)."""
         n = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a = self.in_proj(x)
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(n, self.num_heads, self.qk_head_dim)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)[..., : self.kv_lora_rank])
+        latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
         self.ops.write_latent(latent, cache.latent(self.layer), meta)
         if self.indexer is not None:
             sel = self.indexer(x, q_resid, meta, cache)

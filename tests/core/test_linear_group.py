@@ -1,0 +1,95 @@
+"""LinearGroup: projections of one input fused into one matmul, their parameters row views of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.reference import ReferenceOps
+from glmrt.checkpoint.presets import preset_config
+from glmrt.model.layers import Linear, LinearGroup, join_columns
+from glmrt.model.loader import load_dummy
+
+torch.set_num_threads(1)
+OPS = ReferenceOps()
+
+
+def _linears(sizes, d=32, bias=False, fp8=None):
+    ms = [Linear(OPS, d, n, bias=bias, dtype=torch.float32) for n in sizes]
+    for m in ms:
+        if fp8:
+            m.to_fp8(fp8)
+    return ms
+
+
+def _fill(ms, g):
+    for m in ms:
+        if m.is_fp8:
+            from glmrt.model.weights import quantize_block_fp8
+            q, s = quantize_block_fp8(torch.randn(m.weight.shape, generator=g), m.block)
+            m.weight.data.copy_(q)
+            m.weight_scale_inv.data.copy_(s)
+        else:
+            m.weight.data.copy_(torch.randn(m.weight.shape, generator=g))
+        if m.bias is not None:
+            m.bias.data.copy_(torch.randn(m.bias.shape, generator=g))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_group_equals_the_members(bias):
+    g = torch.Generator().manual_seed(0)
+    ms = _linears([48, 16, 8], bias=bias)
+    group = LinearGroup(*ms)
+    assert group.fuse()
+    _fill(ms, g)  # written after fusing, through the members' own parameters
+    x = torch.randn(5, 32, generator=g)
+    outs = group(x)
+    for m, y in zip(ms, outs):
+        assert torch.allclose(y, m(x), atol=1e-5, rtol=1e-5)
+        assert y.untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr()  # one product
+    assert ms[1].weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+    joined = join_columns(outs[:2])
+    assert joined.untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr()  # a view, no copy
+    assert torch.equal(joined, torch.cat(outs[:2], -1))
+    assert torch.equal(join_columns([outs[1], outs[0]]), torch.cat([outs[1], outs[0]], -1))  # not adjacent: a copy
+
+
+def test_fp8_groups_fuse_only_on_whole_scale_blocks():
+    g = torch.Generator().manual_seed(1)
+    ms = _linears([256, 128, 64], d=256, fp8=(128, 128))  # a partial block only at the end
+    group = LinearGroup(*ms)
+    assert group.fuse() and group.scale_inv.shape == (4, 2)
+    _fill(ms, g)
+    x = torch.randn(3, 256, generator=g)
+    for m, y in zip(ms, group(x)):
+        assert torch.allclose(y, m(x), atol=1e-4, rtol=1e-4)
+    split = LinearGroup(*_linears([64, 128], d=256, fp8=(128, 128)))  # a block split between members
+    assert not split.fuse() and split.weight is None
+    mixed = LinearGroup(*_linears([16], bias=True), *_linears([16]))  # a bias on some only
+    assert not mixed.fuse()
+
+
+def test_models_fuse_their_projections_and_match_unfused():
+    """load_dummy fuses KDA's and DSA's input projections and the shared experts' gate/up; the
+    logits equal those of the same weights with every group unfused."""
+    cfg = preset_config("tiny")
+    model = load_dummy(cfg, OPS, dtype=torch.float32, device="cpu", with_vision=False, with_mtp=False)
+    groups = [grp for m in model.modules() for grp in getattr(m, "linear_groups", ())]
+    assert groups and all(grp.weight is not None for grp in groups)
+    from glmrt.model.session import DirectSession
+
+    def logits():
+        s = DirectSession(model, max_requests=1, max_tokens=64, shuffle_pages=False)
+        r = s.new_request()
+        return s.step({r: torch.arange(10, 40)}, all_logits=True)[r]
+
+    fused = logits()
+    saved = [(grp, grp.weight) for grp in groups]
+    for grp, _ in saved:
+        grp.weight = None  # the members' views still hold the same values: the unfused path
+    try:
+        unfused = logits()
+    finally:
+        for grp, w in saved:
+            grp.weight = w
+    assert torch.allclose(fused, unfused, atol=1e-4, rtol=1e-4)
