@@ -37,6 +37,9 @@ patch_interpreter()
 
 _BLOCK_PP = 16  # pre|post columns of z (2M <= 16)
 _NUM_SMS_GUESS = 132
+# K splits of the decode (split) launch at most: each adds a partial row that the epilogue
+# sums one after another (at N = 1 the heuristic used to pick 128 splits of two K tiles each)
+_MAX_SPLIT = 32
 
 
 @triton.jit
@@ -210,12 +213,14 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     nblocks = triton.cdiv(n, block_n)
     if split is None:
         split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
-                                                                    2 * _NUM_SMS_GUESS // nblocks))
+                                                                    2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
     k_per = triton.cdiv(triton.cdiv(k, max(1, split)), block_k) * block_k
     n_split = triton.cdiv(k, k_per)
-    # the epilogue needs no tl.dot when the partials come from the split kernel: few tokens
-    # per program there, so that the collapse covers D in a few wide chunks
-    bn_fin = block_n if n_split == 1 else min(block_n, triton.next_power_of_2(n))
+    # The epilogue needs no tl.dot when the partials come from the split kernel: one token per
+    # program there, so that the partial sums, Sinkhorn and the collapse over D (M·D model-dtype
+    # values per token) spread over N programs instead of N/16 (the H200 decode profile: at
+    # batch 64 four programs streamed the collapse, 44 µs a call).
+    bn_fin = block_n if n_split == 1 else 1
     block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
     if n_split > 1:
         zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
