@@ -50,6 +50,19 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps,
             tl.store(Y + row * stride_y + d0 + offs, (w * y).to(Y.dtype.element_ty), mask=ok)
 
 
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """t as [rows, d] with a unit column stride (a copy only when the rows are not)."""
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
              block_d: int | None = None) -> torch.Tensor:
     """ReferenceOps.rms_norm for x [..., D] (any leading shape), weight [D]; returns x.dtype.
@@ -58,13 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     two) forces the two-pass chunked path (tests)."""
     d = x.shape[-1]
     assert weight.shape == (d,), (weight.shape, d)
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, out = _rows(x, d), _output(x, out)
     n = x2.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
     if n == 0:
         return out
     y2 = out.view(-1, d)
@@ -108,16 +116,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     to the reference (`gated_supported`)."""
     d = x.shape[-1]
     assert gated_supported(x, gate, weight), (x.shape, gate.shape, weight.shape)
-    x2 = x.reshape(-1, d)
-    g2 = gate.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if g2.stride(-1) != 1:
-        g2 = g2.contiguous()
+    x2, g2, out = _rows(x, d), _rows(gate, d), _output(x, out)
     n = x2.shape[0]
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
     if n == 0:
         return out
     y2 = out.view(-1, d)
