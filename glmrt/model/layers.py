@@ -78,25 +78,28 @@ class LinearGroup:
         m0 = self.members[0]
         same = all(m.in_features == m0.in_features and m.weight.dtype == m0.weight.dtype
                    and m.is_fp8 == m0.is_fp8 and m.block == m0.block and (m.bias is None) == (m0.bias is None)
-                   and m.weight.device == m0.weight.device and m.weight.device.type != "meta"
+                   and m.weight.device == m0.weight.device
                    for m in self.members)
         # block-scaled members share scale rows only when every block boundary lines up
         aligned = not m0.is_fp8 or all(m.out_features % m0.block[0] == 0 for m in self.members[:-1])
         return len(self.members) > 1 and same and aligned
 
-    def fuse(self) -> bool:
+    def fuse(self, device: torch.device | str | None = None) -> bool:
+        """Allocate the shared tensors on `device` (default: the members' device; members still
+        on the meta device need one) and seat the members' parameters in them. Their values are
+        not carried over: call before the weights are written."""
         if self.weight is not None:
             return True
-        if not self.fusable():
-            return False
         m0 = self.members[0]
-        self.weight = torch.empty(sum(self.sizes), m0.in_features, dtype=m0.weight.dtype, device=m0.weight.device)
+        dev = torch.device(device) if device is not None else m0.weight.device
+        if dev.type == "meta" or not self.fusable():
+            return False
+        self.weight = torch.empty(sum(self.sizes), m0.in_features, dtype=m0.weight.dtype, device=dev)
         if m0.bias is not None:
-            self.bias = torch.empty(sum(self.sizes), dtype=m0.bias.dtype, device=m0.bias.device)
+            self.bias = torch.empty(sum(self.sizes), dtype=m0.bias.dtype, device=dev)
         if m0.is_fp8:
             rows = [math.ceil(n / m0.block[0]) for n in self.sizes]
-            self.scale_inv = torch.empty(sum(rows), m0.weight_scale_inv.shape[1], dtype=torch.float32,
-                                         device=m0.weight.device)
+            self.scale_inv = torch.empty(sum(rows), m0.weight_scale_inv.shape[1], dtype=torch.float32, device=dev)
         row = srow = 0
         for m, n in zip(self.members, self.sizes):
             m.weight = nn.Parameter(self.weight[row:row + n], requires_grad=False)
@@ -137,13 +140,30 @@ def join_columns(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def fuse_linear_groups(model: nn.Module) -> int:
+def fuse_linear_groups(model: nn.Module, device: torch.device | str | None = None) -> int:
     """Fuse every LinearGroup that a module of `model` declares in `linear_groups`; -> fused count."""
     fused = 0
     for mod in model.modules():
         for group in getattr(mod, "linear_groups", ()):
-            fused += group.fuse()
+            fused += group.fuse(device)
     return fused
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Module.to_empty for the parameters and buffers still on the meta device only: the fused
+    groups' members, already seated in their shared tensors, stay where they are (to_empty would
+    give each its own tensor, and allocating them first would hold both copies at once)."""
+    done: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for table, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in done:  # a tensor registered twice stays one tensor
+                    new = torch.empty_like(t, device=device)
+                    done[id(t)] = nn.Parameter(new, requires_grad=False) if wrap else new
+                table[name] = done[id(t)]
+    return model
 
 
 class StackedLinear(nn.Module):

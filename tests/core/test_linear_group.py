@@ -93,3 +93,18 @@ def test_models_fuse_their_projections_and_match_unfused():
         for grp, w in saved:
             grp.weight = w
     assert torch.allclose(fused, unfused, atol=1e-4, rtol=1e-4)
+
+
+def test_build_model_seats_members_without_a_second_copy():
+    """build_model allocates each group's shared tensor once and materialises everything else:
+    no meta tensor is left, and the members are views of the shared weight from the start."""
+    from glmrt.model.loader import build_model
+
+    model = build_model(preset_config("tiny"), OPS, torch.float32, "cpu", with_vision=True, with_mtp=True)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    attn = model.model.layers[0].self_attn
+    shared = attn.in_proj.weight.untyped_storage().data_ptr()
+    for m in attn.in_proj.members:
+        assert m.weight.untyped_storage().data_ptr() == shared
+    names = [n for n, _ in model.named_parameters()]
+    assert len(names) == len(set(names)) and "model.layers.0.self_attn.q_proj.weight" in names
