@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from bench.h200 import CEILING_TBPS
 from bench.timing import replay_ms
 
 
@@ -122,7 +123,7 @@ def _check_graph_logits(engine, prompts) -> dict:
             "async_launch": ok_async, "sync_in_launch": sync_error}
 
 
-def floor_ms(engine, b: int, ctx: int, tbps: float = 4.09, experts_touched: int | None = None) -> float:
+def floor_ms(engine, b: int, ctx: int, tbps: float = CEILING_TBPS, experts_touched: int | None = None) -> float:
     """HBM floor of one decode step: the bytes it must touch over the measured copy ceiling.
 
     Every non-expert weight once (embedding: only b rows), the routed experts the batch is

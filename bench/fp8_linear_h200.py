@@ -38,26 +38,18 @@ import sys
 import time
 from pathlib import Path
 
-if "--smoke" in sys.argv:
-    try:
-        import torch as _t
-        if not _t.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke  # noqa: E402
+
+interpret_if_smoke()
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fp8_linear as f8  # noqa: E402
 from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
 
-CEILING_TBPS = 4.09     # measured device-to-device copy on an H200 (bytes read + written)
-CEILING_TFLOPS = 779.0  # measured bf16 8192^3 matmul on random data (KINDS.md)
 FP8 = torch.float8_e4m3fn
 BLOCK = (128, 128)
 ROTATE_BYTES = 160e6    # fp8 weight bytes cycled through in the graph timing (H200 L2: 50 MB)

@@ -38,15 +38,10 @@ import os
 import sys
 from pathlib import Path
 
-if "--smoke" in sys.argv:
-    try:
-        import torch as _t
-        if not _t.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.h200 import CEILING_TBPS, interpret_if_smoke  # noqa: E402
+
+interpret_if_smoke()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -59,7 +54,6 @@ from backends.kernels import kda as kk  # noqa: E402
 from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
 
-CEILING_TBPS = 4.09
 FULL = dict(h=64, dk=128, dv=128, c=3 * 8192, k=4, prefill_t=8192, prefill_splits=(1, 4, 16), decode=(1, 16, 64, 128),
             mixed=(2048, 127))
 SMOKE = dict(h=2, dk=16, dv=16, c=48, k=4, prefill_t=80, prefill_splits=(1, 4), decode=(1, 3), mixed=(40, 3))

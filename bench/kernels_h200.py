@@ -42,15 +42,10 @@ import sys
 import time
 from pathlib import Path
 
-if "--smoke" in sys.argv:
-    try:
-        import torch as _t
-        if not _t.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.h200 import CEILING_TBPS, interpret_if_smoke  # noqa: E402
+
+interpret_if_smoke()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -63,7 +58,6 @@ from backends.kernels import sparse_mla as sm  # noqa: E402
 from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
 
-CEILING_TBPS = 4.09  # measured device-to-device copy on an H200 (bytes read + written)
 
 FULL = dict(h=64, r=512, dn=256, dv=256, hi=32, di=128, kpool=16, topk=2048, page_size=64)
 SMOKE = dict(h=4, r=32, dn=16, dv=16, hi=16, di=32, kpool=4, topk=16, page_size=16)

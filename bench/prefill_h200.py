@@ -32,15 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-if "--smoke" in sys.argv:
-    try:
-        import torch as _t
-        if not _t.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.h200 import CEILING_TFLOPS as PEAK_TFLOPS, interpret_if_smoke  # noqa: E402
+
+interpret_if_smoke()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -52,7 +47,6 @@ from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
 from bench.timing import timers  # noqa: E402
 
-PEAK_TFLOPS = 779.0  # H200 dense bf16
 
 FULL = dict(h=64, r=512, dn=256, dv=256, hi=32, di=128, kpool=16, topk_pools=128, page_size=64)
 SMOKE = dict(h=4, r=32, dn=16, dv=16, hi=16, di=32, kpool=4, topk_pools=4, page_size=16)

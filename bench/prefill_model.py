@@ -19,9 +19,9 @@ import json
 import os
 import torch
 
+from bench.h200 import CEILING_TFLOPS
 from bench.timing import event_ms
 
-CEILING_TFLOPS = 779.0  # measured bf16 dense on the H200 (H200.md)
 
 
 def useful_flops(model, t: int) -> dict[str, float]:

@@ -45,15 +45,10 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-if "--smoke" in sys.argv:
-    try:
-        import torch as _t
-        if not _t.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.h200 import CEILING_TBPS, interpret_if_smoke  # noqa: E402
+
+interpret_if_smoke()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -63,7 +58,6 @@ from glmrt.engine import sampler as sm  # noqa: E402
 from glmrt.engine.sampler import Sampler, SamplerRow  # noqa: E402
 from glmrt.sampling_params import SamplingParams  # noqa: E402
 
-CEILING_TBPS = 4.09
 TINY = torch.finfo(torch.float32).tiny
 SCENARIOS = ("decode", "top_p", "min_p", "temp", "greedy")
 SWEEP = [dict(capacity=4096, config=dict(block=1024, pblock=256, warps=8)),
