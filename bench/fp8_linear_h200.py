@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke  # noqa: E402
+from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke, kernel_device  # noqa: E402
 
 interpret_if_smoke()
 
@@ -258,9 +258,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     t_start = time.time()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("no CUDA device: run with --smoke (Triton interpreter) on a CPU-only machine", file=sys.stderr)
+    dev = kernel_device()
+    if dev is None:
         return 2
     shapes = SMOKE_SHAPES if args.smoke else flash_shapes()
     if args.shapes:

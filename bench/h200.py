@@ -23,3 +23,31 @@ def interpret_if_smoke(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def kernel_device():
+    """The device the kernels run on: CUDA, or the CPU under Triton's interpreter (--smoke);
+    None (after saying why on stderr) on a CPU-only machine without --smoke."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        print("no CUDA device: run with --smoke (Triton interpreter) on a CPU-only machine", file=sys.stderr)
+        return None
+    return torch.device("cpu")
+
+
+def random_page_tables(lens: list[int], page_size: int, g) -> tuple[list[list[int]], int]:
+    """Page tables for requests of `lens` tokens, pages scattered at random over a pool with
+    one spare page. -> (tables, num_pages)."""
+    import torch
+
+    need = [-(-n // page_size) for n in lens]
+    num_pages = sum(need) + 1
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables, c = [], 0
+    for n in need:
+        tables.append(perm[c:c + n])
+        c += n
+    return tables, num_pages

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, interpret_if_smoke  # noqa: E402
+from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device  # noqa: E402
 
 interpret_if_smoke()
 
@@ -231,11 +231,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
                    help="comma-separated sections: decode, prefill, mixed, conv, graph")
     args = p.parse_args(argv)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = kernel_device()
+    if dev is None:
+        return 2
     if dev.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            print("no CUDA device: run with --smoke (Triton interpreter) on a CPU-only machine", file=sys.stderr)
-            return 2
         kk.enable_interpreted_chunk()
     d = SMOKE if args.smoke else FULL
     timers = timing.timers(dev, host_repeats=1)

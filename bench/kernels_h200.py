@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, interpret_if_smoke  # noqa: E402
+from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device, random_page_tables  # noqa: E402
 
 interpret_if_smoke()
 
@@ -77,13 +77,7 @@ IDX_SWEEP_CONFIGS = [dict(BLOCK_P=p, num_warps=w, num_stages=1) for p in (32, 64
 
 # ---------------------------------------------------------------------------------------
 def _meta(lens: list[int], page_size: int, dev: torch.device, g: torch.Generator):
-    need = [-(-n // page_size) for n in lens]
-    num_pages = sum(need) + 1
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    tables, c = [], 0
-    for n in need:
-        tables.append(perm[c:c + n])
-        c += n
+    tables, num_pages = random_page_tables(lens, page_size, g)
     meta = BatchMeta.build([n - 1 for n in lens], [1] * len(lens), list(range(len(lens))), tables, page_size, dev)
     return meta, num_pages, tables
 
@@ -273,9 +267,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.sweep_batches = [int(x) for x in args.sweep_batches.split(",")]
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("no CUDA device: run with --smoke (Triton interpreter) on a CPU-only machine", file=sys.stderr)
+    dev = kernel_device()
+    if dev is None:
         return 2
     dims = SMOKE if args.smoke else FULL
     batches = [1, 3] if args.smoke else [int(x) for x in args.batches.split(",")]

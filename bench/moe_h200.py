@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke  # noqa: E402
+from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke, kernel_device  # noqa: E402
 
 interpret_if_smoke()
 
@@ -394,9 +394,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("no CUDA device: run with --smoke (Triton interpreter) on a CPU-only machine", file=sys.stderr)
+    dev = kernel_device()
+    if dev is None:
         return 2
     dims = SMOKE if args.smoke else FULL
     tokens = [1, 5, 33] if args.smoke else [int(t) for t in args.tokens.split(",")]

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TFLOPS as PEAK_TFLOPS, interpret_if_smoke  # noqa: E402
+from bench.h200 import CEILING_TFLOPS as PEAK_TFLOPS, interpret_if_smoke, kernel_device, random_page_tables  # noqa: E402
 
 interpret_if_smoke()
 
@@ -58,15 +58,6 @@ def _meta(prefix: list[int], seq: list[int], tables, page_size, dev):
     return BatchMeta.build(prefix, seq, list(range(len(seq))), tables, page_size, dev)
 
 
-def _tables(lens, page_size, g):
-    need = [-(-n // page_size) for n in lens]
-    num_pages = sum(need) + 1
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    tables, c = [], 0
-    for n in need:
-        tables.append(perm[c:c + n])
-        c += n
-    return tables, num_pages
 
 
 def _ref_chunked(fn, lens, tables, page_size, dev, chunk, ref_ms):
@@ -87,7 +78,7 @@ def _ref_chunked(fn, lens, tables, page_size, dev, chunk, ref_ms):
 def run_case(lens: list[int], d: dict, dev: torch.device, args, kernel_ms, ref_ms) -> dict:
     g = torch.Generator().manual_seed(args.seed * 1000 + sum(lens) + len(lens))
     ps, kpool, topk = d["page_size"], d["kpool"], d["topk_pools"]
-    tables, num_pages = _tables(lens, ps, g)
+    tables, num_pages = random_page_tables(lens, ps, g)
     meta = _meta([0] * len(lens), lens, tables, ps, dev)
     n = meta.num_tokens
     bf = torch.bfloat16
@@ -169,9 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("no CUDA device: run with --smoke (Triton interpreter) on a CPU-only machine", file=sys.stderr)
+    dev = kernel_device()
+    if dev is None:
         return 2
     d = SMOKE if args.smoke else FULL
     cases = SMOKE_CASES if args.smoke else FULL_CASES

@@ -9,6 +9,7 @@ Bounds per /work/.library/device/METHOD.md: fp32 ~1e-5 relative, bf16 operands ~
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -45,6 +46,11 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
     return float((out - ref).norm() / ref.norm())
+
+
+def gen(*key) -> torch.Generator:
+    """A CPU generator seeded by the test's own key: fresh, reproducible inputs per case."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def tol(dtype: torch.dtype) -> float:

@@ -10,7 +10,6 @@ against a float64 evaluation of the same dequantised weights: fp32 ~1e-5 relativ
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 import torch
@@ -25,14 +24,11 @@ from backends.kernels import fp8_linear as f8  # noqa: E402
 from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-from tests.backends.conftest import rel as _rel, tol as _tol  # noqa: E402
+from tests.backends.conftest import gen as _gen, rel as _rel, tol as _tol  # noqa: E402
 
 REF = ReferenceOps()
 FP8 = torch.float8_e4m3fn
 
-
-def _gen(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _problem(g, n, in_f, out_f, dtype, bias, block=(128, 128)):

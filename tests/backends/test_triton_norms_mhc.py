@@ -9,7 +9,6 @@ per /work/.library/device/METHOD.md: fp32 ~1e-5 relative, bf16 ~1e-2 relative.
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 import torch
@@ -24,13 +23,10 @@ from backends.kernels.mhc import mhc_post, mhc_pre  # noqa: E402
 from backends.kernels.norms import gated_rms_norm, rms_norm  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-from tests.backends.conftest import rel as _rel, tol as _tol  # noqa: E402
+from tests.backends.conftest import gen as _gen, rel as _rel, tol as _tol  # noqa: E402
 
 REF = ReferenceOps()
 
-
-def _gen(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _nan(shape, dtype, device):

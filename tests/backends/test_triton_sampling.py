@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections import Counter
 
 import pytest
@@ -28,6 +27,7 @@ from backends.kernels import sampling as ks  # noqa: E402
 from glmrt.engine import sampler as sm  # noqa: E402
 from glmrt.engine.sampler import Sampler, SamplerRow  # noqa: E402
 from glmrt.sampling_params import SamplingParams  # noqa: E402
+from tests.backends.conftest import gen as _gen  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -37,9 +37,6 @@ CAP, CHUNK = 32, 256  # small: the vocabularies here then take every path
 # info[:, 1] bits set by the select kernel (see _select_kernel)
 UNFILTERED, NO_CUT, TOPK_MASS, TOPK_TIES, RACE_BUFFER, RACE_PASS, CUT_TIES = 1, 2, 4, 8, 16, 32, 64
 
-
-def _gen(*key):
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def row(generator=None, output=(), prompt=(), eos=(), **params):
