@@ -1,0 +1,76 @@
+"""Tile tables of the fused MoE (backends/kernels/fused_moe.py), by token count: 16-bit
+weights, fp8 weights (from the H200 sweep, bench/moe_h200.py --sweep) and the fp32 parity path.
+Plain data and one lookup; no Triton here."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Tiles by number of tokens N (first row with N <= max_tokens wins). BLOCK_M is shared by both
+# GEMMs (one alignment). gate_up's BLOCK_N is per projection: a program computes BLOCK_N gate
+# AND BLOCK_N up columns (2·BLOCK_N output columns of a fused gate_up).
+CONFIGS: list[tuple[int, dict]] = [
+    (32, dict(BLOCK_M=16,
+              gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+              down=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))),
+    (256, dict(BLOCK_M=16,
+               gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+               down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3))),
+    (1024, dict(BLOCK_M=32,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=3),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=3))),
+    (4096, dict(BLOCK_M=64,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+                down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4))),
+    (1 << 62, dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+                   down=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3))),
+]
+# fp8 (w8a16) weights: their own table, since a weight element is half the bytes of bf16's (wider
+# N tiles / deeper pipelines keep as many bytes in flight). Edit freely: per GEMM the keys are
+# BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages and optionally
+#   SWAP_AB    (default False) compute accᵀ = W·xᵀ: the converted weight tile is the MMA's A
+#              operand (registers on Hopper's wgmma), the tokens its N side;
+#   scale_acc  (default True) scale the fp32 partial per K tile (acc += dot(x, w)·s) rather than
+#              each weight element; needs BLOCK_K <= the scale block's K (128), else per element.
+# BLOCK_N may exceed the scale block's N (then one scale per column); BLOCK_K above it straddles
+# scale blocks and takes the per-element path. bench/moe_h200.py --sweep --kinds fp8 times
+# alternatives (the sweep's FP8 lists) and prints the best per token count.
+FP8_CONFIGS: list[tuple[int, dict]] = [
+    # decode rows: the best of `bench.moe_h200 --sweep --kinds fp8` on an H200, 2026-11-30
+    # (N=1: 0.147 ms, N=16: 0.770 ms, N=64: 1.457 ms, N=128: 1.821 ms; 0.68-0.78x bf16)
+    (32, dict(BLOCK_M=16,
+              gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=4),
+              down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=5))),
+    (256, dict(BLOCK_M=16,
+               gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+               down=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4))),
+    (1024, dict(BLOCK_M=32,
+                gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=3),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=4))),
+    (4096, dict(BLOCK_M=64,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))),
+    (1 << 62, dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+                   down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3))),
+]
+# fp32 activations are the parity path (FMA dots on the GPU): small tiles.
+FP32_CONFIG = dict(BLOCK_M=16,
+                   gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2),
+                   down=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2))
+
+
+def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16,
+               weight_dtype: torch.dtype | None = None) -> dict:
+    """The tile table's entry for N tokens (a fresh copy; callers may edit it). fp8 weights
+    (weight_dtype in FP8_DTYPES) with 16-bit activations use FP8_CONFIGS, else CONFIGS."""
+    if act_dtype == torch.float32:
+        src = FP32_CONFIG
+    elif weight_dtype in FP8_DTYPES:
+        src = next(c for lim, c in FP8_CONFIGS if n_tokens <= lim)
+    else:
+        src = next(c for lim, c in CONFIGS if n_tokens <= lim)
+    return dict(BLOCK_M=src["BLOCK_M"], gate_up=dict(src["gate_up"]), down=dict(src["down"]))
