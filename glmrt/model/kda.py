@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from glmrt.config import TextConfig
-from glmrt.model.layers import Linear, LinearGroup, WeightOnly, _param, join_columns
+from glmrt.model.layers import Linear, LinearGroup, StackedWeights, WeightOnly, _param, join_columns
 
 
 class KDAAttention(nn.Module):
@@ -39,11 +39,12 @@ class KDAAttention(nn.Module):
         self.o_proj = Linear(ops, hd, d, dtype=dtype)
         # every projection of the layer input, one GEMV once fused (q, k, v first: `mixed`)
         self.in_proj = LinearGroup(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
-        self.linear_groups = (self.in_proj,)
+        self.conv_weights = StackedWeights(self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        self.weight_groups = (self.in_proj, self.conv_weights)
 
     def conv_weight(self) -> torch.Tensor:
         """[3*qkv, K]: the three depthwise kernels in q, k, v channel order."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
+        return self.conv_weights.joined().squeeze(1)
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per head and channel log-decay g (< 0), fp32, [N, H, d], from f_a_proj's output."""

@@ -55,6 +55,42 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight, self.bias, self.weight_scale_inv, self.block)
 
 
+def seat_rows(modules, name: str, device: torch.device | str) -> torch.Tensor:
+    """One tensor holding the `name` parameters of `modules` stacked along dim 0, each module's
+    parameter re-seated as its row block (a view). Values are not carried over."""
+    params = [getattr(m, name) for m in modules]
+    shared = torch.empty(sum(p.shape[0] for p in params), *params[0].shape[1:], dtype=params[0].dtype,
+                         device=device)
+    row = 0
+    for m, p in zip(modules, params):
+        setattr(m, name, nn.Parameter(shared[row:row + p.shape[0]], requires_grad=False))
+        row += p.shape[0]
+    return shared
+
+
+class StackedWeights:
+    """WeightOnly modules whose weights a step uses concatenated along dim 0: once fused, their
+    weights are row views of one tensor, so the concatenation is that tensor (no copy a step)."""
+
+    def __init__(self, *owners: "WeightOnly"):
+        self.owners = list(owners)
+        self.weight: torch.Tensor | None = None
+
+    def fuse(self, device: torch.device | str | None = None) -> bool:
+        if self.weight is not None:
+            return True
+        w0 = self.owners[0].weight
+        dev = torch.device(device) if device is not None else w0.device
+        if dev.type == "meta" or any(o.weight.dtype != w0.dtype or o.weight.shape[1:] != w0.shape[1:]
+                                     or o.weight.device != w0.device for o in self.owners):
+            return False
+        self.weight = seat_rows(self.owners, "weight", dev)
+        return True
+
+    def joined(self) -> torch.Tensor:
+        return self.weight if self.weight is not None else torch.cat([o.weight for o in self.owners], dim=0)
+
+
 class LinearGroup:
     """Linear layers that read the same input, run as one matmul once `fuse()` has been called.
 
@@ -94,22 +130,11 @@ class LinearGroup:
         dev = torch.device(device) if device is not None else m0.weight.device
         if dev.type == "meta" or not self.fusable():
             return False
-        self.weight = torch.empty(sum(self.sizes), m0.in_features, dtype=m0.weight.dtype, device=dev)
+        self.weight = seat_rows(self.members, "weight", dev)
         if m0.bias is not None:
-            self.bias = torch.empty(sum(self.sizes), dtype=m0.bias.dtype, device=dev)
-        if m0.is_fp8:
-            rows = [math.ceil(n / m0.block[0]) for n in self.sizes]
-            self.scale_inv = torch.empty(sum(rows), m0.weight_scale_inv.shape[1], dtype=torch.float32, device=dev)
-        row = srow = 0
-        for m, n in zip(self.members, self.sizes):
-            m.weight = nn.Parameter(self.weight[row:row + n], requires_grad=False)
-            if self.bias is not None:
-                m.bias = nn.Parameter(self.bias[row:row + n], requires_grad=False)
-            if self.scale_inv is not None:
-                r = math.ceil(n / m0.block[0])
-                m.weight_scale_inv = nn.Parameter(self.scale_inv[srow:srow + r], requires_grad=False)
-                srow += r
-            row += n
+            self.bias = seat_rows(self.members, "bias", dev)
+        if m0.is_fp8:  # each member's scale rows: ceil(out / block), whole blocks by fusable()
+            self.scale_inv = seat_rows(self.members, "weight_scale_inv", dev)
         return True
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -140,11 +165,12 @@ def join_columns(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def fuse_linear_groups(model: nn.Module, device: torch.device | str | None = None) -> int:
-    """Fuse every LinearGroup that a module of `model` declares in `linear_groups`; -> fused count."""
+def fuse_weight_groups(model: nn.Module, device: torch.device | str | None = None) -> int:
+    """Fuse every group (LinearGroup, StackedWeights) that a module of `model` declares in
+    `weight_groups`; -> fused count."""
     fused = 0
     for mod in model.modules():
-        for group in getattr(mod, "linear_groups", ()):
+        for group in getattr(mod, "weight_groups", ()):
             fused += group.fuse(device)
     return fused
 
@@ -226,7 +252,7 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = Linear(ops, hidden, inter, dtype=dtype)
         self.down_proj = Linear(ops, inter, hidden, dtype=dtype)
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
-        self.linear_groups = (self.gate_up,)
+        self.weight_groups = (self.gate_up,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)

@@ -24,7 +24,7 @@ import torch
 from glmrt.checkpoint import fp4
 from glmrt.config import ModelConfig, QuantConfig, load_model_config
 from glmrt.model.glm5_next import Glm5NextForCausalLM
-from glmrt.model.layers import Linear, StackedLinear, fuse_linear_groups, materialize
+from glmrt.model.layers import Linear, StackedLinear, fuse_weight_groups, materialize
 from glmrt.model.weights import SKIP, Target, quantize_block_fp8, random_tensor, to_internal
 
 # Linear layers that stay in the model dtype under `--quantization fp8` (and that real FP8
@@ -59,7 +59,7 @@ def build_model(config: ModelConfig, ops, dtype: torch.dtype, device: torch.devi
         if name not in capable:
             raise CheckpointError(f"FP8 scales given for {name!r}, which is not a linear layer of this model")
         capable[name].to_fp8(fp8_block)
-    fuse_linear_groups(model, device)  # the grouped projections' shared tensors, members seated in them
+    fuse_weight_groups(model, device)  # the grouped projections' shared tensors, members seated in them
     return materialize(model, device).eval()
 
 

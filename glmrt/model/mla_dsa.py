@@ -62,7 +62,7 @@ class DSAAttention(nn.Module):
         self.o_proj = Linear(ops, h * self.v_head_dim, d, bias=bias, dtype=dtype)
         self.indexer = Indexer(cfg, layer, ops, dtype) if has_indexer else None
         self.in_proj = LinearGroup(self.q_a_proj, self.kv_a_proj_with_mqa)  # one GEMV of x once fused
-        self.linear_groups = (self.in_proj,)
+        self.weight_groups = (self.in_proj,)
 
     def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
         """-> (output [N, D], the selection this layer used, for a following shared layer)."""
