@@ -58,7 +58,8 @@ def build_model(config: ModelConfig, ops, dtype: torch.dtype, device: torch.devi
     for name in fp8_modules:
         if name not in capable:
             raise CheckpointError(f"FP8 scales given for {name!r}, which is not a linear layer of this model")
-        capable[name].to_fp8(fp8_block)
+        with torch.device("meta"):  # materialize() places only meta tensors
+            capable[name].to_fp8(fp8_block)
     fuse_weight_groups(model, device)  # the grouped projections' shared tensors, members seated in them
     return materialize(model, device).eval()
 

@@ -108,3 +108,16 @@ def test_build_model_seats_members_without_a_second_copy():
         assert m.weight.untyped_storage().data_ptr() == shared
     names = [n for n, _ in model.named_parameters()]
     assert len(names) == len(set(names)) and "model.layers.0.self_attn.q_proj.weight" in names
+
+
+def test_build_model_places_fp8_weights_on_the_target_device():
+    """Every tensor of an fp8 model lands on the device asked for, the converted layers' weights
+    and scales included (they are created after the model; the GPU run found them left on the CPU)."""
+    from glmrt.model.loader import build_model, default_fp8_modules
+
+    cfg = preset_config("tiny")
+    fp8 = default_fp8_modules(cfg, torch.bfloat16)
+    model = build_model(cfg, OPS, torch.bfloat16, "meta", fp8_modules=fp8, with_vision=False, with_mtp=False)
+    off = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not t.is_meta]
+    assert fp8 and not off
+    assert any(t.dtype == torch.float8_e4m3fn for t in model.parameters())
