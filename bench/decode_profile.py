@@ -13,22 +13,12 @@ last; JSON to $OUT/decode_profile.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 
 import torch
 
-from bench.timing import replay_ms
-
-
-def _kernel_table(prof) -> dict[str, float]:
-    """device µs per kernel name (summed over the profiled region)."""
-    acc = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc[e.name] += e.device_time
-    return dict(acc)
+from bench.timing import kernel_us, replay_ms
 
 
 def count_experts(model, step) -> int:
@@ -76,7 +66,7 @@ def profile_batch(model, b: int, ctx: int, args) -> dict:
         for _ in range(args.reps):
             graph.replay()
         torch.cuda.synchronize()
-    kernels = {k: v / args.reps for k, v in _kernel_table(prof).items()}
+    kernels = {k: v / args.reps for k, v in kernel_us(prof).items()}
     return {"batch": b, "context": ctx, "replay_ms": rep, "graph_kernels_ms": sum(kernels.values()) / 1e3,
             "experts_touched": touched,
             "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}

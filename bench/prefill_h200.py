@@ -143,6 +143,45 @@ def run_case(lens: list[int], d: dict, dev: torch.device, args, kernel_ms, ref_m
     return row
 
 
+def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> int:
+    """The sparse-MLA prefill kernel alone under each config of --mla-sweep (same inputs,
+    outputs checked against the first config's)."""
+    g = torch.Generator().manual_seed(args.seed)
+    ps, kpool = d["page_size"], d["kpool"]
+    tables, num_pages = random_page_tables(lens, ps, g)
+    meta = _meta([0] * len(lens), lens, tables, ps, dev)
+    n, bf = meta.num_tokens, torch.bfloat16
+    pooled = torch.randn(num_pages, ps // kpool, d["di"], generator=g).to(dev, bf)
+    qi = torch.randn(n, d["hi"], d["di"], generator=g).to(dev, bf)
+    wi = (torch.randn(n, d["hi"], generator=g) * d["hi"] ** -0.5).to(dev)
+    sel = ix.indexer_select(qi, wi, pooled, meta, kpool, d["topk_pools"])
+    cache = torch.randn(num_pages, ps, d["r"], generator=g).to(dev, bf)
+    q_abs = (torch.randn(n, d["h"], d["r"], generator=g) * d["r"] ** -0.25).to(dev, bf)
+    pos = meta.positions.double()
+    complete = torch.floor((pos + 1) / kpool)
+    rows = float(((sel >= 0).sum(1).double() * kpool + (pos + 1 - complete * kpool)).sum())
+    flop = rows * d["h"] * d["r"] * 4
+    table, first, out = meta.page_table.contiguous(), None, []
+    for spec in args.mla_sweep.split(";"):
+        cfg = _kv(spec)
+        kern = lambda: sm.sparse_mla_rows_sel(q_abs, cache, sel, meta.positions, meta.req_index, table,  # noqa: E731
+                                              ps, kpool, d["r"] ** -0.5, True, config=cfg)
+        try:
+            o = kern().float()
+            ms = kernel_ms(kern)
+        except Exception as e:  # a config that does not compile / fit: say so, go on
+            print("config", spec, "failed:", str(e).splitlines()[0][:160], flush=True)
+            continue
+        first = o if first is None else first
+        rel = float((o - first).norm() / first.norm())
+        out.append((spec, ms, flop / ms / 1e9, rel))
+        print("config", json.dumps(dict(config=spec, ms=ms, tflops=out[-1][2], rel_vs_first=rel)), flush=True)
+    print(f"\nsparse-MLA prefill kernel, {len(lens)}x{lens[0]} tokens, {rows / n:.0f} rows/token (TFLOP/s vs {PEAK_TFLOPS:.0f})")
+    for spec, ms, tf, rel in out:
+        print(f"{spec:>48} {ms:>9.2f} ms {tf:>6.1f} TF/s {100 * tf / PEAK_TFLOPS:>5.1f}% rel {rel:.1e}")
+    return 0
+
+
 def _kv(s: str) -> dict:
     out = {}
     for part in s.split(","):
@@ -158,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--ref-chunk", type=int, default=1024, help="query tokens per reference call")
     p.add_argument("--mla-config", type=_kv, default=None, help="e.g. BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
+    p.add_argument("--mla-sweep", default="", help="';'-separated --mla-config values: time only the "
+                   "sparse-MLA kernel of the first case under each, side by side")
     args = p.parse_args(argv)
 
     dev = kernel_device()
@@ -172,6 +213,8 @@ def main(argv=None) -> int:
                name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)", dims=d,
                peak_tflops=PEAK_TFLOPS)
     print("env", env, flush=True)
+    if args.mla_sweep:
+        return mla_sweep(cases[0], d, dev, args, kernel_ms)
     rows = []
     for lens in cases:
         t0 = time.time()

@@ -20,7 +20,7 @@ import os
 import torch
 
 from bench.h200 import CEILING_TFLOPS
-from bench.timing import event_ms
+from bench.timing import event_ms, kernel_us
 
 
 
@@ -47,7 +47,7 @@ def useful_flops(model, t: int) -> dict[str, float]:
 
 
 def _time_ms(fn, reps: int) -> float:
-    if not torch.cuda.is_available():  # the CPU smoke run (tests the plumbing, times nothing)
+    if not torch.cuda.is_available() or reps == 0:  # the CPU smoke run, or one untimed call
         fn()
         return float("nan")
     return event_ms(fn, reps)
@@ -72,6 +72,14 @@ def ours_prefill_ms(model, prompt: torch.Tensor, reps: int) -> tuple[float, torc
     return ms, logits
 
 
+def profile_prefill(model, prompt: torch.Tensor) -> dict[str, float]:
+    """Device ms per kernel name in one prefill forward (after the timed ones: nothing compiles)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ours_prefill_ms(model, prompt, 0)
+        torch.cuda.synchronize()
+    return {k: v / 1e3 for k, v in kernel_us(prof).items()}
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-4l")
@@ -80,6 +88,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dsa", default="torch,triton", help="DSA prefill backends (the torch reference expands "
                    "[H, T, T] scores: it does not fit at 16K in one forward)")
+    p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
@@ -107,6 +116,12 @@ def main(argv=None) -> list[dict]:
             ops.prefill_kernels = kernels
             row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
+            if args.profile and torch.cuda.is_available():
+                row[f"{name}_kernels_ms"] = profile_prefill(model, prompt.cuda())
+                total = sum(row[f"{name}_kernels_ms"].values())
+                print(f"  kernels ({total:.1f} ms in all): " + ", ".join(
+                    f"{k[:48]} {v:.1f} ({100 * v / total:.0f}%)"
+                    for k, v in list(row[f"{name}_kernels_ms"].items())[:args.profile]), flush=True)
         ops.prefill_kernels = False
         a, b = got["torch"], got["triton"]
         if a is not None and b is not None:

@@ -75,3 +75,12 @@ def graph_ms(fn: Callable, n: int = 30) -> float:
     with torch.cuda.graph(g):
         fn()
     return replay_ms(g, n)
+
+
+def kernel_us(prof) -> dict[str, float]:
+    """Device µs per kernel name over a torch.profiler region (CUDA activity), largest first."""
+    acc: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name] = acc.get(e.name, 0.0) + e.device_time
+    return dict(sorted(acc.items(), key=lambda kv: -kv[1]))

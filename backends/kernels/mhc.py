@@ -37,9 +37,11 @@ patch_interpreter()
 
 _BLOCK_PP = 16  # pre|post columns of z (2M <= 16)
 _NUM_SMS_GUESS = 132
-# K splits of the decode (split) launch at most: each adds a partial row that the epilogue
-# sums one after another (at N = 1 the heuristic used to pick 128 splits of two K tiles each)
-_MAX_SPLIT = 32
+# K splits of the decode (split) launch at most. The epilogue loads all partials at once, so
+# many splits cost it little; few splits leave each mix program a chain of dependent fp32 dots
+# (at N = 1, 32 splits of 8 K tiles: 19 µs a call on the H200; 128 splits of one tile: ~6).
+_MAX_SPLIT = 128
+_SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
 
 
 @triton.jit
@@ -100,7 +102,7 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
                     N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
     nb = tl.program_id(0)
     tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = tok < N
@@ -109,14 +111,16 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
     offs_pp = tl.arange(0, BLOCK_PP)
     offs_q = tl.arange(0, BMM)
     if SPLIT:
-        zp = tl.zeros([BLOCK_N, BLOCK_PP], dtype=tl.float32)
-        zc = tl.zeros([BLOCK_N, BMM], dtype=tl.float32)
-        ss = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for s in range(0, n_split):
-            row = (s * N + tok).to(tl.int64)
-            zp += tl.load(ZP + row[:, None] * BLOCK_PP + offs_pp[None, :], mask=n_ok[:, None], other=0.0)
-            zc += tl.load(ZC + row[:, None] * BMM + offs_q[None, :], mask=n_ok[:, None], other=0.0)
-            ss += tl.load(SS + row, mask=n_ok, other=0.0)
+        # all partials in one load each and a tree sum: a loop over the splits costs a dependent
+        # round trip per split (~0.25 µs each on the H200, 8 µs a call at 32 splits)
+        offs_s = tl.arange(0, BLOCK_S)
+        row = (offs_s[:, None] * N + tok[None, :]).to(tl.int64)                # [BS, BN]
+        ok = (offs_s < n_split)[:, None] & n_ok[None, :]
+        zp = tl.sum(tl.load(ZP + row[:, :, None] * BLOCK_PP + offs_pp[None, None, :], mask=ok[:, :, None],
+                            other=0.0), 0)
+        zc = tl.sum(tl.load(ZC + row[:, :, None] * BMM + offs_q[None, None, :], mask=ok[:, :, None],
+                            other=0.0), 0)
+        ss = tl.sum(tl.load(SS + row, mask=ok, other=0.0), 0)
     else:
         zp, zc, ss = _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, 0, K,
                               BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_PP, PRECISION)
@@ -214,7 +218,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if split is None:
         split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
                                                                     2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
-    k_per = triton.cdiv(triton.cdiv(k, max(1, split)), block_k) * block_k
+    mix_k = _SPLIT_BLOCK_K if split > 1 else block_k
+    k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k
     n_split = triton.cdiv(k, k_per)
     # The epilogue needs no tl.dot when the partials come from the split kernel: one token per
     # program there, so that the partial sums, Sinkhorn and the collapse over D (M·D model-dtype
@@ -227,7 +232,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
         ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
         _mhc_mix_kernel[(nblocks, n_split)](x, fn, zp, zc, ss, n, x.stride(0), fn.stride(0), m, k, k_per,
-                                            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                                            BLOCK_N=block_n, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                                             PRECISION=precision, num_warps=4)
     else:
         zp = zc = ss = post  # unused
@@ -235,7 +240,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                                 n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
                                 int(sinkhorn_iters), float(hc_eps), float(norm_eps),
                                 BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-                                BLOCK_D=block_d, SPLIT=n_split > 1, PRECISION=precision, num_warps=4)
+                                BLOCK_D=block_d, SPLIT=n_split > 1, BLOCK_S=triton.next_power_of_2(n_split),
+                                PRECISION=precision, num_warps=4)
     return post, comb, u
 
 

@@ -8,9 +8,10 @@
 
 The reference spends ten launches on this (two casts, the GEMM, sigmoid, add, topk, gather,
 sum, divide, multiply); at decode each is a few microseconds of a step whose bytes take
-about one. Here: one launch for the logits, tiled over experts so that the router's weight
-is read by many programs (one program per token would stream it through one SM), and one
-for the selection, one program per token block, the k picks done in registers.
+about one. Here: one launch for the logits, tiled over experts and, at decode sizes, split
+over K so that the router's weight is read by many programs (one program per token would
+stream it through one SM), and one for the selection (summing the splits in a fixed order),
+one program per token, the k picks done in registers.
 """
 
 from __future__ import annotations
@@ -23,20 +24,28 @@ from .interpreter import patch_interpreter
 
 patch_interpreter()
 
+_MAX_SPLIT = 8  # K splits of the logits at most (the selection sums their partials, unrolled)
+_NUM_SMS_GUESS = 132
+
 
 @triton.jit
-def _route_logits_kernel(X, W, L, N, E, D, stride_x, stride_w, stride_l,
+def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          PRECISION: tl.constexpr):
+    """Partial logits over K split s = program_id(2): L[s, rows, cols]."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
     r_ok = rows < N
     c_ok = cols < E
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    k_lo = split * k_per
+    k_hi = tl.minimum(k_lo + k_per, D)
+    L += split.to(tl.int64) * N * stride_l
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
-        k_ok = kk < D
+        k_ok = kk < k_hi
         x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + kk[None, :], mask=r_ok[:, None] & k_ok[None, :],
                     other=0.0)
         w = tl.load(W + cols.to(tl.int64)[:, None] * stride_w + kk[None, :], mask=c_ok[:, None] & k_ok[None, :],
@@ -46,15 +55,18 @@ def _route_logits_kernel(X, W, L, N, E, D, stride_x, stride_w, stride_l,
 
 
 @triton.jit
-def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, stride_l, scaling,
+def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling,
                          TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_TOPK: tl.constexpr):
+                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
     cols = tl.arange(0, BLOCK_E)
     c_ok = cols < E
-    logit = tl.load(L + rows.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
-                    other=0.0)
+    # the K splits' partials, in split order (deterministic); unrolled so the loads overlap
+    logit = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    for s in tl.static_range(MAX_SPLIT):
+        logit += tl.load(L + (s * N + rows).to(tl.int64)[:, None] * stride_l + cols[None, :],
+                         mask=(r_ok[:, None] & c_ok[None, :]) & (s < n_split), other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-logit))  # torch's sigmoid
     bias = tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)
     choice = tl.where(c_ok[None, :], scores + bias[None, :], float("-inf"))
@@ -101,19 +113,26 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     if x.stride(-1) != 1:
         x = x.contiguous()
     w = gate_w if gate_w.stride(-1) == 1 else gate_w.contiguous()
-    logits = torch.empty(n, e, dtype=torch.float32, device=x.device)
     bn = 16 if n <= 16 else 64
-    be = 16 if n <= 16 else 64
+    be = 16 if n <= 64 else 64
+    bk = 128 if x.dtype != torch.float32 else 64
+    # K splits while the (token, expert) tiles alone fill few SMs (decode: 18 tiles at N = 1):
+    # each program's K loop is a chain of dependent load + dot steps (~0.6 µs each on the
+    # H200), 32 of them over D 4096 without a split, 19 µs a call
+    tiles = triton.cdiv(n, bn) * triton.cdiv(e, be)
+    split = max(1, min(_MAX_SPLIT, 2 * _NUM_SMS_GUESS // tiles, triton.cdiv(d, bk)))
+    k_per = triton.cdiv(triton.cdiv(d, split), bk) * bk
+    split = triton.cdiv(d, k_per)
+    logits = torch.empty(split, n, e, dtype=torch.float32, device=x.device)
     # fp32 operands: exact fp32 products (ieee); 16-bit ones are exact in any mode
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _route_logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be))](
-        x, w, logits, n, e, d, x.stride(0), w.stride(0), logits.stride(0),
-        BLOCK_N=bn, BLOCK_E=be, BLOCK_K=128 if x.dtype != torch.float32 else 64, PRECISION=precision,
-        num_warps=4)
-    block_e = triton.next_power_of_2(e)
-    sn = max(1, min(16, 4096 // block_e))
-    _route_select_kernel[(triton.cdiv(n, sn),)](
-        logits, bias, weights, ids, n, e, logits.stride(0), float(scaling),
-        TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_N=sn, BLOCK_E=block_e,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4)
+    _route_logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be), split)](
+        x, w, logits, n, e, d, k_per, x.stride(0), w.stride(0), logits.stride(1),
+        BLOCK_N=bn, BLOCK_E=be, BLOCK_K=bk, PRECISION=precision, num_warps=4)
+    # one token per program on one warp: the k picks are k rounds of row reductions, and
+    # within a warp each is a few shuffles (across warps, a shared-memory round trip each)
+    _route_select_kernel[(n,)](
+        logits, bias, weights, ids, n, e, split, logits.stride(1), float(scaling),
+        TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_N=1, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_TOPK=triton.next_power_of_2(top_k), MAX_SPLIT=_MAX_SPLIT, num_warps=1)
     return weights, ids

@@ -400,6 +400,8 @@ def test_tiles_shrink_until_they_fit():
     (37, 192, 288, 8, True, torch.bfloat16),     # several token blocks, D not a multiple of the K tile
     (20, 128, 64, 6, False, torch.float32),      # fp32 model, no renormalisation
     (3, 64, 16, 16, True, torch.bfloat16),       # k == E: every expert, in choice order
+    (1, 4096, 288, 8, True, torch.bfloat16),     # the real width: 8 K splits summed by the selection
+    (70, 1000, 288, 8, True, torch.bfloat16),    # 2 token blocks, 8 splits, the last one short
 ])
 def test_moe_route_matches_reference(device, n, d, e, k, norm, dtype):
     from backends.kernels.moe_route import moe_route, supported

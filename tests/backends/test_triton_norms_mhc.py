@@ -126,6 +126,13 @@ def test_mhc_pre_splits(device, split):
     _check_pre(device, torch.bfloat16, 4, 96, 7, 20, split)
 
 
+@pytest.mark.parametrize("n,split", [(1, None), (3, 12)])
+def test_mhc_pre_many_splits(device, n, split):
+    """Decode shapes: tens of K splits (32 by the heuristic; 12 asked gives 11, not a power of
+    two), all summed by the epilogue in one masked load."""
+    _check_pre(device, torch.bfloat16, 4, 1024, n, 20, split)
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_mhc_pre_other_m(device, m):
     _check_pre(device, torch.float32, m, 32, 5, 20, None)
