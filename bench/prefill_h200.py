@@ -162,23 +162,35 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
     rows = float(((sel >= 0).sum(1).double() * kpool + (pos + 1 - complete * kpool)).sum())
     flop = rows * d["h"] * d["r"] * 4
     table, first, out = meta.page_table.contiguous(), None, []
+    lists = lambda: sm.build_prefill_token_idx(sel, meta.positions, meta.req_index, table, ps, kpool, True)  # noqa: E731
+    token_idx, ntok = lists()
+    list_ms = kernel_ms(lists)
+    print("config", json.dumps(dict(build_prefill_token_idx_ms=list_ms)), flush=True)
     for spec in args.mla_sweep.split(";"):
-        cfg = _kv(spec)
-        kern = lambda: sm.sparse_mla_rows_sel(q_abs, cache, sel, meta.positions, meta.req_index, table,  # noqa: E731
-                                              ps, kpool, d["r"] ** -0.5, True, config=cfg)
+        cfg = _kv(spec.replace(",list=precomputed", ""))
+        if "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)
+            kern = lambda: sm.sparse_mla_decode(q_abs, cache, token_idx, d["r"] ** -0.5, ntok, config=cfg)  # noqa: E731
+        else:
+            kern = lambda: sm.sparse_mla_rows_sel(q_abs, cache, sel, meta.positions, meta.req_index, table,  # noqa: E731
+                                                  ps, kpool, d["r"] ** -0.5, True, config=cfg)
         try:
             o = kern().float()
             ms = kernel_ms(kern)
         except Exception as e:  # a config that does not compile / fit: say so, go on
             print("config", spec, "failed:", str(e).splitlines()[0][:160], flush=True)
             continue
+        ck = sm._LAST_COMPILED.get("attention")
+        regs, spills = getattr(ck, "n_regs", -1), getattr(ck, "n_spills", -1)
         first = o if first is None else first
         rel = float((o - first).norm() / first.norm())
-        out.append((spec, ms, flop / ms / 1e9, rel))
-        print("config", json.dumps(dict(config=spec, ms=ms, tflops=out[-1][2], rel_vs_first=rel)), flush=True)
-    print(f"\nsparse-MLA prefill kernel, {len(lens)}x{lens[0]} tokens, {rows / n:.0f} rows/token (TFLOP/s vs {PEAK_TFLOPS:.0f})")
-    for spec, ms, tf, rel in out:
-        print(f"{spec:>48} {ms:>9.2f} ms {tf:>6.1f} TF/s {100 * tf / PEAK_TFLOPS:>5.1f}% rel {rel:.1e}")
+        out.append((spec, ms, flop / ms / 1e9, rel, regs, spills))
+        print("config", json.dumps(dict(config=spec, ms=ms, tflops=out[-1][2], rel_vs_first=rel, regs=regs,
+                                        spills=spills)), flush=True)
+    print(f"\nsparse-MLA prefill kernel, {len(lens)}x{lens[0]} tokens, {rows / n:.0f} rows/token (TFLOP/s vs "
+          f"{PEAK_TFLOPS:.0f}); the packed row lists take {list_ms:.2f} ms to build")
+    for spec, ms, tf, rel, regs, spills in out:
+        print(f"{spec:>64} {ms:>9.2f} ms {tf:>6.1f} TF/s {100 * tf / PEAK_TFLOPS:>5.1f}% rel {rel:.1e} "
+              f"regs {regs} spills {spills}")
     return 0
 
 

@@ -72,12 +72,24 @@ def ours_prefill_ms(model, prompt: torch.Tensor, reps: int) -> tuple[float, torc
     return ms, logits
 
 
-def profile_prefill(model, prompt: torch.Tensor) -> dict[str, float]:
-    """Device ms per kernel name in one prefill forward (after the timed ones: nothing compiles)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+               "cudaMemcpy", "aten::_local_scalar_dense", "aten::nonzero", "aten::item")
+
+
+def profile_prefill(model, prompt: torch.Tensor) -> tuple[dict[str, float], dict[str, tuple[int, float]]]:
+    """One prefill forward under the profiler (after the timed ones: nothing compiles) ->
+    (device ms per kernel name, {host call that waits for the GPU or copies: (count, host ms)})
+    — the second says where the GPU idles between kernels."""
+    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
         ours_prefill_ms(model, prompt, 0)
         torch.cuda.synchronize()
-    return {k: v / 1e3 for k, v in kernel_us(prof).items()}
+    host: dict[str, tuple[int, float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name in _HOST_WAITS:
+            c, ms = host.get(e.name, (0, 0.0))
+            host[e.name] = (c + 1, ms + e.cpu_time_total / 1e3)
+    return {k: v / 1e3 for k, v in kernel_us(prof).items()}, host
 
 
 def main(argv=None) -> list[dict]:
@@ -86,8 +98,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--hf-tokens", default="4096", help="lengths transformers also runs ('' for none)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dsa", default="torch,triton", help="DSA prefill backends (the torch reference expands "
-                   "[H, T, T] scores: it does not fit at 16K in one forward)")
+    p.add_argument("--dsa", default="torch,triton", help="DSA prefill backends: torch, triton, triton-precomputed "
+                   "(the kernels on packed row lists); the torch reference expands [H, T, T] scores: it does not fit "
+                   "at 16K in one forward")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     args = p.parse_args(argv)
 
@@ -109,25 +122,31 @@ def main(argv=None) -> list[dict]:
         fl = useful_flops(model, t)
         row = {"tokens": t, "tflop": fl["total"] / 1e12, "flops": fl}
         got = {}
-        for name, kernels in (("torch", False), ("triton", True)):
+        from backends.kernels import sparse_mla as sm
+        for name, kernels in (("torch", False), ("triton", True), ("triton-precomputed", True)):
             if name not in args.dsa.split(","):
                 row[f"{name}_ms"], got[name] = float("nan"), None
                 continue
             ops.prefill_kernels = kernels
+            sm.PREFILL_TOKEN_LIST = "precomputed" if name.endswith("precomputed") else "kernel"
             row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
             if args.profile and torch.cuda.is_available():
-                row[f"{name}_kernels_ms"] = profile_prefill(model, prompt.cuda())
+                row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())
+                print("  host calls that wait for the GPU or copy (count, ms): " + ", ".join(
+                    f"{k} {c} {ms:.1f}" for k, (c, ms) in host.items()), flush=True)
                 print(f"  kernels ({total:.1f} ms in all): " + ", ".join(
                     f"{k[:48]} {v:.1f} ({100 * v / total:.0f}%)"
                     for k, v in list(row[f"{name}_kernels_ms"].items())[:args.profile]), flush=True)
-        ops.prefill_kernels = False
-        a, b = got["torch"], got["triton"]
+        ops.prefill_kernels, sm.PREFILL_TOKEN_LIST = False, "kernel"
+        a, b, c = got["torch"], got["triton"], got["triton-precomputed"]
         if a is not None and b is not None:
             row["triton_vs_torch_rel"] = float((a - b).norm() / a.norm())
             row["same_argmax"] = bool(a.argmax() == b.argmax())
-        a = a if a is not None else b
+        if b is not None and c is not None:
+            row["precomputed_vs_triton_rel"] = float((c - b).norm() / b.norm())
+        a = next((x for x in (a, b, c) if x is not None), None)
         if hf is not None and t in hf_lens:
             ids = prompt.cuda()[None]
             with torch.no_grad():
@@ -144,15 +163,17 @@ def main(argv=None) -> list[dict]:
     if out:
         json.dump(rows, open(os.path.join(out, "prefill_model.json"), "w"), indent=1)
     print(f"\nprefill, {args.preset} bf16 on {torch.cuda.get_device_name()}, one request; ceiling {CEILING_TFLOPS} TFLOP/s")
-    print(f"{'tokens':>6} {'TFLOP':>6} {'torch ms':>9} {'%ceil':>6} {'triton ms':>10} {'%ceil':>6} {'HF ms':>8} "
-          f"{'HF/ours':>8} {'tri~torch rel':>13} {'HF~ours rel':>11}")
+    print(f"{'tokens':>6} {'TFLOP':>6} {'torch ms':>9} {'%ceil':>6} {'triton ms':>10} {'%ceil':>6} {'pre ms':>8} "
+          f"{'%ceil':>6} {'HF ms':>8} {'HF/ours':>8} {'tri~torch rel':>13} {'pre~tri rel':>11} {'HF~ours rel':>11}")
+    nan = float("nan")
     for r in rows:
-        best = min(x for x in (r["torch_ms"], r["triton_ms"]) if x == x)
+        best = min([x for x in (r["torch_ms"], r["triton_ms"], r["triton-precomputed_ms"]) if x == x] or [nan])
         pc = lambda ms: 100 * r["tflop"] / (ms / 1e3) / CEILING_TFLOPS  # noqa: E731
-        hf_ms = r.get("hf_ms", float("nan"))
+        hf_ms, pre = r.get("hf_ms", nan), r["triton-precomputed_ms"]
         print(f"{r['tokens']:>6} {r['tflop']:>6.2f} {r['torch_ms']:>9.1f} {pc(r['torch_ms']):>5.1f}% {r['triton_ms']:>10.1f} "
-              f"{pc(r['triton_ms']):>5.1f}% {hf_ms:>8.1f} {hf_ms / best:>8.1f} {r.get('triton_vs_torch_rel', float('nan')):>13.2e} "
-              f"{r.get('hf_vs_ours_rel', float('nan')):>11.2e}")
+              f"{pc(r['triton_ms']):>5.1f}% {pre:>8.1f} {pc(pre):>5.1f}% {hf_ms:>8.1f} {hf_ms / best:>8.1f} "
+              f"{r.get('triton_vs_torch_rel', nan):>13.2e} {r.get('precomputed_vs_triton_rel', nan):>11.2e} "
+              f"{r.get('hf_vs_ours_rel', nan):>11.2e}")
     return rows
 
 

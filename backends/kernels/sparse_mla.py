@@ -42,6 +42,7 @@ from .interpreter import patch_interpreter
 patch_interpreter()
 
 _LOG2E = 1.4426950408889634
+_LAST_COMPILED: dict = {}  # the attention kernel's last compiled variant (benches read n_regs / n_spills)
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,7 +348,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
     dummy = sel if from_sel else idx  # pointers the kernel never reads in this mode
     ntok = num_tokens if num_tokens is not None else dummy
     grid = (b, head_blocks, num_splits)
-    _sparse_mla_decode_kernel[grid](
+    _LAST_COMPILED["attention"] = _sparse_mla_decode_kernel[grid](
         q_abs, flat, idx if idx is not None else dummy, ntok, out, opart, lse,
         sel if from_sel else dummy, positions if from_sel else dummy, table if from_sel else dummy, sc,
         req if req is not None else dummy,
@@ -400,14 +401,26 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
     (sel.shape[1]*kpool + kpool-1, or the longest request when dense), so nothing here waits
     on the GPU.
     """
-    pos = meta.positions
+    if meta.positions.shape[0] != meta.num_reqs:
+        raise ValueError("build_decode_token_idx needs exactly one query per request")
+    return _token_rows(sel, meta.positions, meta.page_table, meta.page_size, kpool, with_tail,
+                       max(meta.total_lens) if sel is None else 0)
+
+
+def build_prefill_token_idx(sel: torch.Tensor, positions: torch.Tensor, req_index: torch.Tensor,
+                            page_table: torch.Tensor, page_size: int, kpool: int,
+                            with_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_decode_token_idx for one row per query token (prefill): row b is the query at
+    positions[b] of request req_index[b], whose pages are page_table[req_index[b]]."""
+    return _token_rows(sel, positions, page_table[req_index], page_size, kpool, with_tail, 0)
+
+
+def _token_rows(sel, pos, table, ps, kpool, with_tail, dense_len):
+    """The packed token lists of build_decode_token_idx; `table` holds row b's pages in row b."""
     dev = pos.device
     b = pos.shape[0]
-    if b != meta.num_reqs:
-        raise ValueError("build_decode_token_idx needs exactly one query per request")
-    ps = meta.page_size
     if sel is None:
-        t = torch.arange(max(meta.total_lens), device=dev)
+        t = torch.arange(dense_len, device=dev)
         tok = t[None, :].expand(b, -1)
         ok = tok <= pos[:, None]
     else:
@@ -425,7 +438,6 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
             tok = torch.cat([tok, tail], dim=1)
             ok = torch.cat([ok, tail <= pos[:, None]], dim=1)
     width = tok.shape[1]
-    table = meta.page_table
     page_idx = torch.div(tok, ps, rounding_mode="floor").clamp(0, table.shape[1] - 1)
     page = torch.gather(table, 1, page_idx)
     ok &= page >= 0
@@ -437,6 +449,11 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
 
 
 PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds the [rows, H, R] temporaries)
+# How a prefill row finds its latent rows: "kernel" derives them inside the attention kernel
+# from the pool ids and the page table (two dependent loads before each row gather);
+# "precomputed" builds packed flat row lists first (build_prefill_token_idx, ~4 bytes per row)
+# and the kernel reads those (one dependent load).
+PREFILL_TOKEN_LIST = "kernel"
 
 
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
@@ -488,11 +505,16 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
     for c0 in range(0, n, chunk_rows):
         c1 = min(c0 + chunk_rows, n)
         q_abs = torch.bmm(q[c0:c1].transpose(0, 1), wk).transpose(0, 1)  # [rows, H, R]
-        o_lat = sparse_mla_rows_sel(q_abs, cache, sel[c0:c1], meta.positions[c0:c1], meta.req_index[c0:c1],
-                                    table, meta.page_size, kpool, scale, with_tail, out_dtype=dt)
+        pos, req = meta.positions[c0:c1], meta.req_index[c0:c1]
+        if PREFILL_TOKEN_LIST == "precomputed":
+            token_idx, ntok = build_prefill_token_idx(sel[c0:c1], pos, req, table, meta.page_size, kpool, with_tail)
+            o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, ntok, out_dtype=dt)
+        else:
+            o_lat = sparse_mla_rows_sel(q_abs, cache, sel[c0:c1], pos, req, table, meta.page_size, kpool, scale,
+                                        with_tail, out_dtype=dt)
         out[c0:c1] = torch.bmm(o_lat.transpose(0, 1), wvt).transpose(0, 1)
     return out
 
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "sparse_mla_rows_sel", "sparse_mla", "build_decode_token_idx", "is_decode_batch", "default_config",
-           "choose_num_splits"]
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "sparse_mla_rows_sel", "sparse_mla", "build_decode_token_idx",
+           "build_prefill_token_idx", "is_decode_batch", "default_config", "choose_num_splits"]

@@ -397,9 +397,11 @@ def _prefill_mla_inputs(reqs, r, dtype, device, seed, h=4, dn=16, dv=16):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["mixed", "prefix"])
-def test_sparse_mla_prefill_matches_reference(device, dtype, case):
+@pytest.mark.parametrize("token_list", ["kernel", "precomputed"])
+def test_sparse_mla_prefill_matches_reference(device, dtype, case, token_list, monkeypatch):
     from backends.kernels import sparse_mla as sk
 
+    monkeypatch.setattr(sk, "PREFILL_TOKEN_LIST", token_list)
     if device.type == "cuda" and dtype == torch.float32:
         pytest.skip("fp32 prefill on the GPU stays on the reference")
     kpool, topk, r = 4, 3, 32

@@ -133,6 +133,11 @@ def test_mhc_pre_many_splits(device, n, split):
     _check_pre(device, torch.bfloat16, 4, 1024, n, 20, split)
 
 
+def test_mhc_pre_prefill_size(device):
+    """From 1024 tokens: one launch of 64-token blocks with tf32x3 products, still fp32-accurate."""
+    _check_pre(device, torch.bfloat16, 4, 32, 1100, 20, None)
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_mhc_pre_other_m(device, m):
     _check_pre(device, torch.float32, m, 32, 5, 20, None)
