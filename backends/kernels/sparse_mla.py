@@ -449,11 +449,12 @@ def _token_rows(sel, pos, table, ps, kpool, with_tail, dense_len):
 
 
 PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds the [rows, H, R] temporaries)
-# How a prefill row finds its latent rows: "kernel" derives them inside the attention kernel
-# from the pool ids and the page table (two dependent loads before each row gather);
-# "precomputed" builds packed flat row lists first (build_prefill_token_idx, ~4 bytes per row)
-# and the kernel reads those (one dependent load).
-PREFILL_TOKEN_LIST = "kernel"
+# How a prefill row finds its latent rows: "precomputed" builds packed flat row lists first
+# (build_prefill_token_idx, 4 bytes per row: 3 ms for 16K tokens) and the kernel reads those;
+# "kernel" derives them inside the attention kernel from the pool ids and the page table. On
+# the H200 at 16K tokens the in-kernel derivation spilled registers (255 regs, 20 spills) and
+# took 84.5 ms against 23.0 ms on the lists (234 regs, no spills); bench/RESULTS.md.
+PREFILL_TOKEN_LIST = "precomputed"
 
 
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,

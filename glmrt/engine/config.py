@@ -70,6 +70,9 @@ class EngineConfig:
     cuda_graph_warmup_tokens: int = 4096
     """Capture the decode graphs of every batch bucket for contexts up to this many tokens at
     start (0: capture each on first use, which stalls the batch that needs it)."""
+    skip_server_warmup: bool = False
+    """Skip running the prefill shapes once at start on the GPU (each Triton kernel variant
+    then compiles on first use, stalling the requests running at that moment)."""
     disable_overlap_schedule: bool = False
     """Schedule step N+1 only after step N's tokens are on the host (no CPU/GPU overlap)."""
     role: str = "unified"

@@ -120,6 +120,18 @@ class Engine:
                 t0 = time.perf_counter()
                 n = self.runner.graphs.warmup(upto_tokens=config.cuda_graph_warmup_tokens)
                 self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
+        if device.startswith("cuda") and not config.skip_server_warmup:
+            import time
+            t0 = time.perf_counter()
+            try:
+                ran = self.runner.warm_prefill(self.pages, self.slots,
+                                               min(config.chunked_prefill_size, config.max_prefill_tokens))
+                self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
+                         f"{time.perf_counter() - t0:.1f} s")
+            except Exception as e:  # an optimisation only: serve without it, and say why
+                self.log(f"prefill warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}")
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
         self._inflight = None  # the launched decode step whose tokens are not read yet

@@ -19,6 +19,10 @@ from glmrt.engine.sampler import Sampler, SamplerRow
 from glmrt.engine.scheduler import StepPlan
 
 
+# Token counts warm_prefill runs (up to the chunked-prefill size): both sides of each fused-MoE
+# tile bucket (32, 256, 1024, 4096), multiples of 16 and not, and mhc's one-launch size (1024+).
+PREFILL_WARMUP_SIZES = (1, 31, 32, 255, 256, 1023, 1024, 1100, 4095, 4096, 4097, 8192)
+
 PLACEHOLDER = -1
 """An output token sampled on the device whose value the host has not read yet (overlap)."""
 
@@ -55,6 +59,44 @@ class ModelRunner:
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
+
+    def warm_prefill(self, pages, slots, max_tokens: int) -> list[int]:
+        """Run the prefill / mixed-batch forward once per shape class before traffic -> the
+        token counts run. Triton compiles a kernel per tile config (the fused MoE's token-count
+        buckets) and per integer specialisation (a multiple of 16 or not); compiled mid-traffic,
+        each stalls every running request for seconds (the H200 serving sweep: 12-s stalls).
+        Pages and slots come from the managers and go back; prefix-0 rows ignore a slot's old
+        state, so nothing a later request reads is left behind."""
+        ps = self.cache.page_size
+        sizes = [n for n in PREFILL_WARMUP_SIZES if n <= max_tokens]
+        if not sizes:
+            return []
+        longest = max(sizes)
+        need_a, need_b = -(-(longest + 64) // ps), -(-64 // ps)
+        if not pages.can_allocate(need_a + 2 * need_b) or slots.num_free < 3:
+            return []
+        pa, pb, pc = pages.allocate(need_a), pages.allocate(need_b), pages.allocate(need_b)
+        sa, sb, sc = slots.allocate(), slots.allocate(), slots.allocate()
+        ran = []
+        try:
+            def forward(prefix, seq, slot_ids, tables):
+                meta = BatchMeta.build(prefix, seq, slot_ids, tables, ps, self.device)
+                ids = torch.randint(10, 1000, (sum(seq),), device=self.device)
+                last = torch.tensor([e - 1 for e in meta.cu_seqlens[1:]], device=self.device)
+                with torch.no_grad():
+                    self.model(ids, meta, self.cache, logits_indices=last)
+                ran.append(sum(seq))
+            for n in sizes:                      # one request, prefix 0, n tokens
+                forward([0], [n], [sa], [pa])
+            forward([0], [40], [sc], [pc])       # c gets a prefix for the mixed batch below
+            # mixed: an extension after a cached prefix, a new request, a decode row
+            forward([longest, 0, 40], [min(33, 64), 17, 1], [sa, sb, sc], [pa, pb, pc])
+            forward([0, 0], [min(longest, 64), min(longest, 128) - 1], [sb, sa], [pb, pa])  # two prefills
+        finally:
+            pages.release(pa + pb + pc)
+            for sl in (sa, sb, sc):
+                slots.free(sl)
+        return ran
 
     def enable_graphs(self, *, max_bs: int, max_pages: int, pad_slot: int, pad_page: int) -> None:
         from glmrt.engine.cuda_graphs import DecodeGraphs

@@ -279,3 +279,18 @@ def test_burst_with_a_new_shared_prefix_shares_it(ckpt, model, reference):
     got = run(e, prompts)
     assert [r.cached_tokens for r in got] == [0] + [len(system)] * 4
     assert_same(got, [reference(p) for p in prompts])
+
+
+def test_prefill_warmup_returns_everything_and_leaves_no_trace(ckpt, model, reference):
+    """The start-up prefill warm-up (run on the GPU, where it compiles each kernel variant ahead
+    of traffic) hands back every page and slot it took, and the requests served afterwards get
+    the same tokens as without it (its slots' states are not read by a prefix-0 request)."""
+    e = make(ckpt, model, disable_radix_cache=True)
+    pages, slots = e.pages.num_free, e.slots.num_free
+    ran = e.runner.warm_prefill(e.pages, e.slots, 40)
+    # the sizes up to 40; c's 40-token prefill; mixed 33 + 17 + 1; two prefills 32 + 31
+    assert ran == [1, 31, 32, 40, 51, 63]
+    assert (e.pages.num_free, e.slots.num_free) == (pages, slots)
+    e.check_invariants()
+    prompts = [toks(50 + i, n) for i, n in enumerate([12, 33])]
+    assert_same(run(e, prompts), [reference(p) for p in prompts])
