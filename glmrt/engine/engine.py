@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -37,6 +38,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class ContextLengthExceeded(ValueError):
     """The prompt (plus one generated token) cannot fit the context or the KV pool."""
+
+
+SLOW_STEP_S = 2.0  # a synchronous step slower than this is logged with its batch
+
+
+def describe_plan(plan) -> str:
+    """One line for the log: tokens, requests, and each prefill chunk's length and prefix."""
+    decode = sum(1 for w in plan.work if w.num == 1 and w.start > 0)
+    chunks = [f"{w.num}@{w.start}" for w in plan.work if not (w.num == 1 and w.start > 0)]
+    shown = ", ".join(chunks[:8]) + (f", ... {len(chunks) - 8} more" if len(chunks) > 8 else "")
+    return (f"{plan.num_tokens} tokens, {len(plan.work)} requests ({decode} decode rows; prefill chunks "
+            f"tokens@prefix: {shown or 'none'}), {len(plan.restores)} restores, {len(plan.saves)} saves")
 
 
 @dataclass
@@ -116,12 +129,10 @@ class Engine:
             self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
                                       pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
             if config.cuda_graph_warmup_tokens > 0:
-                import time
                 t0 = time.perf_counter()
                 n = self.runner.graphs.warmup(upto_tokens=config.cuda_graph_warmup_tokens)
                 self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
         if device.startswith("cuda") and not config.skip_server_warmup:
-            import time
             t0 = time.perf_counter()
             try:
                 ran = self.runner.warm_prefill(self.pages, self.slots,
@@ -271,7 +282,12 @@ class Engine:
         return outputs
 
     def _run_sync(self, plan) -> list[RequestOutput]:
-        results = self.runner.execute(plan)
+        t0 = time.perf_counter()
+        results = self.runner.execute(plan)  # returns host values: the step has finished
+        took = time.perf_counter() - t0
+        if took > SLOW_STEP_S:
+            self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (a kernel variant compiled "
+                     f"on first use stalls like this; the start-up warm-up should have run it)")
         for w in plan.work:
             w.req.num_computed = w.start + w.num
         for r in plan.restores:

@@ -294,3 +294,17 @@ def test_prefill_warmup_returns_everything_and_leaves_no_trace(ckpt, model, refe
     e.check_invariants()
     prompts = [toks(50 + i, n) for i, n in enumerate([12, 33])]
     assert_same(run(e, prompts), [reference(p) for p in prompts])
+
+
+def test_slow_steps_are_logged_with_their_batch(ckpt, model, monkeypatch):
+    """A synchronous step slower than SLOW_STEP_S is logged with what the batch held (so a
+    mid-traffic stall, e.g. a kernel compiled on first use, can be traced to its shape)."""
+    import glmrt.engine.engine as eng
+
+    lines = []
+    e = Engine(EngineConfig(model=ckpt, page_size=PS, disable_radix_cache=True), model=model, log=lines.append)
+    monkeypatch.setattr(eng, "SLOW_STEP_S", 0.0)
+    run(e, [toks(70, 20), toks(71, 5)], greedy(2))
+    slow = [x for x in lines if x.startswith("slow step")]
+    assert slow and "25 tokens, 2 requests (0 decode rows; prefill chunks tokens@prefix: 20@0, 5@0)" in slow[0]
+    assert any("2 tokens, 2 requests (2 decode rows" in x for x in slow)
