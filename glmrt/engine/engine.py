@@ -135,8 +135,8 @@ class Engine:
         if device.startswith("cuda") and not config.skip_server_warmup:
             t0 = time.perf_counter()
             try:
-                ran = self.runner.warm_prefill(self.pages, self.slots,
-                                               min(config.chunked_prefill_size, config.max_prefill_tokens))
+                ran = self.runner.warm_prefill(self.pages, self.slots, min(
+                    config.chunked_prefill_size, config.max_prefill_tokens, self.context_length - 128))
                 self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
                          f"{time.perf_counter() - t0:.1f} s")
             except Exception as e:  # an optimisation only: serve without it, and say why
