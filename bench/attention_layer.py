@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 
 import torch
 
+from bench.h200 import write_out
 from bench.timing import graph_ms
 
 
@@ -77,9 +76,7 @@ def main(argv=None) -> list[dict]:
             kda_ms = graph_ms(lambda: kda_layer(x, meta, cache)) if ctx == contexts[0] else rows[-1]["kda_ms"]
             rows.append({"batch": b, "context": ctx, "dsa_ms": dsa_ms, "kda_ms": kda_ms})
             print(f"B={b} ctx={ctx}: DSA layer {dsa_ms * 1000:.0f} us, KDA layer {kda_ms * 1000:.0f} us", flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        json.dump(rows, open(os.path.join(out, "attention_layer.json"), "w"), indent=1)
+    write_out("attention_layer.json", rows)
     print(f"\nattention-side decode cost per layer, flash-4l bf16, cuda-h200 kernels, graph replay, "
           f"{torch.cuda.get_device_name()}")
     print(f"{'batch':>5} {'context':>8} {'DSA layer us':>13} {'KDA layer us':>13} {'DSA / DSA@' + str(contexts[0]):>14}")

@@ -20,13 +20,11 @@ $OUT/decode_overlap.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
 
-from bench.h200 import CEILING_TBPS
+from bench.h200 import CEILING_TBPS, write_out
 from bench.timing import replay_ms
 
 
@@ -196,9 +194,7 @@ def main(argv=None) -> list[dict]:
             same = sum(a == c for x, y in zip(ref, outs[mode]) for a, c in zip(x, y))
             row[f"{mode}_same_tokens"] = same / max(1, sum(len(x) for x in ref))
         rows.append(row)
-    out = os.environ.get("OUT")
-    if out:
-        json.dump({"check": check, "rows": rows}, open(os.path.join(out, "decode_overlap.json"), "w"), indent=1)
+    write_out("decode_overlap.json", {"check": check, "rows": rows})
     for r in rows:
         r.setdefault("eager_ms", float("nan"))
     print(f"\ndecode step, {args.preset} {args.quantization or 'bf16'} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}, "

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
+from bench.h200 import write_out
 from bench.timing import kernel_us, replay_ms
 
 
@@ -118,9 +118,7 @@ def main(argv=None) -> list[dict]:
                                                           list(row["kernels_us"].items())[:args.top]), flush=True)
         del model
         torch.cuda.empty_cache()
-    out = os.environ.get("OUT")
-    if out:
-        json.dump(rows, open(os.path.join(out, "decode_profile.json"), "w"), indent=1)
+    write_out("decode_profile.json", rows)
     first = args.fused_small_ops.split(",")[0]
     base = {r["batch"]: r["replay_ms"] for r in rows if r["weights"] == "bf16" and r["fused"] == first}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")

@@ -12,12 +12,12 @@ $OUT/decode_step.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
+
+from bench.h200 import write_out
 
 
 def _set_ops(model, ops) -> None:
@@ -112,9 +112,7 @@ def main(argv=None) -> list[dict]:
             del past, out
             torch.cuda.empty_cache()
         rows.append(row)
-    out = os.environ.get("OUT")
-    if out:
-        json.dump(rows, open(os.path.join(out, "decode_step.json"), "w"), indent=1)
+    write_out("decode_step.json", rows)
     print(f"decode step, {args.preset} bf16 on {torch.cuda.get_device_name()}, context {args.context}")
     print(f"{'batch':>5} {'ours ref ms':>12} {'ours h200 ms':>13} {'h200 graph ms':>14} {'HF ms':>9} "
           f"{'ref/graph':>10} {'HF/graph':>9}")

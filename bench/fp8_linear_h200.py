@@ -33,13 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke, kernel_device  # noqa: E402
+from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke, kernel_device, write_out  # noqa: E402
 
 interpret_if_smoke()
 
@@ -305,11 +304,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         print(f"shape {name} done in {time.time() - t0:.1f}s", flush=True)
 
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        Path(out_dir, "fp8_linear_h200.json").write_text(json.dumps(
-            dict(env=env, checks=checks, rows=rows, prefill=prefill, sweep=swept), indent=1, default=str))
+    write_out("fp8_linear_h200.json", dict(env=env, checks=checks, rows=rows, prefill=prefill, sweep=swept))
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"

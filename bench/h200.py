@@ -9,6 +9,21 @@ from __future__ import annotations
 import os
 import sys
 
+def write_out(name: str, obj) -> str | None:
+    """Write `obj` as JSON to $OUT/name when OUT is set (the device tool brings $OUT back) ->
+    the path written, or None."""
+    import json
+
+    out = os.environ.get("OUT")
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    return path
+
+
 CEILING_TBPS = 4.09     # measured device-to-device copy (bytes read + written)
 CEILING_TFLOPS = 779.0  # measured bf16 8192^3 matmul on random data (KINDS.md: 769-798)
 

@@ -33,13 +33,11 @@ everything is written to $OUT/kda_h200.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device  # noqa: E402
+from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device, write_out  # noqa: E402
 
 interpret_if_smoke()
 
@@ -299,9 +297,8 @@ def main(argv=None) -> int:
         for b in (d["decode"][1], d["decode"][-1]):
             safe(graph_check, d, dev, gen, b)
 
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "kda_h200.json"
-        path.write_text(json.dumps(dict(env=env, rows=rows), indent=1, default=str))
+    path = write_out("kda_h200.json", dict(env=env, rows=rows))
+    if path:
         print("wrote", path)
     print()
     print(f"{'case':<36} {'us':>9} {'ref_us':>10} {'TB/s':>6} {'%ceil':>6} {'out_rel':>9} {'state_rel':>9}")

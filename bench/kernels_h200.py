@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device, random_page_tables  # noqa: E402
+from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device, random_page_tables, write_out  # noqa: E402
 
 interpret_if_smoke()
 
@@ -291,11 +290,7 @@ def main(argv=None) -> int:
             print("case", json.dumps(row, default=str), flush=True)
     sweep = run_sweep(dims, dev, args, kernel_ms) if args.sweep and (dev.type == "cuda" or args.smoke) else []
 
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        Path(out_dir, "kernels_h200.json").write_text(json.dumps(dict(env=env, rows=rows, sweep=sweep), indent=1,
-                                                                default=str))
+    write_out("kernels_h200.json", dict(env=env, rows=rows, sweep=sweep))
 
     if sweep:
         print(f"\nsweep (best per batch; MLA at {args.sweep_context} ctx, indexer at {4 * args.sweep_context}):")

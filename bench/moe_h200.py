@@ -42,14 +42,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke, kernel_device  # noqa: E402
+from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, interpret_if_smoke, kernel_device, write_out  # noqa: E402
 
 interpret_if_smoke()
 
@@ -440,11 +439,7 @@ def main(argv=None) -> int:
             for n in sweep_tokens:
                 swept += sweep("bf16", n, w, dims, dev, gd, args, kernel_ms, baseline=True)
 
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        Path(out_dir, "moe_h200.json").write_text(json.dumps(dict(env=env, checks=checks, rows=rows, sweep=swept),
-                                                             indent=1, default=str))
+    write_out("moe_h200.json", dict(env=env, checks=checks, rows=rows, sweep=swept))
 
     na = float("nan")
     if swept:

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TFLOPS as PEAK_TFLOPS, interpret_if_smoke, kernel_device, random_page_tables  # noqa: E402
+from bench.h200 import CEILING_TFLOPS as PEAK_TFLOPS, interpret_if_smoke, kernel_device, random_page_tables, write_out  # noqa: E402
 
 interpret_if_smoke()
 
@@ -235,10 +234,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print("case", json.dumps(row), flush=True)
 
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        Path(out_dir, "prefill_h200.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    write_out("prefill_h200.json", dict(env=env, rows=rows))
 
     na = float("nan")
     print(f"\nprefill, one kernel row per token (H {d['h']}, R {d['r']}, Hi {d['hi']} x {d['di']}, kpool {d['kpool']}, "

@@ -15,11 +15,9 @@ Prints a short table last; JSON to $OUT/prefill_model.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import torch
 
-from bench.h200 import CEILING_TFLOPS
+from bench.h200 import CEILING_TFLOPS, write_out
 from bench.timing import event_ms, kernel_us
 
 
@@ -159,9 +157,7 @@ def main(argv=None) -> list[dict]:
                 row["hf_vs_ours_rel"] = float((h - a).norm() / h.norm())
             torch.cuda.empty_cache()
         rows.append(row)
-    out = os.environ.get("OUT")
-    if out:
-        json.dump(rows, open(os.path.join(out, "prefill_model.json"), "w"), indent=1)
+    write_out("prefill_model.json", rows)
     print(f"\nprefill, {args.preset} bf16 on {torch.cuda.get_device_name()}, one request; ceiling {CEILING_TFLOPS} TFLOP/s")
     print(f"{'tokens':>6} {'TFLOP':>6} {'torch ms':>9} {'%ceil':>6} {'triton ms':>10} {'%ceil':>6} {'pre ms':>8} "
           f"{'%ceil':>6} {'HF ms':>8} {'HF/ours':>8} {'tri~torch rel':>13} {'pre~tri rel':>11} {'HF~ours rel':>11}")

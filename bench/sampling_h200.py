@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.h200 import CEILING_TBPS, interpret_if_smoke  # noqa: E402
+from bench.h200 import CEILING_TBPS, interpret_if_smoke, write_out  # noqa: E402
 
 interpret_if_smoke()
 
@@ -417,11 +416,7 @@ def main() -> None:
                 traceback.print_exc()
                 results["sweep"].append(dict(variant=variant, error=traceback.format_exc()[-2000:]))
 
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(out_dir) / "sampling_h200.json", "w") as f:
-            json.dump(results, f, indent=1, default=str)
+    write_out("sampling_h200.json", results)
 
     bad = [c for c in results["checks"] if not c.get("ok")]
     print()
