@@ -13,8 +13,3 @@ through Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when one is prese
   interpreter.patch_interpreter  every Triton-interpreter (TRITON_INTERPRET=1) patch, one entry point
 """
 
-# Names kept importable from here (they live in .interpreter, which imports no Triton when it loads).
-from .interpreter import bf16_bits_to_f32, f32_to_bf16_bits, patch_interpreter
-from .interpreter import patch_interpreter as patch_triton_interpreter
-
-__all__ = ["bf16_bits_to_f32", "f32_to_bf16_bits", "patch_interpreter", "patch_triton_interpreter"]

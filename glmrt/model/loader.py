@@ -52,13 +52,12 @@ def build_model(config: ModelConfig, ops, dtype: torch.dtype, device: torch.devi
                 fp8_modules: Iterable[str] = (), fp8_block: tuple[int, int] = (128, 128),
                 with_vision: bool = True, with_mtp: bool = True) -> Glm5NextForCausalLM:
     """An uninitialised model on `device` (contents are garbage until loaded or randomised)."""
-    with torch.device("meta"):
+    with torch.device("meta"):  # everything, fp8 conversions included: materialize() places meta tensors
         model = Glm5NextForCausalLM(config, ops, dtype, with_vision=with_vision, with_mtp=with_mtp)
-    capable = _fp8_capable(model)
-    for name in fp8_modules:
-        if name not in capable:
-            raise CheckpointError(f"FP8 scales given for {name!r}, which is not a linear layer of this model")
-        with torch.device("meta"):  # materialize() places only meta tensors
+        capable = _fp8_capable(model)
+        for name in fp8_modules:
+            if name not in capable:
+                raise CheckpointError(f"FP8 scales given for {name!r}, which is not a linear layer of this model")
             capable[name].to_fp8(fp8_block)
     fuse_weight_groups(model, device)  # the grouped projections' shared tensors, members seated in them
     return materialize(model, device).eval()
