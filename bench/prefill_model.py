@@ -103,6 +103,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import sparse_mla as sm
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -120,7 +121,6 @@ def main(argv=None) -> list[dict]:
         fl = useful_flops(model, t)
         row = {"tokens": t, "tflop": fl["total"] / 1e12, "flops": fl}
         got = {}
-        from backends.kernels import sparse_mla as sm
         for name, kernels in (("torch", False), ("triton", True), ("triton-precomputed", True)):
             if name not in args.dsa.split(","):
                 row[f"{name}_ms"], got[name] = float("nan"), None
