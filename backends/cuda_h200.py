@@ -16,6 +16,7 @@ Overridden today (everything else is the reference):
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
+                  (+ the shared expert's column when it is seated among the routed experts)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
@@ -69,6 +70,10 @@ class CudaH200Ops(ReferenceOps):
     # Their tests passed compiled on the H200 and the decode step got faster at every batch
     # (bench/RESULTS.md, fourth session), so they are on; False gives the torch compositions.
     fused_small_ops = True
+    # The shared expert runs inside the fused MoE as expert E, the router's (k+1)-th pick
+    # (glmrt.model.moe.SharedExpertSlot): at decode, two GEMVs and four small launches fewer
+    # per MoE layer.
+    fuse_shared_experts = True
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -190,12 +195,13 @@ class CudaH200Ops(ReferenceOps):
 
     # ---- the MoE router (n_group 1; backends/kernels/moe_route.py) ----------------------------
     def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
-                  topk_group: int, norm_topk_prob: bool, scaling: float):
+                  topk_group: int, norm_topk_prob: bool, scaling: float, *, append_expert: int | None = None):
         if self.fused_small_ops and (x.is_cuda or _interpreting()):
             from .kernels import moe_route as mr
             if mr.supported(x, gate_w, bias, top_k, n_group):
-                return mr.moe_route(x, gate_w, bias, top_k, norm_topk_prob, scaling)
-        return super().moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+                return mr.moe_route(x, gate_w, bias, top_k, norm_topk_prob, scaling, append_expert=append_expert)
+        return super().moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
+                                 append_expert=append_expert)
 
     # ---- routed MoE experts (every batch; kernels in backends/kernels/fused_moe.py) ----------
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,

@@ -110,8 +110,10 @@ class ReferenceOps:
 
     # ---- MoE ------------------------------------------------------------------------------
     def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
-                  topk_group: int, norm_topk_prob: bool, scaling: float):
-        """Sigmoid router with correction bias and group limit -> (weights [N,k] f32, ids [N,k])."""
+                  topk_group: int, norm_topk_prob: bool, scaling: float, *, append_expert: int | None = None):
+        """Sigmoid router with correction bias and group limit -> (weights [N,k] f32, ids [N,k]).
+        `append_expert`: a (k+1)-th column of that id with weight 1 for every token (a shared
+        expert seated among the routed ones, glmrt.model.moe.SharedExpertSlot)."""
         scores = F.linear(x.float(), gate_w.float()).sigmoid()
         choice = scores + bias.float()
         n, e = choice.shape
@@ -124,7 +126,11 @@ class ReferenceOps:
         weights = scores.gather(1, ids)
         if norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * scaling, ids
+        weights = weights * scaling
+        if append_expert is not None:
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], append_expert)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        return weights, ids
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,

@@ -19,8 +19,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 S=/tmp/sweep; mkdir -p "$S"  # the sweep writes ~10 files; the device tool brings back 8
 OUT=$S timeout $(( $(left) - 150 )) bash bench/serving_sweep.sh 1024 64 128 > "$S/serving_sweep.txt" 2>&1
-(cd "$S" && cp serving_0.json serving_0.5.json serving_0.9375.json serving_0.9375.png serving_sweep.txt "$OUT"/ 2> /dev/null)
+(cd "$S" && cp serving_0.json serving_0.5.json serving_0.9375.json serving_0.9375.png serving_sweep.txt serving_up.log \
+  "$OUT"/ 2> /dev/null)
 tail -n 30 "$S/serving_sweep.txt"
+echo "== slow steps logged: $(grep -c "slow step" "$S/serving_up.log")"; grep "slow step" "$S/serving_up.log" | head -5
 if [ -n "$K" ]; then
   timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -k "$K" tests/backends > "$OUT/t_gpu.txt" 2>&1 & T=$!
 fi

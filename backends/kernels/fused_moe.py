@@ -3,10 +3,16 @@
     out[t] = Σ_k w[t,k] · down_e( silu(clamp(gate_e x_t)) · clamp(up_e x_t) ),   e = ids[t,k]
 
 Stacked weights gate/up [E, I, D], down [E, D, I] (bf16/fp16/fp32, or fp8 e4m3 with DeepSeek
-128x128 block scales `scale_inv [E, out/bo, in/bi]`). Four launches at decode sizes, six above;
-no host sync, every size an upper bound computed from (N, top_k, E, BLOCK_M), so the whole op
-can be captured in a CUDA graph:
+128x128 block scales `scale_inv [E, out/bo, in/bi]`). Three launches at the smallest batches
+(up to PAIR_BLOCKS_MAX_PAIRS pairs), four at the other decode sizes, six above; no host sync,
+every size an upper bound computed from (N, top_k, E, BLOCK_M), so the whole op can be captured
+in a CUDA graph:
 
+0. Pair blocks (M = N·top_k <= PAIR_BLOCKS_MAX_PAIRS, e.g. batch <= 4 at top-8): no alignment.
+   Block b is pair b alone (one real row of its BLOCK_M), its expert read straight from
+   ids.flat[b] by the GEMMs (ids outside [0, E): the block is skipped), M blocks in all. An
+   expert routed twice in the batch has its weights read twice: cheaper than the alignment
+   launch only at these sizes (see PAIR_BLOCKS_MAX_PAIRS). Steps 2-4 as below.
 1. Alignment. The M = N·top_k (token, slot) pairs are grouped by expert and each expert's
    group padded to a multiple of BLOCK_M, so that every BLOCK_M-row block of the sorted list
    belongs to one expert. Three steps, three launches (or, up to ONE_LAUNCH_MAX_PAIRS pairs,
@@ -42,7 +48,8 @@ final top-k sum is fp32 with one rounding here, a chain of bf16 adds in the refe
 
 Tiles per token count come from fused_moe_configs.py: CONFIGS (16-bit weights) and
 FP8_CONFIGS (fp8 weights: half the bytes per element, so wider tiles / deeper pipelines) (decode: BLOCK_M 16 and wide K tiles,
-memory-bound, every routed expert's weights read once per step; prefill: BLOCK_M 64/128
+memory-bound, every routed expert's weights read once per step (once per pair that picks it
+with pair blocks); prefill: BLOCK_M 64/128
 tensor-core tiles with a grouped launch order so that the blocks of one expert share its weight
 tiles in L2). A config may also ask for SWAP_AB (the transposed product accᵀ = W·xᵀ, the weight
 tile as the MMA's A operand).
@@ -68,6 +75,14 @@ WEIGHT_DTYPES = ACT_DTYPES + FP8_DTYPES
 
 CHUNK = 128                  # pairs per alignment chunk (the rank step compares CHUNK x CHUNK)
 ONE_LAUNCH_MAX_PAIRS = 1024  # up to this many (token, slot) pairs the alignment is one program
+# Up to this many (token, slot) pairs every pair is its own BLOCK_M block (no alignment launch).
+# The price: an expert picked by two pairs of the batch has its weights read twice. Uniform
+# top-8 routing of B tokens over 288 experts reaches 288·(1-(1-8/288)^B) distinct experts, so the
+# duplicate reads add ~1.4% bytes at B=2, ~4% at B=4, ~10% at B=8, against the ~9 µs per layer the
+# alignment costs on an H200 out of an MoE layer of ~100 µs (B=1) .. ~150 µs (B=8): a win up to
+# B=4 at top-8, i.e. 32 pairs. Measured on an H200 (D 4096, I 2048, fp8, CUDA graph, random
+# routing): pair minus aligned -8 µs at B=1 and B=2, -7 µs at B=4, +6 .. +57 µs at B=8.
+PAIR_BLOCKS_MAX_PAIRS = 32
 
 def max_blocks(m: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the BLOCK_M blocks of the aligned list for m pairs (no data needed)."""
@@ -206,8 +221,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, one_launch: 
 # and the weight rows fill the MMA's M side while the few tokens of decode sit on its N side.
 @triton.jit(do_not_specialize=["num_pid_m"])
 def _gate_up_kernel(
-    X, WG, WU, SG, SU, H, SORTED, BLOCK_EXPERT, BLOCK_ROWS,
-    D, I, top_k, num_pid_m, limit,
+    X, WG, WU, SG, SU, H, SORTED, BLOCK_EXPERT, BLOCK_ROWS, IDS,
+    D, I, E, top_k, num_pid_m, limit,
     stride_xm,
     stride_ge, stride_gn, stride_ue, stride_un,
     stride_sge, stride_sgn, stride_sgk, stride_sue, stride_sun, stride_suk,
@@ -215,7 +230,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
 ):
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -224,14 +239,22 @@ def _gate_up_kernel(
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
-    e = tl.load(BLOCK_EXPERT + pid_m)
+    if PAIR_BLOCKS:  # block pid_m is pair pid_m: its expert straight from ids (dropped: -1)
+        e = tl.load(IDS + pid_m).to(tl.int64)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+    else:
+        e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
     dt = X.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
-    pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    if PAIR_BLOCKS:  # one real row: the pair itself
+        row_ok = offs_m < 1
+        pair = tl.zeros([BLOCK_M], dtype=tl.int64) + pid_m
+    else:
+        row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
+        pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
     tok = pair // top_k
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -339,13 +362,13 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pid_m"])
 def _down_kernel(
-    H, WD, SD, RW, Y, SORTED, BLOCK_EXPERT, BLOCK_ROWS,
-    D, I, num_pid_m,
+    H, WD, SD, RW, Y, SORTED, BLOCK_EXPERT, BLOCK_ROWS, IDS,
+    D, I, E, num_pid_m,
     stride_hm, stride_de, stride_dn, stride_sde, stride_sdn, stride_sdk, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
 ):
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -354,14 +377,22 @@ def _down_kernel(
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
-    e = tl.load(BLOCK_EXPERT + pid_m)
+    if PAIR_BLOCKS:  # block pid_m is pair pid_m (see _gate_up_kernel)
+        e = tl.load(IDS + pid_m).to(tl.int64)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+    else:
+        e = tl.load(BLOCK_EXPERT + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
     dt = H.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
-    pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    if PAIR_BLOCKS:
+        row_ok = offs_m < 1
+        pair = tl.zeros([BLOCK_M], dtype=tl.int64) + pid_m
+    else:
+        row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
+        pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
@@ -516,11 +547,13 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               block: tuple[int, int] = (128, 128), *, out: torch.Tensor | None = None,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, pair_blocks: bool | None = None) -> torch.Tensor:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
 
     `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
-    tile table entry (same layout as get_config's result)."""
+    tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
+    (token, slot) pair without alignment (True) or the aligned blocks (False); None: pair blocks
+    up to PAIR_BLOCKS_MAX_PAIRS pairs."""
     n, d = x.shape
     top_k = ids.shape[1]
     e, i, _ = w_gate.shape
@@ -551,8 +584,17 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
                            SWAP_AB=bool(c.get("SWAP_AB", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
-    sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
-    nb = block_expert.shape[0]
+    flat_ids = ids.reshape(-1)
+    if not flat_ids.is_contiguous():
+        flat_ids = flat_ids.contiguous()
+    if pair_blocks is None:
+        pair_blocks = m <= PAIR_BLOCKS_MAX_PAIRS
+    if pair_blocks:  # block b = pair b, expert ids.flat[b]: no alignment launch, no buffers
+        sorted_ids = block_expert = block_rows = flat_ids  # unused (PAIR_BLOCKS)
+        nb = m
+    else:
+        sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
+        nb = block_expert.shape[0]
     rw = weights.reshape(-1)
     if not rw.is_contiguous():
         rw = rw.contiguous()
@@ -566,24 +608,23 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 
     _launch_fitting(
         _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
-        (x, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows,
-         d, i, top_k, nb, float(limit) if limit is not None else 0.0,
+        (x, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows, flat_ids,
+         d, i, e, top_k, nb, float(limit) if limit is not None else 0.0,
          x.stride(0),
          w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
          *sstr(sg), *sstr(su),
          h.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
-             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"]),
+             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks),
         gu, d, flags["gate_up"]["SCALE_ACC"])
     _launch_fitting(
         _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
-        (h, w_down, sd, rw, y, sorted_ids, block_expert, block_rows,
-         d, i, nb,
+        (h, w_down, sd, rw, y, sorted_ids, block_expert, block_rows, flat_ids,
+         d, i, e, nb,
          h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"]),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks),
         dn, i, flags["down"]["SCALE_ACC"])
-    flat_ids = ids if ids.is_contiguous() else ids.contiguous()
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
                                               BLOCK_D=block_d, num_warps=4)

@@ -15,9 +15,11 @@ Two shapes of launch, chosen by the number of 16-token blocks:
     gates, the Sinkhorn iterations in registers ([BLOCK_N, M, M] tiles) and the collapse.
   * split-K (few tokens, decode): `_mhc_mix_kernel` spreads the M·D reduction over a grid of
     (token blocks × K splits) writing fp32 partials (no atomics: deterministic), then the same
-    epilogue kernel sums the partials and finishes. fn is [(2+M)M, M·D] fp32 = 1.5 MiB at
-    full size, so one program per token block would read it through one SM; splitting spreads
-    it over the chip.
+    epilogue kernel finishes on a 2-D grid of (tokens × D tiles): every program sums the
+    partials (zp, ss) for r and pre and collapses its own D tile; the D-tile-0 programs also sum
+    zc and do post and comb (the Sinkhorn), concurrently with the other tiles' collapse. fn is
+    [(2+M)M, M·D] fp32 = 1.5 MiB at full size, so one program per token block would read it
+    through one SM; splitting spreads it over the chip.
 M is padded to BLOCK_M = max(4, next_pow2(M)) (M <= 8), so BLOCK_M² >= 16 for tl.dot.
 
 mhc_post: X'[j] = post[j]·y + Σ_i C[i, j]·X[i] with post and C rounded to the model dtype
@@ -43,6 +45,18 @@ _NUM_SMS_GUESS = 132
 _MAX_SPLIT = 128
 _LARGE_N = 1024  # tokens from which the one-launch path takes 64-token blocks and tf32x3 products
 _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
+# Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
+# (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
+# program's Sinkhorn (~0.12 µs per iteration, ~2.3 µs at 20) is the critical path, so narrower
+# tiles gain nothing there, while every program re-reads all the zp/ss partials (17 fp32 per
+# split: 8.7 KiB at 128 splits, about the 8 KiB of one bf16 tile of 4096), so wider tiles keep
+# that overhead at most as large as the tile. H200, D 4096, 20 iterations, epilogue µs at batch
+# 1 / 4 / 16 / 64: before the D split 8.6 / 6.8 / 7.0 / 6.5; tiles of 2048 elements 5.9 / 6.1 /
+# 6.4 / 8.2, 4096: 5.2 / 5.4 / 5.6 / 5.9, 8192: 5.3 / 5.4 / 5.5 / 5.6. 4 warps: 1 or 2 were no
+# faster (within noise) and change the partial sums' reduction order (not bit-equal to the
+# one-program-per-token epilogue, which 4 warps at 4096 are).
+_SPLIT_TILE = 4096
+_SPLIT_WARPS = 4
 
 
 @triton.jit
@@ -99,52 +113,35 @@ def _mhc_mix_kernel(X, FN, ZP, ZC, SS, N, stride_xn, stride_fn, M, K, k_per,
 
 
 @triton.jit
-def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
-                    N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
-    nb = tl.program_id(0)
-    tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = tok < N
-    K = M * D
-    BMM: tl.constexpr = BLOCK_M * BLOCK_M
+def _mhc_gate_pre(zp, BASE, SCALE, M, hc_eps, BLOCK_M: tl.constexpr, BLOCK_PP: tl.constexpr):
+    """pre [BN, BM] (0 in the padded streams) from the r-scaled pre|post columns zp [BN, BPP]."""
     offs_pp = tl.arange(0, BLOCK_PP)
-    offs_q = tl.arange(0, BMM)
-    if SPLIT:
-        # all partials in one load each and a tree sum: a loop over the splits costs a dependent
-        # round trip per split (~0.25 µs each on the H200, 8 µs a call at 32 splits)
-        offs_s = tl.arange(0, BLOCK_S)
-        row = (offs_s[:, None] * N + tok[None, :]).to(tl.int64)                # [BS, BN]
-        ok = (offs_s < n_split)[:, None] & n_ok[None, :]
-        zp = tl.sum(tl.load(ZP + row[:, :, None] * BLOCK_PP + offs_pp[None, None, :], mask=ok[:, :, None],
-                            other=0.0), 0)
-        zc = tl.sum(tl.load(ZC + row[:, :, None] * BMM + offs_q[None, None, :], mask=ok[:, :, None],
-                            other=0.0), 0)
-        ss = tl.sum(tl.load(SS + row, mask=ok, other=0.0), 0)
-    else:
-        zp, zc, ss = _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, 0, K,
-                              BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_PP, PRECISION)
-    r = tl.rsqrt(ss / K + norm_eps)
-    zp = zp * r[:, None]
-    zc = zc * r[:, None]
-
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     s0 = tl.load(SCALE + 0).to(tl.float32)
+    # pick columns m out of the BLOCK_PP pre|post columns (exact)
+    sel_pre = offs_pp[:, None] == offs_m[None, :]
+    z_pre = tl.sum(tl.where(sel_pre[None, :, :], zp[:, :, None], 0.0), 1)     # [BN, BM]
+    b_pre = tl.load(BASE + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+    pre = tl.sigmoid(z_pre * s0 + b_pre[None, :]) + hc_eps
+    return tl.where(m_ok[None, :], pre, 0.0)
+
+
+@triton.jit
+def _mhc_post_comb(zp, zc, tok64, n_ok, BASE, SCALE, POST, COMB, M, iters, hc_eps,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PP: tl.constexpr):
+    """post and comb (softmax + Sinkhorn) from the r-scaled zp [BN, BPP] and zc [BN, BM*BM]:
+    computed and stored."""
+    offs_pp = tl.arange(0, BLOCK_PP)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
     s1 = tl.load(SCALE + 1).to(tl.float32)
     s2 = tl.load(SCALE + 2).to(tl.float32)
-    # pre / post: pick columns m and M + m out of the BLOCK_PP pre|post columns (exact)
-    sel_pre = offs_pp[:, None] == offs_m[None, :]
+    # post: columns M + m of the pre|post columns (exact)
     sel_post = offs_pp[:, None] == (offs_m[None, :] + M)
-    z_pre = tl.sum(tl.where(sel_pre[None, :, :], zp[:, :, None], 0.0), 1)     # [BN, BM]
-    z_post = tl.sum(tl.where(sel_post[None, :, :], zp[:, :, None], 0.0), 1)
-    b_pre = tl.load(BASE + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+    z_post = tl.sum(tl.where(sel_post[None, :, :], zp[:, :, None], 0.0), 1)   # [BN, BM]
     b_post = tl.load(BASE + M + offs_m, mask=m_ok, other=0.0).to(tl.float32)
-    pre = tl.sigmoid(z_pre * s0 + b_pre[None, :]) + hc_eps
-    pre = tl.where(m_ok[None, :], pre, 0.0)
     post = 2.0 * tl.sigmoid(z_post * s1 + b_post[None, :])
-    tok64 = tok.to(tl.int64)
     tl.store(POST + tok64[:, None] * M + offs_m[None, :], post, mask=n_ok[:, None] & m_ok[None, :])
 
     # comb: row softmax, then Sinkhorn in registers on [BN, BM, BM]
@@ -168,17 +165,74 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
     tl.store(COMB + tok64[:, None, None] * (M * M) + (ii * M + jj)[None, :, :], c,
              mask=n_ok[:, None, None] & v3)
 
-    # collapse: u = Σ_i pre[i] X[i] in fp32, cast to the stream dtype
+
+@triton.jit
+def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
+                    N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+    """Fused (SPLIT=False): grid (token blocks,), each program does the whole token block.
+    Split epilogue (SPLIT=True): grid (token blocks, D tiles of BLOCK_D); every program sums the
+    partials it needs for r and pre and collapses its own D tile; the D-tile-0 programs also do
+    post and comb (the Sinkhorn), in parallel with the other tiles' collapse."""
+    nb = tl.program_id(0)
+    tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = tok < N
+    tok64 = tok.to(tl.int64)
+    K = M * D
+    BMM: tl.constexpr = BLOCK_M * BLOCK_M
+    offs_pp = tl.arange(0, BLOCK_PP)
+    offs_q = tl.arange(0, BMM)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
     offs_d = tl.arange(0, BLOCK_D)
     x_base = X + tok64[:, None, None] * stride_xn + offs_m[None, :, None] * D
     xm = n_ok[:, None, None] & m_ok[None, :, None]
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + offs_d
+    if SPLIT:
+        db = tl.program_id(1)
+        # this program's D tile of the streams, loaded first: independent of the partials, its
+        # latency overlaps theirs
+        dd = db * BLOCK_D + offs_d
         d_ok = dd < D
         x = tl.load(x_base + dd[None, None, :], mask=xm & d_ok[None, None, :], other=0.0).to(tl.float32)
+        # all partials in one load each and a tree sum: a loop over the splits costs a dependent
+        # round trip per split (~0.25 µs each on the H200, 8 µs a call at 32 splits)
+        offs_s = tl.arange(0, BLOCK_S)
+        row = (offs_s[:, None] * N + tok[None, :]).to(tl.int64)                # [BS, BN]
+        ok = (offs_s < n_split)[:, None] & n_ok[None, :]
+        zp = tl.sum(tl.load(ZP + row[:, :, None] * BLOCK_PP + offs_pp[None, None, :], mask=ok[:, :, None],
+                            other=0.0), 0)
+        ss = tl.sum(tl.load(SS + row, mask=ok, other=0.0), 0)
+        r = tl.rsqrt(ss / K + norm_eps)
+        zp = zp * r[:, None]
+        pre = _mhc_gate_pre(zp, BASE, SCALE, M, hc_eps, BLOCK_M, BLOCK_PP)
         u = tl.sum(x * pre[:, :, None], 1)
         tl.store(U + tok64[:, None] * stride_un + dd[None, :], u.to(U.dtype.element_ty),
                  mask=n_ok[:, None] & d_ok[None, :])
+        if db == 0:
+            zc = tl.sum(tl.load(ZC + row[:, :, None] * BMM + offs_q[None, None, :], mask=ok[:, :, None],
+                                other=0.0), 0)
+            zc = zc * r[:, None]
+            _mhc_post_comb(zp, zc, tok64, n_ok, BASE, SCALE, POST, COMB, M, iters, hc_eps,
+                           BLOCK_N, BLOCK_M, BLOCK_PP)
+    else:
+        zp, zc, ss = _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, 0, K,
+                              BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_PP, PRECISION)
+        r = tl.rsqrt(ss / K + norm_eps)
+        zp = zp * r[:, None]
+        zc = zc * r[:, None]
+        pre = _mhc_gate_pre(zp, BASE, SCALE, M, hc_eps, BLOCK_M, BLOCK_PP)
+        _mhc_post_comb(zp, zc, tok64, n_ok, BASE, SCALE, POST, COMB, M, iters, hc_eps,
+                       BLOCK_N, BLOCK_M, BLOCK_PP)
+        # collapse: u = Σ_i pre[i] X[i] in fp32, cast to the stream dtype
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + offs_d
+            d_ok = dd < D
+            x = tl.load(x_base + dd[None, None, :], mask=xm & d_ok[None, None, :], other=0.0).to(tl.float32)
+            u = tl.sum(x * pre[:, :, None], 1)
+            tl.store(U + tok64[:, None] * stride_un + dd[None, :], u.to(U.dtype.element_ty),
+                     mask=n_ok[:, None] & d_ok[None, :])
 
 
 def _block_m(m: int) -> int:
@@ -233,10 +287,13 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     # The epilogue needs no tl.dot when the partials come from the split kernel: one token per
     # program there, so that the partial sums, Sinkhorn and the collapse over D (M·D model-dtype
     # values per token) spread over N programs instead of N/16 (the H200 decode profile: at
-    # batch 64 four programs streamed the collapse, 44 µs a call).
-    bn_fin = block_n if n_split == 1 else 1
-    block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
-    if n_split > 1:
+    # batch 64 four programs streamed the collapse, 44 µs a call). It also splits D: a 2-D grid
+    # of (tokens, D tiles) (see _SPLIT_TILE for the tile size).
+    split_epi = n_split > 1
+    bn_fin = 1 if split_epi else block_n
+    if split_epi:
+        block_d = max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
+        grid = (n, triton.cdiv(d, block_d))
         zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
         zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
         ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
@@ -244,13 +301,15 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                                             BLOCK_N=block_n, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                                             PRECISION=precision, num_warps=4)
     else:
+        block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
+        grid = (triton.cdiv(n, bn_fin),)
         zp = zc = ss = post  # unused
-    _mhc_pre_kernel[(triton.cdiv(n, bn_fin),)](x, fn, base, scale, zp, zc, ss, post, comb, u,
-                                n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
-                                int(sinkhorn_iters), float(hc_eps), float(norm_eps),
-                                BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-                                BLOCK_D=block_d, SPLIT=n_split > 1, BLOCK_S=triton.next_power_of_2(n_split),
-                                PRECISION=precision, num_warps=4)
+    _mhc_pre_kernel[grid](x, fn, base, scale, zp, zc, ss, post, comb, u,
+                          n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
+                          int(sinkhorn_iters), float(hc_eps), float(norm_eps),
+                          BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                          BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
+                          PRECISION=precision, num_warps=_SPLIT_WARPS if split_epi else 4)
     return post, comb, u
 
 

@@ -55,9 +55,9 @@ def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
 
 
 @triton.jit
-def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling,
+def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id,
                          TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr):
+                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
     cols = tl.arange(0, BLOCK_E)
@@ -85,8 +85,13 @@ def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling,
     if NORM:
         picked_w = picked_w / (tl.sum(picked_w, 1)[:, None] + 1e-20)
     picked_w = picked_w * scaling
-    out_ok = r_ok[:, None] & (slots[None, :] < TOP_K)
-    off = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    # EXTRA: column TOP_K holds extra_id with weight 1 (a shared expert seated as expert E)
+    OUT_K: tl.constexpr = TOP_K + EXTRA
+    if EXTRA:
+        picked_ids = tl.where(slots[None, :] == TOP_K, extra_id, picked_ids)
+        picked_w = tl.where(slots[None, :] == TOP_K, 1.0, picked_w)
+    out_ok = r_ok[:, None] & (slots[None, :] < OUT_K)
+    off = rows.to(tl.int64)[:, None] * OUT_K + slots[None, :]
     tl.store(WOUT + off, picked_w, mask=out_ok)
     tl.store(IDS + off, picked_ids.to(tl.int64), mask=out_ok)
 
@@ -102,12 +107,14 @@ def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (weights [N, top_k] fp32, ids [N, top_k] int64), as ReferenceOps.moe_route (n_group 1)."""
+              scaling: float, *, append_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [N, top_k] fp32, ids [N, top_k] int64), as ReferenceOps.moe_route (n_group 1);
+    with `append_expert`, [N, top_k + 1] whose last column is that id with weight 1."""
     n, d = x.shape
     e = gate_w.shape[0]
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(n, top_k, dtype=torch.long, device=x.device)
+    extra = append_expert is not None
+    weights = torch.empty(n, top_k + extra, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, top_k + extra, dtype=torch.long, device=x.device)
     if n == 0:
         return weights, ids
     if x.stride(-1) != 1:
@@ -133,6 +140,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     # within a warp each is a few shuffles (across warps, a shared-memory round trip each)
     _route_select_kernel[(n,)](
         logits, bias, weights, ids, n, e, split, logits.stride(1), float(scaling),
+        int(append_expert) if extra else 0,
         TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_N=1, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), MAX_SPLIT=_MAX_SPLIT, num_warps=1)
+        BLOCK_TOPK=triton.next_power_of_2(top_k + extra), MAX_SPLIT=_MAX_SPLIT, EXTRA=extra, num_warps=1)
     return weights, ids

@@ -27,6 +27,58 @@ class Experts(nn.Module):
         self.down_proj = StackedLinear(e, i, d, dtype=dtype)
 
 
+class SharedExpertSlot:
+    """The shared expert seated as expert E of the routed experts' stacked tensors, so that one
+    fused-MoE launch runs it as a (k+1)-th pick of every token with weight 1 (the router appends
+    it): at decode that removes its two GEMVs and four elementwise launches per layer (clamp,
+    SiLU, product, the final add), the weights read by the same bandwidth-bound kernel.
+
+    Like LinearGroup, `fuse()` (after the model is built, before weights are written) allocates
+    [E+1, out, in] tensors (and FP8 scales) and re-seats the experts' parameters as rows [0, E)
+    and the shared expert's as row E: loading and counting see the checkpoint's names and shapes
+    unchanged. Only a shared expert of the routed experts' shape and format can sit there; else
+    nothing is seated and the shared expert keeps its own (gate/up-fused) path."""
+
+    PROJ = (("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj"))
+
+    def __init__(self, experts: Experts, shared: SwiGLUMLP):
+        self.experts, self.shared = experts, shared
+        self.tensors: dict[str, torch.Tensor] | None = None
+        self.scales: dict[str, torch.Tensor] | None = None
+
+    def fusable(self) -> bool:
+        for e_name, s_name in self.PROJ:
+            st, lin = getattr(self.experts, e_name), getattr(self.shared, s_name)
+            if (tuple(lin.weight.shape) != tuple(st.weight.shape[1:]) or lin.weight.dtype != st.weight.dtype
+                    or lin.is_fp8 != st.is_fp8 or lin.bias is not None
+                    or (st.is_fp8 and tuple(lin.block) != tuple(st.block))):
+                return False
+        return True
+
+    def fuse(self, device: torch.device | str | None = None) -> bool:
+        if self.tensors is not None:
+            return True
+        dev = torch.device(device) if device is not None else self.experts.gate_proj.weight.device
+        if dev.type == "meta" or not self.fusable():
+            return self.shared.gate_up.fuse(device)  # the shared expert's own path, gate/up fused
+        self.tensors, self.scales = {}, {}
+        for e_name, s_name in self.PROJ:
+            st, lin = getattr(self.experts, e_name), getattr(self.shared, s_name)
+            for attr, store in (("weight", self.tensors), ("weight_scale_inv", self.scales)):
+                p = getattr(st, attr)
+                if p is None:
+                    continue
+                full = torch.empty(p.shape[0] + 1, *p.shape[1:], dtype=p.dtype, device=dev)
+                setattr(st, attr, nn.Parameter(full[:-1], requires_grad=False))
+                setattr(lin, attr, nn.Parameter(full[-1], requires_grad=False))
+                store[e_name] = full
+        return True
+
+    @property
+    def fused(self) -> bool:
+        return self.tensors is not None
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype):
         super().__init__()
@@ -35,13 +87,27 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype)
         self.shared_experts = SwiGLUMLP(ops, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                         cfg.swiglu_limit, dtype=dtype)
+        self.shared_slot: SharedExpertSlot | None = None
+        if getattr(ops, "fuse_shared_experts", False) and cfg.n_shared_experts == 1:
+            # the slot decides at fuse time; it fuses the shared gate/up itself when it cannot seat
+            self.shared_slot = SharedExpertSlot(self.experts, self.shared_experts)
+            self.shared_experts.weight_groups = ()
+            self.weight_groups = (self.shared_slot,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
+        slot = self.shared_slot if self.shared_slot is not None and self.shared_slot.fused else None
         weights, ids = self.ops.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
                                           c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
-                                          c.routed_scaling_factor)
+                                          c.routed_scaling_factor,
+                                          **({"append_expert": c.n_routed_experts} if slot else {}))
         ex = self.experts
+        if slot is not None:  # the shared expert is pick k+1 (weight 1) of every token
+            w = slot.tensors
+            scales = (slot.scales["gate_proj"], slot.scales["up_proj"], slot.scales["down_proj"]) if slot.scales \
+                else None
+            return self.ops.moe_experts(x, ids, weights, w["gate_proj"], w["up_proj"], w["down_proj"],
+                                        c.swiglu_limit, scales, ex.gate_proj.block)
         scales = None
         if ex.gate_proj.is_fp8:
             scales = (ex.gate_proj.weight_scale_inv, ex.up_proj.weight_scale_inv, ex.down_proj.weight_scale_inv)

@@ -68,15 +68,31 @@ def _to(device, *ts):
             for t in ts]
 
 
-def _check(device, x, ids, weights, ws, scales, limit, config=None):
+def _same(a, b):
+    """Pair blocks and aligned blocks compute each row with the same math: bit for bit when
+    compiled. In the interpreter numpy's matmul (BLAS) may round a row differently by its position
+    in the tile (ulps of the fp32 accumulation), so there: equal to about that."""
+    if _INTERPRET:
+        assert _rel(a, b) < (1e-6 if a.dtype == torch.float32 else 1e-3)
+    else:
+        assert torch.equal(a, b)
+
+
+def _check(device, x, ids, weights, ws, scales, limit, config=None, pair_blocks=None):
     """The kernel against the float64 truth (METHOD.md bound), and against the reference loosely:
     with fp8 weights the kernel scales each K tile's fp32 partial product instead of rounding
     every dequantised weight to bf16 as the reference does, so the two differ by about the
-    reference's own error (the kernel is the closer of the two to the truth)."""
+    reference's own error (the kernel is the closer of the two to the truth). When the kernel took
+    pair blocks (tiny batches), the aligned blocks must give the same result (_same): rows are
+    independent. Ids outside [0, E) are dropped: the reference sees them with weight 0."""
     x, ids, weights, ws, scales = _to(device, x, ids, weights, ws, scales)
     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=device)
-    res = fm.fused_moe(x, ids, weights, *ws, limit, scales, out=out, config=config)
+    res = fm.fused_moe(x, ids, weights, *ws, limit, scales, out=out, config=config, pair_blocks=pair_blocks)
     assert res is out
+    if pair_blocks if pair_blocks is not None else ids.numel() <= fm.PAIR_BLOCKS_MAX_PAIRS:
+        _same(fm.fused_moe(x, ids, weights, *ws, limit, scales, config=config, pair_blocks=False), out)
+    drop = (ids < 0) | (ids >= ws[0].shape[0])
+    ids, weights = ids.masked_fill(drop, 0), weights.masked_fill(drop, 0.0)
     truth = _truth(x, ids, weights, ws, scales, limit)
     ref = REF.moe_experts(x, ids, weights, *ws, limit, scales)
     tol = _tol(x.dtype)
@@ -191,9 +207,9 @@ def _both(**kw):
 def test_fused_moe_fp8_paths(device, name, config):
     """Each way of applying the scales (partial product per K tile, per column, per element) and
     both operand orders; D and I not multiples of the 128x128 scale block (partial blocks, K
-    tails)."""
+    tails). The aligned blocks here (27 pairs would take pair blocks: test_fused_moe_pair_blocks)."""
     g = _gen("fp8-paths", name)
-    _check(device, *_problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5), 7.0, config=config)
+    _check(device, *_problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5), 7.0, config=config, pair_blocks=False)
 
 
 @pytest.mark.parametrize("config", [None, _both(BLOCK_N=128, BLOCK_K=32), _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=64)])
@@ -257,7 +273,8 @@ def test_fused_moe_grouped_tiles(device, bm, group, n, e):
     _check(device, *_problem(g, n, 128, 128, e, 2, torch.bfloat16, True), 7.0, config=cfg)
 
 
-def test_fused_moe_dropped_ids(device):
+@pytest.mark.parametrize("pair_blocks", [False, True])
+def test_fused_moe_dropped_ids(device, pair_blocks):
     """Pairs routed to -1 contribute nothing (as if their weight were zero)."""
     g = _gen("dropped")
     x, ids, weights, ws, _ = _problem(g, 6, 64, 64, 5, 3, torch.float32, False)
@@ -265,10 +282,52 @@ def test_fused_moe_dropped_ids(device):
     drop[0] = True                                            # a token with no expert at all
     x, ids, weights, ws = _to(device, x, ids, weights, ws)
     drop = drop.to(device)
-    out = fm.fused_moe(x, ids.masked_fill(drop, -1), weights, *ws, 7.0)
+    out = fm.fused_moe(x, ids.masked_fill(drop, -1), weights, *ws, 7.0, pair_blocks=pair_blocks)
     ref = REF.moe_experts(x, ids, weights.masked_fill(drop, 0.0), *ws, 7.0)
     assert (out[0] == 0).all()
     assert _rel(out[1:], ref[1:]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,fp8,config", [
+    (torch.bfloat16, False, None),
+    (torch.float32, False, None),
+    (torch.bfloat16, True, None),
+    (torch.bfloat16, False, _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=64)),
+    (torch.bfloat16, True, _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=128)),
+    (torch.bfloat16, True, _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=64, scale_acc=False, GROUP_M=4)),
+    (torch.bfloat16, True, _both(BLOCK_N=32, BLOCK_K=256)),                   # K tile straddles
+    (torch.bfloat16, True, _both(SWAP_AB=True, BLOCK_N=256, BLOCK_K=128)),    # a scale per column
+])
+def test_fused_moe_pair_blocks(device, dtype, fp8, config):
+    """Tiny batches, one block per (token, slot) pair and no alignment: tokens that pick the same
+    experts (each pair reads its expert's weights), dropped ids (-1 and E), against the truth and
+    the reference, and against the aligned blocks (_check runs both)."""
+    g = _gen("pairs", dtype, fp8, repr(config))
+    n, d, i, e, k = 4, 192, 160, 6, 3
+    x, ids, weights, ws, scales = _problem(g, n, d, i, e, k, dtype, fp8)
+    ids[1] = ids[0]                  # a token with the same experts as token 0
+    ids[2, 0] = ids[0, 2]
+    ids[2, 2] = -1                   # dropped pairs
+    ids[3, 1] = e
+    _check(device, x, ids, weights, ws, scales, 7.0, config=config, pair_blocks=True)
+
+
+def test_fused_moe_pair_blocks_threshold(device, monkeypatch):
+    """Up to PAIR_BLOCKS_MAX_PAIRS pairs no alignment runs; above it, or when forced off, it does;
+    forced on above the threshold the pair blocks still give the same result."""
+    calls = []
+    align = fm.moe_align
+    monkeypatch.setattr(fm, "moe_align", lambda ids, *a, **kw: calls.append(ids.numel()) or align(ids, *a, **kw))
+    g = _gen("pairs-threshold")
+    lim = fm.PAIR_BLOCKS_MAX_PAIRS
+    assert lim == 32
+    for n, k, force, aligned in ((1, 8, None, False), (lim // 8, 8, None, False), (lim + 1, 1, None, True),
+                                 (2, 8, False, True), (lim + 1, 1, True, False)):
+        x, ids, weights, ws, _ = _to(device, *_problem(g, n, 64, 32, 16, k, torch.bfloat16, False))
+        calls.clear()
+        out = fm.fused_moe(x, ids, weights, *ws, 7.0, pair_blocks=force)
+        assert calls == ([n * k] if aligned else [])
+        _same(out, fm.fused_moe(x, ids, weights, *ws, 7.0, pair_blocks=not aligned))
 
 
 def test_ops_dispatch(device):
@@ -327,10 +386,11 @@ def test_model_moe_layer(device, fp8, monkeypatch):
 # ---- GPU only: graph capture and no host syncs ----------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_route_and_experts_graph_safe():
+@pytest.mark.parametrize("n", [16, 2])  # aligned blocks; pair blocks (8 pairs)
+def test_route_and_experts_graph_safe(n):
     dev = torch.device("cuda")
-    g = _gen("graph")
-    n, d, i, e, k = 16, 256, 128, 32, 4
+    g = _gen("graph", n)
+    d, i, e, k = 256, 128, 32, 4
     x, _, _, ws, scales = _to(dev, *_problem(g, n, d, i, e, k, torch.bfloat16, True))
     gate_w = torch.randn(e, d, generator=g).to(dev, torch.bfloat16) * d ** -0.5
     bias = torch.randn(e, generator=g).to(dev) * 0.01

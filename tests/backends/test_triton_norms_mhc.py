@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from backends.reference import ReferenceOps  # noqa: E402
-from backends.kernels.mhc import mhc_post, mhc_pre  # noqa: E402
+from backends.kernels.mhc import _SPLIT_TILE, _block_m, mhc_post, mhc_pre  # noqa: E402
 from backends.kernels.norms import gated_rms_norm, rms_norm  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -131,6 +131,15 @@ def test_mhc_pre_many_splits(device, n, split):
     """Decode shapes: tens of K splits (32 by the heuristic; 12 asked gives 11, not a power of
     two), all summed by the epilogue in one masked load."""
     _check_pre(device, torch.bfloat16, 4, 1024, n, 20, split)
+
+
+@pytest.mark.parametrize("m,d,n", [(4, 2048, 1), (4, 4096, 3), (3, 1100, 1), (8, 1100, 2)])
+def test_mhc_pre_split_d_tiles(device, m, d, n):
+    """The split epilogue's 2-D grid (tokens x D tiles): several D tiles per token (the last one
+    partial where D is no multiple of the tile), post/comb from the D-tile-0 programs only; the
+    heuristic's tens of K splits."""
+    assert triton.cdiv(d, max(32, _SPLIT_TILE // _block_m(m))) >= 2
+    _check_pre(device, torch.bfloat16, m, d, n, 20, None)
 
 
 def test_mhc_pre_prefill_size(device):
