@@ -27,7 +27,8 @@ def count_experts(model, step) -> int:
 
     def route(*a, **k):
         weights, ids = type(ops).moe_route(ops, *a, **k)
-        seen.append(int(torch.unique(ids).numel()))
+        routed = ids if k.get("append_expert") is None else ids[:, :-1]  # not the seated shared expert
+        seen.append(int(torch.unique(routed).numel()))
         return weights, ids
     ops.moe_route = route
     try:
