@@ -26,6 +26,7 @@ from glmrt.cache.page_manager import PageManager
 from glmrt.cache.pools import ModelCache
 from glmrt.cache.radix import RadixCache
 from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
+from glmrt.engine import compile_watch
 from glmrt.engine.config import EngineConfig
 from glmrt.engine.memory import MemoryPlan, plan_memory
 from glmrt.engine.request import Request, Status
@@ -132,11 +133,15 @@ class Engine:
                 t0 = time.perf_counter()
                 n = self.runner.graphs.warmup(upto_tokens=config.cuda_graph_warmup_tokens)
                 self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
+        if device.startswith("cuda"):
+            compile_watch.install()  # names the kernels behind a slow step in the log
         if device.startswith("cuda") and not config.skip_server_warmup:
             t0 = time.perf_counter()
             try:
-                ran = self.runner.warm_prefill(self.pages, self.slots, min(
-                    config.chunked_prefill_size, config.max_prefill_tokens, self.context_length - 128))
+                ran = self.runner.warm_prefill(
+                    self.pages, self.slots,
+                    min(config.chunked_prefill_size, config.max_prefill_tokens, self.context_length - 128),
+                    max_batch_tokens=config.max_prefill_tokens, max_reqs=self.memory.max_running_requests)
                 self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
                          f"{time.perf_counter() - t0:.1f} s")
             except Exception as e:  # an optimisation only: serve without it, and say why
@@ -282,12 +287,14 @@ class Engine:
         return outputs
 
     def _run_sync(self, plan) -> list[RequestOutput]:
+        compile_watch.take()
         t0 = time.perf_counter()
         results = self.runner.execute(plan)  # returns host values: the step has finished
         took = time.perf_counter() - t0
         if took > SLOW_STEP_S:
             self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (a kernel variant compiled "
-                     f"on first use stalls like this; the start-up warm-up should have run it)")
+                     f"on first use stalls like this; the start-up warm-up should have run it); "
+                     f"{compile_watch.summary(compile_watch.take())}")
         for w in plan.work:
             w.req.num_computed = w.start + w.num
         for r in plan.restores:

@@ -287,9 +287,10 @@ def test_prefill_warmup_returns_everything_and_leaves_no_trace(ckpt, model, refe
     the same tokens as without it (its slots' states are not read by a prefix-0 request)."""
     e = make(ckpt, model, disable_radix_cache=True)
     pages, slots = e.pages.num_free, e.slots.num_free
-    ran = e.runner.warm_prefill(e.pages, e.slots, 40)
-    # the sizes up to 40; c's 40-token prefill; mixed 33 + 17 + 1; two prefills 32 + 31
-    assert ran == [1, 31, 32, 40, 51, 63]
+    ran = e.runner.warm_prefill(e.pages, e.slots, 40, max_batch_tokens=60)
+    # the sizes up to 40; c's 40-token prefill; mixed 33 + 17 + 1; two prefills 32 + 31; many
+    # prefills within 60 tokens: 3 x 20, 8 x 7 + a decode row, 17 x 3, 32 x 1 is too short
+    assert ran == [1, 31, 32, 40, 51, 63, 60, 57, 51]
     assert (e.pages.num_free, e.slots.num_free) == (pages, slots)
     e.check_invariants()
     prompts = [toks(50 + i, n) for i, n in enumerate([12, 33])]
@@ -308,3 +309,24 @@ def test_slow_steps_are_logged_with_their_batch(ckpt, model, monkeypatch):
     slow = [x for x in lines if x.startswith("slow step")]
     assert slow and "25 tokens, 2 requests (0 decode rows; prefill chunks tokens@prefix: 20@0, 5@0)" in slow[0]
     assert any("2 tokens, 2 requests (2 decode rows" in x for x in slow)
+    assert "no Triton kernel compiled in it" in slow[0]  # the CPU reference: nothing compiles
+
+
+def test_compile_watch_names_the_kernels_a_step_compiled(monkeypatch):
+    """The slow-step log names the Triton kernels compiled during the step, from Triton's
+    post-compile hook (called by the JIT after each compile; here called as the JIT would)."""
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    from glmrt.engine import compile_watch as cw
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(cw, "_installed", False)
+    assert cw.install()
+    cw.take()
+    knobs.runtime.jit_post_compile_hook(key=None, repr="_down_kernel[num_warps=8](D: i32, I: i32)",
+                                        fn=SimpleNamespace(name="backends.kernels.fused_moe._down_kernel"),
+                                        compile={}, is_manual_warmup=False, already_compiled=False)
+    got = cw.take()
+    assert got == ["_down_kernel: _down_kernel[num_warps=8](D: i32, I: i32)"] and cw.take() == []
+    assert cw.summary(got).startswith("1 Triton kernels compiled in it: _down_kernel")
+    assert cw.summary(got * 6, limit=2).endswith("(+4 more)")
