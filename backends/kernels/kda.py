@@ -45,6 +45,7 @@ from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 from ..meta import BatchMeta
 from .conv import device_lens
 from .interpreter import interpreting, patch_interpreter
+from .norms import l2norm
 
 patch_interpreter()
 
@@ -113,8 +114,11 @@ def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], h
         if not all(has_hist):  # where, not a multiply: a stale slot may hold anything (NaN too)
             keep = torch.tensor(has_hist, device=dev)[:, None, None, None]
             init = torch.where(keep, init, 0.0)
+    # q, k normalised by our l2norm (fla's formula): fla's in-kernel option autotunes its l2norm
+    # per multiple of 1024 batch tokens (backends/kernels/norms.py, l2norm), a stall each
+    q, k = l2norm(q), l2norm(k)
     o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
-                         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=False,
                          cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu)
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[0]

@@ -1,4 +1,4 @@
-"""Weighted RMSNorm (MODEL.md §2.1) as a Triton kernel.
+"""Weighted RMSNorm (MODEL.md §2.1) as a Triton kernel (and the gated RMSNorm and l2norm of KDA).
 
     y = w.to(dt) * cast_dt(x32 * rsqrt(mean(x32²) + eps))          dt = x.dtype
 
@@ -137,3 +137,35 @@ def gated_supported(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -
     return (x.dim() >= 1 and 1 <= d <= MAX_GATED_D and gate.shape == x.shape and weight.shape == (d,)
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and gate.device == x.device and weight.device == x.device)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < n
+    offs = tl.arange(0, BLOCK_D)
+    ok = r_ok[:, None] & (offs < D)[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps)
+    tl.store(Y + rows[:, None] * stride_y + offs[None, :], (x * rstd[:, None]).to(Y.dtype.element_ty), mask=ok)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x / sqrt(Σ x² + eps) over the last dim (fp32 math, x.dtype out): fla's l2norm_fwd
+    formula, for KDA's q and k before chunk_kda. fla's own kernel takes NB = cdiv(rows, 65536)
+    as a constexpr and an autotune key, so every new multiple of 1024 tokens in a prefill batch
+    (at 64 heads) autotuned ~25 variants mid-traffic: 10-s stalls in the H200 serving sweep.
+    Here the row count is a plain runtime argument: one compile for every batch."""
+    d = x.shape[-1]
+    assert 1 <= d <= MAX_GATED_D and x.dtype in (torch.float32, torch.bfloat16, torch.float16), (x.shape, x.dtype)
+    x2, out = _rows(x, d), _output(x, out)
+    n = x2.shape[0]
+    if n == 0:
+        return out
+    y2 = out.view(-1, d)
+    bd = triton.next_power_of_2(d)
+    br = max(1, min(16, 2048 // bd))
+    _l2norm_kernel[(triton.cdiv(n, br),)](x2, y2, n, x2.stride(0), y2.stride(0), d, float(eps),
+                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+    return out

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from backends.reference import ReferenceOps  # noqa: E402
 from backends.kernels.mhc import _SPLIT_TILE, _block_m, mhc_post, mhc_pre  # noqa: E402
-from backends.kernels.norms import gated_rms_norm, rms_norm  # noqa: E402
+from backends.kernels.norms import gated_rms_norm, l2norm, rms_norm  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 from tests.backends.conftest import gen as _gen, rel as _rel, tol as _tol  # noqa: E402
@@ -48,6 +48,22 @@ def test_rms_norm(device, dtype, shape, block_d):
     assert _rel(out, ref) < _tol(dtype)
     out2 = rms_norm(x, w.to(dtype), 1e-6)                                  # weight in the model dtype
     assert _rel(out2, REF.rms_norm(x.cpu(), w.to(dtype).cpu(), 1e-6)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 128), (37, 3, 64), (5, 100)])
+def test_l2norm_matches_fla_formula(device, dtype, shape):
+    """KDA's q/k l2norm before chunk_kda: x / sqrt(Σx² + eps) in fp32, as fla's l2norm_fwd
+    (which chunk_kda would otherwise run itself, autotuning per 1024 batch tokens); a strided
+    view (q out of the fused projection) reads right."""
+    g = _gen("l2", dtype, shape)
+    base = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype)
+    x = base[..., : shape[-1]]  # rows with a gap: not contiguous
+    xf = x.float()
+    ref = (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(dtype)
+    out = l2norm(x.to(device))
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    assert _rel(out, ref) < (1e-6 if dtype == torch.float32 else 4e-3)
 
 
 # ---- gated RMSNorm (KDA output norm) ---------------------------------------------------------------
