@@ -44,10 +44,15 @@ def take() -> list[str]:
     return out
 
 
-def summary(compiled: list[str], limit: int = 4, width: int = 400) -> str:
-    """A log fragment: how many kernels compiled and the first few, each cut to `width`."""
+def summary(compiled: list[str], width: int = 1500) -> str:
+    """A log fragment: how many kernels compiled, by name with counts (an autotuned kernel
+    compiles once per config), and the first one's specialisation (its signature's argument
+    types and constexpr values tell which launch argument was new), cut to `width`."""
     if not compiled:
         return "no Triton kernel compiled in it"
-    shown = "; ".join(c[:width] for c in compiled[:limit])
-    more = f" (+{len(compiled) - limit} more)" if len(compiled) > limit else ""
-    return f"{len(compiled)} Triton kernels compiled in it: {shown}{more}"
+    counts: dict[str, int] = {}
+    for c in compiled:
+        name = c.split(":", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    names = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in counts.items())
+    return f"{len(compiled)} Triton kernels compiled in it ({names}); the first: {compiled[0][:width]}"
