@@ -126,18 +126,25 @@ def test_unseatable_shared_expert_keeps_its_own_path(device):
         assert _rel(moe(x.to(device)), ref_fp8(x)) < _tol(torch.bfloat16)
 
 
-def test_model_parameters_unchanged_by_the_seating(tmp_path):
+@pytest.mark.parametrize("ckpt_dtype", ["float32", "fp8", "nvfp4"])
+def test_model_parameters_unchanged_by_the_seating(tmp_path, ckpt_dtype):
     """Loading a checkpoint with the seating (cuda-h200 ops) fills every parameter under its own
-    name, shape and value, as the reference ops' model does."""
+    name, shape and value, as the reference ops' model does: 32-bit, block-scaled fp8 (weights
+    and scales seated) and NVFP4 (dequantised on load)."""
     from glmrt.checkpoint.writer import write_checkpoint
     from glmrt.model.loader import load_checkpoint
-    write_checkpoint(preset_config("tiny"), str(tmp_path), seed=3, dtype="float32")
-    want, _ = load_checkpoint(str(tmp_path), REF, dtype=torch.float32, with_mtp=True, with_vision=False)
-    got, _ = load_checkpoint(str(tmp_path), CudaH200Ops(), dtype=torch.float32, with_mtp=True, with_vision=False)
+    write_checkpoint(preset_config("tiny"), str(tmp_path), seed=3, dtype=ckpt_dtype, progress=False)
+    dt = torch.float32 if ckpt_dtype == "float32" else torch.bfloat16
+    want, _ = load_checkpoint(str(tmp_path), REF, dtype=dt, with_mtp=True, with_vision=False)
+    got, _ = load_checkpoint(str(tmp_path), CudaH200Ops(), dtype=dt, with_mtp=True, with_vision=False)
     seated = [m for m in got.modules() if isinstance(m, MoE)]
     assert seated and all(m.shared_slot.fused for m in seated)
     want_p = dict(want.named_parameters())
     got_p = dict(got.named_parameters())
     assert want_p.keys() == got_p.keys()
     for name, p in got_p.items():
-        assert p.shape == want_p[name].shape and torch.equal(p, want_p[name]), name
+        assert p.shape == want_p[name].shape and p.dtype == want_p[name].dtype, name
+        assert torch.equal(p.view(torch.uint8), want_p[name].view(torch.uint8)), name
+    if ckpt_dtype == "fp8":  # fp8 experts have their scales seated too (the MTP layer stays 16-bit)
+        fp8 = [m for m in seated if m.experts.gate_proj.is_fp8]
+        assert fp8 and all(len(m.shared_slot.scales) == 3 for m in fp8)
