@@ -45,14 +45,33 @@ class Linear(nn.Module):
         return self.weight_scale_inv is not None
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype` (dequantised when FP8); for ops that need the matrix itself."""
+        """The weight in `dtype` (dequantised when FP8); for ops that need the matrix itself.
+
+        An FP8 weight is dequantised once and kept: MLA's absorbed attention reads kv_b_proj
+        this way every step, where the dequant was ~150 µs of launches (the H200 fp8 decode
+        profile). The copy is remade when the weight moves, and dropped by `forget_derived`,
+        which the loaders call after writing weights (they write through `.data`, which no
+        version counter sees). The first eager step makes it, before any CUDA-graph capture,
+        so a graph reads the kept tensor."""
         if self.is_fp8:
-            from backends.reference import dequantize_block_fp8
-            return dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype)
+            key = (dtype, self.weight.data_ptr(), self.weight_scale_inv.data_ptr())
+            kept = self.__dict__.get("_dense")
+            if kept is None or kept[0] != key:
+                from backends.reference import dequantize_block_fp8
+                kept = (key, dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype))
+                self.__dict__["_dense"] = kept
+            return kept[1]
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias, self.weight_scale_inv, self.block)
+
+
+def forget_derived(model: nn.Module) -> None:
+    """Drop what modules keep derived from their weights (Linear.dense_weight's dequantised
+    copy): call after writing weights in place."""
+    for mod in model.modules():
+        mod.__dict__.pop("_dense", None)
 
 
 def seat_rows(modules, name: str, device: torch.device | str) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from glmrt.checkpoint import fp4
 from glmrt.config import ModelConfig, QuantConfig, load_model_config
 from glmrt.model.glm5_next import Glm5NextForCausalLM
-from glmrt.model.layers import Linear, StackedLinear, fuse_weight_groups, materialize
+from glmrt.model.layers import Linear, StackedLinear, forget_derived, fuse_weight_groups, materialize
 from glmrt.model.weights import SKIP, Target, quantize_block_fp8, random_tensor, to_internal
 
 # Linear layers that stay in the model dtype under `--quantization fp8` (and that real FP8
@@ -265,6 +265,7 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
             missing.append(name)
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: {_summarise(missing)}")
+    forget_derived(model)
     return model, LoadReport(len(plan) + sum(len(g.parts) for g in packed.values()), total_bytes, skipped)
 
 
@@ -286,6 +287,7 @@ def init_random(model: Glm5NextForCausalLM, seed: int = 0) -> Glm5NextForCausalL
             owner.weight_scale_inv.data.copy_(s)
         else:
             p.data.copy_(random_tensor(name, tuple(p.shape), text, seed, device=p.device))
+    forget_derived(model)
     return model
 
 

@@ -7,7 +7,7 @@ import torch
 
 from backends.reference import ReferenceOps
 from glmrt.checkpoint.presets import preset_config
-from glmrt.model.layers import Linear, LinearGroup, join_columns
+from glmrt.model.layers import FP8, Linear, LinearGroup, forget_derived, join_columns
 from glmrt.model.loader import load_dummy
 
 torch.set_num_threads(1)
@@ -121,3 +121,34 @@ def test_build_model_places_fp8_weights_on_the_target_device():
     off = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not t.is_meta]
     assert fp8 and not off
     assert any(t.dtype == torch.float8_e4m3fn for t in model.parameters())
+
+
+def test_fp8_dense_weight_is_dequantised_once_and_follows_reloads():
+    """kv_b_proj's dense weight (read by MLA every step) is dequantised once; after an in-place
+    write of the weight or its scales (a reload), forget_derived makes the next call dequantise
+    again; a model loaded with fp8 weights serves the loaded values, not a copy kept before."""
+    from backends.reference import dequantize_block_fp8
+    lin = Linear(ReferenceOps(), 64, 48, dtype=torch.bfloat16)
+    lin.to_fp8((16, 16))
+    g = torch.Generator().manual_seed(0)
+    lin.weight.data.copy_(torch.randn(48, 64, generator=g).to(FP8))
+    lin.weight_scale_inv.data.copy_(torch.rand(3, 4, generator=g) + 0.5)
+    first = lin.dense_weight(torch.bfloat16)
+    assert lin.dense_weight(torch.bfloat16) is first
+    assert torch.equal(first, dequantize_block_fp8(lin.weight, lin.weight_scale_inv, (16, 16), torch.bfloat16))
+    lin.weight_scale_inv.data.mul_(2)  # a reload of the scales, in place, as the loaders write
+    forget_derived(lin)                 # ... and then drop the kept copies
+    again = lin.dense_weight(torch.bfloat16)
+    assert again is not first and torch.equal(again, dequantize_block_fp8(lin.weight, lin.weight_scale_inv,
+                                                                          (16, 16), torch.bfloat16))
+    lin.weight.data.copy_(torch.randn(48, 64, generator=g).to(FP8))
+    forget_derived(lin)
+    assert not torch.equal(lin.dense_weight(torch.bfloat16), again)
+    assert lin.dense_weight(torch.float32).dtype == torch.float32
+    # the loaders drop the copies: a dense weight taken before init_random reflects the new weights
+    from glmrt.model.loader import init_random
+    model = load_dummy(preset_config("tiny"), ReferenceOps(), dtype=torch.bfloat16, quantization="fp8", seed=1)
+    kv_b = next(m.kv_b_proj for m in model.modules() if hasattr(m, "kv_b_proj") and m.kv_b_proj.is_fp8)
+    before = kv_b.dense_weight(torch.bfloat16).clone()
+    init_random(model, seed=2)
+    assert not torch.equal(kv_b.dense_weight(torch.bfloat16), before)
