@@ -135,19 +135,8 @@ class Engine:
                 self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
         if device.startswith("cuda"):
             compile_watch.install()  # names the kernels behind a slow step in the log
-        if device.startswith("cuda") and not config.skip_server_warmup:
-            t0 = time.perf_counter()
-            try:
-                ran = self.runner.warm_prefill(
-                    self.pages, self.slots,
-                    min(config.chunked_prefill_size, config.max_prefill_tokens, self.context_length - 128),
-                    max_batch_tokens=config.max_prefill_tokens, max_reqs=self.memory.max_running_requests)
-                self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
-                         f"{time.perf_counter() - t0:.1f} s")
-            except Exception as e:  # an optimisation only: serve without it, and say why
-                self.log(f"prefill warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}")
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
+            if not config.skip_server_warmup:
+                self._warm_prefill(config)
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
         self._inflight = None  # the launched decode step whose tokens are not read yet
@@ -165,6 +154,20 @@ class Engine:
             self.log(line)
 
     # ---- construction helpers ------------------------------------------------------------
+
+    def _warm_prefill(self, config: EngineConfig) -> None:
+        """Run every prefill shape class once before traffic (ModelRunner.warm_prefill)."""
+        t0 = time.perf_counter()
+        try:
+            ran = self.runner.warm_prefill(
+                self.pages, self.slots,
+                min(config.chunked_prefill_size, config.max_prefill_tokens, self.context_length - 128),
+                max_batch_tokens=config.max_prefill_tokens, max_reqs=self.memory.max_running_requests)
+            self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
+                     f"{time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # an optimisation only: serve without it, and say why
+            self.log(f"prefill warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}")
+            torch.cuda.empty_cache()
     def _load_model(self, device: str):
         from glmrt.model.loader import load_checkpoint, load_dummy
 

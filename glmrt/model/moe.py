@@ -39,7 +39,7 @@ class SharedExpertSlot:
     unchanged. Only a shared expert of the routed experts' shape and format can sit there; else
     nothing is seated and the shared expert keeps its own (gate/up-fused) path."""
 
-    PROJ = (("gate_proj", "gate_proj"), ("up_proj", "up_proj"), ("down_proj", "down_proj"))
+    PROJ = ("gate_proj", "up_proj", "down_proj")  # the same names on Experts and SwiGLUMLP
 
     def __init__(self, experts: Experts, shared: SwiGLUMLP):
         self.experts, self.shared = experts, shared
@@ -47,8 +47,8 @@ class SharedExpertSlot:
         self.scales: dict[str, torch.Tensor] | None = None
 
     def fusable(self) -> bool:
-        for e_name, s_name in self.PROJ:
-            st, lin = getattr(self.experts, e_name), getattr(self.shared, s_name)
+        for name in self.PROJ:
+            st, lin = getattr(self.experts, name), getattr(self.shared, name)
             if (tuple(lin.weight.shape) != tuple(st.weight.shape[1:]) or lin.weight.dtype != st.weight.dtype
                     or lin.is_fp8 != st.is_fp8 or lin.bias is not None
                     or (st.is_fp8 and tuple(lin.block) != tuple(st.block))):
@@ -62,8 +62,8 @@ class SharedExpertSlot:
         if dev.type == "meta" or not self.fusable():
             return self.shared.gate_up.fuse(device)  # the shared expert's own path, gate/up fused
         self.tensors, self.scales = {}, {}
-        for e_name, s_name in self.PROJ:
-            st, lin = getattr(self.experts, e_name), getattr(self.shared, s_name)
+        for name in self.PROJ:
+            st, lin = getattr(self.experts, name), getattr(self.shared, name)
             for attr, store in (("weight", self.tensors), ("weight_scale_inv", self.scales)):
                 p = getattr(st, attr)
                 if p is None:
@@ -71,7 +71,7 @@ class SharedExpertSlot:
                 full = torch.empty(p.shape[0] + 1, *p.shape[1:], dtype=p.dtype, device=dev)
                 setattr(st, attr, nn.Parameter(full[:-1], requires_grad=False))
                 setattr(lin, attr, nn.Parameter(full[-1], requires_grad=False))
-                store[e_name] = full
+                store[name] = full
         return True
 
     @property
@@ -103,10 +103,8 @@ class MoE(nn.Module):
                                           **({"append_expert": c.n_routed_experts} if slot else {}))
         ex = self.experts
         if slot is not None:  # the shared expert is pick k+1 (weight 1) of every token
-            w = slot.tensors
-            scales = (slot.scales["gate_proj"], slot.scales["up_proj"], slot.scales["down_proj"]) if slot.scales \
-                else None
-            return self.ops.moe_experts(x, ids, weights, w["gate_proj"], w["up_proj"], w["down_proj"],
+            scales = tuple(slot.scales[p] for p in slot.PROJ) if slot.scales else None
+            return self.ops.moe_experts(x, ids, weights, *(slot.tensors[p] for p in slot.PROJ),
                                         c.swiglu_limit, scales, ex.gate_proj.block)
         scales = None
         if ex.gate_proj.is_fp8:

@@ -111,13 +111,11 @@ def test_unseatable_shared_expert_keeps_its_own_path(device):
     assert not moe.shared_slot.fused
     assert moe.shared_experts.gate_up.weight is not None  # its gate/up still one GEMV
     _fill(moe, _gen("unseated"))
-    ref = _layer(REF, cfg, torch.bfloat16, "cpu", False)
     with torch.device("meta"):
         ref_fp8 = MoE(cfg, REF, torch.bfloat16)
         for lin in (ref_fp8.experts.gate_proj, ref_fp8.experts.up_proj, ref_fp8.experts.down_proj):
             lin.to_fp8((16, 16))
     materialize(ref_fp8, "cpu")
-    del ref
     sd = moe.state_dict()
     for name, p in ref_fp8.named_parameters():
         p.data.copy_(sd[name].cpu())
