@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+
 def write_out(name: str, obj) -> str | None:
     """Write `obj` as JSON to $OUT/name when OUT is set (the device tool brings $OUT back) ->
     the path written, or None."""

@@ -57,8 +57,6 @@ def _meta(prefix: list[int], seq: list[int], tables, page_size, dev):
     return BatchMeta.build(prefix, seq, list(range(len(seq))), tables, page_size, dev)
 
 
-
-
 def _ref_chunked(fn, lens, tables, page_size, dev, chunk, ref_ms):
     """Run `fn(meta, s0, s1)` over query chunks of every request (prefix s, seq c); returns the
     concatenated outputs and the summed time."""
