@@ -12,6 +12,7 @@ Overridden today (everything else is the reference):
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
+  linear          FP8 weights (w8a16) every batch; 16-bit weights up to 8 rows (decode), with skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
@@ -74,6 +75,9 @@ class CudaH200Ops(ReferenceOps):
     # (glmrt.model.moe.SharedExpertSlot): at decode, two GEMVs and four small launches fewer
     # per MoE layer.
     fuse_shared_experts = True
+    # 16-bit linears of up to fp8_linear.SKINNY_MAX_ROWS rows (decode) on the Triton weight-
+    # streaming kernel instead of cuBLAS's GEMVs (bench.decode_profile --skinny off,on).
+    skinny_linear = True
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -85,14 +89,20 @@ class CudaH200Ops(ReferenceOps):
         except ValueError:
             return False
 
-    # ---- dense FP8 linear (w8a16, every batch; backends/kernels/fp8_linear.py) -------------
+    # ---- dense linear: FP8 weights (w8a16, every batch) and 16-bit weights at decode sizes ----
+    # (backends/kernels/fp8_linear.py; larger 16-bit products stay on cuBLAS)
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-        if scale_inv is not None and (x.is_cuda or _interpreting()):
+        if x.is_cuda or _interpreting():
             from .kernels import fp8_linear as f8
-            if f8.supported(x, weight, scale_inv, block, bias):
+            x2 = None
+            if scale_inv is not None and f8.supported(x, weight, scale_inv, block, bias):
                 x2 = x.reshape(-1, x.shape[-1])
                 y = f8.fp8_linear(x2, weight, scale_inv, block, bias)
+            elif scale_inv is None and self.skinny_linear and f8.skinny_supported(x, weight, bias):
+                x2 = x.reshape(-1, x.shape[-1])
+                y = f8.skinny_linear(x2, weight, bias)
+            if x2 is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
         return super().linear(x, weight, bias, scale_inv, block)
 

@@ -68,8 +68,9 @@ def profile_batch(model, b: int, ctx: int, args) -> dict:
             graph.replay()
         torch.cuda.synchronize()
     kernels = {k: v / args.reps for k, v in kernel_us(prof).items()}
+    launches = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) / args.reps
     return {"batch": b, "context": ctx, "replay_ms": rep, "graph_kernels_ms": sum(kernels.values()) / 1e3,
-            "experts_touched": touched,
+            "kernels_per_step": launches, "experts_touched": touched,
             "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
@@ -94,11 +95,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--quantization", default="bf16,fp8", help="weight formats, one model each, in one run")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--fused-small-ops", default="off,on",
+    p.add_argument("--fused-small-ops", default="on",
                    help="CudaH200Ops.fused_small_ops settings to run side by side (router, KDA gate, gated norm)")
+    p.add_argument("--pdl", default="on", help="programmatic dependent launch of the Triton kernels: off,on side by side")
+    p.add_argument("--skinny", default="on",
+                   help="CudaH200Ops.skinny_linear (16-bit decode linears on Triton, not cuBLAS): off,on side by side")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import pdl
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -107,9 +112,13 @@ def main(argv=None) -> list[dict]:
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
-        for b, fused in [(int(x), f) for x in args.batches.split(",") for f in args.fused_small_ops.split(",")]:
+        for b, fused, pd, sk in [(int(x), f, d, k) for x in args.batches.split(",")
+                                 for f in args.fused_small_ops.split(",") for d in args.pdl.split(",")
+                                 for k in args.skinny.split(",")]:
             model.ops.fused_small_ops = fused == "on"
-            row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused)
+            model.ops.skinny_linear = sk == "on"
+            pdl.ENABLED = pd == "on"
+            row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk)
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])
@@ -120,14 +129,17 @@ def main(argv=None) -> list[dict]:
         del model
         torch.cuda.empty_cache()
     write_out("decode_profile.json", rows)
-    first = args.fused_small_ops.split(",")[0]
-    base = {r["batch"]: r["replay_ms"] for r in rows if r["weights"] == "bf16" and r["fused"] == first}
+    first = (args.fused_small_ops.split(",")[0], args.pdl.split(",")[0], args.skinny.split(",")[0])
+    base = {r["batch"]: r["replay_ms"] for r in rows
+            if r["weights"] == "bf16" and (r["fused"], r["pdl"], r["skinny"]) == first}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
     print("floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached")
-    print(f"{'weights':>7} {'fused':>5} {'batch':>5} {'replay ms':>9} {'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
+    print(f"{'weights':>7} {'fused':>5} {'pdl':>3} {'skinny':>6} {'batch':>5} {'launches':>8} {'replay ms':>9} "
+          f"{'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
           f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'base/this':>9}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['fused']:>5} {r['batch']:>5} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
+        print(f"{r['weights']:>7} {r['fused']:>5} {r['pdl']:>3} {r['skinny']:>6} {r['batch']:>5} "
+              f"{r['kernels_per_step']:>8.0f} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
               f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} {r['experts_touched']:>7} "
               f"{r['floor_routed_ms']:>12.3f} {r['replay_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{base.get(r['batch'], float('nan')) / r['replay_ms']:>9.2f}")

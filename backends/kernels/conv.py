@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from ..meta import BatchMeta
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()  # interpreter only: the state and output stores round fp32 to bf16, as compiled code does
@@ -83,7 +85,8 @@ def _conv_state_kernel(X, STATE, CU, PREFIX, SLOTS, C, stride_x, stride_ss, stri
 
 @triton.jit
 def _conv_decode_kernel(X, STATE, W, OUT, CU, PREFIX, SLOTS, C, stride_x, stride_o, stride_ss, stride_sr,
-                        stride_wc, stride_wk, K: tl.constexpr, BLOCK_C: tl.constexpr):
+                        stride_wc, stride_wk, K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -150,7 +153,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     ws = (weight.stride(0), weight.stride(1))
     if decode:
         _conv_decode_kernel[(b, cb)](x, conv_state, weight, out, cu, pre, meta.slot_ids, c, x.stride(0),
-                                     out.stride(0), *st, *ws, K=k, BLOCK_C=block_c, num_warps=4)
+                                     out.stride(0), *st, *ws, K=k, BLOCK_C=block_c, **pdl.launch(x.device), num_warps=4)
         return out
     if n:
         _conv_out_kernel[(triton.cdiv(n, block_t), cb)](x, conv_state, weight, out, meta.req_index, cu, pre,

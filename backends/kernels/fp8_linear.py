@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from .fused_moe import ACT_DTYPES, FP8_DTYPES
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -98,8 +100,9 @@ def _fp8_linear_kernel(
     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-):
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
+    PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,8 +135,10 @@ def _fp8_linear_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
-        acc = tl.dot(a.to(dt), dequant_tile(b, sc, dt), acc, input_precision=PRECISION)
+        if SCALED:
+            sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
+            b = dequant_tile(b, sc, dt)
+        acc = tl.dot(a.to(dt), b.to(dt), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -150,7 +155,8 @@ def _fp8_linear_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _reduce_kernel(WS, B, Y, M, N_OUT, SPLITS, stride_ym,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs_n < N_OUT
@@ -228,10 +234,91 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALE_BN=bo, SCALE_BK=bi, HAS_BIAS=bias is not None, SPLIT=s > 1,
         EVEN_K=in_f % bk == 0, PRECISION=precision,
+        **pdl.launch(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if s > 1:
+        blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
+        _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
+                                                    HAS_BIAS=bias is not None, BLOCK=blk, **pdl.launch(out.device), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# 16-bit weights at decode sizes (the same kernel, SCALED=False)
+# ---------------------------------------------------------------------------------------
+# A decode step of a few rows streams each weight once: the kernel is bound by how many bytes
+# each SM keeps in flight, not by the math. cuBLAS's batch-1 GEMVs on the H200 ran at 50-80%
+# of the copy rate on the step's mid-size projections (16-134 MB) and split K with a second
+# reduce launch (bench/RESULTS.md, fifth session). Here the out tile is as wide as still gives
+# every SM two programs, and the K tile is widened in step so that one weight tile is ~16 KB
+# whatever its width (4 stages: ~64 KB in flight per program). K is split (plus the reduce
+# launch) only when even 16-wide out tiles leave half the SMs idle.
+SKINNY_MAX_ROWS = 8
+SKINNY_TILE_BYTES = 16384
+SKINNY_SPLIT_BELOW = 0.5   # split K when the out tiles fill fewer than this x the SMs
+
+
+def skinny_supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether skinny_linear takes x [..., in] · w [out, in]ᵀ: 16-bit x and w of one dtype, a few rows."""
+    if x.dim() < 1 or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        return False
+    if w.dim() != 2 or w.stride(-1) != 1 or x.shape[-1] != w.shape[1] or w.shape[1] < 16:
+        return False
+    if x.numel() // max(1, x.shape[-1]) > SKINNY_MAX_ROWS or w.device != x.device:
+        return False
+    return bias is None or (tuple(bias.shape) == (w.shape[0],) and bias.device == x.device)
+
+
+def skinny_config(n_tokens: int, out_f: int, in_f: int, sms: int) -> tuple[dict, int, int]:
+    """(tile, splits, K elements per split) for a few rows of x against a 16-bit [out_f, in_f] weight."""
+    bn = next((b for b in (128, 64, 32) if triton.cdiv(out_f, b) >= 2 * sms), 16)
+    bk = max(16, min(triton.next_power_of_2(in_f), SKINNY_TILE_BYTES // (2 * bn), 512))
+    cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=4)
+    kb = triton.cdiv(in_f, bk)
+    tiles = triton.cdiv(out_f, bn)
+    s = 1
+    if tiles < SKINNY_SPLIT_BELOW * sms and kb > 1:
+        s = min(kb, triton.cdiv(sms, tiles))
+    per = triton.cdiv(kb, s)
+    return cfg, triton.cdiv(kb, per), per * bk
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: dict | None = None, splits: int | None = None) -> torch.Tensor:
+    """ReferenceOps.linear(x, w, bias) for a few rows of 16-bit x [N, in] and w [out, in] -> [N, out].
+
+    fp32 accumulation, one rounding (+ bias rounded to x.dtype first, as the reference adds it).
+    `config` overrides the tile; `splits` forces the split-K count (1: none)."""
+    n, in_f = x.shape
+    out_f = w.shape[0]
+    out = torch.empty(n, out_f, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg, s, k_split = skinny_config(n, out_f, in_f, sm_count(x.device))
+    if config:
+        cfg.update(config)
+    bk = cfg["BLOCK_K"]
+    if config or splits is not None:
+        kb = triton.cdiv(in_f, bk)
+        per = triton.cdiv(kb, max(1, min(int(splits or s), kb)))
+        s, k_split = triton.cdiv(kb, per), per * bk
+    ws = torch.empty(s, n, out_f, dtype=torch.float32, device=x.device) if s > 1 else out
+    b = bias if bias is not None else w  # unused when HAS_BIAS=False
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
+    launch = pdl.launch(x.device)
+    _fp8_linear_kernel[grid](
+        x, w, w, b, out, ws,
+        n, out_f, in_f, k_split,
+        x.stride(0), w.stride(0), 0, 0, out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        SCALE_BN=cfg["BLOCK_N"], SCALE_BK=bk, HAS_BIAS=bias is not None, SPLIT=s > 1,
+        EVEN_K=in_f % bk == 0, PRECISION="tf32", SCALED=False, **launch,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:
         blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
         _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
-                                                    HAS_BIAS=bias is not None, BLOCK=blk, num_warps=4)
+                                                    HAS_BIAS=bias is not None, BLOCK=blk, **launch, num_warps=4)
     return out

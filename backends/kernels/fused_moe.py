@@ -66,6 +66,8 @@ import triton.language as tl
 
 # the tile tables live in fused_moe_configs; re-exported here for tests and benches (fm.CONFIGS, ...)
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -100,12 +102,13 @@ def max_blocks(m: int, num_experts: int, block_m: int) -> int:
 @triton.jit(do_not_specialize=["M", "C", "NUM_BLOCKS"])
 def _align_kernel(IDS, COUNTS, BASE, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, C, E, NUM_BLOCKS,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
-                  BB: tl.constexpr, COUNT: tl.constexpr, SCAN: tl.constexpr, SCATTER: tl.constexpr):
+                  BB: tl.constexpr, COUNT: tl.constexpr, SCAN: tl.constexpr, SCATTER: tl.constexpr, PDL: tl.constexpr = False):
     """The alignment steps selected by COUNT / SCAN / SCATTER. Alone, COUNT and SCATTER take one
     chunk per program; with SCAN (one program) they loop over every chunk, and the scratch one
     step writes is read by other threads of the block in the next: a barrier between.
     (One kernel with flags rather than @jit helpers: Triton's interpreter cannot run nested
     helpers that call tl.sum & co when triton was imported before TRITON_INTERPRET was set.)"""
+    pdl_enter(PDL)
     if SCAN:
         c_lo = 0
         c_hi = C
@@ -198,7 +201,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, one_launch: 
     if one_launch is None:
         one_launch = m <= ONE_LAUNCH_MAX_PAIRS
     args = (flat, counts, base, sorted_ids, block_expert, block_rows, m, c, num_experts, nb)
-    meta = dict(BLOCK_M=block_m, CHUNK=CHUNK, EB=eb, CB=tile, BB=1024)
+    meta = dict(BLOCK_M=block_m, CHUNK=CHUNK, EB=eb, CB=tile, BB=1024, **pdl.launch(dev))
     if one_launch:
         _align_kernel[(1,)](*args, **meta, COUNT=True, SCAN=True, SCATTER=True, num_warps=8)
     else:
@@ -234,8 +237,8 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-):
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
     in_group = GROUP_M * tl.cdiv(I, BLOCK_N)
@@ -372,8 +375,8 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-):
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
     in_group = GROUP_M * tl.cdiv(D, BLOCK_N)
@@ -472,7 +475,8 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(Y, IDS, OUT, D, E, top_k, stride_ym, stride_om, BLOCK_D: tl.constexpr):
+def _sum_kernel(Y, IDS, OUT, D, E, top_k, stride_ym, stride_om, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -534,7 +538,7 @@ def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, 
     while True:
         try:
             kernel[grid(c)](*args, **meta, BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, EVEN_K=k_dim % bk == 0,
-                            SCALE_ACC=scale_acc and bk <= meta["SCALE_BK"],
+                            SCALE_ACC=scale_acc and bk <= meta["SCALE_BK"], **pdl.launch(args[0].device),
                             num_warps=c["num_warps"], num_stages=stages)
             _FITTED[key] = (bk, stages)
             return
@@ -633,5 +637,5 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         dn, i, flags["down"]["SCALE_ACC"])
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
-                                              BLOCK_D=block_d, num_warps=4)
+                                              BLOCK_D=block_d, **pdl.launch(y.device), num_warps=4)
     return out

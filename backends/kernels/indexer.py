@@ -22,6 +22,8 @@ import triton.language as tl
 
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 from .sparse_mla import is_decode_batch
 
@@ -39,8 +41,8 @@ def _indexer_scores_kernel(
     HI, DI, P_OUT, ppp,
     scale,
     BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_REQ: tl.constexpr,
-):
+    HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     pb = tl.program_id(1)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -130,7 +132,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         float(di ** -0.5),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
         BLOCK_P=cfg["BLOCK_P"], PRECISION=precision, HAS_REQ=req_index is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl.launch(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
@@ -221,8 +223,8 @@ def _indexer_update_decode_kernel(
     stride_kn, stride_gn, stride_ape,
     stride_pool, stride_tslot, stride_trow, stride_tb,
     DI, ppp,
-    KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):
+    KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     p0 = tl.load(PREFIX + b)
     slot = tl.load(SLOTS + b).to(tl.int64)
@@ -287,7 +289,7 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: 
         flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
         di, meta.page_size // kpool,
         KPOOL=kpool, BLOCK_K=triton.next_power_of_2(kpool), BLOCK_D=max(16, triton.next_power_of_2(di)),
-        num_warps=4,
+        **pdl.launch(k.device), num_warps=4,
     )
     return None
 __all__ = ["indexer_scores", "indexer_select", "indexer_update", "topk_lower_index_ties", "default_config"]

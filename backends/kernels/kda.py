@@ -44,6 +44,8 @@ from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
 from ..meta import BatchMeta
 from .conv import device_lens
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import interpreting, patch_interpreter
 from .norms import l2norm
 
@@ -53,8 +55,9 @@ INTERPRET_CHUNK = False  # see enable_interpreted_chunk()
 
 
 @triton.jit
-def _zero_new_slots_kernel(STATE, PREFIX, SLOTS, S, stride_s, BLOCK: tl.constexpr):
+def _zero_new_slots_kernel(STATE, PREFIX, SLOTS, S, stride_s, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """state[slot_ids[b]] = 0 where prefix_lens[b] == 0: masked stores only, no state reads."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     new = tl.load(PREFIX + b) == 0
@@ -68,7 +71,7 @@ def zero_new_slots(state: torch.Tensor, prefix_lens_t: torch.Tensor, slot_ids: t
     size = state[0].numel()
     if b:
         _zero_new_slots_kernel[(b, triton.cdiv(size, block))](state, prefix_lens_t, slot_ids, size, state.stride(0),
-                                                              BLOCK=block, num_warps=4)
+                                                              BLOCK=block, **pdl.launch(state.device), num_warps=4)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

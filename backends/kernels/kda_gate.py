@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -21,7 +23,8 @@ patch_interpreter()
 
 @triton.jit
 def _kda_gate_kernel(F, BIAS, ALOG, G, total, HD, D, stride_f, lower_bound,
-                     HAS_LOWER: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_LOWER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = offs < total
     row = offs // HD
@@ -54,5 +57,5 @@ def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_
     block = 1024
     _kda_gate_kernel[(triton.cdiv(total, block),)](
         f, dt_bias, a_log, g, total, hd, d, f.stride(0), float(lower_bound or 0.0),
-        HAS_LOWER=lower_bound is not None, BLOCK=block, num_warps=4)
+        HAS_LOWER=lower_bound is not None, BLOCK=block, **pdl.launch(f.device), num_warps=4)
     return g

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -96,7 +98,8 @@ def _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, k_lo, k_hi,
 @triton.jit
 def _mhc_mix_kernel(X, FN, ZP, ZC, SS, N, stride_xn, stride_fn, M, K, k_per,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_PP: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_PP: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     nb = tl.program_id(0)
     s = tl.program_id(1)
     tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,11 +174,12 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
                     N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Fused (SPLIT=False): grid (token blocks,), each program does the whole token block.
     Split epilogue (SPLIT=True): grid (token blocks, D tiles of BLOCK_D); every program sums the
     partials it needs for r and pre and collapses its own D tile; the D-tile-0 programs also do
     post and comb (the Sinkhorn), in parallel with the other tiles' collapse."""
+    pdl_enter(PDL)
     nb = tl.program_id(0)
     tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = tok < N
@@ -299,7 +303,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
         _mhc_mix_kernel[(nblocks, n_split)](x, fn, zp, zc, ss, n, x.stride(0), fn.stride(0), m, k, k_per,
                                             BLOCK_N=block_n, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-                                            PRECISION=precision, num_warps=4)
+                                            PRECISION=precision, **pdl.launch(x.device), num_warps=4)
     else:
         block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
         grid = (triton.cdiv(n, bn_fin),)
@@ -309,13 +313,14 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                           int(sinkhorn_iters), float(hc_eps), float(norm_eps),
                           BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                           BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
-                          PRECISION=precision, num_warps=_SPLIT_WARPS if split_epi else 4)
+                          PRECISION=precision, **pdl.launch(x.device), num_warps=_SPLIT_WARPS if split_epi else 4)
     return post, comb, u
 
 
 @triton.jit
 def _mhc_post_kernel(Y, X, POST, COMB, OUT, stride_yn, stride_xn, stride_on, M, D,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     dt = OUT.dtype.element_ty
@@ -355,5 +360,5 @@ def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: t
         return out
     bd = block_d or min(triton.next_power_of_2(d), 4096 // bm)
     _mhc_post_kernel[(n, triton.cdiv(d, bd))](y, x, post, comb, out, y.stride(0), x.stride(0), out.stride(0),
-                                              m, d, BLOCK_M=bm, BLOCK_D=bd, num_warps=4)
+                                              m, d, BLOCK_M=bm, BLOCK_D=bd, **pdl.launch(x.device), num_warps=4)
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -31,8 +33,9 @@ _NUM_SMS_GUESS = 132
 @triton.jit
 def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Partial logits over K split s = program_id(2): L[s, rows, cols]."""
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     split = tl.program_id(2)
@@ -57,7 +60,8 @@ def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
 @triton.jit
 def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id,
                          TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr):
+                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
     cols = tl.arange(0, BLOCK_E)
@@ -135,12 +139,12 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _route_logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be), split)](
         x, w, logits, n, e, d, k_per, x.stride(0), w.stride(0), logits.stride(1),
-        BLOCK_N=bn, BLOCK_E=be, BLOCK_K=bk, PRECISION=precision, num_warps=4)
+        BLOCK_N=bn, BLOCK_E=be, BLOCK_K=bk, PRECISION=precision, **pdl.launch(x.device), num_warps=4)
     # one token per program on one warp: the k picks are k rounds of row reductions, and
     # within a warp each is a few shuffles (across warps, a shared-memory round trip each)
     _route_select_kernel[(n,)](
         logits, bias, weights, ids, n, e, split, logits.stride(1), float(scaling),
         int(append_expert) if extra else 0,
         TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_N=1, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_TOPK=triton.next_power_of_2(top_k + extra), MAX_SPLIT=_MAX_SPLIT, EXTRA=extra, num_warps=1)
+        BLOCK_TOPK=triton.next_power_of_2(top_k + extra), MAX_SPLIT=_MAX_SPLIT, EXTRA=extra, **pdl.launch(x.device), num_warps=1)
     return weights, ids

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -24,7 +26,8 @@ MAX_FUSED_D = 16384
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps,
-                     BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr):
+                     BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     xdt = X.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)
@@ -83,7 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         bd, one = (block_d or 4096), False
     num_warps = 4 if bd <= 2048 else (8 if bd <= 8192 else 16)
     _rms_norm_kernel[(n,)](x2, w, y2, x2.stride(0), y2.stride(0), d, float(eps),
-                           BLOCK_D=bd, ONE_PASS=one, num_warps=num_warps)
+                           BLOCK_D=bd, ONE_PASS=one, **pdl.launch(x2.device), num_warps=num_warps)
     return out
 
 
@@ -94,7 +97,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
 # instead of the reference's eight elementwise kernels, and no program per 128-element row.
 @triton.jit
 def _gated_rms_norm_kernel(X, G, W, Y, R, stride_x, stride_g, stride_y, D, eps,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     r_ok = rows < R
@@ -125,7 +129,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     bd = triton.next_power_of_2(d)
     br = max(1, min(16, 2048 // bd))
     _gated_rms_norm_kernel[(triton.cdiv(n, br),)](x2, g2, w, y2, n, x2.stride(0), g2.stride(0), y2.stride(0), d,
-                                                  float(eps), BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+                                                  float(eps), BLOCK_R=br, BLOCK_D=bd, **pdl.launch(x2.device), num_warps=4)
     return out
 
 
@@ -140,7 +144,8 @@ def gated_supported(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -
 
 
 @triton.jit(do_not_specialize=["n"])
-def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < n
     offs = tl.arange(0, BLOCK_D)
@@ -167,5 +172,5 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = Non
     bd = triton.next_power_of_2(d)
     br = max(1, min(16, 2048 // bd))
     _l2norm_kernel[(triton.cdiv(n, br),)](x2, y2, n, x2.stride(0), y2.stride(0), d, float(eps),
-                                          BLOCK_R=br, BLOCK_D=bd, num_warps=4)
+                                          BLOCK_R=br, BLOCK_D=bd, **pdl.launch(x2.device), num_warps=4)
     return out

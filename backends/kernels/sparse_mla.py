@@ -37,6 +37,8 @@ import triton.language as tl
 from .. import kv_fp8
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
+from . import pdl
+from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -64,8 +66,8 @@ def _sparse_mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
     FROM_SEL: tl.constexpr, KPOOL: tl.constexpr, WITH_TAIL: tl.constexpr, BLOCK_SEL: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr,
-):
+    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -163,8 +165,8 @@ def _merge_splits_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     R,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-):
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -367,7 +369,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
         SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
         FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail, KV_FP8=fp8, HAS_REQ=req is not None,
         BLOCK_SEL=max(16, triton.next_power_of_2(sel.shape[1])) if from_sel else 16,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl.launch(q_abs.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
         _merge_splits_kernel[(b, h)](
@@ -377,7 +379,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
             out.stride(0), out.stride(1),
             r,
             NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r,
-            num_warps=4 if block_r >= 256 else 2,
+            **pdl.launch(out.device), num_warps=4 if block_r >= 256 else 2,
         )
     return out
 

@@ -171,3 +171,65 @@ def test_fp8_linear_graph_safe():
     torch.cuda.synchronize()
     assert _rel(static, ops.linear(x, w, b, s)) == 0.0
     assert _rel(static, eager) > 0.0
+
+
+# ---- 16-bit weights at decode sizes (skinny_linear: the same kernel, SCALED=False) ----------------
+def _check_skinny(device, n, in_f, out_f, bias, dtype=torch.bfloat16, **kw):
+    g = _gen(f"skinny{n}-{in_f}-{out_f}-{bias}")
+    x = torch.randn(n, in_f, generator=g).to(dtype)
+    w = (torch.randn(out_f, in_f, generator=g) * in_f ** -0.5).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype) if bias else None
+    xd, wd, bd = _to(device, x, w, b)
+    out = f8.skinny_linear(xd, wd, bd, **kw)
+    truth = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert out.shape == (n, out_f) and out.dtype == dtype
+    assert _rel(out, truth) < _tol(dtype)
+    assert _rel(REF.linear(xd, wd, bd), truth) < _tol(dtype)
+
+
+@pytest.mark.parametrize("n,in_f,out_f,bias,splits", [
+    (1, 512, 200, False, None),    # out not a multiple of the tile
+    (3, 300, 96, True, None),      # K not a multiple of BLOCK_K, bias
+    (8, 256, 64, False, None),     # the most rows it takes
+    (2, 1024, 48, True, 3),        # split K (+ the reduce launch, bias added there)
+    (1, 96, 4096, False, None),    # short K, wide out (the KDA f_b / g_b shape class)
+])
+def test_skinny_linear(device, n, in_f, out_f, bias, splits):
+    _check_skinny(device, n, in_f, out_f, bias, splits=splits)
+
+
+def test_skinny_config_shapes():
+    """The tile rule at the decode shapes of the real model, on 132 SMs: wide out tiles where the
+    out dim alone fills the SMs twice, a K tile of ~16 KB of weight, K split only when needed."""
+    cases = {  # (out, in) -> (BLOCK_N, splits)
+        (154880, 4096): (128, 1),    # LM head
+        (24896, 4096): (64, 1),      # KDA in_proj (q, k, v, f_a, g_a, b)
+        (4096, 8192): (16, 1),       # KDA o_proj
+        (2048, 4096): (16, 1),       # MLA q_a + kv_a
+        (128, 4096): (16, 8),        # indexer wk: 8 out tiles, K split
+    }
+    for (out_f, in_f), (bn, s) in cases.items():
+        cfg, splits, k_split = f8.skinny_config(1, out_f, in_f, 132)
+        assert (cfg["BLOCK_N"], splits) == (bn, s), (out_f, in_f, cfg, splits)
+        assert cfg["BLOCK_N"] * cfg["BLOCK_K"] * 2 <= f8.SKINNY_TILE_BYTES
+        assert k_split * splits >= in_f and k_split % cfg["BLOCK_K"] == 0
+
+
+def test_skinny_dispatch(device, monkeypatch):
+    """CudaH200Ops.linear takes the skinny kernel for a few 16-bit rows, cuBLAS past SKINNY_MAX_ROWS,
+    and neither when the flag is off."""
+    calls = []
+    kernel = f8.skinny_linear
+    monkeypatch.setattr(f8, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    ops = CudaH200Ops()
+    g = _gen("dispatch")
+    w = torch.randn(64, 128, generator=g).to(device, torch.bfloat16)
+    for rows in (1, f8.SKINNY_MAX_ROWS, f8.SKINNY_MAX_ROWS + 1):
+        x = torch.randn(rows, 128, generator=g).to(device, torch.bfloat16)
+        assert _rel(ops.linear(x, w), REF.linear(x, w)) < _tol(torch.bfloat16)
+    assert calls == [1, f8.SKINNY_MAX_ROWS]
+    ops.skinny_linear = False
+    ops.linear(torch.randn(1, 128, generator=g).to(device, torch.bfloat16), w)
+    assert calls == [1, f8.SKINNY_MAX_ROWS]
+    x3 = torch.randn(2, 1, 128, generator=g).to(device, torch.bfloat16)   # leading dims kept
+    assert CudaH200Ops().linear(x3, w).shape == (2, 1, 64)

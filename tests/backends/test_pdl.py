@@ -1,0 +1,85 @@
+"""Programmatic dependent launch (backends/kernels/pdl.py): GPU only.
+
+PDL changes when a kernel starts, never what it computes: the tiny model's logits through decode
+CUDA graphs must be bit-identical with it on and off. And every kernel compiled for a PDL launch
+must wait for its predecessor before its first global memory access: checked in the PTX of each
+kernel the run compiled (a load hoisted above `griddepcontrol.wait` would be a race that a
+numeric comparison only catches by luck).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+triton = pytest.importorskip("triton")
+
+_GLOBAL = ("ld.global", "st.global", "atom.global", "red.global", "cp.async", "ld.volatile.global")
+
+
+def _decode_logits(pdl_on: bool) -> torch.Tensor:
+    from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import pdl
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.engine.cuda_graphs import DecodeGraphs
+    from glmrt.model.loader import load_dummy
+    from glmrt.model.session import DirectSession
+
+    pdl.ENABLED = pdl_on
+    try:
+        g = torch.Generator().manual_seed(7)
+        model = load_dummy(preset_config("tiny"), CudaH200Ops(), dtype=torch.bfloat16, device="cuda", seed=1,
+                           with_vision=False, with_mtp=False)
+        prompts = [torch.randint(1, 900, (n,), generator=g) for n in (37, 50, 9)]
+        sess = DirectSession(model, max_requests=len(prompts) + 1, max_tokens=128, shuffle_pages=False)
+        rids = [sess.new_request() for _ in prompts]
+        out = [sess.step({r: p for r, p in zip(rids, prompts)}, all_logits=False)]
+        out = [torch.cat([out[0][r] for r in rids])]
+        graphs = DecodeGraphs(model, sess.cache, max_bs=len(rids), max_pages=sess.pages_per_req,
+                              pad_slot=len(rids), pad_page=sess._free_pages[0])
+        for _ in range(3):
+            ids = torch.randint(1, 900, (len(rids),), generator=g).tolist()
+            lens = [sess.lens[r] for r in rids]
+            key = graphs.key(len(rids), max(n // sess.page_size + 1 for n in lens))
+            out.append(graphs.run(key, ids, lens, [sess.slots[r] for r in rids],
+                                  [sess.pages[r] for r in rids]).float().clone())
+            for r in rids:
+                sess.lens[r] += 1
+        torch.cuda.synchronize()
+        return torch.stack(out)
+    finally:
+        pdl.ENABLED = True
+
+
+def test_pdl_decode_bit_identical():
+    on, off = _decode_logits(True), _decode_logits(False)
+    assert torch.isfinite(on).all()
+    assert torch.equal(on, off)
+
+
+def test_pdl_kernels_wait_before_memory():
+    _decode_logits(True)  # compiles the decode path's kernels with PDL
+    import backends.kernels as bk
+    from triton.runtime.jit import JITFunction
+
+    checked = 0
+    for info in pkgutil.iter_modules(bk.__path__):
+        mod = importlib.import_module(f"backends.kernels.{info.name}")
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, JITFunction):
+                continue
+            for cache in fn.device_caches.values():
+                for kernel in cache[0].values():
+                    if not getattr(kernel.metadata, "launch_pdl", False):
+                        continue
+                    ptx = kernel.asm["ptx"].splitlines()
+                    wait = next((i for i, s in enumerate(ptx) if "griddepcontrol.wait" in s), None)
+                    first = next((i for i, s in enumerate(ptx) if any(t in s for t in _GLOBAL)), len(ptx))
+                    assert wait is not None and wait < first, f"{info.name}.{name}: global access before the PDL wait"
+                    checked += 1
+    assert checked >= 10, checked  # the decode step's kernels did compile for PDL
