@@ -12,7 +12,7 @@ Overridden today (everything else is the reference):
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
-  linear          FP8 weights (w8a16) every batch; 16-bit weights up to 8 rows (decode), with skinny_linear
+  linear          FP8 weights (w8a16) every batch; 16-bit weights up to 8 rows (decode) by skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
@@ -76,8 +76,9 @@ class CudaH200Ops(ReferenceOps):
     # per MoE layer.
     fuse_shared_experts = True
     # 16-bit linears of up to fp8_linear.SKINNY_MAX_ROWS rows (decode) on the Triton weight-
-    # streaming kernel instead of cuBLAS's GEMVs (bench.decode_profile --skinny off,on).
-    skinny_linear = True
+    # streaming kernel instead of cuBLAS's GEMVs: "measured" = at the shapes where it measured
+    # faster (fp8_linear.skinny_preferred), "all", or "off" (bench.decode_profile --skinny).
+    skinny_linear = "measured"
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -99,9 +100,14 @@ class CudaH200Ops(ReferenceOps):
             if scale_inv is not None and f8.supported(x, weight, scale_inv, block, bias):
                 x2 = x.reshape(-1, x.shape[-1])
                 y = f8.fp8_linear(x2, weight, scale_inv, block, bias)
-            elif scale_inv is None and self.skinny_linear and f8.skinny_supported(x, weight, bias):
+            elif scale_inv is None and self.skinny_linear in ("measured", "all") and \
+                    f8.skinny_supported(x, weight, bias):
                 x2 = x.reshape(-1, x.shape[-1])
-                y = f8.skinny_linear(x2, weight, bias)
+                if self.skinny_linear == "all" or f8.skinny_preferred(x2.shape[0], weight.shape[0], weight.shape[1],
+                                                                       f8.sm_count(x.device)):
+                    y = f8.skinny_linear(x2, weight, bias)
+                else:
+                    x2 = None
             if x2 is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
         return super().linear(x, weight, bias, scale_inv, block)

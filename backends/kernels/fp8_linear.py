@@ -269,6 +269,15 @@ def skinny_supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return bias is None or (tuple(bias.shape) == (w.shape[0],) and bias.device == x.device)
 
 
+def skinny_preferred(n_tokens: int, out_f: int, in_f: int, sms: int) -> bool:
+    """Whether the skinny kernel beat cuBLAS at this shape class on the H200 (bench.skinny_linear,
+    1 and 4 rows, sixth session): the 64-wide out tiles (the KDA in_proj: 1.11-1.15x), the
+    split-K shapes (out <= ~1K: 1.4x, one launch fewer) and short K (<= 256: 1.03-1.05x). cuBLAS
+    stays ahead on the LM head (0.93x) and on 16/32-wide tiles over long K (0.83-0.94x)."""
+    cfg, s, _ = skinny_config(n_tokens, out_f, in_f, sms)
+    return s > 1 or cfg["BLOCK_N"] == 64 or in_f <= 256
+
+
 def skinny_config(n_tokens: int, out_f: int, in_f: int, sms: int) -> tuple[dict, int, int]:
     """(tile, splits, K elements per split) for a few rows of x against a 16-bit [out_f, in_f] weight."""
     bn = next((b for b in (128, 64, 32) if triton.cdiv(out_f, b) >= 2 * sms), 16)

@@ -538,7 +538,7 @@ def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, 
     while True:
         try:
             kernel[grid(c)](*args, **meta, BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, EVEN_K=k_dim % bk == 0,
-                            SCALE_ACC=scale_acc and bk <= meta["SCALE_BK"], **pdl.launch(args[0].device),
+                            SCALE_ACC=scale_acc and bk <= meta["SCALE_BK"],
                             num_warps=c["num_warps"], num_stages=stages)
             _FITTED[key] = (bk, stages)
             return
@@ -615,6 +615,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     else:
         sg = su = sd = w_gate  # unused (FP8=False)
     sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
+    launch = pdl.launch(x.device)
 
     _launch_fitting(
         _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
@@ -625,7 +626,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          *sstr(sg), *sstr(su),
          h.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
-             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks),
+             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
     _launch_fitting(
         _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
@@ -633,9 +634,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          d, i, e, nb,
          h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
-                                              BLOCK_D=block_d, **pdl.launch(y.device), num_warps=4)
+                                              BLOCK_D=block_d, **launch, num_warps=4)
     return out

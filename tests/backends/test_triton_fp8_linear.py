@@ -216,20 +216,29 @@ def test_skinny_config_shapes():
 
 
 def test_skinny_dispatch(device, monkeypatch):
-    """CudaH200Ops.linear takes the skinny kernel for a few 16-bit rows, cuBLAS past SKINNY_MAX_ROWS,
-    and neither when the flag is off."""
+    """CudaH200Ops.linear takes the skinny kernel for a few 16-bit rows ("all"), only at the shapes
+    where it measured faster ("measured", the default), cuBLAS past SKINNY_MAX_ROWS, and never "off"."""
     calls = []
     kernel = f8.skinny_linear
     monkeypatch.setattr(f8, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
     ops = CudaH200Ops()
+    assert ops.skinny_linear == "measured"
     g = _gen("dispatch")
-    w = torch.randn(64, 128, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(64, 128, generator=g).to(device, torch.bfloat16)         # short K: preferred
     for rows in (1, f8.SKINNY_MAX_ROWS, f8.SKINNY_MAX_ROWS + 1):
         x = torch.randn(rows, 128, generator=g).to(device, torch.bfloat16)
         assert _rel(ops.linear(x, w), REF.linear(x, w)) < _tol(torch.bfloat16)
     assert calls == [1, f8.SKINNY_MAX_ROWS]
-    ops.skinny_linear = False
-    ops.linear(torch.randn(1, 128, generator=g).to(device, torch.bfloat16), w)
+    wide = torch.randn(4096, 1024, generator=g).to(device, torch.bfloat16)   # 16-wide tiles, long K
+    assert not f8.skinny_preferred(1, 4096, 1024, 132)
+    x = torch.randn(1, 1024, generator=g).to(device, torch.bfloat16)
+    ops.linear(x, wide)
     assert calls == [1, f8.SKINNY_MAX_ROWS]
+    ops.skinny_linear = "all"
+    ops.linear(x, wide)
+    assert calls == [1, f8.SKINNY_MAX_ROWS, 1]
+    ops.skinny_linear = "off"
+    ops.linear(torch.randn(1, 128, generator=g).to(device, torch.bfloat16), w)
+    assert calls == [1, f8.SKINNY_MAX_ROWS, 1]
     x3 = torch.randn(2, 1, 128, generator=g).to(device, torch.bfloat16)   # leading dims kept
     assert CudaH200Ops().linear(x3, w).shape == (2, 1, 64)
