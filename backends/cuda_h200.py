@@ -80,6 +80,12 @@ class CudaH200Ops(ReferenceOps):
     # faster (fp8_linear.skinny_preferred), "all", or "off" (bench.decode_profile --skinny).
     skinny_linear = "measured"
 
+    def begin_forward(self, num_tokens: int) -> None:
+        # PDL for the step's Triton kernels at small batches only (backends/kernels/pdl.py)
+        if not _interpreting():
+            from .kernels import pdl
+            pdl.set_tokens(num_tokens)
+
     @property
     def decode_graph_safe(self) -> bool:
         """Every op of a decode step runs as a kernel that reads per-request values only from

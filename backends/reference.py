@@ -41,6 +41,10 @@ class ReferenceOps:
 
     name = "reference"
 
+    def begin_forward(self, num_tokens: int) -> None:
+        """Called once per model (or MTP draft) forward with its token count, before any op: a
+        kernel set may pick launch modes by batch size here (cuda-h200: PDL for small batches)."""
+
     # ---- dense building blocks ------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:

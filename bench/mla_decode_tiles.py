@@ -58,10 +58,10 @@ def main(argv=None) -> int:
         cache = torch.randn(b * pages_per, PAGE, R, generator=g).to(dev, torch.bfloat16)
         q_abs = torch.randn(b, H, R, generator=g).to(dev, torch.bfloat16)
         complete = (ctx + 1) // KPOOL
-        sel = torch.full((b, NSEL), -1, dtype=torch.int32)
+        sel = torch.full((b, NSEL), -1, dtype=torch.long)  # the indexer's dtype
         for i in range(b):
             pick = torch.randperm(complete, generator=g)[:NSEL]
-            sel[i, :pick.numel()] = pick.to(torch.int32)
+            sel[i, :pick.numel()] = pick
         sel = sel.to(dev)
         scale = (256 ** -0.5) * 1.4426950408889634
         ref = sm.sparse_mla_decode_sel(q_abs, cache, sel, meta, KPOOL, scale)

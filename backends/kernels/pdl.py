@@ -19,7 +19,11 @@ The chain is safe transitively: a kernel can only pass its wait once its predece
 completed, and that predecessor could only complete after passing its own wait.
 
 Off (PDL=False, no launch attribute) under Triton's interpreter, on CPU tensors, before
-SM90, and when `ENABLED` is False (benchmarks flip it to measure the difference).
+SM90, when `ENABLED` is False (benchmarks flip it to measure the difference), and for forwards
+of more than MAX_TOKENS tokens: the model tells the ops its token count at the start of each
+forward (`CudaH200Ops.begin_forward` -> `set_tokens`). On the H200 (bench/RESULTS.md, sixth
+session) PDL took the batch-1 decode step from 1.570 to 1.435 ms, was neutral at batch 16, and
+cost 2-4% at batch 64 and 128 (9.77 -> 9.96, 12.87 -> 13.33 ms).
 """
 
 from __future__ import annotations
@@ -32,11 +36,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .interpreter import interpreting
 
 ENABLED = True
+MAX_TOKENS = 16
 _CAPABLE: dict = {}
+_tokens: int | None = None   # the current forward's token count (None: not told, e.g. a kernel bench)
+
+
+def set_tokens(num_tokens: int | None) -> None:
+    global _tokens
+    _tokens = num_tokens
 
 
 def available(device: torch.device) -> bool:
     if not ENABLED or device.type != "cuda" or interpreting():
+        return False
+    if _tokens is not None and _tokens > MAX_TOKENS:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _CAPABLE:

@@ -74,6 +74,7 @@ class TextModel(nn.Module):
 
     def forward(self, embeds: torch.Tensor, meta, cache) -> torch.Tensor:
         """embeds [N, D] -> final normed hidden states [N, D] (the lm_head input)."""
+        self.layers[0].ops.begin_forward(embeds.shape[0])
         streams = embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         sel = None
         for layer in self.layers:
