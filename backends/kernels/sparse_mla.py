@@ -186,6 +186,41 @@ def _merge_splits_kernel(
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_r, out.to(O.dtype.element_ty), mask=r_ok)
 
 
+@triton.jit
+def _decode_rows_kernel(SEL, POS, TABLE, IDX, NTOK, stride_sb, stride_tb, stride_ib, NSEL, n_pages, page_size,
+                        KPOOL: tl.constexpr, BLOCK_SEL: tl.constexpr, WITH_TAIL: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """One program per decode query: the flat latent rows of its selected complete pools (a set:
+    a repeated pool counts once), packed pool by pool in selection order, then the visible tail
+    of its incomplete pool; NTOK = how many entries were written (-1 = a token with no page)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + b).to(tl.int64)
+    complete = (pos + 1) // KPOOL  # pools whose last token is <= pos
+    offs_s = tl.arange(0, BLOCK_SEL)
+    s_ok = offs_s < NSEL
+    sel = tl.load(SEL + b * stride_sb + offs_s, mask=s_ok, other=-1).to(tl.int64)
+    dup = tl.max(((sel[None, :] == sel[:, None]) & (offs_s[None, :] < offs_s[:, None])).to(tl.int32), 1)
+    keep = s_ok & (sel >= 0) & (sel < complete) & (dup == 0)
+    slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+    n = tl.sum(keep.to(tl.int32), 0) * KPOOL
+    t = tl.arange(0, KPOOL)
+    tok = tl.where(keep[:, None], sel[:, None] * KPOOL + t[None, :], 0)               # [BLOCK_SEL, KPOOL]
+    pg = tok // page_size
+    page = tl.load(TABLE + b * stride_tb + pg, mask=keep[:, None] & (pg < n_pages), other=-1)
+    row = tl.where(keep[:, None] & (page >= 0), page * page_size + tok % page_size, -1)
+    tl.store(IDX + b * stride_ib + slot[:, None] * KPOOL + t[None, :], row.to(tl.int32), mask=keep[:, None])
+    if WITH_TAIL:  # tokens complete*KPOOL .. pos: a prefix of t
+        tt = complete * KPOOL + t
+        t_ok = (t < KPOOL - 1) & (tt <= pos)
+        pg_t = tt // page_size
+        page_t = tl.load(TABLE + b * stride_tb + pg_t, mask=t_ok & (pg_t < n_pages), other=-1)
+        row_t = tl.where(t_ok & (page_t >= 0), page_t * page_size + tt % page_size, -1)
+        tl.store(IDX + b * stride_ib + n + t, row_t.to(tl.int32), mask=t_ok)
+        n += tl.sum(t_ok.to(tl.int32), 0)
+    tl.store(NTOK + b, n.to(tl.int32))
+
+
 # ---------------------------------------------------------------------------------------
 # launch helpers
 # ---------------------------------------------------------------------------------------
@@ -387,6 +422,31 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
 # ---------------------------------------------------------------------------------------
 # token lists from the indexer's selection
 # ---------------------------------------------------------------------------------------
+def build_decode_rows(sel: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                      kpool: int, with_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """build_decode_token_idx's token set in one launch -> (token_idx [B, K] int32, num_tokens [B] int32).
+
+    Row b (position positions[b], pages page_table[b]) lists its selected complete pools' rows
+    pool by pool in selection order (not position order: the attention is a sum, so only fp
+    rounding sees the order), then its visible tail; entries at or past num_tokens[b] are not
+    written, and a token without a page is -1. K = sel.shape[1]*kpool (+ kpool-1 with the tail).
+    """
+    b, nsel = sel.shape
+    k = nsel * kpool + (kpool - 1 if with_tail else 0)
+    dev = sel.device
+    idx = torch.empty(b, max(k, 1), dtype=torch.int32, device=dev)
+    ntok = torch.empty(b, dtype=torch.int32, device=dev)
+    if b == 0:
+        return idx[:, :k], ntok
+    sel = sel if sel.stride(-1) == 1 else sel.contiguous()
+    table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    _decode_rows_kernel[(b,)](sel, positions, table, idx, ntok, sel.stride(0), table.stride(0), idx.stride(0),
+                              nsel, table.shape[1], page_size, KPOOL=kpool,
+                              BLOCK_SEL=max(16, triton.next_power_of_2(nsel)), WITH_TAIL=with_tail,
+                              **pdl.launch(dev), num_warps=4)
+    return idx[:, :k], ntok
+
+
 def is_decode_batch(meta: BatchMeta) -> bool:
     """One new token for every request (what the decode kernels handle)."""
     return meta.num_reqs > 0 and all(s == 1 for s in meta.seq_lens)
@@ -450,6 +510,12 @@ def _token_rows(sel, pos, table, ps, kpool, with_tail, dense_len):
     return token_idx[:, :width], ok.sum(dim=1, dtype=torch.int32)
 
 
+# How a decode query finds its latent rows: "rows-kernel" lists them first in one small launch
+# (build_decode_rows, packed: a context shorter than the selection attends only to what exists)
+# and the attention kernel reads the list; "in-kernel" derives them inside the attention kernel
+# (sparse_mla_decode_sel). H200, context 1024 (bench.mla_decode_tiles, sixth session): the
+# attention on a list took 18.8 µs at batch 1 and 38.4 at 16, the in-kernel derivation 46.5 and 109.5.
+DECODE_TOKEN_LIST = "rows-kernel"
 PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds the [rows, H, R] temporaries)
 # How a prefill row finds its latent rows: "precomputed" builds packed flat row lists first
 # (build_prefill_token_idx, 4 bytes per row: 3 ms for 16K tokens) and the kernel reads those;
@@ -480,7 +546,10 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
         return _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail,
                                    chunk_rows or PREFILL_CHUNK_ROWS)
     q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
-    if sel is not None and (not fp32_math or not cache.is_cuda):
+    if sel is not None and DECODE_TOKEN_LIST == "rows-kernel":
+        idx, ntok = build_decode_rows(sel, meta.positions, meta.page_table, meta.page_size, kpool, with_tail)
+        o_lat = sparse_mla_decode(q_abs, cache, idx, scale, ntok, out_dtype=dt)
+    elif sel is not None and (not fp32_math or not cache.is_cuda):
         o_lat = sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, scale, with_tail, out_dtype=dt)
     else:  # dense causal: the token list is every cached token
         token_idx, num_tokens = build_decode_token_idx(sel, meta, kpool, with_tail)
@@ -519,5 +588,5 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
     return out
 
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "sparse_mla_rows_sel", "sparse_mla", "build_decode_token_idx",
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "build_decode_rows", "sparse_mla_rows_sel", "sparse_mla", "build_decode_token_idx",
            "build_prefill_token_idx", "is_decode_batch", "default_config", "choose_num_splits"]

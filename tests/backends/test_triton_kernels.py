@@ -147,6 +147,26 @@ def test_token_idx_equals_reference_mask(device, with_tail):
 
 
 @pytest.mark.parametrize("with_tail", [True, False])
+def test_decode_rows_kernel_equals_reference_mask(device, with_tail):
+    """build_decode_rows (one launch) lists exactly the reference's token set per request (repeats
+    once, -1 and incomplete pools dropped, the tail), each row once, and writes nothing past its count."""
+    from backends.kernels.sparse_mla import build_decode_rows
+
+    g = _gen(23)
+    lens, kpool = [1, 3, 16, 33, 70], 4
+    meta, _ = _decode_meta(lens, device, seed=3)
+    sel = _random_sel([n // kpool for n in lens], 6, g, odd=True).to(device)
+    k = 6 * kpool + (kpool - 1 if with_tail else 0)
+    idx, num = build_decode_rows(sel, meta.positions, meta.page_table, meta.page_size, kpool, with_tail)
+    assert idx.shape == (len(lens), k) and idx.dtype == torch.int32 and num.dtype == torch.int32
+    want_idx, want_num = build_decode_token_idx(sel, meta, kpool, with_tail)
+    for r in range(len(lens)):
+        got = idx[r, : int(num[r])].tolist()
+        want = want_idx[r, : int(want_num[r])].tolist()
+        assert sorted(got) == sorted(want) and len(set(got)) == len(got), r
+
+
+@pytest.mark.parametrize("with_tail", [True, False])
 def test_kernel_token_list_equals_built_list(device, with_tail):
     """The token set derived inside the kernel from sel (repeats, -1, incomplete pools, pages)
     gives the same attention as the explicit token list."""
