@@ -106,7 +106,8 @@ class DecodeGraphs:
         self._fill_pad(bs, pages)
         meta = self._meta(bs, pages)
         ids = self.buf["ids"][:bs]
-        idx = self.arange[:bs]
+        # every row is a request's last token: logits for all rows, with no gather launch
+        idx = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
