@@ -81,7 +81,7 @@ class CudaH200Ops(ReferenceOps):
     skinny_linear = "measured"
 
     def begin_forward(self, num_tokens: int) -> None:
-        # PDL for the step's Triton kernels at small batches only (backends/kernels/pdl.py)
+        # PDL for the step's Triton kernels at batch 1 only (backends/kernels/pdl.py)
         if not _interpreting():
             from .kernels import pdl
             pdl.set_tokens(num_tokens)

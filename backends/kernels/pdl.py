@@ -22,8 +22,10 @@ Off (PDL=False, no launch attribute) under Triton's interpreter, on CPU tensors,
 SM90, when `ENABLED` is False (benchmarks flip it to measure the difference), and for forwards
 of more than MAX_TOKENS tokens: the model tells the ops its token count at the start of each
 forward (`CudaH200Ops.begin_forward` -> `set_tokens`). On the H200 (bench/RESULTS.md, sixth
-session) PDL took the batch-1 decode step from 1.570 to 1.435 ms, was neutral at batch 16, and
-cost 2-4% at batch 64 and 128 (9.77 -> 9.96, 12.87 -> 13.33 ms).
+session, on and off side by side in one run) the batch-1 decode step went 1.439 -> 1.388 ms with
+PDL and the batch-16 step 4.965 -> 5.132 ms; batch 64 and 128 lost 2-4% too. The early-resident
+programs of the next kernel cost the multi-wave MoE GEMMs more than the hidden launch gaps
+save once the step is not launch-bound. Batches 2-15 are not measured, so only batch 1 takes it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .interpreter import interpreting
 
 ENABLED = True
-MAX_TOKENS = 16
+MAX_TOKENS = 1
 _CAPABLE: dict = {}
 _tokens: int | None = None   # the current forward's token count (None: not told, e.g. a kernel bench)
 
