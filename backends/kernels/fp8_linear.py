@@ -1,4 +1,5 @@
-"""Dense w8a16 linear (ReferenceOps.linear with `scale_inv`) as a Triton kernel.
+"""Dense w8a16 linear (ReferenceOps.linear with `scale_inv`) as a Triton kernel, and the same
+kernel for a few rows of 16-bit weights (`skinny_linear`, SCALED=False: decode GEMVs).
 
     y [N, out] = x [N, in] · dequant(W)ᵀ (+ bias),   dequant(W)[o, i] = fp8[o, i] · scale_inv[o // bo, i // bi]
 
