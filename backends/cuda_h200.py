@@ -102,19 +102,15 @@ class CudaH200Ops(ReferenceOps):
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
         if x.is_cuda or _interpreting():
             from .kernels import fp8_linear as f8
-            x2 = None
-            if scale_inv is not None and f8.supported(x, weight, scale_inv, block, bias):
-                x2 = x.reshape(-1, x.shape[-1])
-                y = f8.fp8_linear(x2, weight, scale_inv, block, bias)
-            elif scale_inv is None and self.skinny_linear in ("measured", "all") and \
-                    f8.skinny_supported(x, weight, bias):
-                x2 = x.reshape(-1, x.shape[-1])
-                if self.skinny_linear == "all" or f8.skinny_preferred(x2.shape[0], weight.shape[0], weight.shape[1],
-                                                                       f8.sm_count(x.device)):
-                    y = f8.skinny_linear(x2, weight, bias)
-                else:
-                    x2 = None
-            if x2 is not None:
+            y = None
+            if scale_inv is not None:
+                if f8.supported(x, weight, scale_inv, block, bias):
+                    y = f8.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale_inv, block, bias)
+            elif self.skinny_linear in ("measured", "all") and f8.skinny_supported(x, weight, bias) and (
+                    self.skinny_linear == "all"
+                    or f8.skinny_preferred(x.numel() // x.shape[-1], *weight.shape, f8.sm_count(x.device))):
+                y = f8.skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+            if y is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
         return super().linear(x, weight, bias, scale_inv, block)
 

@@ -97,7 +97,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--fused-small-ops", default="on",
                    help="CudaH200Ops.fused_small_ops settings to run side by side (router, KDA gate, gated norm)")
-    p.add_argument("--pdl", default="on", help="programmatic dependent launch of the Triton kernels: off,on side by side")
+    p.add_argument("--pdl", default="on",
+                   help="programmatic dependent launch of the Triton kernels: off,on side by side")
     p.add_argument("--skinny", default="measured",
                    help="CudaH200Ops.skinny_linear (16-bit decode linears on Triton, not cuBLAS): "
                         "off,measured,all side by side")

@@ -1,30 +1,48 @@
 #!/usr/bin/env bash
-# A lent-GPU call of the sixth session, each step time-boxed (the device tool allows 600 s a call):
-#   b1:  bench.decode_profile bf16 batch 1, PDL on, skinny off / measured / all, twice (noise),
-#        then bench.mla_decode_tiles (the sparse-MLA decode kernel at batch 1 and 16 across tiles);
-#   big: bench.decode_profile fp8 batch 1, 64 and bf16 batch 16, 64, 128 with the defaults.
-#     bash bench/device_s6.sh [all|b1|big]
+# The sixth session's lent-GPU calls, one step per call, each time-boxed (the device tool allows
+# 600 s a call). Run from the repo root with the wheels of ../shared/tools/device-wheels.sh in .whlg:
+#   pdl:   GPU tests of PDL and the skinny linear; bench.skinny_linear (cuBLAS vs ours vs ours+PDL);
+#          bench.decode_profile bf16 at batch 1 and 16, PDL and skinny off/on side by side
+#   b1:    bench.decode_profile bf16 batch 1, PDL on, skinny off / measured / all, twice (noise),
+#          then bench.mla_decode_tiles (the sparse-MLA decode kernel at batch 1 and 16 across tiles)
+#   big:   bench.decode_profile fp8 batch 1, 64 and bf16 batch 16, 64, 128 with the defaults
+#   final: GPU tests (PDL, the row-list kernel, sparse MLA, skinny, the tiny model), then
+#          bench.decode_profile bf16 at batch 1, 16, 64, 128 and fp8 at 64, 1 with the defaults
+#     bash bench/device_s6.sh pdl|b1|big|final
 set -u
 T0=$(date +%s)
-left() { echo $((575 - ($(date +%s) - T0))); }
+left() { echo $((570 - ($(date +%s) - T0))); }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlg/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEP=${1:-all}
-if [ "$STEP" = all ] || [ "$STEP" = b1 ]; then
-  timeout 300 python3 -m bench.decode_profile --batches 1 --quantization bf16 --skinny off,measured,all,off,measured \
-    > "$OUT/profile_b1.txt" 2>&1
-  grep -v "^  kernels" "$OUT/profile_b1.txt" | tail -n 8
-  cp "$OUT/decode_profile.json" "$OUT/profile_b1.json" 2> /dev/null
-  timeout $(( $(left) - 5 )) python3 -m bench.mla_decode_tiles --batches 1,16 > "$OUT/mla_tiles.txt" 2>&1
-  tail -n 28 "$OUT/mla_tiles.txt"
-fi
-if [ "$STEP" = all ] || [ "$STEP" = big ]; then
-  timeout 200 python3 -m bench.decode_profile --batches 1,64 --quantization fp8 > "$OUT/profile_fp8.txt" 2>&1
-  grep -v "^  kernels" "$OUT/profile_fp8.txt" | tail -n 5
-  cp "$OUT/decode_profile.json" "$OUT/profile_fp8.json" 2> /dev/null
-  timeout $(( $(left) - 5 )) python3 -m bench.decode_profile --batches 16,64,128 --quantization bf16 \
-    > "$OUT/profile_big.txt" 2>&1
-  grep -v "^  kernels" "$OUT/profile_big.txt" | tail -n 5
-fi
-rm -f "$OUT/decode_profile.json"
+profile() {  # name, then decode_profile arguments: the table to stdout, the JSON kept as $OUT/<name>.json
+  local name=$1; shift
+  timeout "$TBOX" python3 -m bench.decode_profile "$@" > "$OUT/$name.txt" 2>&1
+  grep -v "^  kernels" "$OUT/$name.txt" | tail -n 10
+  mv "$OUT/decode_profile.json" "$OUT/$name.json" 2> /dev/null
+}
+tests() {  # pytest -k expression, then test files
+  local k=$1; shift
+  timeout 170 python3 -m pytest -q -p no:cacheprovider "$@" -k "$k" > "$OUT/t_gpu.txt" 2>&1
+  echo "== tests: $(tail -n 1 "$OUT/t_gpu.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/t_gpu.txt" | head -8
+}
+case "${1:-}" in
+  pdl)
+    tests "pdl or skinny or graph_safe" tests/backends/test_pdl.py tests/backends/test_triton_fp8_linear.py
+    timeout 90 python3 -m bench.skinny_linear --rows 1,4 > "$OUT/skinny.txt" 2>&1
+    tail -n 23 "$OUT/skinny.txt"
+    TBOX=$(( $(left) - 5 )) profile decode_profile --batches 1,16 --quantization bf16 --pdl off,on --skinny off,all ;;
+  b1)
+    TBOX=300 profile profile_b1 --batches 1 --quantization bf16 --skinny off,measured,all,off,measured
+    timeout $(( $(left) - 5 )) python3 -m bench.mla_decode_tiles --batches 1,16 > "$OUT/mla_tiles.txt" 2>&1
+    tail -n 28 "$OUT/mla_tiles.txt" ;;
+  big)
+    TBOX=200 profile profile_fp8 --batches 1,64 --quantization fp8
+    TBOX=$(( $(left) - 5 )) profile profile_big --batches 16,64,128 --quantization bf16 ;;
+  final)
+    tests "pdl or decode_rows or sparse_mla_op or skinny or tiny_model_decode" tests/backends/test_pdl.py \
+      tests/backends/test_triton_kernels.py tests/backends/test_triton_fp8_linear.py
+    TBOX=240 profile profile_bf16 --batches 1,16,64,128 --quantization bf16
+    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64,1 --quantization fp8 ;;
+  *) echo "usage: bash bench/device_s6.sh pdl|b1|big|final"; exit 2 ;;
+esac

@@ -1,11 +1,12 @@
-"""The sparse-MLA decode kernel as the model calls it (`sparse_mla_decode_sel`: the token list
-derived in the kernel from the selected pools), at small batches, across tiles and split counts.
+"""The sparse-MLA decode kernel at small batches, across tiles and split counts, both ways a
+decode query can find its latent rows.
 
-In the batch-1 decode step of `flash-4l` (context 1024) this one call took 52 µs for ~1 MB of
-latent rows (bench.decode_profile, sixth session): latency, not bytes. Each row here is a chain
-of calls in one CUDA graph (µs per call, the merge launch included): the in-kernel derivation
-beside the row-list kernel plus the attention on its list (`build_decode_rows` +
-`sparse_mla_decode`, the decode default since this bench). Full size: 64 heads, R 512, kpool 16, 128 selected pools + the tail, page size 64.
+In the batch-1 decode step of `flash-4l` (context 1024) the call took 52 µs for ~1 MB of latent
+rows (bench.decode_profile, sixth session): latency, not bytes. Each row here is a chain of
+calls in one CUDA graph (µs per call, the merge launch included): the rows derived inside the
+attention kernel (`sparse_mla_decode_sel`) beside the row-list kernel plus the attention on its
+list (`build_decode_rows` + `sparse_mla_decode`, the decode default since this bench). Full
+size: 64 heads, R 512, kpool 16, 128 selected pools + the tail, page size 64.
 
     python3 -m bench.mla_decode_tiles [--batches 1,16] [--context 1024]
 """
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
                       float((rows_then_list(cfg, splits).float() - ref.float()).abs().max()))
             rows.append((b, name, us, lst, err))
         print(f"batch {b} done", flush=True)
-    print(f"\nsparse-MLA decode on {torch.cuda.get_device_name()}, context {args.context} (µs per call, merge included)")
+    print(f"\nsparse-MLA decode on {torch.cuda.get_device_name()}, context {args.context} "
+          "(µs per call, merge included)")
     print(f"{'batch':>5} {'variant':<16} {'in-kernel':>9} {'rows+list':>9} {'/default':>8} {'max diff':>9}")
     base = {}
     for b, name, us, lst, err in rows:

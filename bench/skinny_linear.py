@@ -66,7 +66,8 @@ def main(argv=None) -> int:
             with_pdl = run(f8.skinny_linear)
             err = float((f8.skinny_linear(x, ws[0]).float() - ref.float()).abs().max())
             cfg, s, _ = f8.skinny_config(n, out_f, in_f, f8.sm_count(dev))
-            rows_out.append((n, name, nbytes, cublas, plain, with_pdl, f"BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} S{s}", err))
+            tile = f"BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} S{s}"
+            rows_out.append((n, name, nbytes, cublas, plain, with_pdl, tile, err))
             del ws
             torch.cuda.empty_cache()
     print(f"\nskinny 16-bit linears on {torch.cuda.get_device_name()} (µs per call in a graph chain; TB/s of weights)")

@@ -84,8 +84,7 @@ def split_k(n_tokens: int, out_f: int, in_f: int, cfg: dict, sms: int) -> tuple[
         want = triton.cdiv(int(SPLIT_MIN_WAVES * sms), tiles)
         cap = max(1, int(SPLIT_WS_RATIO * in_f) // (8 * n_tokens))  # S·N·out·8 <= ratio·out·in
         s = max(1, min(kb, want, cap))
-    per = triton.cdiv(kb, s)
-    return triton.cdiv(kb, per), per * bk
+    return split_layout(in_f, bk, s)
 
 
 @triton.jit
@@ -217,32 +216,46 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
     bo, bi = int(block[0]), int(block[1])
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], bo)  # one scale per weight tile
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], bi)
-    bk = cfg["BLOCK_K"]
     if splits is None:
         s, k_split = split_k(n, out_f, in_f, cfg, sm_count(x.device))
     else:
-        kb = triton.cdiv(in_f, bk)
-        per = triton.cdiv(kb, max(1, min(int(splits), kb)))
-        s, k_split = triton.cdiv(kb, per), per * bk
+        s, k_split = split_layout(in_f, cfg["BLOCK_K"], splits)
+    return _run(x, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split)
+
+
+def split_layout(in_f: int, bk: int, splits: int) -> tuple[int, int]:
+    """(splits, K elements per split, a multiple of bk) closest to `splits` (at most one per K tile)."""
+    kb = triton.cdiv(in_f, bk)
+    per = triton.cdiv(kb, max(1, min(int(splits), kb)))
+    return triton.cdiv(kb, per), per * bk
+
+
+def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split) -> torch.Tensor:
+    """One launch of the kernel (+ the split-K reduce when s > 1); scale_inv None = 16-bit w."""
+    n, in_f = x.shape
+    out_f = w.shape[0]
+    bk = cfg["BLOCK_K"]
+    scaled = scale_inv is not None
+    sc = scale_inv if scaled else w  # unused when SCALED=False
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
     ws = torch.empty(s, n, out_f, dtype=torch.float32, device=x.device) if s > 1 else out
-    b = bias if bias is not None else scale_inv  # unused when HAS_BIAS=False
+    b = bias if bias is not None else sc  # unused when HAS_BIAS=False
     grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
+    launch = pdl.launch(x.device)
     _fp8_linear_kernel[grid](
-        x, w, scale_inv, b, out, ws,
+        x, w, sc, b, out, ws,
         n, out_f, in_f, k_split,
-        x.stride(0), w.stride(0), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
+        x.stride(0), w.stride(0), sc.stride(0) if scaled else 0, sc.stride(1) if scaled else 0, out.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        SCALE_BN=bo, SCALE_BK=bi, HAS_BIAS=bias is not None, SPLIT=s > 1,
-        EVEN_K=in_f % bk == 0, PRECISION=precision,
-        **pdl.launch(x.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, SPLIT=s > 1,
+        EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled,
+        **launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:
         blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
         _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
-                                                    HAS_BIAS=bias is not None, BLOCK=blk, **pdl.launch(out.device), num_warps=4)
+                                                    HAS_BIAS=bias is not None, BLOCK=blk, **launch, num_warps=4)
     return out
-
 
 # ---------------------------------------------------------------------------------------
 # 16-bit weights at decode sizes (the same kernel, SCALED=False)
@@ -289,8 +302,7 @@ def skinny_config(n_tokens: int, out_f: int, in_f: int, sms: int) -> tuple[dict,
     s = 1
     if tiles < SKINNY_SPLIT_BELOW * sms and kb > 1:
         s = min(kb, triton.cdiv(sms, tiles))
-    per = triton.cdiv(kb, s)
-    return cfg, triton.cdiv(kb, per), per * bk
+    return (cfg, *split_layout(in_f, bk, s))
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -309,26 +321,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     cfg, s, k_split = skinny_config(n, out_f, in_f, sm_count(x.device))
     if config:
         cfg.update(config)
-    bk = cfg["BLOCK_K"]
     if config or splits is not None:
-        kb = triton.cdiv(in_f, bk)
-        per = triton.cdiv(kb, max(1, min(int(splits or s), kb)))
-        s, k_split = triton.cdiv(kb, per), per * bk
-    ws = torch.empty(s, n, out_f, dtype=torch.float32, device=x.device) if s > 1 else out
-    b = bias if bias is not None else w  # unused when HAS_BIAS=False
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
-    launch = pdl.launch(x.device)
-    _fp8_linear_kernel[grid](
-        x, w, w, b, out, ws,
-        n, out_f, in_f, k_split,
-        x.stride(0), w.stride(0), 0, 0, out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        SCALE_BN=cfg["BLOCK_N"], SCALE_BK=bk, HAS_BIAS=bias is not None, SPLIT=s > 1,
-        EVEN_K=in_f % bk == 0, PRECISION="tf32", SCALED=False, **launch,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if s > 1:
-        blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
-        _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
-                                                    HAS_BIAS=bias is not None, BLOCK=blk, **launch, num_warps=4)
-    return out
+        s, k_split = split_layout(in_f, cfg["BLOCK_K"], splits or s)
+    return _run(x, w, None, (cfg["BLOCK_N"], cfg["BLOCK_K"]), bias, out, cfg, s, k_split)

@@ -102,7 +102,8 @@ def max_blocks(m: int, num_experts: int, block_m: int) -> int:
 @triton.jit(do_not_specialize=["M", "C", "NUM_BLOCKS"])
 def _align_kernel(IDS, COUNTS, BASE, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, C, E, NUM_BLOCKS,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr,
-                  BB: tl.constexpr, COUNT: tl.constexpr, SCAN: tl.constexpr, SCATTER: tl.constexpr, PDL: tl.constexpr = False):
+                  BB: tl.constexpr, COUNT: tl.constexpr, SCAN: tl.constexpr, SCATTER: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """The alignment steps selected by COUNT / SCAN / SCATTER. Alone, COUNT and SCATTER take one
     chunk per program; with SCAN (one program) they loop over every chunk, and the scratch one
     step writes is read by other threads of the block in the next: a barrier between.
@@ -237,7 +238,8 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False):
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
+    PDL: tl.constexpr = False):
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -375,7 +377,8 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False, PDL: tl.constexpr = False):
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
+    PDL: tl.constexpr = False):
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)

@@ -60,7 +60,8 @@ def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
 @triton.jit
 def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id,
                          TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr,
+                         PDL: tl.constexpr = False):
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
@@ -146,5 +147,6 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
         logits, bias, weights, ids, n, e, split, logits.stride(1), float(scaling),
         int(append_expert) if extra else 0,
         TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_N=1, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_TOPK=triton.next_power_of_2(top_k + extra), MAX_SPLIT=_MAX_SPLIT, EXTRA=extra, **pdl.launch(x.device), num_warps=1)
+        BLOCK_TOPK=triton.next_power_of_2(top_k + extra), MAX_SPLIT=_MAX_SPLIT, EXTRA=extra,
+        **pdl.launch(x.device), num_warps=1)
     return weights, ids

@@ -129,7 +129,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     bd = triton.next_power_of_2(d)
     br = max(1, min(16, 2048 // bd))
     _gated_rms_norm_kernel[(triton.cdiv(n, br),)](x2, g2, w, y2, n, x2.stride(0), g2.stride(0), y2.stride(0), d,
-                                                  float(eps), BLOCK_R=br, BLOCK_D=bd, **pdl.launch(x2.device), num_warps=4)
+                                                  float(eps), BLOCK_R=br, BLOCK_D=bd, **pdl.launch(x2.device),
+                                                  num_warps=4)
     return out
 
 
@@ -144,7 +145,8 @@ def gated_supported(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -
 
 
 @triton.jit(do_not_specialize=["n"])
-def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr = False):
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < n

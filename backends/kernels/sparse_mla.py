@@ -588,5 +588,6 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
     return out
 
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "build_decode_rows", "sparse_mla_rows_sel", "sparse_mla", "build_decode_token_idx",
-           "build_prefill_token_idx", "is_decode_batch", "default_config", "choose_num_splits"]
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_sel", "build_decode_rows", "sparse_mla_rows_sel", "sparse_mla",
+           "build_decode_token_idx", "build_prefill_token_idx", "is_decode_batch", "default_config",
+           "choose_num_splits"]

@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.embed_tokens = WeightOnly(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -74,7 +74,7 @@ class TextModel(nn.Module):
 
     def forward(self, embeds: torch.Tensor, meta, cache) -> torch.Tensor:
         """embeds [N, D] -> final normed hidden states [N, D] (the lm_head input)."""
-        self.layers[0].ops.begin_forward(embeds.shape[0])
+        self.ops.begin_forward(embeds.shape[0])
         streams = embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         sel = None
         for layer in self.layers:

@@ -27,7 +27,7 @@ class SharedHead(nn.Module):
 class MTPLayer(nn.Module):
     def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype):
         super().__init__()
-        self.layer = cfg.num_hidden_layers
+        self.ops, self.layer = ops, cfg.num_hidden_layers
         d = cfg.hidden_size
         self.eh_proj = Linear(ops, 2 * d, d, dtype=dtype)
         self.enorm = RMSNorm(ops, d, cfg.rms_norm_eps, dtype=dtype)
@@ -41,7 +41,7 @@ class MTPLayer(nn.Module):
     @torch.no_grad()
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:
         """next_embeds [N, D] (embedding of token t+1), hidden [N, D] -> draft hidden [N, D] (normed)."""
-        self.eh_proj.ops.begin_forward(next_embeds.shape[0])
+        self.ops.begin_forward(next_embeds.shape[0])
         z = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         a, _ = self.self_attn(self.input_layernorm(z), meta, cache, None)
         z = z + a
