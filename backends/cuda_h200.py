@@ -105,7 +105,8 @@ class CudaH200Ops(ReferenceOps):
             y = None
             if scale_inv is not None:
                 if f8.supported(x, weight, scale_inv, block, bias):
-                    y = f8.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale_inv, block, bias)
+                    y = f8.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale_inv, block, bias,
+                                      act_fp8=self.fp8_activations == "dynamic")
             elif self.skinny_linear in ("measured", "all") and f8.skinny_supported(x, weight, bias) and (
                     self.skinny_linear == "all"
                     or f8.skinny_preferred(x.numel() // x.shape[-1], *weight.shape, f8.sm_count(x.device))):
@@ -229,7 +230,8 @@ class CudaH200Ops(ReferenceOps):
         if x.is_cuda or _interpreting():
             from .kernels import fused_moe as fm
             if fm.supported(x, ids, weights, w_gate, w_up, w_down, scales, block):
-                return fm.fused_moe(x, ids, weights, w_gate, w_up, w_down, limit, scales, block)
+                return fm.fused_moe(x, ids, weights, w_gate, w_up, w_down, limit, scales, block,
+                                    act_fp8=self.fp8_activations == "dynamic")
         return super().moe_experts(x, ids, weights, w_gate, w_up, w_down, limit, scales, block)
 
 

@@ -36,10 +36,34 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     return (w.to(torch.float32) * s).to(dtype)
 
 
+def act_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Dynamic fp8 activation quantisation (w8a8), returned dequantised in fp32: per row and
+    `group`-wide block of the last dim, s = max|x| / 448 and x ≈ e4m3(x / s) · s (DeepSeek-V3's
+    per-token-group quantisation; all-zero groups stay zero). The kernels' quant_act_e4m3."""
+    k = x.shape[-1]
+    pad = (-k) % group
+    xf = F.pad(x.float(), (0, pad)).unflatten(-1, (-1, group))
+    s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+    q = (xf / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (q.float() * s).flatten(-2)[..., :k]
+
+
+def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether fp8_activations=mode quantises x for this fp8 weight: "dynamic", e4m3 weights,
+    16-bit activations, a K scale block of 16..256 (the kernels' act_fp8_supported)."""
+    return (mode == "dynamic" and weight.dtype == torch.float8_e4m3fn
+            and x.dtype in (torch.bfloat16, torch.float16) and 16 <= int(block[1]) <= 256)
+
+
 class ReferenceOps:
     """Every op the GLM-5.3-Flash model needs, in plain torch."""
 
     name = "reference"
+    # fp8 (block-scaled) weights: "none" multiplies the 16-bit activations by the dequantised
+    # weights (w8a16, as transformers does on the CPU); "dynamic" quantises the activations too,
+    # per token and K scale block (w8a8, act_quant_e4m3), and multiplies in fp32: the numerics of
+    # the fp8 tensor-core path (CudaH200Ops's default, SGLang's and DeepSeek-V3's recipe).
+    fp8_activations = "none"
 
     def begin_forward(self, num_tokens: int) -> None:
         """Called once per model (or MTP draft) forward with its token count, before any op: a
@@ -48,6 +72,11 @@ class ReferenceOps:
     # ---- dense building blocks ------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+        if scale_inv is not None and w8a8_applies(self.fp8_activations, x, weight, block):
+            y = F.linear(act_quant_e4m3(x, int(block[1])), dequantize_block_fp8(weight, scale_inv, block, torch.float32))
+            if bias is not None:
+                y = y + bias.to(x.dtype).float()
+            return y.to(x.dtype)
         if scale_inv is not None:
             weight = dequantize_block_fp8(weight, scale_inv, block, x.dtype)
         elif weight.dtype != x.dtype:
@@ -143,9 +172,18 @@ class ReferenceOps:
         """Routed experts: sum_k weights[:, k] * expert_{ids[:, k]}(x). Stacked [E, out, in] weights."""
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
+        w8a8 = scales is not None and w8a8_applies(self.fp8_activations, x, w_gate, block)
         for e in torch.unique(flat_ids).tolist():
             tok, kpos = torch.nonzero(ids == e, as_tuple=True)
             xe = x[tok]
+            if w8a8:  # fp32 products of the quantised activations, rounded as the w8a16 path
+                def lin(a, w, s):
+                    return F.linear(act_quant_e4m3(a, int(block[1])), dequantize_block_fp8(w, s, block, torch.float32))
+                g = lin(xe, w_gate[e], scales[0][e]).to(x.dtype)
+                u = lin(xe, w_up[e], scales[1][e]).to(x.dtype)
+                ye = lin(self.swiglu(g, u, limit), w_down[e], scales[2][e]).to(x.dtype) * weights[tok, kpos, None]
+                out.index_add_(0, tok, ye.to(out.dtype))
+                continue
             if scales is None:
                 g = F.linear(xe, w_gate[e].to(x.dtype))
                 u = F.linear(xe, w_up[e].to(x.dtype))

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_moe import ACT_DTYPES, FP8_DTYPES
+from .fused_moe import ACT_DTYPES, FP8_DTYPES, act_fp8_supported, quant_act_e4m3
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
@@ -101,7 +101,7 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
-    PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -135,10 +135,15 @@ def _fp8_linear_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if SCALED:
+        if ACT_FP8:  # w8a8: x quantised per row over this K tile (= its scale block), fp8 x fp8
             sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
-            b = dequant_tile(b, sc, dt)
-        acc = tl.dot(a.to(dt), b.to(dt), acc, input_precision=PRECISION)
+            aq, sa = quant_act_e4m3(a, 1)
+            acc += tl.dot(aq, b) * (sa * sc)
+        else:
+            if SCALED:
+                sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
+                b = dequant_tile(b, sc, dt)
+            acc = tl.dot(a.to(dt), b.to(dt), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -196,11 +201,13 @@ def supported(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None,
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-               config: dict | None = None, splits: int | None = None) -> torch.Tensor:
+               config: dict | None = None, splits: int | None = None, act_fp8: bool = False) -> torch.Tensor:
     """ReferenceOps.linear(x, w, bias, scale_inv, block) for x [N, in], fp8 w [out, in] -> [N, out].
 
     `out` [N, out] (x.dtype, unit last stride) is written in place when given; `config` overrides
-    the tile table entry; `splits` forces the split-K count (1: none)."""
+    the tile table entry; `splits` forces the split-K count (1: none). `act_fp8`: w8a8 as in
+    fused_moe (x quantised per row and K scale block on the fly, fp8 x fp8 products; the
+    reference is ReferenceOps.linear with fp8_activations="dynamic"), where act_fp8_supported."""
     n, in_f = x.shape
     out_f = w.shape[0]
     if out is None:
@@ -216,11 +223,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
     bo, bi = int(block[0]), int(block[1])
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], bo)  # one scale per weight tile
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], bi)
+    act_fp8 = act_fp8_supported(act_fp8, x.dtype, w.dtype, block)
+    if act_fp8:
+        cfg["BLOCK_K"] = bi  # one K tile = one activation group = the weight's scale block
     if splits is None:
         s, k_split = split_k(n, out_f, in_f, cfg, sm_count(x.device))
     else:
         s, k_split = split_layout(in_f, cfg["BLOCK_K"], splits)
-    return _run(x, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split)
+    return _run(x, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split, act_fp8)
 
 
 def split_layout(in_f: int, bk: int, splits: int) -> tuple[int, int]:
@@ -230,7 +240,7 @@ def split_layout(in_f: int, bk: int, splits: int) -> tuple[int, int]:
     return triton.cdiv(kb, per), per * bk
 
 
-def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split) -> torch.Tensor:
+def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = False) -> torch.Tensor:
     """One launch of the kernel (+ the split-K reduce when s > 1); scale_inv None = 16-bit w."""
     n, in_f = x.shape
     out_f = w.shape[0]
@@ -248,7 +258,7 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split) -> torch.Tensor:
         x.stride(0), w.stride(0), sc.stride(0) if scaled else 0, sc.stride(1) if scaled else 0, out.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, SPLIT=s > 1,
-        EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled,
+        EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled, ACT_FP8=act_fp8,
         **launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:

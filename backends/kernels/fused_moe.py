@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 # the tile tables live in fused_moe_configs; re-exported here for tests and benches (fm.CONFIGS, ...)
-from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
+from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
@@ -93,6 +93,20 @@ PAIR_GATE_UP_16BIT = dict(BLOCK_N=32, num_stages=3)
 def max_blocks(m: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the BLOCK_M blocks of the aligned list for m pairs (no data needed)."""
     return max(1, min(m // block_m + min(m, num_experts), triton.cdiv(m + num_experts * (block_m - 1), block_m)))
+
+
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value
+
+
+@triton.jit
+def quant_act_e4m3(a, AXIS: tl.constexpr):
+    """Dynamic activation quantisation (w8a8): one scale per row of the [rows, K-group] tile
+    (AXIS is the tile's K axis), s = max|a| / 448, q = a / s rounded to e4m3. Returns (q, s), s
+    with the K axis kept (size 1) to broadcast against the product. All-zero rows give q = 0."""
+    af = a.to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(af), axis=AXIS, keep_dims=True), 1e-12) / E4M3_MAX
+    q = tl.clamp(af / s, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    return q, s
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,7 +253,7 @@ def _gate_up_kernel(
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -322,7 +336,16 @@ def _gate_up_kernel(
                 else:
                     sg = sg[None, :]
                     su = su[None, :]
-            if SWAP_AB:
+            if ACT_FP8:  # fp8 x fp8 products (w8a8): the weight tiles are never converted
+                if SWAP_AB:
+                    aq, sa = quant_act_e4m3(a, 0)
+                    acc_g += tl.dot(bg, aq) * (sg * sa)
+                    acc_u += tl.dot(bu, aq) * (su * sa)
+                else:
+                    aq, sa = quant_act_e4m3(a, 1)
+                    acc_g += tl.dot(aq, bg) * (sg * sa)
+                    acc_u += tl.dot(aq, bu) * (su * sa)
+            elif SWAP_AB:
                 acc_g += tl.dot(bg.to(dt), a, input_precision=PRECISION) * sg
                 acc_u += tl.dot(bu.to(dt), a, input_precision=PRECISION) * su
             else:
@@ -378,7 +401,7 @@ def _down_kernel(
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -446,7 +469,14 @@ def _down_kernel(
                     sc = sc[:, None]
                 else:
                     sc = sc[None, :]
-            if SWAP_AB:
+            if ACT_FP8:
+                if SWAP_AB:
+                    aq, sa = quant_act_e4m3(a, 0)
+                    acc += tl.dot(b, aq) * (sc * sa)
+                else:
+                    aq, sa = quant_act_e4m3(a, 1)
+                    acc += tl.dot(aq, b) * (sc * sa)
+            elif SWAP_AB:
                 acc += tl.dot(b.to(dt), a, input_precision=PRECISION) * sc
             else:
                 acc += tl.dot(a, b.to(dt), input_precision=PRECISION) * sc
@@ -527,6 +557,14 @@ def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return all(t.device == x.device for t in tensors)
 
 
+def act_fp8_supported(want: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
+    """Whether a w8a8 product is asked for and possible: e4m3 weights, 16-bit activations and a
+    K scale block of 16..256 (one activation group per K tile). Else the kernels run w8a16."""
+    bi = int(block[1])
+    return bool(want and weight_dtype == torch.float8_e4m3fn and act_dtype in (torch.bfloat16, torch.float16)
+                and 16 <= bi <= 256)
+
+
 # Tiles that a table or a caller asks for but whose shared memory the device lacks (the per-element
 # dequant keeps a converted weight tile per stage): fewer stages first, then a narrower K tile,
 # once per (kernel, tile, K); the shrunk tile is remembered. Triton compiles at the first launch,
@@ -536,7 +574,7 @@ _FITTED: dict[tuple, tuple[int, int]] = {}
 
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
     key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc, k_dim % c["BLOCK_K"] == 0,
-           meta["FP8"], meta["SWAP_AB"])
+           meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:
@@ -548,7 +586,7 @@ def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, 
         except triton.runtime.errors.OutOfResources:
             if stages > 1:
                 stages -= 1
-            elif bk > 16:
+            elif bk > 16 and not meta.get("ACT_FP8"):  # w8a8 quantises groups of the scale's K block
                 bk, stages = bk // 2, c["num_stages"]
             else:
                 raise
@@ -558,8 +596,13 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               block: tuple[int, int] = (128, 128), *, out: torch.Tensor | None = None,
-              config: dict | None = None, pair_blocks: bool | None = None) -> torch.Tensor:
+              config: dict | None = None, pair_blocks: bool | None = None, act_fp8: bool = False) -> torch.Tensor:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
+
+    `act_fp8` (e4m3 weights, 16-bit activations, K scale blocks of 16..256): w8a8, i.e. both
+    GEMMs quantise their input per row and scale block along K on the fly (quant_act_e4m3) and
+    multiply fp8 by fp8; ReferenceOps.moe_experts with fp8_activations="dynamic" is its reference.
+    Otherwise (and for other weights) w8a16.
 
     `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
     tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
@@ -577,7 +620,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         x = x.contiguous()
     m = n * top_k
     fp8 = scales is not None
-    cfg = get_config(n, x.dtype, w_gate.dtype)
+    act_fp8 = act_fp8_supported(act_fp8, x.dtype, w_gate.dtype, block)
+    cfg = get_config(n, x.dtype, w_gate.dtype, act_fp8)
     if pair_blocks is None:
         pair_blocks = m <= PAIR_BLOCKS_MAX_PAIRS
     if pair_blocks and not fp8 and x.dtype != torch.float32:
@@ -593,6 +637,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     for part, c in (("gate_up", gu), ("down", dn)):
         if fp8 and x.dtype == torch.float32:
             c["BLOCK_K"] = min(c["BLOCK_K"], 32)  # fp32 + dequant at K 64 spills (parity path)
+        if act_fp8:  # one K tile = one activation group = the weight's scale block
+            c["BLOCK_K"], c["scale_acc"] = bi, True
         # the scale may multiply the K tile's partial product when the tile is inside one scale
         # block along K (powers of two: BLOCK_K <= bi means it divides it); else per element
         flags[part] = dict(SCALE_ACC=bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi),
@@ -629,7 +675,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          *sstr(sg), *sstr(su),
          h.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
-             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, **launch),
+             PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8,
+             **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
     _launch_fitting(
         _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
@@ -637,7 +684,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          d, i, e, nb,
          h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, **launch),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),

@@ -57,6 +57,24 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
                    gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
                    down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3))),
 ]
+# fp8 weights with fp8 activations (act_fp8, w8a8): BLOCK_K is always the scale block (128; one
+# activation group per K tile). Decode rows: SWAP_AB, where the product is an fp8 wgmma (the weight
+# tile is its M side, never converted); at BLOCK_M 16 without the swap Triton converts both
+# operands to f16 for mma.sync. Prefill rows: BLOCK_M 64/128, an fp8 wgmma as they stand.
+FP8A8_CONFIGS: list[tuple[int, dict]] = [
+    (256, dict(BLOCK_M=16,
+               gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True),
+               down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, SWAP_AB=True))),
+    (1024, dict(BLOCK_M=32,
+                gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SWAP_AB=True),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SWAP_AB=True))),
+    (4096, dict(BLOCK_M=64,
+                gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+                down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))),
+    (1 << 62, dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+                   down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3))),
+]
 # fp32 activations are the parity path (FMA dots on the GPU): small tiles.
 FP32_CONFIG = dict(BLOCK_M=16,
                    gate_up=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2),
@@ -64,11 +82,14 @@ FP32_CONFIG = dict(BLOCK_M=16,
 
 
 def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16,
-               weight_dtype: torch.dtype | None = None) -> dict:
+               weight_dtype: torch.dtype | None = None, act_fp8: bool = False) -> dict:
     """The tile table's entry for N tokens (a fresh copy; callers may edit it). fp8 weights
-    (weight_dtype in FP8_DTYPES) with 16-bit activations use FP8_CONFIGS, else CONFIGS."""
+    (weight_dtype in FP8_DTYPES) with 16-bit activations use FP8_CONFIGS, or FP8A8_CONFIGS when
+    the activations are quantised too (act_fp8), else CONFIGS."""
     if act_dtype == torch.float32:
         src = FP32_CONFIG
+    elif weight_dtype in FP8_DTYPES and act_fp8:
+        src = next(c for lim, c in FP8A8_CONFIGS if n_tokens <= lim)
     elif weight_dtype in FP8_DTYPES:
         src = next(c for lim, c in FP8_CONFIGS if n_tokens <= lim)
     else:

@@ -45,11 +45,21 @@ def f32_to_bf16_bits(data):
     return np.where(np.isnan(data), ((b >> 16) | 0x40).astype(np.uint16), r)
 
 
+def f32_to_e4m3_bits(data):
+    """float32 -> fp8 e4m3fn bits, rounded to nearest even and saturated at +-448, as sm90's
+    `cvt.rn.satfinite.e4m3x2.f32` does (NaN stays NaN); torch does the rounding."""
+    import numpy as np
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+    return t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
 # ---- the entry point ---------------------------------------------------------------------------
 def patch_interpreter(*, fla_chunk: bool = False) -> None:
     """Apply the interpreter patches (idempotent; nothing unless TRITON_INTERPRET is set).
 
-    Always: tensor `__index__` (#9171), bf16 `tl.dot`, bf16 cast rounding, boolean `&|^`,
+    Always: tensor `__index__` (#9171), bf16 `tl.dot`, bf16 and fp8 e4m3 cast rounding, boolean `&|^`,
     fast device calls, no overflow sanitiser work. With `fla_chunk`: tensor loop variables,
     no autotune benchmarking, bf16 elementwise math (process-wide; what fla's chunk_kda needs).
     """
@@ -106,7 +116,8 @@ def _patch_bf16_dot(_interp) -> None:
         builder.create_dot = create_dot
 
 
-# Limitation: fp32 -> bf16 casts truncate (compiled code and torch round to nearest even).
+# Limitation: fp32 -> bf16 casts truncate, and fp32 -> fp8 e4m3 casts neither carry a rounded-up
+# mantissa into the exponent nor break ties to even (compiled code and torch round to nearest even).
 def _patch_bf16_cast_rounding(_interp) -> None:
     """A plain `x.to(tl.bfloat16)` is cast_impl with no rounding mode; the kernels round to the model
     dtype mid-computation (HF order), so truncation would cost ~1 ulp everywhere. Shares its rounding
@@ -125,6 +136,14 @@ def _patch_bf16_cast_rounding(_interp) -> None:
 
     cast_impl._glmrt_rtne = True  # type: ignore[attr-defined]
     builder.cast_impl = cast_impl
+    to_fp = builder.create_fp_to_fp  # fp8 casts go this way (with a rounding mode)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return _interp.TensorHandle(f32_to_e4m3_bits(src.data), tl.float8e4nv)
+        return to_fp(self, src, dst_type, rounding_mode)
+
+    builder.create_fp_to_fp = create_fp_to_fp
 
 
 # Limitation: `&`, `|`, `^` of float comparisons raise (their int1 results hold float 0.0/1.0 data).

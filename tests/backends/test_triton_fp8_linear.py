@@ -107,6 +107,29 @@ def test_split_heuristic():
         assert 128 % c["BLOCK_N"] == 0 and 128 % c["BLOCK_K"] == 0
 
 
+# ---- w8a8 (act_fp8) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n,in_f,out_f,bias,kw", [
+    (1, 520, 72, True, {}),                                       # split-K (heuristic), partial last group
+    (3, 300, 200, True, dict(splits=1)),
+    (37, 256, 136, False, {}),
+    (150, 256, 160, True, dict(config=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=3, num_warps=4,
+                                           num_stages=3))),     # BLOCK_K forced to the scale block
+])
+def test_fp8_linear_w8a8(device, n, in_f, out_f, bias, kw):
+    """act_fp8: x quantised per row and 128-wide K block on the fly, e4m3 x e4m3 products, against
+    ReferenceOps with fp8_activations="dynamic"; the unquantised product is a few 1e-2 away."""
+    g = _gen("w8a8", n, in_f, out_f, bias)
+    x, w, s, b = _to(device, *_problem(g, n, in_f, out_f, torch.bfloat16, bias))
+    out = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True, **kw)
+    ref_a8 = ReferenceOps()
+    ref_a8.fp8_activations = "dynamic"
+    ref = ref_a8.linear(x, w, b, s, (128, 128))
+    assert _rel(out, ref) < 5e-3
+    w16 = REF.linear(x, w, b, s, (128, 128))
+    assert 5e-3 < _rel(out, w16) < 6e-2
+    assert torch.equal(out, f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True, **kw))
+
+
 # ---- the ops entry point ---------------------------------------------------------------------
 def test_ops_dispatch(device, monkeypatch):
     """CudaH200Ops.linear takes the kernel for fp8 weights (any leading dims), else the reference."""

@@ -252,6 +252,77 @@ def test_fused_moe_fp8_closer_to_truth(device):
     assert 1e-4 < _rel(acc, truth) < 1e-2
 
 
+# ---- w8a8: activations quantised on the fly (act_fp8) ------------------------------------------
+REF_A8 = ReferenceOps()
+REF_A8.fp8_activations = "dynamic"
+
+
+@pytest.mark.parametrize("name,n,config,pair_blocks", [
+    ("table-pairs", 3, None, None),                                            # pair blocks, table tiles
+    ("table-aligned", 9, None, False),
+    ("swap-ab", 9, _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=128), False),       # fp8 wgmma when compiled
+    ("swap-n256", 9, _both(SWAP_AB=True, BLOCK_N=256), False),                 # a weight scale per column
+    ("k64-asked", 9, _both(BLOCK_N=32, BLOCK_K=64), False),                    # BLOCK_K forced to the block
+])
+def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
+    """act_fp8: both GEMMs quantise their input per row and 128-wide K block (the scale block) and
+    multiply e4m3 by e4m3, against ReferenceOps with fp8_activations="dynamic" (same quantised
+    values, fp32 products): equal to fp32 summation order and the bf16 roundings both make. D and
+    I are not multiples of 128 (a partial last group). Against the unquantised float64 truth the
+    distance is the activations' e4m3 rounding: a few 1e-2, and more than w8a16's."""
+    g = _gen("w8a8", name)
+    x, ids, weights, ws, scales = _to(device, *_problem(g, n, 320, 192, 6, 3, torch.bfloat16, True, 5))
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=device)
+    fm.fused_moe(x, ids, weights, *ws, 7.0, scales, out=out, config=config, pair_blocks=pair_blocks, act_fp8=True)
+    ref = REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)
+    w8a16 = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=pair_blocks)
+    truth = _truth(x, ids, weights, ws, scales, 7.0)
+    assert _rel(out, ref) < 5e-3  # (the activations' quantisation alone is ~4e-2)
+    assert _rel(w8a16, truth) < _rel(out, truth) < 6e-2
+    assert torch.equal(out, fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config,
+                                         pair_blocks=pair_blocks, act_fp8=True))
+
+
+def test_fused_moe_w8a8_falls_back():
+    """act_fp8 applies to e4m3 weights with 16-bit activations and K blocks of 16..256 only; the
+    reference and the kernels agree on where (else both are w8a16)."""
+    from backends.reference import w8a8_applies
+
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    for wdt, xdt, blk, want in [(FP8, torch.bfloat16, (128, 128), True), (FP8, torch.float16, (32, 16), True),
+                                (FP8, torch.float32, (128, 128), False), (torch.float8_e5m2, torch.bfloat16, (128, 128), False),
+                                (FP8, torch.bfloat16, (128, 512), False), (torch.bfloat16, torch.bfloat16, (128, 128), False)]:
+        w = torch.zeros(4, 64, dtype=wdt)
+        assert fm.act_fp8_supported(True, xdt, wdt, blk) is want
+        assert w8a8_applies("dynamic", x.to(xdt), w, blk) is want
+        assert not fm.act_fp8_supported(False, xdt, wdt, blk) and not w8a8_applies("none", x.to(xdt), w, blk)
+
+
+def test_act_quant_e4m3():
+    """Per row and group: the group's largest magnitude maps to 448 (exactly representable), every
+    value is an e4m3 value times the group's scale, zero groups stay zero, a partial last group is
+    scaled by its own elements only."""
+    from backends.reference import act_quant_e4m3
+
+    g = _gen("act-quant")
+    x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    x[1, :128] = 0
+    x[2, 128:] *= 1000
+    dq = act_quant_e4m3(x, 128)
+    assert dq.dtype == torch.float32 and dq.shape == x.shape
+    assert torch.equal(dq[1, :128], torch.zeros(128))
+    for r in range(3):
+        for lo, hi in ((0, 128), (128, 200)):
+            xs, ds = x[r, lo:hi].float(), dq[r, lo:hi]
+            if not xs.abs().max() > 0:
+                continue
+            s = xs.abs().max() / 448
+            q = ds / s
+            assert torch.allclose(q.abs().max(), torch.tensor(448.0))
+            assert torch.allclose(q, q.to(FP8).float(), rtol=1e-6, atol=0)  # e4m3 values
+            assert _rel(ds, xs) < 0.05
+
+
 def test_fused_moe_flash_routing(device):
     """The real expert count and top-k (288, top-8) at small widths."""
     g = _gen("flash-routing")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The seventh session's lent-GPU calls, each time-boxed (the device tool allows 600 s a call).
+# Run from the repo root with the wheels of ../shared/tools/device-wheels.sh in .whlg:
+#   fp8:   GPU tests of w8a8 (act_fp8); bench.moe_h200 sweep of fp8 (w8a16) and fp8a8 (w8a8) tiles
+#          at 1 and 64 tokens; bench.decode_profile bf16 and fp8 at batch 64 and 1, fp8 with
+#          activations none (w8a16) and dynamic (w8a8) side by side
+#     bash bench/device_s7.sh fp8
+set -u
+T0=$(date +%s)
+left() { echo $((570 - ($(date +%s) - T0))); }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlg/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+profile() {  # name, then decode_profile arguments: the table to stdout, the JSON kept as $OUT/<name>.json
+  local name=$1; shift
+  timeout "$TBOX" python3 -m bench.decode_profile "$@" > "$OUT/$name.txt" 2>&1
+  grep -v "^  kernels" "$OUT/$name.txt" | tail -n 12
+  mv "$OUT/decode_profile.json" "$OUT/$name.json" 2> /dev/null
+}
+tests() {  # timeout, pytest -k expression, then test files
+  local t=$1 k=$2; shift 2
+  timeout "$t" python3 -m pytest -q -p no:cacheprovider "$@" -k "$k" > "$OUT/t_gpu.txt" 2>&1
+  echo "== tests: $(tail -n 1 "$OUT/t_gpu.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/t_gpu.txt" | head -8
+}
+case "${1:-}" in
+  fp8)
+    tests 100 "w8a8 or act_quant" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py
+    timeout 170 python3 -m bench.moe_h200 --sweep --sweep-only --kinds fp8,fp8a8 --sweep-tokens 1,64 \
+      --check-tokens 1,64 --no-ref > "$OUT/moe_sweep.txt" 2>&1
+    grep -A 40 "^sweep (best" "$OUT/moe_sweep.txt" | head -40
+    mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
+    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64,1 --quantization bf16,fp8 --fp8-act none,dynamic ;;
+  *) echo "usage: bash bench/device_s7.sh fp8"; exit 2 ;;
+esac
