@@ -4,7 +4,9 @@
 #   fp8:   GPU tests of w8a8 (act_fp8); bench.moe_h200 sweep of fp8 (w8a16) and fp8a8 (w8a8) tiles
 #          at 1 and 64 tokens; bench.decode_profile bf16 and fp8 at batch 64 and 1, fp8 with
 #          activations none (w8a16) and dynamic (w8a8) side by side
-#     bash bench/device_s7.sh fp8
+#   fp8b:  GPU tests of w8a8 (the act_quant route too); bench.fp8_linear_h200 at 1 and 64 rows,
+#          activations none then dynamic; bench.decode_profile as in fp8 with the tuned tiles
+#     bash bench/device_s7.sh fp8|fp8b
 set -u
 T0=$(date +%s)
 left() { echo $((570 - ($(date +%s) - T0))); }
@@ -30,5 +32,13 @@ case "${1:-}" in
     grep -A 40 "^sweep (best" "$OUT/moe_sweep.txt" | head -40
     mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
     TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64,1 --quantization bf16,fp8 --fp8-act none,dynamic ;;
-  *) echo "usage: bash bench/device_s7.sh fp8"; exit 2 ;;
+  fp8b)
+    tests 100 "w8a8 or act_quant" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py
+    for a in none dynamic; do
+      timeout 75 python3 -m bench.fp8_linear_h200 --tokens 1,64 --prefill-tokens 0 --act $a > "$OUT/lin_$a.txt" 2>&1
+      grep -A 30 "^decode, act" "$OUT/lin_$a.txt" | head -30
+    done
+    rm -f "$OUT/fp8_linear_h200.json"
+    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64,1 --quantization bf16,fp8 --fp8-act none,dynamic ;;
+  *) echo "usage: bash bench/device_s7.sh fp8|fp8b"; exit 2 ;;
 esac

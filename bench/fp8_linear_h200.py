@@ -206,6 +206,9 @@ def _graph_ms(calls, dev, replays: int = 5) -> float | None:
     return times[len(times) // 2]
 
 
+ACT_FP8 = [False]  # --act dynamic: w8a8 (activations quantised on the fly)
+
+
 def time_shape(name, in_f, out_f, fp8_ws, bf16_ws, n, dev, gd, config=None, splits=None) -> dict:
     x = torch.randn(n, in_f, device=dev, dtype=torch.bfloat16, generator=gd)
     y8 = torch.empty(n, out_f, device=dev, dtype=torch.bfloat16)
@@ -221,7 +224,7 @@ def time_shape(name, in_f, out_f, fp8_ws, bf16_ws, n, dev, gd, config=None, spli
 
     def k8(j):
         w, s = fp8_ws[j]
-        return lambda: f8.fp8_linear(x, w, s, BLOCK, out=y8, config=config, splits=splits)
+        return lambda: f8.fp8_linear(x, w, s, BLOCK, out=y8, config=config, splits=splits, act_fp8=ACT_FP8[0])
 
     def kb(j):
         return lambda: torch.matmul(x, bf16_ws[j].T, out=yb)  # F.linear's cuBLAS GEMM, into y
@@ -253,8 +256,10 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="comma list of shape-name substrings (default: all)")
     p.add_argument("--sweep", action="store_true", help="tiles / splits alternatives at decode sizes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--act", default="none", help="none: w8a16 (x stays bf16); dynamic: w8a8 (x quantised)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
+    ACT_FP8[0] = args.act == "dynamic"
 
     t_start = time.time()
     dev = kernel_device()
@@ -323,7 +328,7 @@ def main(argv=None) -> int:
     bad = [c for c in checks if not c["pass"]]
     print(f"\nchecks: {len(checks) - len(bad)}/{len(checks)} pass"
           + ("" if not bad else "  FAILED: " + ", ".join(f"{c['check']} N={c.get('tokens')}" for c in bad)))
-    print("decode (g_* = CUDA-graph replay over rotating weight copies, per call; ratio = fp8 / bf16 time):")
+    print(f"decode, activations {args.act} (g_* = CUDA-graph replay over rotating weight copies, per call; ratio = fp8 / bf16 time):")
     print(f"{'shape':<34} {'in':>5} {'out':>6} {'N':>4} {'split':>5} {'fp8 us':>8} {'g us':>8} {'GB/s':>6} "
           f"{'%4.09T':>6} {'bf16 us':>8} {'g us':>8} {'ratio':>5}")
     for r in rows:

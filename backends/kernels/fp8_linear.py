@@ -51,6 +51,11 @@ CONFIGS: list[tuple[int, dict]] = [
 # fp32 activations are the parity path (FMA dots on the GPU): small tiles (dequant at K 64 spills).
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
 
+# w8a8 (act_fp8): up to this many rows each program quantises its x tile itself (no extra launch);
+# above, one act_quant launch first, since every out tile would redo the whole x (at 64 rows the
+# in-kernel quantisation made the step's fp8 linears 1.5x slower than w8a16 on the H200).
+INKERNEL_QUANT_MAX_ROWS = 16
+
 SPLIT_MIN_WAVES = 2.0   # split K while the tiles fill fewer than SMs: aim for this many programs per SM
 SPLIT_WS_RATIO = 1.0    # workspace bytes (fp32 partials, written + read) at most this x the weight bytes
 REDUCE_BLOCK = 1024
@@ -95,13 +100,14 @@ def dequant_tile(w, scale, DT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
-    X, W, S, B, Y, WS,
+    X, W, S, B, Y, WS, XS,
     M, N_OUT, K, K_SPLIT,
-    stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+    stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
-    ACT_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    # X_FP8: x is already e4m3 (act_quant_e4m3's output) with its scales XS [M, K / SCALE_BK]
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -135,7 +141,11 @@ def _fp8_linear_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if ACT_FP8:  # w8a8: x quantised per row over this K tile (= its scale block), fp8 x fp8
+        if X_FP8:    # w8a8 on a quantised x: fp8 x fp8, both scales on the partial product
+            sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
+            sa = tl.load(XS + offs_m * stride_xsm + k0 // SCALE_BK, mask=row_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sc)
+        elif ACT_FP8:  # w8a8: x quantised per row over this K tile (= its scale block), fp8 x fp8
             sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
             aq, sa = quant_act_e4m3(a, 1)
             acc += tl.dot(aq, b) * (sa * sc)
@@ -153,7 +163,7 @@ def _fp8_linear_kernel(
         tl.store(ws, acc, mask=ok)
     else:
         if HAS_BIAS:
-            bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(dt).to(tl.float32)
+            bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
             acc += bias[None, :]
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=ok)
 
@@ -171,6 +181,35 @@ def _reduce_kernel(WS, B, Y, M, N_OUT, SPLITS, stride_ym,
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * stride_ym + offs_n, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm,
+                      GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False):
+    """GROUPS groups of one row per program: xq = e4m3(x / s), s = max|x| / 448 per group."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = k < K
+    x = tl.load(X + row * stride_xm + k, mask=ok, other=0.0)
+    q, s = quant_act_e4m3(x, 1)
+    tl.store(XQ + row * stride_qm + k, q, mask=ok)
+    tl.store(XS + row * stride_sm + g[:, None], s, mask=(g * GROUP < K)[:, None])
+
+
+def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] (16-bit) -> (e4m3 [N, K], fp32 scales [N, ceil(K / group)]), one launch: the
+    quantisation the w8a8 GEMMs otherwise do per K tile (quant_act_e4m3, the same values)."""
+    n, k = x.shape
+    ng = triton.cdiv(k, group)
+    xq = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(n, ng, dtype=torch.float32, device=x.device)
+    if n:
+        per = min(triton.next_power_of_2(ng), max(1, 2048 // group))
+        _act_quant_kernel[(n, triton.cdiv(ng, per))](x, xq, xs, n, k, x.stride(0), xq.stride(0), xs.stride(0),
+                                                    GROUP=group, GROUPS=per, **pdl.launch(x.device), num_warps=4)
+    return xq, xs
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,6 +269,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
         s, k_split = split_k(n, out_f, in_f, cfg, sm_count(x.device))
     else:
         s, k_split = split_layout(in_f, cfg["BLOCK_K"], splits)
+    if act_fp8 and n > INKERNEL_QUANT_MAX_ROWS:  # quantise x once, not once per out tile
+        xq, xs = act_quant(x, bi)
+        return _run(xq, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split, True, xs)
     return _run(x, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split, act_fp8)
 
 
@@ -240,8 +282,10 @@ def split_layout(in_f: int, bk: int, splits: int) -> tuple[int, int]:
     return triton.cdiv(kb, per), per * bk
 
 
-def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = False) -> torch.Tensor:
-    """One launch of the kernel (+ the split-K reduce when s > 1); scale_inv None = 16-bit w."""
+def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = False,
+         x_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch of the kernel (+ the split-K reduce when s > 1); scale_inv None = 16-bit w;
+    x_scales given: x is e4m3 from act_quant."""
     n, in_f = x.shape
     out_f = w.shape[0]
     bk = cfg["BLOCK_K"]
@@ -252,13 +296,15 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = Fal
     b = bias if bias is not None else sc  # unused when HAS_BIAS=False
     grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
     launch = pdl.launch(x.device)
+    xs = x_scales if x_scales is not None else sc  # unused unless X_FP8
     _fp8_linear_kernel[grid](
-        x, w, sc, b, out, ws,
+        x, w, sc, b, out, ws, xs,
         n, out_f, in_f, k_split,
         x.stride(0), w.stride(0), sc.stride(0) if scaled else 0, sc.stride(1) if scaled else 0, out.stride(0),
+        xs.stride(0) if x_scales is not None else 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, SPLIT=s > 1,
-        EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled, ACT_FP8=act_fp8,
+        EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled, ACT_FP8=act_fp8, X_FP8=x_scales is not None,
         **launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:

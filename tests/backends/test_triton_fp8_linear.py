@@ -130,6 +130,33 @@ def test_fp8_linear_w8a8(device, n, in_f, out_f, bias, kw):
     assert torch.equal(out, f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True, **kw))
 
 
+def test_act_quant_kernel(device):
+    """act_quant (the launch before a w8a8 GEMM of more than INKERNEL_QUANT_MAX_ROWS rows) gives
+    exactly act_quant_e4m3's values: e4m3 codes and fp32 scales per row and 128-wide group
+    (K 300: a partial last group; a zero row; a row of large values)."""
+    from backends.reference import act_quant_e4m3
+
+    g = _gen("act-quant-kernel")
+    x = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+    x[1] = 0
+    x[3] *= 1e4
+    xq, xs = f8.act_quant(x.to(device), 128)
+    assert xq.dtype == FP8 and xs.shape == (5, 3)
+    dq = (xq.cpu().float().view(5, 300) * xs.cpu().repeat_interleave(128, dim=1)[:, :300])
+    assert torch.equal(dq, act_quant_e4m3(x, 128))
+
+
+def test_fp8_linear_w8a8_prequantised_equals_in_kernel(device, monkeypatch):
+    """The two w8a8 routes (x quantised once by act_quant, or per K tile inside the GEMM) multiply
+    the same e4m3 values: the same result up to fp32 summation order."""
+    g = _gen("w8a8-routes")
+    x, w, s, b = _to(device, *_problem(g, 24, 384, 136, torch.bfloat16, True))
+    pre = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True)
+    monkeypatch.setattr(f8, "INKERNEL_QUANT_MAX_ROWS", 64)
+    inside = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True)
+    assert _rel(pre, inside) < 1e-5
+
+
 # ---- the ops entry point ---------------------------------------------------------------------
 def test_ops_dispatch(device, monkeypatch):
     """CudaH200Ops.linear takes the kernel for fp8 weights (any leading dims), else the reference."""
