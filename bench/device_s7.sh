@@ -6,7 +6,9 @@
 #          activations none (w8a16) and dynamic (w8a8) side by side
 #   fp8b:  GPU tests of w8a8 (the act_quant route too); bench.fp8_linear_h200 at 1 and 64 rows,
 #          activations none then dynamic; bench.decode_profile as in fp8 with the tuned tiles
-#     bash bench/device_s7.sh fp8|fp8b
+#   fp8c:  GPU tests of w8a8; the fp8a8 MoE sweep at 64 tokens (tiles with 2 programs per SM);
+#          bench.decode_profile bf16 at 64 and 1, fp8 w8a8 at 64 with PDL up to 1 and 64 tokens
+#     bash bench/device_s7.sh fp8|fp8b|fp8c
 set -u
 T0=$(date +%s)
 left() { echo $((570 - ($(date +%s) - T0))); }
@@ -40,5 +42,13 @@ case "${1:-}" in
     done
     rm -f "$OUT/fp8_linear_h200.json"
     TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64,1 --quantization bf16,fp8 --fp8-act none,dynamic ;;
-  *) echo "usage: bash bench/device_s7.sh fp8|fp8b"; exit 2 ;;
+  fp8c)
+    tests 100 "w8a8 or act_quant" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py
+    timeout 150 python3 -m bench.moe_h200 --sweep --sweep-only --kinds fp8a8 --no-baseline --sweep-tokens 64 \
+      --check-tokens 64 --no-ref > "$OUT/moe_sweep.txt" 2>&1
+    grep -A 14 "^sweep (best" "$OUT/moe_sweep.txt" | head -14
+    rm -f "$OUT/moe_h200.json"
+    TBOX=200 profile profile_bf16 --batches 64,1 --quantization bf16
+    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic --pdl-max-tokens 1,64 ;;
+  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c"; exit 2 ;;
 esac

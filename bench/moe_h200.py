@@ -140,13 +140,14 @@ SWEEP_FP8 = {
 # w8a8 alternatives (kind "fp8a8": the fp8 weights with act_fp8, activations quantised on the fly):
 # the table's tiles, and SWAP_AB tiles, where the product is an fp8 wgmma (m64nNk32, no convert).
 SWEEP_FP8["decode-a8"] = [c for c in (
-    _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4)),
-    _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5)),
+    _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5), SWAP_AB=True),      # the table's (1 program per SM)
+    _cfg8(16, (128, 128, 4, 3), (128, 128, 4, 4), SWAP_AB=True),      # 2 programs per SM
+    _cfg8(16, (128, 128, 8, 3), (128, 128, 8, 4), SWAP_AB=True),
     _cfg8(16, (64, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),
-    _cfg8(16, (64, 128, 4, 6), (128, 128, 4, 6), SWAP_AB=True),
-    _cfg8(16, (128, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),
-    _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5), SWAP_AB=True),
-    _cfg8(16, (128, 128, 4, 5), (128, 128, 4, 6), SWAP_AB=True),
+    _cfg8(16, (64, 128, 4, 3), (64, 128, 4, 4), SWAP_AB=True),
+    _cfg8(16, (256, 128, 8, 3), (256, 128, 8, 4), SWAP_AB=True),       # more bytes per stage
+    _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5)),                     # mma.sync on f16-converted fp8
+    _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4)),
     _cfg8(32, (128, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),
 ) if _smem_ok_fp8(c)]
 SWEEP_FP8["prefill-a8"] = [c for c in (

@@ -52,9 +52,12 @@ CONFIGS: list[tuple[int, dict]] = [
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
 
 # w8a8 (act_fp8): up to this many rows each program quantises its x tile itself (no extra launch);
-# above, one act_quant launch first, since every out tile would redo the whole x (at 64 rows the
-# in-kernel quantisation made the step's fp8 linears 1.5x slower than w8a16 on the H200).
+# above, one act_quant launch first, since every out tile would redo the whole x: N/BLOCK_N
+# quantised elements per weight byte (at 64 rows the in-kernel quantisation made the step's fp8
+# linears 1.5x slower than w8a16 on the H200). Weights under PREQUANT_MIN_WEIGHT bytes keep the
+# in-kernel route at any N: there the extra launch costs more than the redundant work.
 INKERNEL_QUANT_MAX_ROWS = 16
+PREQUANT_MIN_WEIGHT = 4 << 20
 
 SPLIT_MIN_WAVES = 2.0   # split K while the tiles fill fewer than SMs: aim for this many programs per SM
 SPLIT_WS_RATIO = 1.0    # workspace bytes (fp32 partials, written + read) at most this x the weight bytes
@@ -269,7 +272,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
         s, k_split = split_k(n, out_f, in_f, cfg, sm_count(x.device))
     else:
         s, k_split = split_layout(in_f, cfg["BLOCK_K"], splits)
-    if act_fp8 and n > INKERNEL_QUANT_MAX_ROWS:  # quantise x once, not once per out tile
+    if act_fp8 and n > INKERNEL_QUANT_MAX_ROWS and out_f * in_f >= PREQUANT_MIN_WEIGHT:  # x once, not per out tile
         xq, xs = act_quant(x, bi)
         return _run(xq, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split, True, xs)
     return _run(x, w, scale_inv, (bo, bi), bias, out, cfg, s, k_split, act_fp8)

@@ -115,9 +115,12 @@ def test_split_heuristic():
     (150, 256, 160, True, dict(config=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=3, num_warps=4,
                                            num_stages=3))),     # BLOCK_K forced to the scale block
 ])
-def test_fp8_linear_w8a8(device, n, in_f, out_f, bias, kw):
-    """act_fp8: x quantised per row and 128-wide K block on the fly, e4m3 x e4m3 products, against
-    ReferenceOps with fp8_activations="dynamic"; the unquantised product is a few 1e-2 away."""
+def test_fp8_linear_w8a8(device, monkeypatch, n, in_f, out_f, bias, kw):
+    """act_fp8: x quantised per row and 128-wide K block (inside the GEMM up to 16 rows, by
+    act_quant above: PREQUANT_MIN_WEIGHT lowered so that these small weights take that route
+    too), e4m3 x e4m3 products, against ReferenceOps with fp8_activations="dynamic"; the
+    unquantised product is a few 1e-2 away."""
+    monkeypatch.setattr(f8, "PREQUANT_MIN_WEIGHT", 0)
     g = _gen("w8a8", n, in_f, out_f, bias)
     x, w, s, b = _to(device, *_problem(g, n, in_f, out_f, torch.bfloat16, bias))
     out = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True, **kw)
@@ -151,6 +154,7 @@ def test_fp8_linear_w8a8_prequantised_equals_in_kernel(device, monkeypatch):
     the same e4m3 values: the same result up to fp32 summation order."""
     g = _gen("w8a8-routes")
     x, w, s, b = _to(device, *_problem(g, 24, 384, 136, torch.bfloat16, True))
+    monkeypatch.setattr(f8, "PREQUANT_MIN_WEIGHT", 0)
     pre = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True)
     monkeypatch.setattr(f8, "INKERNEL_QUANT_MAX_ROWS", 64)
     inside = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True)
