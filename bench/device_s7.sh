@@ -47,7 +47,7 @@ case "${1:-}" in
     timeout 150 python3 -m bench.moe_h200 --sweep --sweep-only --kinds fp8a8 --no-baseline --sweep-tokens 64 \
       --check-tokens 64 --no-ref > "$OUT/moe_sweep.txt" 2>&1
     grep -A 14 "^sweep (best" "$OUT/moe_sweep.txt" | head -14
-    rm -f "$OUT/moe_h200.json"
+    mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
     TBOX=200 profile profile_bf16 --batches 64,1 --quantization bf16
     TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic --pdl-max-tokens 1,64 ;;
   *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c"; exit 2 ;;
