@@ -255,11 +255,18 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=4096, help="0: skip the prefill rows")
     p.add_argument("--shapes", default="", help="comma list of shape-name substrings (default: all)")
     p.add_argument("--sweep", action="store_true", help="tiles / splits alternatives at decode sizes")
+    p.add_argument("--sweep-tokens", default="1,16,128")
+    p.add_argument("--sweep-tiles", default="",
+                   help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of SWEEP_CONFIGS (e.g. 64x32x4x4,64x64x8x4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--act", default="none", help="none: w8a16 (x stays bf16); dynamic: w8a8 (x quantised)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
     ACT_FP8[0] = args.act == "dynamic"
+    sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
+    sweep_configs = SWEEP_CONFIGS if not args.sweep_tiles else [
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=st)
+        for bm, bn, w, st in (map(int, t.split("x")) for t in args.sweep_tiles.split(","))]
 
     t_start = time.time()
     dev = kernel_device()
@@ -293,10 +300,10 @@ def main(argv=None) -> int:
             r["g_ms"] = r["bf16_g_ms"] = None
             prefill.append(r)
         if args.sweep:
-            for n in ([1] if args.smoke else [1, 16, 128]):
+            for n in ([1] if args.smoke else sweep_tokens):
                 base = f8.get_config(n)
                 auto = f8.split_k(n, out_f, in_f, base, f8.sm_count(dev))[0]
-                for cfg in ([base] + SWEEP_CONFIGS[:2] if args.smoke else [base] + SWEEP_CONFIGS):
+                for cfg in ([base] + SWEEP_CONFIGS[:2] if args.smoke else [base] + sweep_configs):
                     for sp in sorted({1, auto, 2 * auto}):
                         try:
                             r = time_shape(name, in_f, out_f, fp8_ws, bf16_ws, n, dev, gd, config=cfg, splits=sp)
@@ -317,7 +324,7 @@ def main(argv=None) -> int:
     if swept:
         print("\nsweep (best 3 per shape and N; * = the table's choice):")
         for name, _, _ in shapes:
-            for n in ([1] if args.smoke else [1, 16, 128]):
+            for n in ([1] if args.smoke else sweep_tokens):
                 ok = sorted((r for r in swept if r["shape"] == name and r["tokens"] == n and "ms" in r),
                             key=lambda r: r.get("g_ms") or r["ms"])
                 for r in ok[:3] + [r for r in ok[3:] if r.get("table")]:

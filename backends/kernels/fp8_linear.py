@@ -196,7 +196,7 @@ def _act_quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm,
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = k < K
     x = tl.load(X + row * stride_xm + k, mask=ok, other=0.0)
-    q, s = quant_act_e4m3(x, 1)
+    q, s = quant_act_e4m3(x, 1, EXACT=True)
     tl.store(XQ + row * stride_qm + k, q, mask=ok)
     tl.store(XS + row * stride_sm + g[:, None], s, mask=(g * GROUP < K)[:, None])
 
