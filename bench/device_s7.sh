@@ -8,7 +8,9 @@
 #          activations none then dynamic; bench.decode_profile as in fp8 with the tuned tiles
 #   fp8c:  GPU tests of w8a8; the fp8a8 MoE sweep at 64 tokens (tiles with 2 programs per SM);
 #          bench.decode_profile bf16 at 64 and 1, fp8 w8a8 at 64 with PDL up to 1 and 64 tokens
-#     bash bench/device_s7.sh fp8|fp8b|fp8c
+#   fp8d:  GPU tests of w8a8; the w8a8 linear's tiles at 64 rows on the big projections; the fp8a8
+#          MoE sweep at 64 tokens; bench.decode_profile fp8 w8a8 at batch 64
+#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d
 set -u
 T0=$(date +%s)
 left() { echo $((570 - ($(date +%s) - T0))); }
@@ -50,5 +52,17 @@ case "${1:-}" in
     mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
     TBOX=200 profile profile_bf16 --batches 64,1 --quantization bf16
     TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic --pdl-max-tokens 1,64 ;;
-  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c"; exit 2 ;;
+  fp8d)
+    tests 100 "w8a8 or act_quant" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py
+    timeout 150 python3 -m bench.fp8_linear_h200 --tokens 64 --prefill-tokens 0 --act dynamic \
+      --shapes kda.q,kda.o,dsa.o,dsa.q_b --sweep --sweep-tokens 64 \
+      --sweep-tiles 64x32x4x4,64x64x8x4,64x128x8x4,64x32x4x6,64x64x4x6,64x128x4x3 > "$OUT/lin_sweep.txt" 2>&1
+    grep -A 24 "^sweep (best" "$OUT/lin_sweep.txt" | head -24
+    mv "$OUT/fp8_linear_h200.json" "$OUT/lin_sweep.json" 2> /dev/null
+    timeout 100 python3 -m bench.moe_h200 --sweep --sweep-only --kinds fp8a8 --no-baseline --sweep-tokens 64 \
+      --check-tokens 64 --no-ref > "$OUT/moe_sweep.txt" 2>&1
+    grep -A 14 "^sweep (best" "$OUT/moe_sweep.txt" | head -14
+    mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
+    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic ;;
+  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d"; exit 2 ;;
 esac
