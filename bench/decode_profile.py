@@ -104,12 +104,13 @@ def main(argv=None) -> list[dict]:
                         "off,measured,all side by side")
     p.add_argument("--pdl-max-tokens", default="1",
                    help="pdl.MAX_TOKENS (PDL only for forwards of up to this many tokens), side by side")
+    p.add_argument("--mhc-precision", default="ieee", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import pdl
+    from backends.kernels import mhc, pdl
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -119,10 +120,12 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        for b, fused, pd, sk, act, mt in [(int(x), f, d, k, a, t) for x in args.batches.split(",")
+        for b, fused, pd, sk, act, mt, mp in [(int(x), f, d, k, a, t, mp) for x in args.batches.split(",")
                                           for f in args.fused_small_ops.split(",") for d in args.pdl.split(",")
                                           for k in args.skinny.split(",") for a in acts
-                                          for t in args.pdl_max_tokens.split(",")]:
+                                          for t in args.pdl_max_tokens.split(",")
+                                          for mp in args.mhc_precision.split(",")]:
+            mhc.DECODE_PRECISION = mp
             pdl.MAX_TOKENS = int(mt)
             model.ops.fused_small_ops = fused == "on"
             model.ops.skinny_linear = sk
@@ -131,7 +134,7 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act=act)
+                       act=act if mp == "ieee" else f"{act}/{mp}")
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])
@@ -144,14 +147,14 @@ def main(argv=None) -> list[dict]:
     write_out("decode_profile.json", rows)
     first = (args.fused_small_ops.split(",")[0], args.pdl.split(",")[0], args.skinny.split(",")[0])
     base = {r["batch"]: r["replay_ms"] for r in rows
-            if r["weights"] == "bf16" and (r["fused"], r["pdl"], r["skinny"]) == first}
+            if r["weights"] == "bf16" and r["act"] == "-" and (r["fused"], r["pdl"], r["skinny"]) == first}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
     print("floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached")
-    print(f"{'weights':>7} {'act':>7} {'fused':>5} {'pdl':>6} {'skinny':>8} {'batch':>5} {'launches':>8} {'replay ms':>9} "
+    print(f"{'weights':>7} {'act':>14} {'fused':>5} {'pdl':>6} {'skinny':>8} {'batch':>5} {'launches':>8} {'replay ms':>9} "
           f"{'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
           f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'base/this':>9}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['act']:>7} {r['fused']:>5} {r['pdl']:>6} {r['skinny']:>8} {r['batch']:>5} "
+        print(f"{r['weights']:>7} {r['act']:>14} {r['fused']:>5} {r['pdl']:>6} {r['skinny']:>8} {r['batch']:>5} "
               f"{r['kernels_per_step']:>8.0f} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
               f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} {r['experts_touched']:>7} "
               f"{r['floor_routed_ms']:>12.3f} {r['replay_ms'] / r['floor_routed_ms']:>7.2f} "

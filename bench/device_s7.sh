@@ -10,7 +10,10 @@
 #          bench.decode_profile bf16 at 64 and 1, fp8 w8a8 at 64 with PDL up to 1 and 64 tokens
 #   fp8d:  GPU tests of w8a8; the w8a8 linear's tiles at 64 rows on the big projections; the fp8a8
 #          MoE sweep at 64 tokens; bench.decode_profile fp8 w8a8 at batch 64
-#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d
+#   final: GPU tests (w8a8, the tf32x3 decode mix); bench.decode_profile bf16 at 64 and 1 and fp8 at 64
+#          (w8a8 and w8a16) and 1 (w8a8), the mHC decode mix in ieee and tf32x3 side by side; then
+#          the tiny-model tests compiled, with the time left
+#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final
 set -u
 T0=$(date +%s)
 left() { echo $((570 - ($(date +%s) - T0))); }
@@ -64,5 +67,12 @@ case "${1:-}" in
     grep -A 14 "^sweep (best" "$OUT/moe_sweep.txt" | head -14
     mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
     TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic ;;
-  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d"; exit 2 ;;
+  final)
+    tests 90 "w8a8 or act_quant or tf32x3" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py \
+      tests/backends/test_triton_norms_mhc.py
+    TBOX=150 profile profile_bf16 --batches 64,1 --quantization bf16 --mhc-precision ieee,tf32x3
+    TBOX=170 profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic,none --mhc-precision ieee,tf32x3
+    mv "$OUT/t_gpu.txt" "$OUT/t_gpu_w8a8.txt"
+    tests $(( $(left) - 10 )) "tiny" tests/backends/test_triton_kernels.py tests/backends/test_pdl.py ;;
+  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final"; exit 2 ;;
 esac

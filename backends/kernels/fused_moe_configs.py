@@ -62,11 +62,12 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 # tile is its M side, never converted); at BLOCK_M 16 without the swap Triton converts both
 # operands to f16 for mma.sync. Prefill rows: BLOCK_M 64/128, an fp8 wgmma as they stand.
 FP8A8_CONFIGS: list[tuple[int, dict]] = [
-    # the best of `bench.moe_h200 --sweep --kinds fp8a8` on an H200, 2026-11-30 (N=64: 1.188 ms,
-    # 95% of 4.09 TB/s; fp8 w8a16's best 1.470 ms, bf16 2.115 ms)
+    # the best of `bench.moe_h200 --sweep --kinds fp8a8` on an H200, 2026-11-30 (N=64: 1.123 ms,
+    # 98% of 4.09 TB/s, 2 programs per SM; the 1-per-SM 4/5 stages 1.148-1.188 ms; fp8 w8a16's
+    # best 1.470 ms, bf16 2.115 ms)
     (256, dict(BLOCK_M=16,
-               gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=4, SWAP_AB=True),
-               down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=5, SWAP_AB=True))),
+               gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3, SWAP_AB=True),
+               down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=4, SWAP_AB=True))),
     (1024, dict(BLOCK_M=32,
                 gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SWAP_AB=True),
                 down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4, SWAP_AB=True))),

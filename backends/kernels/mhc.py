@@ -46,6 +46,9 @@ _NUM_SMS_GUESS = 132
 # (at N = 1, 32 splits of 8 K tiles: 19 µs a call on the H200; 128 splits of one tile: ~6).
 _MAX_SPLIT = 128
 _LARGE_N = 1024  # tokens from which the one-launch path takes 64-token blocks and tf32x3 products
+# tl.dot precision of the decode (split) mix: "ieee" (fp32 FMAs) or "tf32x3" (tensor cores, ~fp32;
+# what prefill sizes take). bench.decode_profile --mhc-precision times both in one run.
+DECODE_PRECISION = "ieee"
 _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
 # Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
 # (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
@@ -283,7 +286,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                                                                     2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
     large = split == 1 and n >= _LARGE_N
     block_n = block_n or (64 if large else 16)
-    precision = precision or ("tf32x3" if large else "ieee")
+    precision = precision or ("tf32x3" if large else DECODE_PRECISION)
     nblocks = triton.cdiv(n, block_n)
     mix_k = _SPLIT_BLOCK_K if split > 1 else block_k
     k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k

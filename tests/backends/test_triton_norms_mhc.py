@@ -158,6 +158,15 @@ def test_mhc_pre_split_d_tiles(device, m, d, n):
     _check_pre(device, torch.bfloat16, m, d, n, 20, None)
 
 
+@pytest.mark.parametrize("n", [1, 20])
+def test_mhc_pre_decode_tf32x3(device, monkeypatch, n):
+    """The decode (split) mix on tensor cores (mhc.DECODE_PRECISION = "tf32x3", as the prefill
+    path already runs) holds the same bound as the fp32 FMAs."""
+    from backends.kernels import mhc
+    monkeypatch.setattr(mhc, "DECODE_PRECISION", "tf32x3")
+    _check_pre(device, torch.bfloat16, 4, 1024, n, 20, None)
+
+
 def test_mhc_pre_prefill_size(device):
     """From 1024 tokens: one launch of 64-token blocks with tf32x3 products, still fp32-accurate."""
     _check_pre(device, torch.bfloat16, 4, 32, 1100, 20, None)
