@@ -288,7 +288,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     block_n = block_n or (64 if large else 16)
     precision = precision or ("tf32x3" if large else DECODE_PRECISION)
     nblocks = triton.cdiv(n, block_n)
-    mix_k = _SPLIT_BLOCK_K if split > 1 else block_k
+    # tf32x3 keeps three products' operands live: 64-wide K tiles (128 spilled 528 B on sm_90)
+    mix_k = (_SPLIT_BLOCK_K if precision == "ieee" else _SPLIT_BLOCK_K // 2) if split > 1 else block_k
     k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k
     n_split = triton.cdiv(k, k_per)
     # The epilogue needs no tl.dot when the partials come from the split kernel: one token per
