@@ -104,7 +104,7 @@ def main(argv=None) -> list[dict]:
                         "off,measured,all side by side")
     p.add_argument("--pdl-max-tokens", default="1",
                    help="pdl.MAX_TOKENS (PDL only for forwards of up to this many tokens), side by side")
-    p.add_argument("--mhc-precision", default="ieee", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
+    p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     args = p.parse_args(argv)
@@ -134,7 +134,7 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act=act if mp == "ieee" else f"{act}/{mp}")
+                       act=act if mp == "tf32x3" else f"{act}/{mp}")
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])

@@ -13,7 +13,9 @@
 #   final: GPU tests (w8a8, the tf32x3 decode mix); bench.decode_profile bf16 at 64 and 1 and fp8 at 64
 #          (w8a8 and w8a16) and 1 (w8a8), the mHC decode mix in ieee and tf32x3 side by side; then
 #          the tiny-model tests compiled, with the time left
-#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final
+#   again: bench.decode_profile with the defaults, bf16 and fp8 (w8a8) at batch 1, 64, 1, 64: each
+#          figure twice, from two captures
+#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again
 set -u
 T0=$(date +%s)
 left() { echo $((570 - ($(date +%s) - T0))); }
@@ -74,5 +76,7 @@ case "${1:-}" in
     TBOX=170 profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic,none --mhc-precision ieee,tf32x3
     mv "$OUT/t_gpu.txt" "$OUT/t_gpu_w8a8.txt"
     tests $(( $(left) - 10 )) "tiny" tests/backends/test_triton_kernels.py tests/backends/test_pdl.py ;;
-  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final"; exit 2 ;;
+  again)
+    TBOX=$(( $(left) - 5 )) profile profile_again --batches 1,64,1,64 --quantization bf16,fp8 ;;
+  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again"; exit 2 ;;
 esac

@@ -46,9 +46,11 @@ _NUM_SMS_GUESS = 132
 # (at N = 1, 32 splits of 8 K tiles: 19 µs a call on the H200; 128 splits of one tile: ~6).
 _MAX_SPLIT = 128
 _LARGE_N = 1024  # tokens from which the one-launch path takes 64-token blocks and tf32x3 products
-# tl.dot precision of the decode (split) mix: "ieee" (fp32 FMAs) or "tf32x3" (tensor cores, ~fp32;
-# what prefill sizes take). bench.decode_profile --mhc-precision times both in one run.
-DECODE_PRECISION = "ieee"
+# tl.dot precision of the decode (split) mix: "tf32x3" (tensor cores, ~fp32; what prefill sizes
+# take) or "ieee" (fp32 FMAs). H200, bench.decode_profile --mhc-precision ieee,tf32x3 in one run:
+# bf16 batch 1 1.363 -> 1.343 ms, batch 64 9.482 -> 9.402; fp8 batch 64 5.949 -> 5.943 (kernels
+# 5.919 -> 5.820). The tests hold the same 1e-5 bound either way.
+DECODE_PRECISION = "tf32x3"
 _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
 # Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
 # (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
@@ -256,7 +258,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     (used in fp32). `split` = number of K splits (1 = one fused launch; None = by heuristic);
     `out` = (post, comb, collapsed) written in place; `precision` is tl.dot's input_precision
     for the fp32 products ("ieee" = exact fp32 FMAs; "tf32x3" is faster at ~fp32 accuracy).
-    By default decode sizes take 16-token blocks and ieee; the one-launch path at prefill sizes
+    By default decode sizes take 16-token blocks and DECODE_PRECISION; the one-launch path at prefill sizes
     (>= _LARGE_N tokens) takes 64-token blocks and tf32x3: there the ieee FMA products made
     mhc_pre 16% of a 16K-token prefill on the H200 (39 ms, ~3 TFLOP/s), and the streams are
     bf16, exact in tf32, so only fn's low bits go through the extra products."""
