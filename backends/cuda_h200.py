@@ -12,7 +12,8 @@ Overridden today (everything else is the reference):
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
-  linear          FP8 weights (w8a16) every batch; 16-bit weights up to 8 rows (decode) by skinny_linear
+  linear          FP8 weights every batch (w8a8 by default: fp8_activations); 16-bit weights up to 8 rows
+                  (decode) by skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
@@ -79,6 +80,10 @@ class CudaH200Ops(ReferenceOps):
     # streaming kernel instead of cuBLAS's GEMVs: "measured" = at the shapes where it measured
     # faster (fp8_linear.skinny_preferred), "all", or "off" (bench.decode_profile --skinny).
     skinny_linear = "measured"
+    # FP8 weights: activations quantised too (w8a8, fp8 tensor-core products; ReferenceOps has the
+    # same numerics under "dynamic"). H200, flash-4l decode step at batch 64: 7.42 ms w8a16 ->
+    # 5.95 ms (bench/RESULTS.md, seventh session). `--fp8-activations none` keeps w8a16.
+    fp8_activations = "dynamic"
 
     def begin_forward(self, num_tokens: int) -> None:
         # PDL for the step's Triton kernels at batch 1 only (backends/kernels/pdl.py)
@@ -96,7 +101,7 @@ class CudaH200Ops(ReferenceOps):
         except ValueError:
             return False
 
-    # ---- dense linear: FP8 weights (w8a16, every batch) and 16-bit weights at decode sizes ----
+    # ---- dense linear: FP8 weights (every batch) and 16-bit weights at decode sizes ----------
     # (backends/kernels/fp8_linear.py; larger 16-bit products stay on cuBLAS)
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:

@@ -34,6 +34,8 @@ _FLAG_HELP = {
     "moe_runner_backend": "auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference); "
                           "flashinfer_trtllm / deep_gemm / ... are not shipped: refused",
     "linear_attn_backend": "KDA layers: auto | triton (cuda-h200, cuda-blackwell, rocm-mi355x) | torch (reference)",
+    "fp8_activations": "fp8 weights: auto | dynamic (w8a8: e4m3 activations per token and 128-wide block, the "
+                       "Triton kernel sets' default) | none (w8a16, the reference's numerics)",
 }
 
 

@@ -41,6 +41,11 @@ class EngineConfig:
     """KDA: auto | triton (the CUDA/ROCm kernel sets) | torch (the reference)."""
     mamba_ssm_dtype: str = "float32"
     """KDA recurrent state dtype: float32 or bfloat16."""
+    fp8_activations: str = "auto"
+    """FP8 (block-scaled) weights: auto (dynamic on the Triton kernel sets, none on the reference) |
+    dynamic (w8a8: activations quantised to e4m3 per token and 128-wide K block, fp8 tensor-core
+    products; DeepSeek-V3's and SGLang's recipe) | none (w8a16: activations stay in the model dtype,
+    the reference's and transformers' numerics)."""
     mem_fraction_static: float = 0.85
     """GPU: fraction of the free memory after weights given to the two cache pools."""
     cache_memory_gb: float = 0.25
@@ -84,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.mamba_ssm_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"mamba_ssm_dtype must be float32 or bfloat16, got {self.mamba_ssm_dtype!r}")
+        if self.fp8_activations not in ("auto", "dynamic", "none"):
+            raise ValueError(f"fp8_activations must be auto, dynamic or none, got {self.fp8_activations!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.cache_memory_gb <= 0:

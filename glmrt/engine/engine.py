@@ -100,6 +100,8 @@ class Engine:
         dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
         if hasattr(self.backend.ops, "prefill_kernels"):
             self.backend.ops.prefill_kernels = self.options.dsa_prefill_backend == "triton"
+        if config.fp8_activations != "auto":  # auto: the kernel set's own (ReferenceOps.fp8_activations)
+            self.backend.ops.fp8_activations = config.fp8_activations
         kv_dtype = self.options.kv_cache_dtype
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
                                               state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)

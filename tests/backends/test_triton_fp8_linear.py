@@ -30,6 +30,13 @@ REF = ReferenceOps()
 FP8 = torch.float8_e4m3fn
 
 
+def _ref_for(ops) -> ReferenceOps:
+    """The reference with the kernel set's fp8 activation mode (w8a8, "dynamic", by default on cuda-h200)."""
+    ref = ReferenceOps()
+    ref.fp8_activations = ops.fp8_activations
+    return ref
+
+
 
 def _problem(g, n, in_f, out_f, dtype, bias, block=(128, 128)):
     x = torch.randn(n, in_f, generator=g).to(dtype)
@@ -175,7 +182,8 @@ def test_ops_dispatch(device, monkeypatch):
     x3 = x.view(2, 3, 256)
     out = ops.linear(x3, w, b, s, (128, 128))
     assert calls == [1] and out.shape == (2, 3, 130)
-    assert _rel(out.reshape(6, 130), REF.linear(x, w, b, s, (128, 128))) < 1e-2
+    assert ops.fp8_activations == "dynamic"
+    assert _rel(out.reshape(6, 130), _ref_for(ops).linear(x, w, b, s, (128, 128))) < 1e-2
     # refused: bf16 weight without scales, wrong scale shape -> the reference, bit for bit
     wb = (torch.randn(130, 256, generator=g) * 0.05).to(torch.bfloat16).to(device)
     assert _rel(ops.linear(x, wb, b), REF.linear(x, wb, b)) == 0.0
@@ -199,9 +207,13 @@ def test_model_linear_fp8(device):
     lin.weight_scale_inv.data = sc.float()
     lin = lin.to(device)
     x = torch.randn(5, 320, generator=g).to(device, torch.bfloat16)
-    ref = lin(x)
-    lin.ops = CudaH200Ops()
-    assert _rel(lin(x), ref) < 1e-2
+    ops = CudaH200Ops()
+    for mode in ("dynamic", "none"):  # w8a8 (the default) and w8a16, each against its reference
+        ops.fp8_activations = mode
+        lin.ops = _ref_for(ops)
+        ref = lin(x)
+        lin.ops = ops
+        assert _rel(lin(x), ref) < 1e-2
 
 
 # ---- GPU only: no host syncs, graph capture ----------------------------------------------------

@@ -408,14 +408,18 @@ def test_ops_dispatch(device):
     g = _gen("ops")
     x, ids, weights, ws, scales = _to(device, *_problem(g, 4, 128, 128, 6, 2, torch.bfloat16, True))
     ops = CudaH200Ops()
+    assert ops.fp8_activations == "dynamic"  # w8a8 by default: act_fp8 reaches the kernel
     out = ops.moe_experts(x, ids, weights, *ws, 7.0, scales, (128, 128))
-    assert _rel(out, fm.fused_moe(x, ids, weights, *ws, 7.0, scales)) == 0.0
+    assert _rel(out, fm.fused_moe(x, ids, weights, *ws, 7.0, scales, act_fp8=True)) == 0.0
+    ops.fp8_activations = "none"
+    assert _rel(ops.moe_experts(x, ids, weights, *ws, 7.0, scales, (128, 128)),
+                fm.fused_moe(x, ids, weights, *ws, 7.0, scales)) == 0.0
     assert not fm.supported(x, ids, weights, *ws, scales, (96, 128))   # not a power of two
     assert not fm.supported(x, ids, weights, *ws, None)                # fp8 without scales
     wg_t = ws[0].transpose(1, 2).contiguous().transpose(1, 2)          # stride(-1) != 1
     assert not fm.supported(x, ids, weights, wg_t, *ws[1:], scales)
     out_fb = ops.moe_experts(x, ids, weights, wg_t, *ws[1:], 7.0, scales, (128, 128))
-    assert _rel(out_fb, REF.moe_experts(x, ids, weights, *ws, 7.0, scales)) == 0.0
+    assert _rel(out_fb, REF.moe_experts(x, ids, weights, *ws, 7.0, scales)) == 0.0  # both "none"
     empty = ops.moe_experts(x[:0], ids[:0], weights[:0], *ws, 7.0, scales, (128, 128))
     assert empty.shape == (0, 128)
 
@@ -445,6 +449,7 @@ def test_model_moe_layer(device, fp8, monkeypatch):
         else:
             p.data.copy_(value)
     moe = moe.to(device)
+    moe.ops.fp8_activations = CudaH200Ops.fp8_activations  # the reference in the kernels' fp8 mode (w8a8)
     x = torch.randn(7, text.hidden_size, generator=_gen("layer", fp8)).to(device, torch.bfloat16)
     ref = moe(x)
     calls = []

@@ -310,6 +310,31 @@ def test_engine_allocates_the_resolved_kv_dtype():
     assert len(got) == 6 and got[0] == want[0]  # fp8 rounding of the latent: the first token agrees
 
 
+def test_engine_fp8_activations_option():
+    """--fp8-activations reaches the kernel set (auto keeps its own: none on the reference); on
+    bf16 fp8 weights "dynamic" quantises the activations (a different product), both generate."""
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.engine import Engine
+    from glmrt.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="fp8_activations"):
+        EngineConfig(fp8_activations="w8a8")
+    cfg = EngineConfig(load_format="dummy", preset="tiny", quantization="fp8", dtype="bfloat16",
+                       cache_memory_gb=0.01, load_vision=False)
+    engines = {mode: Engine(cfg.replace(fp8_activations=mode), log=lambda *a: None) for mode in ("auto", "dynamic")}
+    assert engines["auto"].backend.ops.fp8_activations == "none"
+    ops = engines["dynamic"].backend.ops
+    assert ops.fp8_activations == "dynamic"
+    lin = next(m for m in engines["dynamic"].model.modules() if getattr(m, "is_fp8", False) and m.weight.dim() == 2)
+    x = torch.randn(3, lin.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    a8 = ops.linear(x, lin.weight, None, lin.weight_scale_inv, lin.block)
+    a16 = engines["auto"].backend.ops.linear(x, lin.weight, None, lin.weight_scale_inv, lin.block)
+    assert 0 < float((a8.float() - a16.float()).norm() / a16.float().norm()) < 0.1
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for eng in engines.values():
+        assert len(eng.generate([list(range(5, 25))], params)[0][0].output_ids) == 3
+
+
 def test_engine_refuses_before_loading(monkeypatch):
     from glmrt.engine import engine as engine_mod
     from glmrt.engine.config import EngineConfig
