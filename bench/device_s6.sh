@@ -9,26 +9,10 @@
 #   final: GPU tests (PDL, the row-list kernel, sparse MLA, skinny, the tiny model), then
 #          bench.decode_profile bf16 at batch 1, 16, 64, 128 and fp8 at 64, 1 with the defaults
 #     bash bench/device_s6.sh pdl|b1|big|final
-set -u
-T0=$(date +%s)
-left() { echo $((570 - ($(date +%s) - T0))); }
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlg/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-profile() {  # name, then decode_profile arguments: the table to stdout, the JSON kept as $OUT/<name>.json
-  local name=$1; shift
-  timeout "$TBOX" python3 -m bench.decode_profile "$@" > "$OUT/$name.txt" 2>&1
-  grep -v "^  kernels" "$OUT/$name.txt" | tail -n 10
-  mv "$OUT/decode_profile.json" "$OUT/$name.json" 2> /dev/null
-}
-tests() {  # pytest -k expression, then test files
-  local k=$1; shift
-  timeout 170 python3 -m pytest -q -p no:cacheprovider "$@" -k "$k" > "$OUT/t_gpu.txt" 2>&1
-  echo "== tests: $(tail -n 1 "$OUT/t_gpu.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/t_gpu.txt" | head -8
-}
+source bench/device_common.sh
 case "${1:-}" in
   pdl)
-    tests "pdl or skinny or graph_safe" tests/backends/test_pdl.py tests/backends/test_triton_fp8_linear.py
+    tests 170 "pdl or skinny or graph_safe" tests/backends/test_pdl.py tests/backends/test_triton_fp8_linear.py
     timeout 90 python3 -m bench.skinny_linear --rows 1,4 > "$OUT/skinny.txt" 2>&1
     tail -n 23 "$OUT/skinny.txt"
     TBOX=$(( $(left) - 5 )) profile decode_profile --batches 1,16 --quantization bf16 --pdl off,on --skinny off,all ;;
@@ -40,7 +24,7 @@ case "${1:-}" in
     TBOX=200 profile profile_fp8 --batches 1,64 --quantization fp8
     TBOX=$(( $(left) - 5 )) profile profile_big --batches 16,64,128 --quantization bf16 ;;
   final)
-    tests "pdl or decode_rows or sparse_mla_op or skinny or tiny_model_decode" tests/backends/test_pdl.py \
+    tests 170 "pdl or decode_rows or sparse_mla_op or skinny or tiny_model_decode" tests/backends/test_pdl.py \
       tests/backends/test_triton_kernels.py tests/backends/test_triton_fp8_linear.py
     TBOX=240 profile profile_bf16 --batches 1,16,64,128 --quantization bf16
     TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64,1 --quantization fp8 ;;

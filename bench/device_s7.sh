@@ -15,24 +15,10 @@
 #          the tiny-model tests compiled, with the time left
 #   again: bench.decode_profile with the defaults, bf16 and fp8 (w8a8) at batch 1, 64, 1, 64: each
 #          figure twice, from two captures
-#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again
-set -u
-T0=$(date +%s)
-left() { echo $((570 - ($(date +%s) - T0))); }
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlg/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-profile() {  # name, then decode_profile arguments: the table to stdout, the JSON kept as $OUT/<name>.json
-  local name=$1; shift
-  timeout "$TBOX" python3 -m bench.decode_profile "$@" > "$OUT/$name.txt" 2>&1
-  grep -v "^  kernels" "$OUT/$name.txt" | tail -n 12
-  mv "$OUT/decode_profile.json" "$OUT/$name.json" 2> /dev/null
-}
-tests() {  # timeout, pytest -k expression, then test files
-  local t=$1 k=$2; shift 2
-  timeout "$t" python3 -m pytest -q -p no:cacheprovider "$@" -k "$k" > "$OUT/t_gpu.txt" 2>&1
-  echo "== tests: $(tail -n 1 "$OUT/t_gpu.txt")"; grep -E "^(FAILED|ERROR)" "$OUT/t_gpu.txt" | head -8
-}
+#   tests: the kernel tests this session touched, compiled (w8a8, mHC, the seated shared expert, the
+#          ops' fp8 dispatch with the w8a8 default)
+#     bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again|tests
+source bench/device_common.sh
 case "${1:-}" in
   fp8)
     tests 100 "w8a8 or act_quant" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py
@@ -78,5 +64,9 @@ case "${1:-}" in
     tests $(( $(left) - 10 )) "tiny" tests/backends/test_triton_kernels.py tests/backends/test_pdl.py ;;
   again)
     TBOX=300 profile profile_again --batches 1,64,1,64 --quantization bf16,fp8 ;;
-  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again"; exit 2 ;;
+  tests)
+    tests 200 "w8a8 or act_quant or mhc_pre or seated or unseatable or dispatch or model_moe_layer or model_linear" \
+      tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py tests/backends/test_triton_norms_mhc.py \
+      tests/backends/test_triton_shared_expert.py ;;
+  *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again|tests"; exit 2 ;;
 esac
