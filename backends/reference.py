@@ -50,9 +50,9 @@ def act_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether fp8_activations=mode quantises x for this fp8 weight: "dynamic", e4m3 weights,
-    16-bit activations, a K scale block of 16..256 (the kernels' act_fp8_supported)."""
+    16-bit activations, a K scale block of 32..256 (the kernels' act_fp8_supported)."""
     return (mode == "dynamic" and weight.dtype == torch.float8_e4m3fn
-            and x.dtype in (torch.bfloat16, torch.float16) and 16 <= int(block[1]) <= 256)
+            and x.dtype in (torch.bfloat16, torch.float16) and 32 <= int(block[1]) <= 256)
 
 
 class ReferenceOps:

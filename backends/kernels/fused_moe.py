@@ -567,10 +567,11 @@ def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 
 def act_fp8_supported(want: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
     """Whether a w8a8 product is asked for and possible: e4m3 weights, 16-bit activations and a
-    K scale block of 16..256 (one activation group per K tile). Else the kernels run w8a16."""
+    K scale block of 32..256 (one activation group per K tile; an fp8 MMA takes K >= 32: a
+    16-wide block failed to compile on the H200). Else the kernels run w8a16."""
     bi = int(block[1])
     return bool(want and weight_dtype == torch.float8_e4m3fn and act_dtype in (torch.bfloat16, torch.float16)
-                and 16 <= bi <= 256)
+                and 32 <= bi <= 256)
 
 
 # Tiles that a table or a caller asks for but whose shared memory the device lacks (the per-element
@@ -607,7 +608,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               config: dict | None = None, pair_blocks: bool | None = None, act_fp8: bool = False) -> torch.Tensor:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
 
-    `act_fp8` (e4m3 weights, 16-bit activations, K scale blocks of 16..256): w8a8, i.e. both
+    `act_fp8` (e4m3 weights, 16-bit activations, K scale blocks of 32..256): w8a8, i.e. both
     GEMMs quantise their input per row and scale block along K on the fly (quant_act_e4m3) and
     multiply fp8 by fp8; ReferenceOps.moe_experts with fp8_activations="dynamic" is its reference.
     Otherwise (and for other weights) w8a16.

@@ -286,12 +286,13 @@ def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
 
 
 def test_fused_moe_w8a8_falls_back():
-    """act_fp8 applies to e4m3 weights with 16-bit activations and K blocks of 16..256 only; the
-    reference and the kernels agree on where (else both are w8a16)."""
+    """act_fp8 applies to e4m3 weights with 16-bit activations and K blocks of 32..256 only (an
+    fp8 MMA needs K >= 32); the reference and the kernels agree on where (else both are w8a16)."""
     from backends.reference import w8a8_applies
 
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    for wdt, xdt, blk, want in [(FP8, torch.bfloat16, (128, 128), True), (FP8, torch.float16, (32, 16), True),
+    for wdt, xdt, blk, want in [(FP8, torch.bfloat16, (128, 128), True), (FP8, torch.float16, (16, 32), True),
+                                (FP8, torch.bfloat16, (32, 16), False),
                                 (FP8, torch.float32, (128, 128), False), (torch.float8_e5m2, torch.bfloat16, (128, 128), False),
                                 (FP8, torch.bfloat16, (128, 512), False), (torch.bfloat16, torch.bfloat16, (128, 128), False)]:
         w = torch.zeros(4, 64, dtype=wdt)
