@@ -73,7 +73,8 @@ class ReferenceOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
         if scale_inv is not None and w8a8_applies(self.fp8_activations, x, weight, block):
-            y = F.linear(act_quant_e4m3(x, int(block[1])), dequantize_block_fp8(weight, scale_inv, block, torch.float32))
+            w32 = dequantize_block_fp8(weight, scale_inv, block, torch.float32)
+            y = F.linear(act_quant_e4m3(x, int(block[1])), w32)
             if bias is not None:
                 y = y + bias.to(x.dtype).float()
             return y.to(x.dtype)

@@ -150,7 +150,8 @@ def main(argv=None) -> list[dict]:
             if r["weights"] == "bf16" and r["act"] == "-" and (r["fused"], r["pdl"], r["skinny"]) == first}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
     print("floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached")
-    print(f"{'weights':>7} {'act':>14} {'fused':>5} {'pdl':>6} {'skinny':>8} {'batch':>5} {'launches':>8} {'replay ms':>9} "
+    print(f"{'weights':>7} {'act':>14} {'fused':>5} {'pdl':>6} {'skinny':>8} {'batch':>5} {'launches':>8} "
+          f"{'replay ms':>9} "
           f"{'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
           f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'base/this':>9}")
     for r in rows:

@@ -42,7 +42,8 @@ case "${1:-}" in
     grep -A 14 "^sweep (best" "$OUT/moe_sweep.txt" | head -14
     mv "$OUT/moe_h200.json" "$OUT/moe_sweep.json" 2> /dev/null
     TBOX=200 profile profile_bf16 --batches 64,1 --quantization bf16
-    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic --pdl-max-tokens 1,64 ;;
+    TBOX=$(( $(left) - 5 )) profile profile_fp8 --batches 64 --quantization fp8 --fp8-act dynamic \
+      --pdl-max-tokens 1,64 ;;
   fp8d)
     tests 100 "w8a8 or act_quant" tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py
     timeout 170 python3 -m bench.fp8_linear_h200 --tokens 64 --prefill-tokens 0 --act dynamic \
@@ -66,7 +67,7 @@ case "${1:-}" in
     TBOX=300 profile profile_again --batches 1,64,1,64 --quantization bf16,fp8 ;;
   tests)
     tests 200 "w8a8 or act_quant or mhc_pre or seated or unseatable or dispatch or model_moe_layer or model_linear" \
-      tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py tests/backends/test_triton_norms_mhc.py \
-      tests/backends/test_triton_shared_expert.py ;;
+      tests/backends/test_triton_moe.py tests/backends/test_triton_fp8_linear.py \
+      tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_shared_expert.py ;;
   *) echo "usage: bash bench/device_s7.sh fp8|fp8b|fp8c|fp8d|final|again|tests"; exit 2 ;;
 esac

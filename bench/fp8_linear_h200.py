@@ -335,7 +335,8 @@ def main(argv=None) -> int:
     bad = [c for c in checks if not c["pass"]]
     print(f"\nchecks: {len(checks) - len(bad)}/{len(checks)} pass"
           + ("" if not bad else "  FAILED: " + ", ".join(f"{c['check']} N={c.get('tokens')}" for c in bad)))
-    print(f"decode, activations {args.act} (g_* = CUDA-graph replay over rotating weight copies, per call; ratio = fp8 / bf16 time):")
+    print(f"decode, activations {args.act} (g_* = CUDA-graph replay over rotating weight copies, per call; "
+          "ratio = fp8 / bf16 time):")
     print(f"{'shape':<34} {'in':>5} {'out':>6} {'N':>4} {'split':>5} {'fp8 us':>8} {'g us':>8} {'GB/s':>6} "
           f"{'%4.09T':>6} {'bf16 us':>8} {'g us':>8} {'ratio':>5}")
     for r in rows:

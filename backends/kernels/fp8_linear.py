@@ -1,5 +1,10 @@
-"""Dense w8a16 linear (ReferenceOps.linear with `scale_inv`) as a Triton kernel, and the same
-kernel for a few rows of 16-bit weights (`skinny_linear`, SCALED=False: decode GEMVs).
+"""Dense fp8 linear (ReferenceOps.linear with `scale_inv`) as a Triton kernel, w8a16 or w8a8, and
+the same kernel for a few rows of 16-bit weights (`skinny_linear`, SCALED=False: decode GEMVs).
+
+w8a8 (`act_fp8`, CudaH200Ops' default): x is quantised to e4m3 per row and K scale block
+(fused_moe.quant_act_e4m3; inside the GEMM up to INKERNEL_QUANT_MAX_ROWS rows, else once by
+`act_quant` for weights of PREQUANT_MIN_WEIGHT bytes and more), the product is e4m3 x e4m3 on the
+tensor cores, and s_x·s_w scales each K tile's fp32 partial. The rest of this docstring is w8a16:
 
     y [N, out] = x [N, in] · dequant(W)ᵀ (+ bias),   dequant(W)[o, i] = fp8[o, i] · scale_inv[o // bo, i // bi]
 

@@ -42,14 +42,18 @@ instead of each weight element before the dot, where the reference rounds w·s t
 dtype (dequantize_block_fp8). That is closer to the exact product, and differs from the
 reference by about the reference's own error (bf16: a few 1e-3 relative). Tiles that straddle
 scale blocks along K (BLOCK_K above the block), or a config's scale_acc=False, dequantise per
-element exactly as the reference does. Gate, up, silu(gate), the activation, the down product
-and the weighted term are each rounded to the model dtype where the reference rounds them; the
-final top-k sum is fp32 with one rounding here, a chain of bf16 adds in the reference.
+element exactly as the reference does. With `act_fp8` (w8a8, CudaH200Ops' default for fp8
+weights) each GEMM also quantises its x tile to e4m3 per row and K scale block (quant_act_e4m3)
+and multiplies e4m3 by e4m3 (an fp8 wgmma on the swapped decode tiles, FP8A8_CONFIGS); its
+reference is ReferenceOps.moe_experts with fp8_activations="dynamic". Gate, up, silu(gate), the
+activation, the down product and the weighted term are each rounded to the model dtype where the
+reference rounds them; the final top-k sum is fp32 with one rounding here, a chain of bf16 adds
+in the reference.
 
-Tiles per token count come from fused_moe_configs.py: CONFIGS (16-bit weights) and
-FP8_CONFIGS (fp8 weights: half the bytes per element, so wider tiles / deeper pipelines) (decode: BLOCK_M 16 and wide K tiles,
-memory-bound, every routed expert's weights read once per step (once per pair that picks it
-with pair blocks); prefill: BLOCK_M 64/128
+Tiles per token count come from fused_moe_configs.py: CONFIGS (16-bit weights), FP8_CONFIGS (fp8
+weights: half the bytes per element, so wider tiles / deeper pipelines) and FP8A8_CONFIGS (w8a8)
+(decode: BLOCK_M 16 and wide K tiles, memory-bound, every routed expert's weights read once per
+step (once per pair that picks it with pair blocks); prefill: BLOCK_M 64/128
 tensor-core tiles with a grouped launch order so that the blocks of one expert share its weight
 tiles in L2). A config may also ask for SWAP_AB (the transposed product accᵀ = W·xᵀ, the weight
 tile as the MMA's A operand).
@@ -582,8 +586,8 @@ _FITTED: dict[tuple, tuple[int, int]] = {}
 
 
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
-    key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc, k_dim % c["BLOCK_K"] == 0,
-           meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False))
+    key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc,
+           k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:

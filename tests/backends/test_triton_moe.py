@@ -291,10 +291,11 @@ def test_fused_moe_w8a8_falls_back():
     from backends.reference import w8a8_applies
 
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    for wdt, xdt, blk, want in [(FP8, torch.bfloat16, (128, 128), True), (FP8, torch.float16, (16, 32), True),
-                                (FP8, torch.bfloat16, (32, 16), False),
-                                (FP8, torch.float32, (128, 128), False), (torch.float8_e5m2, torch.bfloat16, (128, 128), False),
-                                (FP8, torch.bfloat16, (128, 512), False), (torch.bfloat16, torch.bfloat16, (128, 128), False)]:
+    cases = [(FP8, torch.bfloat16, (128, 128), True), (FP8, torch.float16, (16, 32), True),
+             (FP8, torch.bfloat16, (32, 16), False), (FP8, torch.float32, (128, 128), False),
+             (torch.float8_e5m2, torch.bfloat16, (128, 128), False), (FP8, torch.bfloat16, (128, 512), False),
+             (torch.bfloat16, torch.bfloat16, (128, 128), False)]
+    for wdt, xdt, blk, want in cases:
         w = torch.zeros(4, 64, dtype=wdt)
         assert fm.act_fp8_supported(True, xdt, wdt, blk) is want
         assert w8a8_applies("dynamic", x.to(xdt), w, blk) is want
