@@ -81,8 +81,10 @@ class CudaH200Ops(ReferenceOps):
     # faster (fp8_linear.skinny_preferred), "all", or "off" (bench.decode_profile --skinny).
     skinny_linear = "measured"
     # FP8 weights: activations quantised too (w8a8, fp8 tensor-core products; ReferenceOps has the
-    # same numerics under "dynamic"). H200, flash-4l decode step at batch 64: 7.42 ms w8a16 ->
-    # 5.95 ms (bench/RESULTS.md, seventh session). `--fp8-activations none` keeps w8a16.
+    # same numerics under "dynamic"), in calls of up to fp8_act_max_tokens tokens (ReferenceOps:
+    # 1024; prefill chunks stay w8a16, as measured before). H200, flash-4l decode step at batch
+    # 64: 7.42 ms w8a16 -> 5.95 ms (bench/RESULTS.md, seventh session). `--fp8-activations none`
+    # keeps w8a16 everywhere.
     fp8_activations = "dynamic"
 
     def begin_forward(self, num_tokens: int) -> None:
@@ -111,7 +113,7 @@ class CudaH200Ops(ReferenceOps):
             if scale_inv is not None:
                 if f8.supported(x, weight, scale_inv, block, bias):
                     y = f8.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale_inv, block, bias,
-                                      act_fp8=self.fp8_activations == "dynamic")
+                                      act_fp8=self.uses_w8a8(x, weight, block))
             elif self.skinny_linear in ("measured", "all") and f8.skinny_supported(x, weight, bias) and (
                     self.skinny_linear == "all"
                     or f8.skinny_preferred(x.numel() // x.shape[-1], *weight.shape, f8.sm_count(x.device))):
@@ -236,7 +238,7 @@ class CudaH200Ops(ReferenceOps):
             from .kernels import fused_moe as fm
             if fm.supported(x, ids, weights, w_gate, w_up, w_down, scales, block):
                 return fm.fused_moe(x, ids, weights, w_gate, w_up, w_down, limit, scales, block,
-                                    act_fp8=self.fp8_activations == "dynamic")
+                                    act_fp8=scales is not None and self.uses_w8a8(x, w_gate, block))
         return super().moe_experts(x, ids, weights, w_gate, w_up, w_down, limit, scales, block)
 
 

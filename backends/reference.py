@@ -48,11 +48,15 @@ def act_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * s).flatten(-2)[..., :k]
 
 
-def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    """Whether fp8_activations=mode quantises x for this fp8 weight: "dynamic", e4m3 weights,
-    16-bit activations, a K scale block of 32..256 (the kernels' act_fp8_supported)."""
+def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int],
+                 max_rows: int | None = None) -> bool:
+    """Whether fp8_activations=mode quantises x [..., in] for this fp8 weight: "dynamic", e4m3
+    weights, 16-bit activations, a K scale block of 32..256 (the kernels' act_fp8_supported), and
+    at most max_rows rows (None: any)."""
+    rows = x.numel() // max(1, x.shape[-1])
     return (mode == "dynamic" and weight.dtype == torch.float8_e4m3fn
-            and x.dtype in (torch.bfloat16, torch.float16) and 32 <= int(block[1]) <= 256)
+            and x.dtype in (torch.bfloat16, torch.float16) and 32 <= int(block[1]) <= 256
+            and (max_rows is None or rows <= max_rows))
 
 
 class ReferenceOps:
@@ -64,6 +68,14 @@ class ReferenceOps:
     # per token and K scale block (w8a8, act_quant_e4m3), and multiplies in fp32: the numerics of
     # the fp8 tensor-core path (CudaH200Ops's default, SGLang's and DeepSeek-V3's recipe).
     fp8_activations = "none"
+    # "dynamic" applies to calls of up to this many tokens (decode and small batches: where the
+    # w8a8 kernels were measured on the H200); larger ones (prefill chunks) stay w8a16 until the
+    # w8a8 prefill tiles are measured. None: every size.
+    fp8_act_max_tokens: int | None = 1024
+
+    def uses_w8a8(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+        """Whether this fp8 product quantises its activations (the kernels follow the same rule)."""
+        return w8a8_applies(self.fp8_activations, x, weight, block, self.fp8_act_max_tokens)
 
     def begin_forward(self, num_tokens: int) -> None:
         """Called once per model (or MTP draft) forward with its token count, before any op: a
@@ -72,7 +84,7 @@ class ReferenceOps:
     # ---- dense building blocks ------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-        if scale_inv is not None and w8a8_applies(self.fp8_activations, x, weight, block):
+        if scale_inv is not None and self.uses_w8a8(x, weight, block):
             w32 = dequantize_block_fp8(weight, scale_inv, block, torch.float32)
             y = F.linear(act_quant_e4m3(x, int(block[1])), w32)
             if bias is not None:
@@ -173,7 +185,7 @@ class ReferenceOps:
         """Routed experts: sum_k weights[:, k] * expert_{ids[:, k]}(x). Stacked [E, out, in] weights."""
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
-        w8a8 = scales is not None and w8a8_applies(self.fp8_activations, x, w_gate, block)
+        w8a8 = scales is not None and self.uses_w8a8(x, w_gate, block)
         for e in torch.unique(flat_ids).tolist():
             tok, kpos = torch.nonzero(ids == e, as_tuple=True)
             xe = x[tok]

@@ -184,12 +184,17 @@ def test_ops_dispatch(device, monkeypatch):
     assert calls == [1] and out.shape == (2, 3, 130)
     assert ops.fp8_activations == "dynamic"
     assert _rel(out.reshape(6, 130), _ref_for(ops).linear(x, w, b, s, (128, 128))) < 1e-2
+    # above fp8_act_max_tokens rows (prefill chunks) the product stays w8a16, as in the reference
+    ops.fp8_act_max_tokens = 5
+    assert not ops.uses_w8a8(x, w, (128, 128))
+    assert _rel(ops.linear(x, w, b, s, (128, 128)), REF.linear(x, w, b, s, (128, 128))) < 1e-2
+    ops.fp8_act_max_tokens = 1024
     # refused: bf16 weight without scales, wrong scale shape -> the reference, bit for bit
     wb = (torch.randn(130, 256, generator=g) * 0.05).to(torch.bfloat16).to(device)
     assert _rel(ops.linear(x, wb, b), REF.linear(x, wb, b)) == 0.0
     assert not f8.supported(x, w, s[:1], (128, 128))
     assert not f8.supported(x, w, s, (96, 128))
-    assert calls == [1]
+    assert calls == [1, 1]
     empty = ops.linear(x[:0], w, b, s, (128, 128))
     assert empty.shape == (0, 130)
 

@@ -413,6 +413,10 @@ def test_ops_dispatch(device):
     assert ops.fp8_activations == "dynamic"  # w8a8 by default: act_fp8 reaches the kernel
     out = ops.moe_experts(x, ids, weights, *ws, 7.0, scales, (128, 128))
     assert _rel(out, fm.fused_moe(x, ids, weights, *ws, 7.0, scales, act_fp8=True)) == 0.0
+    ops.fp8_act_max_tokens = 3  # 4 tokens: above it, w8a16 (prefill-sized calls)
+    assert _rel(ops.moe_experts(x, ids, weights, *ws, 7.0, scales, (128, 128)),
+                fm.fused_moe(x, ids, weights, *ws, 7.0, scales)) == 0.0
+    ops.fp8_act_max_tokens = 1024
     ops.fp8_activations = "none"
     assert _rel(ops.moe_experts(x, ids, weights, *ws, 7.0, scales, (128, 128)),
                 fm.fused_moe(x, ids, weights, *ws, 7.0, scales)) == 0.0
