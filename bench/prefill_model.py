@@ -100,6 +100,10 @@ def main(argv=None) -> list[dict]:
                    "(the kernels on packed row lists); the torch reference expands [H, T, T] scores: it does not fit "
                    "at 16K in one forward")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
+    p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
+    p.add_argument("--fp8-act-max-tokens", default="",
+                   help="CudaH200Ops.fp8_act_max_tokens: w8a8 for calls of up to N tokens, 'all' for every size "
+                        "(default: the ops' own, decode sizes only), 'none' for w8a16 everywhere")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
@@ -109,8 +113,16 @@ def main(argv=None) -> list[dict]:
 
     cfg = preset_config(args.preset)
     ops = CudaH200Ops()
+    if args.fp8_act_max_tokens == "none":
+        ops.fp8_activations = "none"
+    elif args.fp8_act_max_tokens:
+        ops.fp8_act_max_tokens = None if args.fp8_act_max_tokens == "all" else int(args.fp8_act_max_tokens)
     hf_lens = {int(x) for x in args.hf_tokens.split(",") if x}
-    model = load_dummy(cfg, ops, dtype=torch.bfloat16, device="cuda", with_mtp=False, with_vision=bool(hf_lens))
+    if hf_lens and args.quantization != "bf16":
+        print("transformers runs bf16 weights only here: --hf-tokens ignored for", args.quantization, flush=True)
+        hf_lens = set()
+    model = load_dummy(cfg, ops, dtype=torch.bfloat16, device="cuda", with_mtp=False, with_vision=bool(hf_lens),
+                       quantization=None if args.quantization == "bf16" else args.quantization)
     hf = None
     if hf_lens:
         from bench.hf_reference import build_hf_from_ours
@@ -158,7 +170,10 @@ def main(argv=None) -> list[dict]:
             torch.cuda.empty_cache()
         rows.append(row)
     write_out("prefill_model.json", rows)
-    print(f"\nprefill, {args.preset} bf16 on {torch.cuda.get_device_name()}, one request; ceiling {CEILING_TFLOPS} TFLOP/s")
+    act = "" if args.quantization == "bf16" else f" (w8a8 up to {ops.fp8_act_max_tokens or 'any'} tokens)" \
+        if ops.fp8_activations == "dynamic" else " (w8a16)"
+    print(f"\nprefill, {args.preset} {args.quantization}{act} on {torch.cuda.get_device_name()}, one request; "
+          f"ceiling {CEILING_TFLOPS} TFLOP/s (bf16)")
     print(f"{'tokens':>6} {'TFLOP':>6} {'torch ms':>9} {'%ceil':>6} {'triton ms':>10} {'%ceil':>6} {'pre ms':>8} "
           f"{'%ceil':>6} {'HF ms':>8} {'HF/ours':>8} {'tri~torch rel':>13} {'pre~tri rel':>11} {'HF~ours rel':>11}")
     nan = float("nan")

@@ -2,7 +2,7 @@
 the same kernel for a few rows of 16-bit weights (`skinny_linear`, SCALED=False: decode GEMVs).
 
 w8a8 (`act_fp8`, CudaH200Ops' default): x is quantised to e4m3 per row and K scale block
-(fused_moe.quant_act_e4m3; inside the GEMM up to INKERNEL_QUANT_MAX_ROWS rows, else once by
+(act_quant.quant_act_e4m3; inside the GEMM up to INKERNEL_QUANT_MAX_ROWS rows, else once by
 `act_quant` for weights of PREQUANT_MIN_WEIGHT bytes and more), the product is e4m3 x e4m3 on the
 tensor cores, and s_x·s_w scales each K tile's fp32 partial. The rest of this docstring is w8a16:
 
@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_moe import ACT_DTYPES, FP8_DTYPES, act_fp8_supported, quant_act_e4m3
+from .act_quant import act_fp8_supported, act_quant, quant_act_e4m3  # noqa: F401 (act_quant re-exported)
+from .fused_moe import ACT_DTYPES, FP8_DTYPES
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
@@ -189,35 +190,6 @@ def _reduce_kernel(WS, B, Y, M, N_OUT, SPLITS, stride_ym,
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * stride_ym + offs_n, acc.to(Y.dtype.element_ty), mask=ok)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _act_quant_kernel(X, XQ, XS, M, K, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False):
-    """GROUPS groups of one row per program: xq = e4m3(x / s), s = max|x| / 448 per group."""
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    ok = k < K
-    x = tl.load(X + row * stride_xm + k, mask=ok, other=0.0)
-    q, s = quant_act_e4m3(x, 1, EXACT=True)
-    tl.store(XQ + row * stride_qm + k, q, mask=ok)
-    tl.store(XS + row * stride_sm + g[:, None], s, mask=(g * GROUP < K)[:, None])
-
-
-def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, K] (16-bit) -> (e4m3 [N, K], fp32 scales [N, ceil(K / group)]), one launch: the
-    quantisation the w8a8 GEMMs otherwise do per K tile (quant_act_e4m3, the same values)."""
-    n, k = x.shape
-    ng = triton.cdiv(k, group)
-    xq = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty(n, ng, dtype=torch.float32, device=x.device)
-    if n:
-        per = min(triton.next_power_of_2(ng), max(1, 2048 // group))
-        _act_quant_kernel[(n, triton.cdiv(ng, per))](x, xq, xs, n, k, x.stride(0), xq.stride(0), xs.stride(0),
-                                                    GROUP=group, GROUPS=per, **pdl.launch(x.device), num_warps=4)
-    return xq, xs
 
 
 # ---------------------------------------------------------------------------------------

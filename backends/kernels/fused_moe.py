@@ -72,6 +72,7 @@ import triton.language as tl
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
 from . import pdl
 from .pdl import pdl_enter
+from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3, quant_act_e4m3  # noqa: F401 (re-exported)
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -89,6 +90,10 @@ ONE_LAUNCH_MAX_PAIRS = 1024  # up to this many (token, slot) pairs the alignment
 # B=4 at top-8, i.e. 32 pairs. Measured on an H200 (D 4096, I 2048, fp8, CUDA graph, random
 # routing): pair minus aligned -8 µs at B=1 and B=2, -7 µs at B=4, +6 .. +57 µs at B=8.
 PAIR_BLOCKS_MAX_PAIRS = 32
+# w8a8 (act_fp8): up to this many tokens each GEMM program quantises its own activation tile (the
+# measured decode path); above, act_quant quantises x and h once first (at BLOCK_M 128 the in-GEMM
+# quantisation of a 128x128 x tile spills on sm_90, and every N tile would redo it).
+INKERNEL_QUANT_MAX_TOKENS = 1024
 # 16-bit weights on pair blocks: gate/up in 32-column tiles, 3 stages (the table's 64 / 4 left
 # the last of ~2.2 waves mostly empty at batch 1 with the shared expert seated, 9 pairs). H200,
 # bench/moe_pair_tiles.py, one MoE layer call: 128.8 -> 119.6 µs, the same output.
@@ -97,28 +102,6 @@ PAIR_GATE_UP_16BIT = dict(BLOCK_N=32, num_stages=3)
 def max_blocks(m: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the BLOCK_M blocks of the aligned list for m pairs (no data needed)."""
     return max(1, min(m // block_m + min(m, num_experts), triton.cdiv(m + num_experts * (block_m - 1), block_m)))
-
-
-E4M3_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value
-
-
-@triton.jit
-def quant_act_e4m3(a, AXIS: tl.constexpr, EXACT: tl.constexpr = False):
-    """Dynamic activation quantisation (w8a8): one scale per row of the [rows, K-group] tile
-    (AXIS is the tile's K axis), s = max|a| / 448, q = a / s rounded to e4m3. Returns (q, s), s
-    with the K axis kept (size 1) to broadcast against the product. All-zero rows give q = 0.
-    EXACT divides as IEEE does (div_rn, torch's act_quant_e4m3 bit for bit; act_quant's kernel);
-    else `/`, an approximate divide that may move an e4m3 code by one step now and then. Inside
-    the GEMMs div_rn made the fp8 MoE 2x slower on the H200 (and, at 8 warps, less accurate)."""
-    af = a.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(af), axis=AXIS, keep_dims=True), 1e-12)
-    if EXACT:
-        s = tl.div_rn(amax, E4M3_MAX)
-        q = tl.clamp(tl.div_rn(af, s), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-    else:
-        s = amax / E4M3_MAX
-        q = tl.clamp(af / s, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-    return q, s
 
 
 # ---------------------------------------------------------------------------------------
@@ -260,12 +243,13 @@ def _gate_up_kernel(
     stride_xm,
     stride_ge, stride_gn, stride_ue, stride_un,
     stride_sge, stride_sgn, stride_sgk, stride_sue, stride_sun, stride_suk,
-    stride_hm,
+    stride_hm, XS, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    # X_FP8 (with ACT_FP8): X is e4m3 from act_quant, its scales XS [tokens, K blocks]
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -282,7 +266,7 @@ def _gate_up_kernel(
     if e < 0:
         return
     e = e.to(tl.int64)
-    dt = X.dtype.element_ty
+    dt = H.dtype.element_ty  # the model dtype (X's, unless X_FP8)
     offs_m = tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:  # one real row: the pair itself
         row_ok = offs_m < 1
@@ -350,11 +334,11 @@ def _gate_up_kernel(
                     su = su[None, :]
             if ACT_FP8:  # fp8 x fp8 products (w8a8): the weight tiles are never converted
                 if SWAP_AB:
-                    aq, sa = quant_act_e4m3(a, 0)
+                    aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 0, X_FP8)
                     acc_g += tl.dot(bg, aq) * (sg * sa)
                     acc_u += tl.dot(bu, aq) * (su * sa)
                 else:
-                    aq, sa = quant_act_e4m3(a, 1)
+                    aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 1, X_FP8)
                     acc_g += tl.dot(aq, bg) * (sg * sa)
                     acc_u += tl.dot(aq, bu) * (su * sa)
             elif SWAP_AB:
@@ -408,12 +392,13 @@ def _gate_up_kernel(
 def _down_kernel(
     H, WD, SD, RW, Y, SORTED, BLOCK_EXPERT, BLOCK_ROWS, IDS,
     D, I, E, num_pid_m,
-    stride_hm, stride_de, stride_dn, stride_sde, stride_sdn, stride_sdk, stride_ym,
+    stride_hm, stride_de, stride_dn, stride_sde, stride_sdn, stride_sdk, stride_ym, HS, stride_hsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    # X_FP8 (with ACT_FP8): H is e4m3 from act_quant, its scales HS [pairs, K blocks]
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -430,7 +415,7 @@ def _down_kernel(
     if e < 0:
         return
     e = e.to(tl.int64)
-    dt = H.dtype.element_ty
+    dt = Y.dtype.element_ty  # the model dtype (H's, unless X_FP8)
     offs_m = tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:
         row_ok = offs_m < 1
@@ -483,10 +468,10 @@ def _down_kernel(
                     sc = sc[None, :]
             if ACT_FP8:
                 if SWAP_AB:
-                    aq, sa = quant_act_e4m3(a, 0)
+                    aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 0, X_FP8)
                     acc += tl.dot(b, aq) * (sc * sa)
                 else:
-                    aq, sa = quant_act_e4m3(a, 1)
+                    aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 1, X_FP8)
                     acc += tl.dot(aq, b) * (sc * sa)
             elif SWAP_AB:
                 acc += tl.dot(b.to(dt), a, input_precision=PRECISION) * sc
@@ -569,15 +554,6 @@ def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return all(t.device == x.device for t in tensors)
 
 
-def act_fp8_supported(want: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
-    """Whether a w8a8 product is asked for and possible: e4m3 weights, 16-bit activations and a
-    K scale block of 32..256 (one activation group per K tile; an fp8 MMA takes K >= 32: a
-    16-wide block failed to compile on the H200). Else the kernels run w8a16."""
-    bi = int(block[1])
-    return bool(want and weight_dtype == torch.float8_e4m3fn and act_dtype in (torch.bfloat16, torch.float16)
-                and 32 <= bi <= 256)
-
-
 # Tiles that a table or a caller asks for but whose shared memory the device lacks (the per-element
 # dequant keeps a converted weight tile per stage): fewer stages first, then a narrower K tile,
 # once per (kernel, tile, K); the shrunk tile is remembered. Triton compiles at the first launch,
@@ -587,7 +563,8 @@ _FITTED: dict[tuple, tuple[int, int]] = {}
 
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
     key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc,
-           k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False))
+           k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False),
+           meta.get("X_FP8", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:
@@ -678,26 +655,31 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         sg = su = sd = w_gate  # unused (FP8=False)
     sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
     launch = pdl.launch(x.device)
+    # w8a8 above INKERNEL_QUANT_MAX_TOKENS: x (and below, h) quantised once by act_quant, not once
+    # per N tile inside the GEMMs
+    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
+    x_in, xs = act_quant(x, bi) if pre else (x, x)  # xs unused unless X_FP8
 
     _launch_fitting(
         _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
-        (x, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows, flat_ids,
+        (x_in, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows, flat_ids,
          d, i, e, top_k, nb, float(limit) if limit is not None else 0.0,
-         x.stride(0),
+         x_in.stride(0),
          w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
          *sstr(sg), *sstr(su),
-         h.stride(0)),
+         h.stride(0), xs, xs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
              PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8,
-             **launch),
+             X_FP8=pre, **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
+    h_in, hs = act_quant(h, bi) if pre else (h, h)
     _launch_fitting(
         _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
-        (h, w_down, sd, rw, y, sorted_ids, block_expert, block_rows, flat_ids,
+        (h_in, w_down, sd, rw, y, sorted_ids, block_expert, block_rows, flat_ids,
          d, i, e, nb,
-         h.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0)),
+         h_in.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0), hs, hs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, **launch),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),

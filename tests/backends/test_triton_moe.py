@@ -285,6 +285,23 @@ def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
                                          pair_blocks=pair_blocks, act_fp8=True))
 
 
+@pytest.mark.parametrize("name,config", [
+    ("aligned", None), ("swap-ab", _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=128)),
+    ("m64", dict(BLOCK_M=64, **_both(BLOCK_N=64, num_warps=4, num_stages=2))),
+])
+def test_fused_moe_w8a8_prequantised(device, monkeypatch, name, config):
+    """Above INKERNEL_QUANT_MAX_TOKENS (prefill sizes) x and h are quantised once by act_quant and
+    the GEMMs read e4m3 rows and their scales (X_FP8): the same values as the in-GEMM route, so
+    the same reference (up to the in-GEMM divide's last bit when compiled)."""
+    g = _gen("w8a8-pre", name)
+    x, ids, weights, ws, scales = _to(device, *_problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5))
+    inside = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=False, act_fp8=True)
+    monkeypatch.setattr(fm, "INKERNEL_QUANT_MAX_TOKENS", 4)
+    pre = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=False, act_fp8=True)
+    assert _rel(pre, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < 1e-2
+    assert _rel(pre, inside) < (1e-6 if _INTERPRET else 1e-2)
+
+
 def test_fused_moe_w8a8_falls_back():
     """act_fp8 applies to e4m3 weights with 16-bit activations and K blocks of 32..256 only (an
     fp8 MMA needs K >= 32); the reference and the kernels agree on where (else both are w8a16)."""
