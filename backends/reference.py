@@ -48,14 +48,20 @@ def act_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * s).flatten(-2)[..., :k]
 
 
+def w8a8_possible(act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
+    """Whether a product can quantise its activations (w8a8): e4m3 weights, 16-bit activations and a
+    K scale block of 32..256 (one activation group per K tile; an fp8 MMA takes K >= 32: a 16-wide
+    block failed to compile on the H200). The one rule for this and the kernels' act_fp8_supported."""
+    return (weight_dtype == torch.float8_e4m3fn and act_dtype in (torch.bfloat16, torch.float16)
+            and 32 <= int(block[1]) <= 256)
+
+
 def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int],
                  max_rows: int | None = None) -> bool:
-    """Whether fp8_activations=mode quantises x [..., in] for this fp8 weight: "dynamic", e4m3
-    weights, 16-bit activations, a K scale block of 32..256 (the kernels' act_fp8_supported), and
-    at most max_rows rows (None: any)."""
+    """Whether fp8_activations=mode quantises x [..., in] for this fp8 weight: "dynamic",
+    w8a8_possible, and at most max_rows rows (None: any)."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (mode == "dynamic" and weight.dtype == torch.float8_e4m3fn
-            and x.dtype in (torch.bfloat16, torch.float16) and 32 <= int(block[1]) <= 256
+    return (mode == "dynamic" and w8a8_possible(x.dtype, weight.dtype, block)
             and (max_rows is None or rows <= max_rows))
 
 
@@ -186,12 +192,14 @@ class ReferenceOps:
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
         w8a8 = scales is not None and self.uses_w8a8(x, w_gate, block)
+
+        def lin(a, w, s):  # w8a8: fp32 product of the quantised activations
+            return F.linear(act_quant_e4m3(a, int(block[1])), dequantize_block_fp8(w, s, block, torch.float32))
+
         for e in torch.unique(flat_ids).tolist():
             tok, kpos = torch.nonzero(ids == e, as_tuple=True)
             xe = x[tok]
-            if w8a8:  # fp32 products of the quantised activations, rounded as the w8a16 path
-                def lin(a, w, s):
-                    return F.linear(act_quant_e4m3(a, int(block[1])), dequantize_block_fp8(w, s, block, torch.float32))
+            if w8a8:  # rounded where the w8a16 path rounds
                 g = lin(xe, w_gate[e], scales[0][e]).to(x.dtype)
                 u = lin(xe, w_up[e], scales[1][e]).to(x.dtype)
                 ye = lin(self.swiglu(g, u, limit), w_down[e], scales[2][e]).to(x.dtype) * weights[tok, kpos, None]

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import w8a8_possible
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
@@ -43,12 +44,9 @@ def quant_act_e4m3(a, AXIS: tl.constexpr, EXACT: tl.constexpr = False):
 
 
 def act_fp8_supported(want: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
-    """Whether a w8a8 product is asked for and possible: e4m3 weights, 16-bit activations and a
-    K scale block of 32..256 (one activation group per K tile; an fp8 MMA takes K >= 32: a
-    16-wide block failed to compile on the H200). Else the kernels run w8a16."""
-    bi = int(block[1])
-    return bool(want and weight_dtype == torch.float8_e4m3fn and act_dtype in (torch.bfloat16, torch.float16)
-                and 32 <= bi <= 256)
+    """Whether a w8a8 product is asked for and possible (reference.w8a8_possible, the one rule).
+    Else the kernels run w8a16."""
+    return bool(want and w8a8_possible(act_dtype, weight_dtype, block))
 
 
 @triton.jit(do_not_specialize=["M"])

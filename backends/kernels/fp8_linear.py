@@ -2,7 +2,7 @@
 the same kernel for a few rows of 16-bit weights (`skinny_linear`, SCALED=False: decode GEMVs).
 
 w8a8 (`act_fp8`, CudaH200Ops' default): x is quantised to e4m3 per row and K scale block
-(act_quant.quant_act_e4m3; inside the GEMM up to INKERNEL_QUANT_MAX_ROWS rows, else once by
+(act_quant.act_tile_e4m3; inside the GEMM up to INKERNEL_QUANT_MAX_ROWS rows, else once by
 `act_quant` for weights of PREQUANT_MIN_WEIGHT bytes and more), the product is e4m3 x e4m3 on the
 tensor cores, and s_x·s_w scales each K tile's fp32 partial. The rest of this docstring is w8a16:
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import act_fp8_supported, act_quant, quant_act_e4m3  # noqa: F401 (act_quant re-exported)
+from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3  # noqa: F401 (act_quant re-exported)
 from .fused_moe import ACT_DTYPES, FP8_DTYPES
 from . import pdl
 from .pdl import pdl_enter
@@ -116,7 +116,7 @@ def _fp8_linear_kernel(
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
     ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
-    # X_FP8: x is already e4m3 (act_quant_e4m3's output) with its scales XS [M, K / SCALE_BK]
+    # X_FP8 (with ACT_FP8): x is already e4m3 (act_quant's output), its scales XS [M, K / SCALE_BK]
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -150,13 +150,9 @@ def _fp8_linear_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if X_FP8:    # w8a8 on a quantised x: fp8 x fp8, both scales on the partial product
+        if ACT_FP8:  # w8a8: x per row over this K tile (= its scale block), here or by act_quant
             sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
-            sa = tl.load(XS + offs_m * stride_xsm + k0 // SCALE_BK, mask=row_ok, other=0.0)
-            acc += tl.dot(a, b) * (sa[:, None] * sc)
-        elif ACT_FP8:  # w8a8: x quantised per row over this K tile (= its scale block), fp8 x fp8
-            sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
-            aq, sa = quant_act_e4m3(a, 1)
+            aq, sa = act_tile_e4m3(a, XS, offs_m, row_ok, stride_xsm, k0 // SCALE_BK, 1, X_FP8)
             acc += tl.dot(aq, b) * (sa * sc)
         else:
             if SCALED:

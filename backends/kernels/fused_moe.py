@@ -72,7 +72,7 @@ import triton.language as tl
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
 from . import pdl
 from .pdl import pdl_enter
-from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3, quant_act_e4m3  # noqa: F401 (re-exported)
+from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3
 from .interpreter import patch_interpreter
 
 patch_interpreter()
@@ -589,10 +589,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               config: dict | None = None, pair_blocks: bool | None = None, act_fp8: bool = False) -> torch.Tensor:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
 
-    `act_fp8` (e4m3 weights, 16-bit activations, K scale blocks of 32..256): w8a8, i.e. both
-    GEMMs quantise their input per row and scale block along K on the fly (quant_act_e4m3) and
-    multiply fp8 by fp8; ReferenceOps.moe_experts with fp8_activations="dynamic" is its reference.
-    Otherwise (and for other weights) w8a16.
+    `act_fp8` (where act_fp8_supported): w8a8, i.e. both GEMMs' inputs quantised per row and
+    scale block along K (inside the GEMMs up to INKERNEL_QUANT_MAX_TOKENS tokens, else once by
+    act_quant) and fp8 x fp8 products; ReferenceOps.moe_experts with fp8_activations="dynamic" is
+    its reference. Otherwise (and for other weights) w8a16.
 
     `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
     tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
