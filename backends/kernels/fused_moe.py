@@ -15,8 +15,11 @@ in a CUDA graph:
    launch only at these sizes (see PAIR_BLOCKS_MAX_PAIRS). Steps 2-4 as below.
 1. Alignment. The M = N·top_k (token, slot) pairs are grouped by expert and each expert's
    group padded to a multiple of BLOCK_M, so that every BLOCK_M-row block of the sorted list
-   belongs to one expert. Three steps, three launches (or, up to ONE_LAUNCH_MAX_PAIRS pairs,
-   i.e. decode, one program that runs them in turn with barriers between):
+   belongs to one expert. Up to ONE_LAUNCH_MAX_PAIRS pairs (decode) one launch of
+   cdiv(E, ALIGN_EXPERTS_PER_PROGRAM) programs: every program histograms all M ids itself (M is
+   small), so it knows every expert's padded start without waiting on another program, and
+   places the pairs and blocks of its own few experts (a cumsum over the ids per expert gives
+   each pair's rank). Above, three steps, three launches:
      COUNT     per chunk of CHUNK pairs: a histogram over experts       -> counts [C, EB]
      SCAN      one program: totals, padded exclusive prefix over experts, per-(chunk, expert)
                base offsets, and the block table: expert of each block (-1 past the end) and
@@ -81,7 +84,12 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_DTYPES = ACT_DTYPES + FP8_DTYPES
 
 CHUNK = 128                  # pairs per alignment chunk (the rank step compares CHUNK x CHUNK)
-ONE_LAUNCH_MAX_PAIRS = 1024  # up to this many (token, slot) pairs the alignment is one program
+ONE_LAUNCH_MAX_PAIRS = 1024  # up to this many (token, slot) pairs the alignment is one launch
+# Experts per program of the one-launch alignment: 36 programs at E = 288. (The previous
+# one-launch form ran the three steps in ONE program with barriers between: 132 µs of the fp8
+# batch-64 step on the H200, 4 MoE layers; kept as mode "one-program" for the side-by-side bench.)
+ALIGN_EXPERTS_PER_PROGRAM = 8
+ALIGN_MODES = ("parallel", "one-program", "three-launch")
 # Up to this many (token, slot) pairs every pair is its own BLOCK_M block (no alignment launch).
 # The price: an expert picked by two pairs of the batch has its weights read twice. Uniform
 # top-8 routing of B tokens over 288 experts reaches 288·(1-(1-8/288)^B) distinct experts, so the
@@ -186,14 +194,52 @@ def _align_kernel(IDS, COUNTS, BASE, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, C, E, 
             tl.store(SORTED + base + rank, offs, mask=ok)
 
 
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, one_launch: bool | None = None):
+@triton.jit(do_not_specialize=["M", "E", "NUM_BLOCKS", "G"])
+def _align_parallel_kernel(IDS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, E, NUM_BLOCKS, G,
+                           BLOCK_M: tl.constexpr, MB: tl.constexpr, EB: tl.constexpr, EPP: tl.constexpr,
+                           BB: tl.constexpr, PDL: tl.constexpr = False):
+    """The whole alignment of M <= MB pairs in one launch: program p places experts
+    [p·EPP, (p+1)·EPP). Each program histograms all ids (the same answer in every program), so
+    expert e's start, the padded sizes of the experts before it, needs no other program; a
+    pair's rank in its expert is the cumsum of (ids == e) up to it: token order, as the
+    three-launch path gives. Blocks past the last used one are cleared grid-stride."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    offs = tl.arange(0, MB)
+    ids = tl.load(IDS + offs, mask=offs < M, other=-1).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)  # dropped ids and padding -> bin E (not an expert)
+    offs_e = tl.arange(0, EB)
+    totals = tl.where(offs_e < E, tl.histogram(ids, EB), 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    used = tl.sum(padded, axis=0) // BLOCK_M
+    mine = pid * EPP + tl.arange(0, EPP)
+    start = tl.sum(tl.where(offs_e[None, :] < mine[:, None], padded[None, :], 0), axis=1)
+    count = tl.sum(tl.where(offs_e[None, :] == mine[:, None], totals[None, :], 0), axis=1)  # 0 past E
+    match = (ids[None, :] == mine[:, None]) & (mine < E)[:, None]
+    rank = tl.cumsum(match.to(tl.int32), axis=1) - 1
+    tl.store(SORTED + start[:, None] + rank, offs[None, :], mask=match)
+    nblk = (count + BLOCK_M - 1) // BLOCK_M
+    bstart = start // BLOCK_M
+    for j in range(0, tl.max(nblk, axis=0)):
+        has = j < nblk
+        tl.store(BLOCK_EXPERT + bstart + j, mine, mask=has)
+        tl.store(BLOCK_ROWS + bstart + j, tl.minimum(count - j * BLOCK_M, BLOCK_M), mask=has)
+    offs_b = tl.arange(0, BB)
+    for b0 in range(pid * BB, NUM_BLOCKS, G * BB):
+        bb = b0 + offs_b
+        tail = (bb >= used) & (bb < NUM_BLOCKS)
+        tl.store(BLOCK_EXPERT + bb, tl.full([BB], -1, dtype=tl.int32), mask=tail)
+        tl.store(BLOCK_ROWS + bb, tl.zeros([BB], dtype=tl.int32), mask=tail)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, mode: str | None = None):
     """Group the (token, slot) pairs of ids [N, k] by expert in BLOCK_M blocks, on the device.
 
     Returns (sorted [num_blocks·BLOCK_M] int32 flat pair indices, block_expert [num_blocks]
     int32 (-1: unused block), block_rows [num_blocks] int32 real rows per block). Entries of
     `sorted` past a block's real rows are never written (nor read by the GEMMs). Up to
-    ONE_LAUNCH_MAX_PAIRS pairs (decode) everything runs in one program, else in three
-    launches (`one_launch` forces either)."""
+    ONE_LAUNCH_MAX_PAIRS pairs (decode) the mode is "parallel" (one launch), else
+    "three-launch"; `mode` forces one of ALIGN_MODES (all three give the same layout)."""
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -202,17 +248,26 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, one_launch: 
     eb = triton.next_power_of_2(num_experts + 1)
     c = triton.cdiv(m, CHUNK)
     nb = max_blocks(m, num_experts, block_m)
-    counts = torch.empty(c, eb, dtype=torch.int32, device=dev)
-    base = torch.empty(c, eb, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
+    if mode is None:
+        mode = "parallel" if m <= ONE_LAUNCH_MAX_PAIRS else "three-launch"
+    if mode not in ALIGN_MODES or (mode != "three-launch" and m > ONE_LAUNCH_MAX_PAIRS):
+        raise ValueError(f"alignment mode {mode!r} for {m} pairs (modes {ALIGN_MODES}, "
+                         f"one launch up to {ONE_LAUNCH_MAX_PAIRS} pairs)")
+    if mode == "parallel":
+        g = triton.cdiv(num_experts, ALIGN_EXPERTS_PER_PROGRAM)
+        _align_parallel_kernel[(g,)](flat, sorted_ids, block_expert, block_rows, m, num_experts, nb, g,
+                                     BLOCK_M=block_m, MB=max(16, triton.next_power_of_2(m)), EB=eb,
+                                     EPP=ALIGN_EXPERTS_PER_PROGRAM, BB=16, **pdl.launch(dev), num_warps=4)
+        return sorted_ids, block_expert, block_rows
+    counts = torch.empty(c, eb, dtype=torch.int32, device=dev)
+    base = torch.empty(c, eb, dtype=torch.int32, device=dev)
     tile = max(1, min(32, 8192 // eb))  # rows of the [tile, EB] int32 tiles of the scan
-    if one_launch is None:
-        one_launch = m <= ONE_LAUNCH_MAX_PAIRS
     args = (flat, counts, base, sorted_ids, block_expert, block_rows, m, c, num_experts, nb)
     meta = dict(BLOCK_M=block_m, CHUNK=CHUNK, EB=eb, CB=tile, BB=1024, **pdl.launch(dev))
-    if one_launch:
+    if mode == "one-program":
         _align_kernel[(1,)](*args, **meta, COUNT=True, SCAN=True, SCATTER=True, num_warps=8)
     else:
         _align_kernel[(c,)](*args, **meta, COUNT=True, SCAN=False, SCATTER=False, num_warps=4)

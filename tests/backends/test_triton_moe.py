@@ -103,18 +103,21 @@ def _check(device, x, ids, weights, ws, scales, limit, config=None, pair_blocks=
 
 
 # ---- alignment --------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,k,e,bm,one", [
-    (1, 8, 288, 16, None), (33, 4, 16, 16, None), (33, 4, 16, 16, False), (300, 3, 8, 32, True),
-    (300, 3, 8, 32, False), (70, 2, 5, 64, None),
+@pytest.mark.parametrize("n,k,e,bm,mode", [
+    (1, 8, 288, 16, None), (33, 4, 16, 16, None), (33, 4, 16, 16, "three-launch"),
+    (300, 3, 8, 32, "one-program"), (300, 3, 8, 32, "three-launch"), (70, 2, 5, 64, None),
+    (64, 8, 288, 16, None),            # batch 64 at the real shape: 36 programs, tail blocks grid-stride
+    (128, 8, 288, 16, "one-program"),  # the largest one-launch size, both one-launch forms
+    (128, 8, 288, 16, "parallel"), (40, 3, 21, 16, "parallel"),  # E not a multiple of the experts per program
     (1500, 3, 8, 16, None),            # 36 chunks: the scan's loops take several tiles
 ])
-def test_align(device, n, k, e, bm, one):
-    g = _gen("align", n, k, e, bm, one)
+def test_align(device, n, k, e, bm, mode):
+    g = _gen("align", n, k, e, bm, mode)
     ids = torch.randint(0, e, (n, k), generator=g)           # repeats within a token too
     ids[torch.rand(n, k, generator=g) < 0.1] = -1             # dropped pairs
     if n > 50:
         ids[: n // 2] = 1                                     # one hot expert across chunks
-    sorted_ids, be, br = (t.cpu() for t in fm.moe_align(ids.to(device), e, bm, one_launch=one))
+    sorted_ids, be, br = (t.cpu() for t in fm.moe_align(ids.to(device), e, bm, mode=mode))
     nb = fm.max_blocks(n * k, e, bm)
     assert be.shape == (nb,) and br.shape == (nb,) and sorted_ids.shape == (nb * bm,)
     flat = ids.flatten()
@@ -132,6 +135,22 @@ def test_align(device, n, k, e, bm, one):
             assert (rows[1:] > rows[:-1]).all()               # token order within an expert
             seen.append(rows)
     assert sorted(torch.cat(seen).tolist()) == (flat >= 0).nonzero().flatten().tolist()
+
+
+def test_align_modes_agree_and_refuse(device):
+    """The one-launch forms give the three-launch layout exactly (real rows and block table);
+    a one-launch mode past its size is refused, not silently wrong."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 288, (96, 8), generator=g).to(device)
+    outs = {mode: fm.moe_align(ids, 288, 16, mode=mode) for mode in fm.ALIGN_MODES}
+    base_sorted, base_be, base_br = (t.cpu() for t in outs["three-launch"])
+    real = torch.cat([torch.arange(b * 16, b * 16 + int(r)) for b, r in enumerate(base_br.tolist()) if r > 0])
+    for mode, (srt, be, br) in outs.items():
+        assert torch.equal(be.cpu(), base_be) and torch.equal(br.cpu(), base_br), mode
+        assert torch.equal(srt.cpu()[real], base_sorted[real]), mode
+    with pytest.raises(ValueError, match="one launch up to"):
+        fm.moe_align(torch.zeros(fm.ONE_LAUNCH_MAX_PAIRS + 1, 1, dtype=torch.int64, device=device), 8, 16,
+                     mode="parallel")
 
 
 def test_max_blocks_bound():
