@@ -105,12 +105,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--pdl-max-tokens", default="1",
                    help="pdl.MAX_TOKENS (PDL only for forwards of up to this many tokens), side by side")
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
+    p.add_argument("--align", default="parallel",
+                   help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import mhc, pdl
+    from backends.kernels import fused_moe, mhc, pdl
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -120,12 +122,13 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        for b, fused, pd, sk, act, mt, mp in [(int(x), f, d, k, a, t, mp) for x in args.batches.split(",")
-                                          for f in args.fused_small_ops.split(",") for d in args.pdl.split(",")
-                                          for k in args.skinny.split(",") for a in acts
-                                          for t in args.pdl_max_tokens.split(",")
-                                          for mp in args.mhc_precision.split(",")]:
+        for b, fused, pd, sk, act, mt, mp, al in [
+                (int(x), f, d, k, a, t, mp, al) for x in args.batches.split(",")
+                for f in args.fused_small_ops.split(",") for d in args.pdl.split(",")
+                for k in args.skinny.split(",") for a in acts for t in args.pdl_max_tokens.split(",")
+                for mp in args.mhc_precision.split(",") for al in args.align.split(",")]:
             mhc.DECODE_PRECISION = mp
+            fused_moe.SMALL_ALIGN_MODE = al
             pdl.MAX_TOKENS = int(mt)
             model.ops.fused_small_ops = fused == "on"
             model.ops.skinny_linear = sk
@@ -134,7 +137,7 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act=act if mp == "tf32x3" else f"{act}/{mp}")
+                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel")) if v != d]))
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])

@@ -225,6 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     p.add_argument("--no-ref", action="store_true", help="skip reference checks (times only)")
     p.add_argument("--sweep", action="store_true", help="also sweep the conv kernels' block sizes")
+    p.add_argument("--decode-sweep", default="",
+                   help="kda.DECODE_LAUNCH shapes to time on the decode batches, BVxWARPSxSTAGES comma-separated "
+                        "(e.g. 32x4x2,64x4x2,64x8x2,128x8x1); the first is fla's own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
                    help="comma-separated sections: decode, prefill, mixed, conv, graph")
@@ -264,6 +267,13 @@ def main(argv=None) -> int:
         b = d["decode"][-1]
         safe(kda_case, f"kda decode B={b} bf16 state", [50] * b, [1] * b, d, dev, gen, timers,
              state_dtype=torch.bfloat16, ref=ref)
+    for shape in filter(None, args.decode_sweep.split(",")):
+        bv, warps, stages = (int(x) for x in shape.split("x"))
+        saved = dict(kk.DECODE_LAUNCH)
+        kk.DECODE_LAUNCH = dict(BV=bv, num_warps=warps, num_stages=stages)
+        for b in d["decode"]:
+            safe(kda_case, f"kda decode B={b} tile {shape}", [100] * b, [1] * b, d, dev, gen, timers, ref=ref)
+        kk.DECODE_LAUNCH = saved
     # ---- KDA prefill ----
     for n in (d["prefill_splits"] if "prefill" in only else ()):
         seqs = [t_all // n] * n

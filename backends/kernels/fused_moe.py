@@ -90,6 +90,7 @@ ONE_LAUNCH_MAX_PAIRS = 1024  # up to this many (token, slot) pairs the alignment
 # batch-64 step on the H200, 4 MoE layers; kept as mode "one-program" for the side-by-side bench.)
 ALIGN_EXPERTS_PER_PROGRAM = 8
 ALIGN_MODES = ("parallel", "one-program", "three-launch")
+SMALL_ALIGN_MODE = "parallel"  # the one-launch form up to ONE_LAUNCH_MAX_PAIRS (benches flip it)
 # Up to this many (token, slot) pairs every pair is its own BLOCK_M block (no alignment launch).
 # The price: an expert picked by two pairs of the batch has its weights read twice. Uniform
 # top-8 routing of B tokens over 288 experts reaches 288·(1-(1-8/288)^B) distinct experts, so the
@@ -238,7 +239,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, mode: str | 
     Returns (sorted [num_blocks·BLOCK_M] int32 flat pair indices, block_expert [num_blocks]
     int32 (-1: unused block), block_rows [num_blocks] int32 real rows per block). Entries of
     `sorted` past a block's real rows are never written (nor read by the GEMMs). Up to
-    ONE_LAUNCH_MAX_PAIRS pairs (decode) the mode is "parallel" (one launch), else
+    ONE_LAUNCH_MAX_PAIRS pairs (decode) the mode is SMALL_ALIGN_MODE (one launch), else
     "three-launch"; `mode` forces one of ALIGN_MODES (all three give the same layout)."""
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
@@ -252,7 +253,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, mode: str | 
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     block_rows = torch.empty(nb, dtype=torch.int32, device=dev)
     if mode is None:
-        mode = "parallel" if m <= ONE_LAUNCH_MAX_PAIRS else "three-launch"
+        mode = SMALL_ALIGN_MODE if m <= ONE_LAUNCH_MAX_PAIRS else "three-launch"
     if mode not in ALIGN_MODES or (mode != "three-launch" and m > ONE_LAUNCH_MAX_PAIRS):
         raise ValueError(f"alignment mode {mode!r} for {m} pairs (modes {ALIGN_MODES}, "
                          f"one launch up to {ONE_LAUNCH_MAX_PAIRS} pairs)")

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 from fla.ops.kda import chunk_kda
-from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
 
 from ..meta import BatchMeta
 from .conv import device_lens
@@ -52,6 +52,13 @@ from .norms import l2norm
 patch_interpreter()
 
 INTERPRET_CHUNK = False  # see enable_interpreted_chunk()
+# fla's decode kernel with our launch shape: a program holds the [dk, BV] fp32 state tile of one
+# (request, head) and updates it in place. fla's own wrapper fixes BV 32, 4 warps, 2 stages;
+# the fp32-state pass at batch 64 ran at ~71% of the copy rate with those (bench/RESULTS.md,
+# seventh session), so the shape is ours to choose, measured by `bench.kda_h200 --decode-sweep`.
+# The numerics do not depend on it: every state column is updated on its own, the sums over dk
+# stay inside one program.
+DECODE_LAUNCH = dict(BV=32, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -93,11 +100,30 @@ def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, o
     """One token per request, in place on state[slot_ids]; returns [N, H, dv] in v.dtype."""
     zero_new_slots(state, prefix_lens_t, slot_ids)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    fused_recurrent_kda_fwd(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
-                            g.contiguous()[None], beta.contiguous()[None], initial_state=state,
-                            scale=q.shape[-1] ** -0.5, inplace_final_state=True, cu_seqlens=cu_seqlens_t,
-                            ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True, out=o[None])
+    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o)
     return o
+
+
+def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launch: dict | None = None) -> None:
+    """fla's fused_recurrent_kda_fwd_kernel, in place on state[slot_ids], one token per request,
+    q/k l2-normalised inside (what fla's fused_recurrent_kda_fwd(..., inplace_final_state=True,
+    ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True) launches), with DECODE_LAUNCH's
+    tile (or `launch`) instead of fla's fixed one."""
+    cfg = dict(DECODE_LAUNCH, **(launch or {}))
+    n, h, dk = q.shape
+    dv = v.shape[-1]
+    bv = min(cfg["BV"], triton.next_power_of_2(dv))
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    grid = (triton.cdiv(dv, bv) * n * h,)
+    fused_recurrent_kda_fwd_kernel[grid](
+        q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None, o=out, h0=state, ht=state,
+        cu_seqlens=cu_seqlens_t, ssm_state_indices=slot_ids, num_accepted_tokens=None, lower_bound=None,
+        scale=dk ** -0.5, N=n, T=n, H=h, HV=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        stride_init_state_token=state.stride(0), stride_final_state_token=state.stride(0),
+        stride_indices_seq=slot_ids.stride(0), stride_indices_tok=1,
+        IS_BETA_HEADWISE=False, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True,
+        USE_GATE_IN_KERNEL=False, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], has_hist: list[bool],

@@ -161,6 +161,22 @@ def test_kda_decode_fused_recurrent(device, dtype, state_dtype):
 
 
 @needs_fla
+@pytest.mark.parametrize("launch", [dict(BV=16, num_warps=2), dict(BV=64, num_warps=8, num_stages=1),
+                                    dict(BV=128, num_warps=4)])
+def test_kda_decode_launch_shapes(device, launch, monkeypatch):
+    """The decode tile is a launch choice (kda.DECODE_LAUNCH, swept by bench.kda_h200): every
+    shape gives the reference's output and slots, also where BV does not divide dv (48)."""
+    from backends.kernels import kda as kk
+    monkeypatch.setattr(kk, "DECODE_LAUNCH", dict(kk.DECODE_LAUNCH, **launch))
+
+    def run(q, k, v, gate, beta, st, meta):
+        out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device)
+        return kk.kda_decode(q, k, v, gate, beta, st, meta.slot_ids, meta.prefix_lens_t, meta.cu_seqlens_t, out=out)
+
+    _kda_check(device, [4, 0, 1, 9], [1] * 4, torch.float32, torch.float32, seed=13, run=run, dv=48)
+
+
+@needs_fla
 def test_kda_decode_via_ops_uses_device_lengths(device):
     from backends.cuda_h200 import CudaH200Ops
 
