@@ -13,6 +13,7 @@ last; JSON to $OUT/decode_profile.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -107,12 +108,17 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--align", default="parallel",
                    help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
+    p.add_argument("--kda-tile", default="",
+                   help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES, side by side (default: the module's)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import fused_moe, mhc, pdl
+    from backends.kernels import fused_moe, kda, mhc, pdl
+    kda_default = "x".join(str(kda.DECODE_LAUNCH[k]) for k in ("BV", "num_warps", "num_stages"))
+    if not args.kda_tile:
+        args.kda_tile = kda_default
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -122,13 +128,14 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        for b, fused, pd, sk, act, mt, mp, al in [
-                (int(x), f, d, k, a, t, mp, al) for x in args.batches.split(",")
-                for f in args.fused_small_ops.split(",") for d in args.pdl.split(",")
-                for k in args.skinny.split(",") for a in acts for t in args.pdl_max_tokens.split(",")
-                for mp in args.mhc_precision.split(",") for al in args.align.split(",")]:
+        for b, fused, pd, sk, act, mt, mp, al, kt in itertools.product(
+                [int(x) for x in args.batches.split(",")], *(v.split(",") for v in (
+                    args.fused_small_ops, args.pdl, args.skinny)), acts,
+                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile))):
             mhc.DECODE_PRECISION = mp
             fused_moe.SMALL_ALIGN_MODE = al
+            bv, warps, stages = (int(v) for v in kt.split("x"))
+            kda.DECODE_LAUNCH = dict(BV=bv, num_warps=warps, num_stages=stages)
             pdl.MAX_TOKENS = int(mt)
             model.ops.fused_small_ops = fused == "on"
             model.ops.skinny_linear = sk
@@ -137,7 +144,8 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel")) if v != d]))
+                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, kda_default))
+                                              if v != d]))
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])

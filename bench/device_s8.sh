@@ -5,7 +5,10 @@
 #          expert with the K >= 32 rule); bench.kda_h200 --decode-sweep; bench.decode_profile at
 #          batch 64, bf16 and fp8 (w8a8), the decode alignment parallel and one-program side by
 #          side; batch 1 bf16 with PDL off and on (off: the kernels' own times, no waits inside)
-#     bash bench/device_s8.sh align
+#   tiles: GPU tests (swapped w8a8 linear tiles, the prequantised MoE bound); bench.fp8_linear_h200's
+#          w8a8 tile sweep at 64 rows with swapped tiles; a finer KDA decode sweep; bench.decode_profile
+#          at batch 1 bf16 with skinny measured / all, at batch 64 fp8 with the KDA tiles 32x4x2 / 32x2x2
+#     bash bench/device_s8.sh align|tiles
 source bench/device_common.sh
 case "${1:-}" in
   align)
@@ -17,5 +20,20 @@ case "${1:-}" in
     rm -f "$OUT/kda_h200.json"
     TBOX=170 profile profile_b64 --batches 64 --quantization bf16,fp8 --align parallel,one-program
     TBOX=$(( $(left) - 5 )) profile profile_b1 --batches 1 --quantization bf16 --pdl off,on ;;
-  *) echo "usage: bash bench/device_s8.sh align"; exit 2 ;;
+  tiles)
+    tests 100 "w8a8 or launch_shapes" tests/backends/test_triton_fp8_linear.py tests/backends/test_triton_moe.py \
+      tests/backends/test_triton_kda.py
+    timeout 200 python3 -m bench.fp8_linear_h200 --tokens 64 --prefill-tokens 0 --act dynamic --shapes dsa,idx,kda \
+      --sweep --sweep-tokens 64 --sweep-tiles \
+      64x64x4x4,16x128x8x3s,16x128x8x4s,32x128x8x4s,16x64x4x4s,32x64x4x4s,64x64x4x3s,16x128x4x4s \
+      > "$OUT/lin_sweep.txt" 2>&1
+    grep -A 40 "^sweep (best" "$OUT/lin_sweep.txt" | head -40
+    mv "$OUT/fp8_linear_h200.json" "$OUT/lin_sweep.json" 2> /dev/null
+    timeout 60 python3 -m bench.kda_h200 --only decode --no-ref \
+      --decode-sweep 32x4x2,32x2x2,32x1x2,32x2x1,32x2x3,32x2x4,64x2x2,16x1x2 > "$OUT/kda_sweep.txt" 2>&1
+    grep -E "^kda decode B=(64|128)" "$OUT/kda_sweep.txt" | grep -v "{" | tail -n 20
+    rm -f "$OUT/kda_h200.json"
+    TBOX=120 profile profile_b1 --batches 1 --quantization bf16 --skinny measured,all
+    TBOX=$(( $(left) - 5 )) profile profile_b64 --batches 64 --quantization fp8 --kda-tile 32x4x2,32x2x2 ;;
+  *) echo "usage: bash bench/device_s8.sh align|tiles"; exit 2 ;;
 esac

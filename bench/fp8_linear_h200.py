@@ -257,7 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="tiles / splits alternatives at decode sizes")
     p.add_argument("--sweep-tokens", default="1,16,128")
     p.add_argument("--sweep-tiles", default="",
-                   help="BLOCK_MxBLOCK_NxWARPSxSTAGES,... instead of SWEEP_CONFIGS (e.g. 64x32x4x4,64x64x8x4)")
+                   help="BLOCK_MxBLOCK_NxWARPSxSTAGES[s],... instead of SWEEP_CONFIGS (e.g. 64x32x4x4,16x128x8x3s; "
+                        "a trailing s: swapped tiles, the weight rows on the MMA's M side, w8a8 only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--act", default="none", help="none: w8a16 (x stays bf16); dynamic: w8a8 (x quantised)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
@@ -265,8 +266,8 @@ def main(argv=None) -> int:
     ACT_FP8[0] = args.act == "dynamic"
     sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
     sweep_configs = SWEEP_CONFIGS if not args.sweep_tiles else [
-        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=st)
-        for bm, bn, w, st in (map(int, t.split("x")) for t in args.sweep_tiles.split(","))]
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=st, SWAP_AB=t.endswith("s"))
+        for t in args.sweep_tiles.split(",") for bm, bn, w, st in [map(int, t.rstrip("s").split("x"))]]
 
     t_start = time.time()
     dev = kernel_device()
@@ -304,7 +305,8 @@ def main(argv=None) -> int:
                 base = f8.get_config(n)
                 auto = f8.split_k(n, out_f, in_f, base, f8.sm_count(dev))[0]
                 for cfg in ([base] + SWEEP_CONFIGS[:2] if args.smoke else [base] + sweep_configs):
-                    for sp in sorted({1, auto, 2 * auto}):
+                    own = f8.split_k(n, out_f, in_f, cfg, f8.sm_count(dev))[0]  # the heuristic for this tile
+                    for sp in sorted({1, auto, 2 * auto, own, 2 * own, 4 * own}):
                         try:
                             r = time_shape(name, in_f, out_f, fp8_ws, bf16_ws, n, dev, gd, config=cfg, splits=sp)
                             r["table"] = cfg is base and sp == auto
@@ -330,7 +332,8 @@ def main(argv=None) -> int:
                 for r in ok[:3] + [r for r in ok[3:] if r.get("table")]:
                     c = r["cfg"]
                     print(f"  {name:<22} N={n:<4} {'*' if r.get('table') else ' '} M{c['BLOCK_M']} N{c['BLOCK_N']} "
-                          f"K{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} split {r['splits']:<3} "
+                          f"K{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}{' swap' if c.get('SWAP_AB') else ''} "
+                          f"split {r['splits']:<3} "
                           f"{f(r.get('g_ms') or r['ms'], '.4f')} ms")
     bad = [c for c in checks if not c["pass"]]
     print(f"\nchecks: {len(checks) - len(bad)}/{len(checks)} pass"

@@ -115,8 +115,11 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): x is already e4m3 (act_quant's output), its scales XS [M, K / SCALE_BK]
+    # SWAP_AB (with ACT_FP8): accᵀ [BN, BM] = W_tile [BN, BK] · xᵀ [BK, BM], the weight rows on the
+    # MMA's M side and the few tokens on its N side, as the fused MoE's decode tiles (FP8A8_CONFIGS)
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -138,29 +141,48 @@ def _fp8_linear_kernel(
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    b_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + (k_lo + offs_k)[:, None]   # [BK, BN]
+    if SWAP_AB:
+        a_ptrs = X + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None]                # [BK, BM]
+        b_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]   # [BN, BK]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        a_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        b_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + (k_lo + offs_k)[:, None]   # [BK, BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s_ptr = S + (n0 // SCALE_BN) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if ACT_FP8:  # w8a8: x per row over this K tile (= its scale block), here or by act_quant
+        if SWAP_AB:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
-            aq, sa = act_tile_e4m3(a, XS, offs_m, row_ok, stride_xsm, k0 // SCALE_BK, 1, X_FP8)
-            acc += tl.dot(aq, b) * (sa * sc)
+            aq, sa = act_tile_e4m3(a, XS, offs_m, row_ok, stride_xsm, k0 // SCALE_BK, 0, X_FP8)
+            acc += tl.dot(b, aq) * (sa * sc)
         else:
-            if SCALED:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if ACT_FP8:  # w8a8: x per row over this K tile (= its scale block), here or by act_quant
                 sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
-                b = dequant_tile(b, sc, dt)
-            acc = tl.dot(a.to(dt), b.to(dt), acc, input_precision=PRECISION)
+                aq, sa = act_tile_e4m3(a, XS, offs_m, row_ok, stride_xsm, k0 // SCALE_BK, 1, X_FP8)
+                acc += tl.dot(aq, b) * (sa * sc)
+            else:
+                if SCALED:
+                    sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
+                    b = dequant_tile(b, sc, dt)
+                acc = tl.dot(a.to(dt), b.to(dt), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     ok = row_ok[:, None] & n_ok[None, :]
     if SPLIT:  # fp32 partial of this K range; _reduce_kernel sums the splits
@@ -281,6 +303,7 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = Fal
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, SPLIT=s > 1,
         EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled, ACT_FP8=act_fp8, X_FP8=x_scales is not None,
+        SWAP_AB=act_fp8 and bool(cfg.get("SWAP_AB", False)),
         **launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:

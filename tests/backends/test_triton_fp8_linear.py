@@ -121,6 +121,11 @@ def test_split_heuristic():
     (37, 256, 136, False, {}),
     (150, 256, 160, True, dict(config=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=3, num_warps=4,
                                            num_stages=3))),     # BLOCK_K forced to the scale block
+    # swapped tiles (the weight rows on the MMA's M side): in-GEMM quantisation at 5 rows, act_quant's
+    # rows at 64, split K, a ragged K and out tail
+    (5, 520, 200, True, dict(config=dict(BLOCK_M=16, BLOCK_N=128, SWAP_AB=True, num_warps=8, num_stages=3))),
+    (64, 384, 264, False, dict(config=dict(BLOCK_M=64, BLOCK_N=128, SWAP_AB=True, num_warps=8, num_stages=3),
+                               splits=2)),
 ])
 def test_fp8_linear_w8a8(device, monkeypatch, n, in_f, out_f, bias, kw):
     """act_fp8: x quantised per row and 128-wide K block (inside the GEMM up to 16 rows, by
