@@ -108,17 +108,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--align", default="parallel",
                    help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
-    p.add_argument("--kda-tile", default="",
-                   help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES, side by side (default: the module's)")
+    p.add_argument("--kda-tile", default="table",
+                   help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import fused_moe, kda, mhc, pdl
-    kda_default = "x".join(str(kda.DECODE_LAUNCH[k]) for k in ("BV", "num_warps", "num_stages"))
-    if not args.kda_tile:
-        args.kda_tile = kda_default
+    kda_default = "table"  # kda.DECODE_LAUNCHES by batch
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -134,8 +132,8 @@ def main(argv=None) -> list[dict]:
                 *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile))):
             mhc.DECODE_PRECISION = mp
             fused_moe.SMALL_ALIGN_MODE = al
-            bv, warps, stages = (int(v) for v in kt.split("x"))
-            kda.DECODE_LAUNCH = dict(BV=bv, num_warps=warps, num_stages=stages)
+            kda.DECODE_LAUNCH = None if kt == "table" else dict(
+                zip(("BV", "num_warps", "num_stages"), (int(v) for v in kt.split("x"))))
             pdl.MAX_TOKENS = int(mt)
             model.ops.fused_small_ops = fused == "on"
             model.ops.skinny_linear = sk

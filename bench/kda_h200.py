@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-ref", action="store_true", help="skip reference checks (times only)")
     p.add_argument("--sweep", action="store_true", help="also sweep the conv kernels' block sizes")
     p.add_argument("--decode-sweep", default="",
-                   help="kda.DECODE_LAUNCH shapes to time on the decode batches, BVxWARPSxSTAGES comma-separated "
+                   help="fixed kda.DECODE_LAUNCH shapes to time on the decode batches, BVxWARPSxSTAGES comma-separated "
                         "(e.g. 32x4x2,64x4x2,64x8x2,128x8x1); the first is fla's own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
              state_dtype=torch.bfloat16, ref=ref)
     for shape in filter(None, args.decode_sweep.split(",")):
         bv, warps, stages = (int(x) for x in shape.split("x"))
-        saved = dict(kk.DECODE_LAUNCH)
+        saved = kk.DECODE_LAUNCH
         kk.DECODE_LAUNCH = dict(BV=bv, num_warps=warps, num_stages=stages)
         for b in d["decode"]:
             safe(kda_case, f"kda decode B={b} tile {shape}", [100] * b, [1] * b, d, dev, gen, timers, ref=ref)

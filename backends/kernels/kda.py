@@ -55,10 +55,21 @@ INTERPRET_CHUNK = False  # see enable_interpreted_chunk()
 # fla's decode kernel with our launch shape: a program holds the [dk, BV] fp32 state tile of one
 # (request, head) and updates it in place. fla's own wrapper fixes BV 32, 4 warps, 2 stages;
 # the fp32-state pass at batch 64 ran at ~71% of the copy rate with those (bench/RESULTS.md,
-# seventh session), so the shape is ours to choose, measured by `bench.kda_h200 --decode-sweep`.
-# The numerics do not depend on it: every state column is updated on its own, the sums over dk
-# stay inside one program.
-DECODE_LAUNCH = dict(BV=32, num_warps=4, num_stages=2)
+# seventh session), so the shape is ours to choose. The numerics do not depend on it: every
+# state column is updated on its own, the sums over dk stay inside one program.
+# H200, `bench.kda_h200 --decode-sweep` (eighth session, µs per layer call, full-size heads):
+# B=64: fla's 32x4x2 174-177, 32x2x2 160, 64x2x2 153 (87% of the copy rate); B=128: 365-388,
+# 313, 296 (90%). Fewer warps per program = more programs resident per SM = more state bytes in
+# flight. Below 64 rows that bench is bound by the host, so those keep fla's shape (unmeasured).
+DECODE_LAUNCHES: list[tuple[int, dict]] = [   # (up to this many rows, launch)
+    (63, dict(BV=32, num_warps=4, num_stages=2)),
+    (1 << 62, dict(BV=64, num_warps=2, num_stages=2)),
+]
+DECODE_LAUNCH: dict | None = None  # a fixed launch for every batch (benches set it), else the table
+
+
+def decode_launch(rows: int) -> dict:
+    return dict(DECODE_LAUNCH or next(c for lim, c in DECODE_LAUNCHES if rows <= lim))
 
 
 @triton.jit
@@ -107,10 +118,10 @@ def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, o
 def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launch: dict | None = None) -> None:
     """fla's fused_recurrent_kda_fwd_kernel, in place on state[slot_ids], one token per request,
     q/k l2-normalised inside (what fla's fused_recurrent_kda_fwd(..., inplace_final_state=True,
-    ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True) launches), with DECODE_LAUNCH's
+    ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True) launches), with decode_launch's
     tile (or `launch`) instead of fla's fixed one."""
-    cfg = dict(DECODE_LAUNCH, **(launch or {}))
     n, h, dk = q.shape
+    cfg = dict(decode_launch(n), **(launch or {}))
     dv = v.shape[-1]
     bv = min(cfg["BV"], triton.next_power_of_2(dv))
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))

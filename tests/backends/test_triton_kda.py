@@ -164,10 +164,10 @@ def test_kda_decode_fused_recurrent(device, dtype, state_dtype):
 @pytest.mark.parametrize("launch", [dict(BV=16, num_warps=2), dict(BV=64, num_warps=8, num_stages=1),
                                     dict(BV=128, num_warps=4)])
 def test_kda_decode_launch_shapes(device, launch, monkeypatch):
-    """The decode tile is a launch choice (kda.DECODE_LAUNCH, swept by bench.kda_h200): every
+    """The decode tile is a launch choice (kda.DECODE_LAUNCHES, swept by bench.kda_h200): every
     shape gives the reference's output and slots, also where BV does not divide dv (48)."""
     from backends.kernels import kda as kk
-    monkeypatch.setattr(kk, "DECODE_LAUNCH", dict(kk.DECODE_LAUNCH, **launch))
+    monkeypatch.setattr(kk, "DECODE_LAUNCH", dict(dict(BV=32, num_warps=4, num_stages=2), **launch))
 
     def run(q, k, v, gate, beta, st, meta):
         out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device)
