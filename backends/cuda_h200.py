@@ -35,7 +35,7 @@ import os
 import torch
 
 from .meta import BatchMeta
-from .reference import ReferenceOps
+from .reference import MoEPartials, ReferenceOps
 from .registry import register
 
 try:
@@ -183,13 +183,18 @@ class CudaH200Ops(ReferenceOps):
         from .kernels.mhc import mhc_pre
         return mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
-    def mhc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor) -> torch.Tensor:
         m = streams.shape[1] if streams.dim() == 3 else 0
-        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8 or y.dtype != streams.dtype
-                or tuple(y.shape) != (streams.shape[0], streams.shape[2])
-                or any(t.device != streams.device for t in (y, post, comb))):
+        parts = y if isinstance(y, MoEPartials) else None
+        y2 = parts.y[:, 0] if parts is not None else y  # the [N, D] shape and dtype checked below
+        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8 or y2.dtype != streams.dtype
+                or tuple(y2.shape) != (streams.shape[0], streams.shape[2])
+                or any(t.device != streams.device for t in (y2, post, comb))):
             return super().mhc_post(y, streams, post, comb)
         from .kernels.mhc import mhc_post
+        if parts is not None:  # the MoE's top-k sum on the way in (no sum launch)
+            return mhc_post(parts.y, streams, post, comb, ids=parts.ids, num_experts=parts.num_experts)
         return mhc_post(y, streams, post, comb)
 
     # ---- KDA (every batch; in place on the state slots; backends/kernels/{conv,kda}.py) -------
@@ -233,12 +238,13 @@ class CudaH200Ops(ReferenceOps):
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
                     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                    block: tuple[int, int] = (128, 128), *, defer_sum: bool = False) -> torch.Tensor:
         if x.is_cuda or _interpreting():
             from .kernels import fused_moe as fm
             if fm.supported(x, ids, weights, w_gate, w_up, w_down, scales, block):
                 return fm.fused_moe(x, ids, weights, w_gate, w_up, w_down, limit, scales, block,
-                                    act_fp8=scales is not None and self.uses_w8a8(x, w_gate, block))
+                                    act_fp8=scales is not None and self.uses_w8a8(x, w_gate, block),
+                                    reduce=not defer_sum)
         return super().moe_experts(x, ids, weights, w_gate, w_up, w_down, limit, scales, block)
 
 

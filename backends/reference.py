@@ -16,6 +16,8 @@ A request whose prefix_len is 0 ignores whatever its slot holds (slots are not z
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +65,25 @@ def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[
     rows = x.numel() // max(1, x.shape[-1])
     return (mode == "dynamic" and w8a8_possible(x.dtype, weight.dtype, block)
             and (max_rows is None or rows <= max_rows))
+
+
+class MoEPartials(NamedTuple):
+    """An MoE output whose top-k sum is left to its consumer (ops.mhc_post sums it on the way in,
+    saving the MoE's sum launch and the [N, D] round trip). y [N, k, D]: row (t, j) is pair
+    (t, j)'s weighted expert output, in the model dtype; rows of pairs outside [0, num_experts)
+    are undefined and count as zero."""
+    y: torch.Tensor
+    ids: torch.Tensor
+    num_experts: int
+
+    def reduce(self) -> torch.Tensor:
+        """Σ_j y[:, j] in fp32, in j order, one rounding to the model dtype: the fused MoE's own
+        sum, bit for bit."""
+        routed = ((self.ids >= 0) & (self.ids < self.num_experts))[..., None]
+        acc = torch.zeros(self.y.shape[0], self.y.shape[2], dtype=torch.float32, device=self.y.device)
+        for j in range(self.y.shape[1]):
+            acc += torch.where(routed[:, j], self.y[:, j].float(), 0.0)
+        return acc.to(self.y.dtype)
 
 
 class ReferenceOps:
@@ -155,8 +176,11 @@ class ReferenceOps:
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
-    def mhc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor) -> torch.Tensor:
         """X'[j] = post[j] * y + sum_i comb[i, j] X[i], in the model dtype (as HF does)."""
+        if isinstance(y, MoEPartials):
+            y = y.reduce()
         dt = streams.dtype
         return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 
@@ -187,8 +211,10 @@ class ReferenceOps:
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
                     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-        """Routed experts: sum_k weights[:, k] * expert_{ids[:, k]}(x). Stacked [E, out, in] weights."""
+                    block: tuple[int, int] = (128, 128), *, defer_sum: bool = False) -> torch.Tensor:
+        """Routed experts: sum_k weights[:, k] * expert_{ids[:, k]}(x). Stacked [E, out, in] weights.
+        `defer_sum`: the caller also takes MoEPartials (its consumer is mhc_post); the reference
+        sums here anyway."""
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
         w8a8 = scales is not None and self.uses_w8a8(x, w_gate, block)

@@ -77,6 +77,7 @@ from . import pdl
 from .pdl import pdl_enter
 from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3
 from .interpreter import patch_interpreter
+from ..reference import MoEPartials
 
 patch_interpreter()
 
@@ -642,7 +643,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               block: tuple[int, int] = (128, 128), *, out: torch.Tensor | None = None,
-              config: dict | None = None, pair_blocks: bool | None = None, act_fp8: bool = False) -> torch.Tensor:
+              config: dict | None = None, pair_blocks: bool | None = None, act_fp8: bool = False,
+              reduce: bool = True) -> torch.Tensor | MoEPartials:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
 
     `act_fp8` (where act_fp8_supported): w8a8, i.e. both GEMMs' inputs quantised per row and
@@ -653,7 +655,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
     tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
     (token, slot) pair without alignment (True) or the aligned blocks (False); None: pair blocks
-    up to PAIR_BLOCKS_MAX_PAIRS pairs."""
+    up to PAIR_BLOCKS_MAX_PAIRS pairs. `reduce=False`: no sum launch, MoEPartials (the weighted
+    per-pair rows) for a consumer that sums them itself (mhc.mhc_post)."""
     n, d = x.shape
     top_k = ids.shape[1]
     e, i, _ = w_gate.shape
@@ -737,6 +740,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
              SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
+    if not reduce:
+        return MoEPartials(y.view(n, top_k, d), ids, e)
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
                                               BLOCK_D=block_d, **launch, num_warps=4)

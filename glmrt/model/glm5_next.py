@@ -57,7 +57,9 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, meta, cache)
         streams = self.ops.mhc_post(h, streams, post, comb)
         post, comb, u = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        h = self.mlp(self.post_attention_layernorm(u))
+        x = self.post_attention_layernorm(u)
+        # the MoE's top-k sum is left to mhc_post where the ops can (one launch less per layer)
+        h = self.mlp(x, defer_sum=True) if isinstance(self.mlp, MoE) else self.mlp(x)
         return self.ops.mhc_post(h, streams, post, comb), sel
 
 

@@ -94,7 +94,9 @@ class MoE(nn.Module):
             self.shared_experts.weight_groups = ()
             self.weight_groups = (self.shared_slot,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, defer_sum: bool = False) -> torch.Tensor:
+        """`defer_sum`: the caller passes the result to ops.mhc_post, which also takes the ops'
+        MoEPartials (the top-k sum done there, not in its own launch)."""
         c = self.cfg
         slot = self.shared_slot if self.shared_slot is not None and self.shared_slot.fused else None
         weights, ids = self.ops.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
@@ -105,7 +107,7 @@ class MoE(nn.Module):
         if slot is not None:  # the shared expert is pick k+1 (weight 1) of every token
             scales = tuple(slot.scales[p] for p in slot.PROJ) if slot.scales else None
             return self.ops.moe_experts(x, ids, weights, *(slot.tensors[p] for p in slot.PROJ),
-                                        c.swiglu_limit, scales, ex.gate_proj.block)
+                                        c.swiglu_limit, scales, ex.gate_proj.block, defer_sum=defer_sum)
         scales = None
         if ex.gate_proj.is_fp8:
             scales = (ex.gate_proj.weight_scale_inv, ex.up_proj.weight_scale_inv, ex.down_proj.weight_scale_inv)

@@ -325,6 +325,21 @@ def test_fused_moe_w8a8_prequantised(device, monkeypatch, name, config):
     assert _rel(pre, inside) < (1e-6 if _INTERPRET else 2.5e-2)
 
 
+@pytest.mark.parametrize("pair_blocks", [True, False])
+def test_fused_moe_unreduced(device, pair_blocks):
+    """reduce=False leaves the top-k sum to the consumer: MoEPartials whose reduce() is the
+    reduced result bit for bit (the same fp32 sum, one rounding)."""
+    from backends.reference import MoEPartials
+
+    g = _gen("unreduced", pair_blocks)
+    x, ids, weights, ws, scales = _to(device, *_problem(g, 5, 64, 96, 6, 3, torch.bfloat16, False))
+    ids[2, 1] = -1
+    out = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, pair_blocks=pair_blocks)
+    parts = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, pair_blocks=pair_blocks, reduce=False)
+    assert isinstance(parts, MoEPartials) and parts.y.shape == (5, 3, 64) and parts.num_experts == 6
+    assert torch.equal(parts.reduce().cpu(), out.cpu())
+
+
 def test_fused_moe_w8a8_falls_back():
     """act_fp8 applies to e4m3 weights with 16-bit activations and K blocks of 32..256 only (an
     fp8 MMA needs K >= 32); the reference and the kernels agree on where (else both are w8a16)."""

@@ -208,6 +208,37 @@ def test_mhc_post(device, dtype, m, d, n):
     assert _rel(out, ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_post_sums_moe_partials(device, dtype):
+    """mhc_post taking an MoE's unsummed rows (MoEPartials: the fused MoE's reduce=False) sums
+    them as the MoE's own sum launch does (fp32, one rounding; pairs with ids outside [0, E)
+    count as zero even where their rows hold garbage): the same bits as summing first, and
+    CudaH200Ops.mhc_post takes the partials on both the kernel and the reference path."""
+    from backends.cuda_h200 import CudaH200Ops
+    from backends.reference import MoEPartials
+
+    g = _gen("post-partials", str(dtype))
+    n, m, d, k, e = 5, 4, 96, 3, 6
+    streams = torch.randn(n, m, d, generator=g).to(dtype)
+    y = torch.randn(n, k, d, generator=g).to(dtype)
+    ids = torch.randint(0, e, (n, k), generator=g)
+    ids[1, 2], ids[3, 0] = -1, e                        # dropped pairs
+    y[1, 2], y[3, 0] = float("nan"), float("inf")       # their rows are never written: anything
+    post = 2 * torch.rand(n, m, generator=g)
+    comb = torch.rand(n, m, m, generator=g)
+    comb = comb / comb.sum(-2, keepdim=True)
+    parts = MoEPartials(y.to(device), ids.to(device), e)
+    summed = parts.reduce()
+    assert not torch.isnan(summed).any() and not torch.isinf(summed).any()
+    dev = [t.to(device) for t in (streams, post, comb)]
+    fused = mhc_post(parts.y, dev[0], dev[1], dev[2], ids=parts.ids, num_experts=e, block_d=32)
+    assert torch.equal(fused.cpu(), mhc_post(summed, dev[0], dev[1], dev[2], block_d=32).cpu())
+    ops = CudaH200Ops()
+    assert torch.equal(ops.mhc_post(parts, *dev).cpu(), fused.cpu())
+    ref = REF.mhc_post(MoEPartials(y, ids, e), streams, post, comb)
+    assert _rel(fused, ref) < _tol(dtype)
+
+
 # ---- the ops ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_h200_ops_chain(device, dtype):
