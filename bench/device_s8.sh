@@ -8,7 +8,10 @@
 #   tiles: GPU tests (swapped w8a8 linear tiles, the prequantised MoE bound); bench.fp8_linear_h200's
 #          w8a8 tile sweep at 64 rows with swapped tiles; a finer KDA decode sweep; bench.decode_profile
 #          at batch 1 bf16 with skinny measured / all, at batch 64 fp8 with the KDA tiles 32x4x2 / 32x2x2
-#     bash bench/device_s8.sh align|tiles
+#   fused: GPU tests (mhc_pre_norm's one launch, the MoE sum in mhc_post, the alignment, the KDA
+#          tiles, the tiny model end to end with PDL); bench.decode_profile at batch 1 bf16 with skinny
+#          measured / all, at batch 64 bf16 and fp8 (w8a8)
+#     bash bench/device_s8.sh align|tiles|fused
 source bench/device_common.sh
 case "${1:-}" in
   align)
@@ -35,5 +38,12 @@ case "${1:-}" in
     rm -f "$OUT/kda_h200.json"
     TBOX=120 profile profile_b1 --batches 1 --quantization bf16 --skinny measured,all
     TBOX=$(( $(left) - 5 )) profile profile_b64 --batches 64 --quantization fp8 --kda-tile 32x4x2,32x2x2 ;;
-  *) echo "usage: bash bench/device_s8.sh align|tiles"; exit 2 ;;
+  fused)
+    tests 120 "pre_norm or partials or unreduced or align or launch_shapes or ops_chain" \
+      tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_moe.py tests/backends/test_triton_kda.py
+    mv "$OUT/t_gpu.txt" "$OUT/t_gpu_kernels.txt"
+    tests 150 "tiny" tests/backends/test_triton_kernels.py tests/backends/test_pdl.py
+    TBOX=110 profile profile_b1 --batches 1 --quantization bf16 --skinny measured,all
+    TBOX=$(( $(left) - 5 )) profile profile_b64 --batches 64 --quantization bf16,fp8 ;;
+  *) echo "usage: bash bench/device_s8.sh align|tiles|fused"; exit 2 ;;
 esac
