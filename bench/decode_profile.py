@@ -108,6 +108,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--align", default="parallel",
                    help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
+    p.add_argument("--mhc-fused-norm", default="4",
+                   help="mhc.FUSED_NORM_MAX_TOKENS (mHC pre + RMSNorm in one launch up to this many tokens; 0: "
+                        "never), side by side")
     p.add_argument("--kda-tile", default="table",
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
     p.add_argument("--fp8-act", default="dynamic",
@@ -126,11 +129,13 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        for b, fused, pd, sk, act, mt, mp, al, kt in itertools.product(
+        for b, fused, pd, sk, act, mt, mp, al, kt, fnm in itertools.product(
                 [int(x) for x in args.batches.split(",")], *(v.split(",") for v in (
                     args.fused_small_ops, args.pdl, args.skinny)), acts,
-                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile))):
+                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile,
+                                         args.mhc_fused_norm))):
             mhc.DECODE_PRECISION = mp
+            mhc.FUSED_NORM_MAX_TOKENS = int(fnm)
             fused_moe.SMALL_ALIGN_MODE = al
             kda.DECODE_LAUNCH = None if kt == "table" else dict(
                 zip(("BV", "num_warps", "num_stages"), (int(v) for v in kt.split("x"))))
@@ -142,8 +147,8 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, kda_default))
-                                              if v != d]))
+                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, kda_default),
+                                                            (f"prenorm{fnm}", "prenorm4")) if v != d]))
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])

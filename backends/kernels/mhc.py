@@ -249,7 +249,7 @@ def _mhc_pre_norm_last_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, H, NW,
                               N, stride_xn, stride_fn, stride_hn, M, D, k_per, n_split, iters, hc_eps, norm_eps,
                               out_eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                              PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                              PRECISION: tl.constexpr, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False):
     """A few tokens (decode at batch 1-4) in ONE launch: mhc_pre and the RMSNorm after it.
     Program s computes the mix partials of K split s (as _mhc_mix_kernel); the last program to
     finish (an atomic count) does the whole epilogue: the partial sums, gates, Sinkhorn, the
@@ -299,23 +299,32 @@ def _mhc_pre_norm_last_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, H, NW,
             t64 = tl.zeros([], dtype=tl.int64) + t
             x_row = X + t64 * stride_xn
             h_row = H + t64 * stride_hn
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):  # collapse: u = Σ_i pre[i] X[i] (fp32), rounded; Σ u²
-                dd = d0 + offs_d
-                d_ok = dd < D
-                x = tl.load(x_row + offs_m[:, None] * D + dd[None, :], mask=m_ok[:, None] & d_ok[None, :],
+            if ONE_PASS:  # the whole [M, D] row in registers: one load, one store, no re-read
+                d_ok = offs_d < D
+                x = tl.load(x_row + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
                             other=0.0).to(tl.float32)
+                w = tl.load(NW + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
                 u = tl.sum(x * pre[:, None], 0).to(dt).to(tl.float32)
-                acc += u * u
-                tl.store(h_row + dd, u.to(dt), mask=d_ok)
-            rr = tl.rsqrt(tl.sum(acc, 0) / D + out_eps)
-            tl.debug_barrier()
-            for d0 in range(0, D, BLOCK_D):  # h = w · (u · rsqrt(mean u² + eps) rounded)
-                dd = d0 + offs_d
-                d_ok = dd < D
-                u = tl.load(h_row + dd, mask=d_ok, other=0.0).to(tl.float32)
-                w = tl.load(NW + dd, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-                tl.store(h_row + dd, (w * (u * rr).to(dt).to(tl.float32)).to(dt), mask=d_ok)
+                rr = tl.rsqrt(tl.sum(u * u, 0) / D + out_eps)
+                tl.store(h_row + offs_d, (w * (u * rr).to(dt).to(tl.float32)).to(dt), mask=d_ok)
+            else:
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):  # collapse: u = Σ_i pre[i] X[i] (fp32), rounded; Σ u²
+                    dd = d0 + offs_d
+                    d_ok = dd < D
+                    x = tl.load(x_row + offs_m[:, None] * D + dd[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                                other=0.0).to(tl.float32)
+                    u = tl.sum(x * pre[:, None], 0).to(dt).to(tl.float32)
+                    acc += u * u
+                    tl.store(h_row + dd, u.to(dt), mask=d_ok)
+                rr = tl.rsqrt(tl.sum(acc, 0) / D + out_eps)
+                tl.debug_barrier()
+                for d0 in range(0, D, BLOCK_D):  # h = w · (u · rsqrt(mean u² + eps) rounded)
+                    dd = d0 + offs_d
+                    d_ok = dd < D
+                    u = tl.load(h_row + dd, mask=d_ok, other=0.0).to(tl.float32)
+                    w = tl.load(NW + dd, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+                    tl.store(h_row + dd, (w * (u * rr).to(dt).to(tl.float32)).to(dt), mask=d_ok)
 
 
 def _decode_splits(k: int, nblocks: int, block_k: int = 64) -> int:
@@ -411,6 +420,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 # Up to this many tokens mhc_pre_norm is one launch (_mhc_pre_norm_last_kernel); the last
 # program's epilogue loops over the tokens, so it only pays at decode's smallest batches.
 FUSED_NORM_MAX_TOKENS = 4
+FUSED_ONE_PASS = 16384
 _COUNTERS: dict = {}
 
 
@@ -444,12 +454,16 @@ def mhc_pre_norm(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
     zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
     ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
+    # the last program's collapse + norm: one pass over the [M, D] row where it fits (M·D <=
+    # FUSED_ONE_PASS elements: 64 fp32 registers a thread at 8 warps), else D tiles, stored then re-read
+    one_pass = bm * triton.next_power_of_2(d) <= FUSED_ONE_PASS
+    block_d = triton.next_power_of_2(d) if one_pass else max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
     _mhc_pre_norm_last_kernel[(n_split,)](
         x, fn, base.contiguous(), scale.contiguous(), zp, zc, ss, post, comb, h, weight.contiguous(), _counter(dev),
         n, x.stride(0), fn.stride(0), h.stride(0), m, d, k_per, n_split, int(sinkhorn_iters), float(hc_eps),
         float(norm_eps), float(eps), BLOCK_N=16, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-        BLOCK_D=max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm)), BLOCK_S=triton.next_power_of_2(n_split),
-        PRECISION=precision, **pdl.launch(dev), num_warps=4)
+        BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_split), PRECISION=precision, ONE_PASS=one_pass,
+        **pdl.launch(dev), num_warps=8)
     return post, comb, h
 
 

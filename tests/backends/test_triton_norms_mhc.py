@@ -189,7 +189,8 @@ def test_mhc_pre_many_tokens(device):
 
 
 @pytest.mark.parametrize("dtype,m,d,n", [(torch.bfloat16, 4, 4096, 1), (torch.bfloat16, 4, 1100, 3),
-                                         (torch.float32, 3, 96, 4), (torch.bfloat16, 8, 64, 2)])
+                                         (torch.float32, 3, 96, 4), (torch.bfloat16, 8, 64, 2),
+                                         (torch.bfloat16, 8, 2100, 2)])  # M·D past FUSED_ONE_PASS: D tiles
 def test_mhc_pre_norm_one_launch(device, dtype, m, d, n):
     """mhc_pre and the RMSNorm after it in one launch (decode at batch 1-4): the last K-split
     program to finish does the whole epilogue. The same post/comb as mhc_pre's split launches and
@@ -258,7 +259,11 @@ def test_mhc_post_sums_moe_partials(device, dtype):
     assert not torch.isnan(summed).any() and not torch.isinf(summed).any()
     dev = [t.to(device) for t in (streams, post, comb)]
     fused = mhc_post(parts.y, dev[0], dev[1], dev[2], ids=parts.ids, num_experts=e, block_d=32)
-    assert torch.equal(fused.cpu(), mhc_post(summed, dev[0], dev[1], dev[2], block_d=32).cpu())
+    first = mhc_post(summed, dev[0], dev[1], dev[2], block_d=32)
+    if dtype == torch.bfloat16 or _INTERPRET:
+        assert torch.equal(fused.cpu(), first.cpu())
+    else:  # compiled fp32: the compiler may contract the two kernels' products differently (H200: 1 ulp)
+        assert _rel(fused, first) < 1e-6
     ops = CudaH200Ops()
     assert torch.equal(ops.mhc_post(parts, *dev).cpu(), fused.cpu())
     ref = REF.mhc_post(MoEPartials(y, ids, e), streams, post, comb)
