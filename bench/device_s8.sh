@@ -11,7 +11,11 @@
 #   fused: GPU tests (mhc_pre_norm's one launch, the MoE sum in mhc_post, the alignment, the KDA
 #          tiles, the tiny model end to end with PDL); bench.decode_profile at batch 1 bf16 with skinny
 #          measured / all, at batch 64 bf16 and fp8 (w8a8)
-#     bash bench/device_s8.sh align|tiles|fused
+#   final: GPU tests (mhc_pre_norm's one-pass and tiled epilogues, the partials' bound);
+#          bench.decode_profile: batch 1 bf16 with mHC pre + norm fused (up to 4 tokens) and not, two
+#          captures each; bf16 at 16, 64, 128; fp8 (w8a8) at 64, two captures; the tiny-model PDL
+#          tests with the time left
+#     bash bench/device_s8.sh align|tiles|fused|final
 source bench/device_common.sh
 case "${1:-}" in
   align)
@@ -45,5 +49,12 @@ case "${1:-}" in
     tests 150 "tiny" tests/backends/test_triton_kernels.py tests/backends/test_pdl.py
     TBOX=110 profile profile_b1 --batches 1 --quantization bf16 --skinny measured,all
     TBOX=$(( $(left) - 5 )) profile profile_b64 --batches 64 --quantization bf16,fp8 ;;
-  *) echo "usage: bash bench/device_s8.sh align|tiles|fused"; exit 2 ;;
+  final)
+    tests 70 "pre_norm or partials" tests/backends/test_triton_norms_mhc.py
+    mv "$OUT/t_gpu.txt" "$OUT/t_gpu_kernels.txt"
+    TBOX=150 profile profile_b1 --batches 1,1 --quantization bf16 --mhc-fused-norm 4,0
+    TBOX=150 profile profile_bf16 --batches 16,64,128 --quantization bf16
+    TBOX=110 profile profile_fp8 --batches 64,64 --quantization fp8
+    tests $(( $(left) - 5 )) "tiny" tests/backends/test_pdl.py ;;
+  *) echo "usage: bash bench/device_s8.sh align|tiles|fused|final"; exit 2 ;;
 esac
