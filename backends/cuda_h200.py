@@ -173,29 +173,15 @@ class CudaH200Ops(ReferenceOps):
                 return norms.gated_rms_norm(x, gate, weight, eps)
         return super().gated_rms_norm(x, gate, weight, eps)
 
-    @staticmethod
-    def _mhc_kernel_takes(streams: torch.Tensor, fn: torch.Tensor, *params: torch.Tensor) -> bool:
-        m = streams.shape[1] if streams.dim() == 3 else 0
-        return ((streams.is_cuda or _interpreting()) and 1 <= m <= 8
-                and tuple(fn.shape) == ((2 + m) * m, m * streams.shape[2])
-                and all(t.device == streams.device for t in (fn, *params)))
-
     def mhc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-        if not self._mhc_kernel_takes(streams, fn, base, scale):
+        m = streams.shape[1] if streams.dim() == 3 else 0
+        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8
+                or tuple(fn.shape) != ((2 + m) * m, m * streams.shape[2])
+                or any(t.device != streams.device for t in (fn, base, scale))):
             return super().mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
         from .kernels.mhc import mhc_pre
         return mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-
-    def mhc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     sinkhorn_iters: int, hc_eps: float, norm_eps: float, weight: torch.Tensor, eps: float):
-        """Up to mhc.FUSED_NORM_MAX_TOKENS tokens one launch (mhc_pre_norm); else mhc_pre, rms_norm."""
-        from .kernels import mhc
-        if (self._mhc_kernel_takes(streams, fn, base, scale, weight) and streams.shape[0] <= mhc.FUSED_NORM_MAX_TOKENS
-                and streams.shape[0] > 0 and weight.dim() == 1 and weight.shape[0] == streams.shape[2]
-                and streams.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-            return mhc.mhc_pre_norm(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight, eps)
-        return super().mhc_pre_norm(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight, eps)
 
     def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
                  comb: torch.Tensor) -> torch.Tensor:

@@ -176,13 +176,6 @@ class ReferenceOps:
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
-    def mhc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     sinkhorn_iters: int, hc_eps: float, norm_eps: float, weight: torch.Tensor, eps: float):
-        """mhc_pre with the layer's RMSNorm applied to the collapsed stream: (post, comb,
-        rms_norm(collapsed, weight, eps)). One op so that a backend may fuse the two."""
-        post, comb, u = self.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-        return post, comb, self.rms_norm(u, weight, eps)
-
     def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
                  comb: torch.Tensor) -> torch.Tensor:
         """X'[j] = post[j] * y + sum_i comb[i, j] X[i], in the model dtype (as HF does)."""

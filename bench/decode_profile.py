@@ -40,7 +40,10 @@ def count_experts(model, step) -> int:
     return sum(seen)
 
 
-def profile_batch(model, b: int, ctx: int, args) -> dict:
+def capture_step(model, b: int, ctx: int):
+    """b requests with ctx-token prompts, one eager decode step (the experts it reaches counted),
+    then the decode step captured in a CUDA graph. -> (graph, experts touched, what keeps the
+    graph's memory alive)."""
     from glmrt.engine.cuda_graphs import DecodeGraphs
     from glmrt.model.session import DirectSession
 
@@ -62,7 +65,11 @@ def profile_batch(model, b: int, ctx: int, args) -> dict:
     key = graphs.key(b, max(n // 64 + 1 for n in lens))
     slots, pages = [sess.slots[r] for r in rids], [sess.pages[r] for r in rids]
     graphs.run(key, torch.randint(10, vocab, (b,), generator=gen).tolist(), lens, slots, pages)  # captures
-    graph = graphs.graphs[key][0]
+    return graphs.graphs[key][0], touched, (sess, graphs)
+
+
+def profile_batch(model, b: int, ctx: int, args) -> dict:
+    graph, touched, _keep = capture_step(model, b, ctx)
     rep = replay_ms(graph)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.reps):
@@ -88,6 +95,52 @@ def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float
     return floor_ms(e, b, ctx, experts_touched=experts_touched)
 
 
+def interleaved(args, cfg) -> list[dict]:
+    """Every (weights, batch) step captured first, all models on the GPU at once, then replayed in
+    turn for args.interleave rounds: clock and thermal drift hit every row alike, and bf16 / fp8
+    is a ratio of paired rounds (the fifth-to-eighth sessions saw the same step differ by 3%
+    between runs)."""
+    import statistics
+
+    from backends.cuda_h200 import CudaH200Ops
+    from glmrt.model.loader import load_dummy
+
+    steps, keep = {}, []
+    for quant in args.quantization.split(","):
+        model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
+                           with_vision=False, quantization=None if quant == "bf16" else quant)
+        if quant != "bf16":
+            model.ops.fp8_activations = args.fp8_act.split(",")[0]
+        for b in (int(x) for x in args.batches.split(",")):
+            graph, touched, alive = capture_step(model, b, args.context)
+            steps[(quant, b)] = (graph, touched, model)
+            keep.append(alive)
+    times = {k: [] for k in steps}
+    for _ in range(args.interleave):
+        for k, (graph, _, _) in steps.items():
+            times[k].append(replay_ms(graph))
+    rows = []
+    for (quant, b), (graph, touched, model) in steps.items():
+        ts = times[(quant, b)]
+        row = dict(weights=quant, batch=b, rounds=len(ts), median_ms=statistics.median(ts), min_ms=min(ts),
+                   max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
+                   floor_routed_ms=_floor(model, b, args.context, touched))
+        if quant != "bf16" and ("bf16", b) in times:
+            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b)], ts))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    write_out("decode_profile.json", rows)
+    print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
+          f"{torch.cuda.get_device_name()}, context {args.context}")
+    print(f"{'weights':>7} {'batch':>5} {'median ms':>9} {'min':>7} {'max':>7} {'routed floor':>12} {'/routed':>7} "
+          f"{'bf16/this (paired)':>18}")
+    for r in rows:
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} {r['max_ms']:>7.3f} "
+              f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
+              f"{r.get('bf16_over_this', float('nan')):>18.3f}")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-4l")
@@ -108,13 +161,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--align", default="parallel",
                    help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
-    p.add_argument("--mhc-fused-norm", default="4",
-                   help="mhc.FUSED_NORM_MAX_TOKENS (mHC pre + RMSNorm in one launch up to this many tokens; 0: "
-                        "never), side by side")
     p.add_argument("--kda-tile", default="table",
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
+    p.add_argument("--interleave", type=int, default=0,
+                   help="R > 0: no profile; every (weights, batch) step captured, then replayed in turn R rounds "
+                        "(medians, and bf16 / fp8 of paired rounds)")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
@@ -124,18 +177,18 @@ def main(argv=None) -> list[dict]:
     from glmrt.model.loader import load_dummy
 
     cfg = preset_config(args.preset)
+    if args.interleave:
+        return interleaved(args, cfg)
     rows = []
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        for b, fused, pd, sk, act, mt, mp, al, kt, fnm in itertools.product(
+        for b, fused, pd, sk, act, mt, mp, al, kt in itertools.product(
                 [int(x) for x in args.batches.split(",")], *(v.split(",") for v in (
                     args.fused_small_ops, args.pdl, args.skinny)), acts,
-                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile,
-                                         args.mhc_fused_norm))):
+                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile))):
             mhc.DECODE_PRECISION = mp
-            mhc.FUSED_NORM_MAX_TOKENS = int(fnm)
             fused_moe.SMALL_ALIGN_MODE = al
             kda.DECODE_LAUNCH = None if kt == "table" else dict(
                 zip(("BV", "num_warps", "num_stages"), (int(v) for v in kt.split("x"))))
@@ -147,8 +200,8 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, kda_default),
-                                                            (f"prenorm{fnm}", "prenorm4")) if v != d]))
+                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, kda_default))
+                                              if v != d]))
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the issue's floors)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])

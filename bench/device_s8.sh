@@ -15,7 +15,10 @@
 #          bench.decode_profile: batch 1 bf16 with mHC pre + norm fused (up to 4 tokens) and not, two
 #          captures each; bf16 at 16, 64, 128; fp8 (w8a8) at 64, two captures; the tiny-model PDL
 #          tests with the time left
-#     bash bench/device_s8.sh align|tiles|fused|final
+#   paired: GPU tests (the MoE partials); bench.decode_profile --interleave 7: bf16 and fp8 (w8a8) at
+#          batch 1 and 64 captured side by side on one GPU and replayed in turn; the tiny-model PDL
+#          tests, time-boxed
+#     bash bench/device_s8.sh align|tiles|fused|final|paired
 source bench/device_common.sh
 case "${1:-}" in
   align)
@@ -56,5 +59,13 @@ case "${1:-}" in
     TBOX=150 profile profile_bf16 --batches 16,64,128 --quantization bf16
     TBOX=110 profile profile_fp8 --batches 64,64 --quantization fp8
     tests $(( $(left) - 5 )) "tiny" tests/backends/test_pdl.py ;;
-  *) echo "usage: bash bench/device_s8.sh align|tiles|fused|final"; exit 2 ;;
+  paired)
+    tests 60 "partials or unreduced" tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_moe.py
+    mv "$OUT/t_gpu.txt" "$OUT/t_gpu_kernels.txt"
+    timeout 200 python3 -m bench.decode_profile --batches 1,64 --quantization bf16,fp8 --interleave 7 \
+      > "$OUT/paired.txt" 2>&1
+    tail -n 8 "$OUT/paired.txt"
+    mv "$OUT/decode_profile.json" "$OUT/paired.json" 2> /dev/null
+    tests 120 "tiny" tests/backends/test_pdl.py ;;
+  *) echo "usage: bash bench/device_s8.sh align|tiles|fused|final|paired"; exit 2 ;;
 esac

@@ -244,104 +244,6 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
                      mask=n_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _mhc_pre_norm_last_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, H, NW, COUNTER,
-                              N, stride_xn, stride_fn, stride_hn, M, D, k_per, n_split, iters, hc_eps, norm_eps,
-                              out_eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                              PRECISION: tl.constexpr, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = False):
-    """A few tokens (decode at batch 1-4) in ONE launch: mhc_pre and the RMSNorm after it.
-    Program s computes the mix partials of K split s (as _mhc_mix_kernel); the last program to
-    finish (an atomic count) does the whole epilogue: the partial sums, gates, Sinkhorn, the
-    collapse u and h = rms_norm(u) (u rounded to the stream dtype first, then normalised as
-    norms.rms_norm does). Two launches fewer per call than mix + epilogue + norm, which at
-    these sizes are each a few µs of latency, not of work."""
-    pdl_enter(PDL)
-    s = tl.program_id(0)
-    K = M * D
-    tok = tl.arange(0, BLOCK_N)
-    n_ok = tok < N
-    k_lo = s * k_per
-    zp, zc, ss = _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, k_lo, tl.minimum(k_lo + k_per, K),
-                          BLOCK_N, BLOCK_K, BLOCK_M, BLOCK_PP, PRECISION)
-    BMM: tl.constexpr = BLOCK_M * BLOCK_M
-    offs_pp = tl.arange(0, BLOCK_PP)
-    offs_q = tl.arange(0, BMM)
-    row = (s * N + tok).to(tl.int64)
-    tl.store(ZP + row[:, None] * BLOCK_PP + offs_pp[None, :], zp, mask=n_ok[:, None])
-    tl.store(ZC + row[:, None] * BMM + offs_q[None, :], zc, mask=n_ok[:, None])
-    tl.store(SS + row, ss, mask=n_ok)
-    # every thread's stores are ordered before the (one-thread) release of the count: the CUDA
-    # threadfence-reduction pattern; the last program reads the partials past L1 (.cg)
-    tl.debug_barrier()
-    if tl.atomic_add(COUNTER, 1, sem="acq_rel") == n_split - 1:
-        tl.store(COUNTER, 0)  # ready for the next launch (graph replays reuse the counter)
-        dt = H.dtype.element_ty
-        offs_s = tl.arange(0, BLOCK_S)
-        s_ok = offs_s < n_split
-        offs_m = tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
-        offs_d = tl.arange(0, BLOCK_D)
-        one = tl.arange(0, 1)
-        for t in range(0, N):
-            rows = (offs_s * N + t).to(tl.int64)
-            zp1 = tl.sum(tl.load(ZP + rows[:, None] * BLOCK_PP + offs_pp[None, :], mask=s_ok[:, None], other=0.0,
-                                 cache_modifier=".cg"), 0)
-            zc1 = tl.sum(tl.load(ZC + rows[:, None] * BMM + offs_q[None, :], mask=s_ok[:, None], other=0.0,
-                                 cache_modifier=".cg"), 0)
-            ss1 = tl.sum(tl.load(SS + rows, mask=s_ok, other=0.0, cache_modifier=".cg"), 0)
-            r = tl.rsqrt(ss1 / K + norm_eps)
-            zp1 = (zp1 * r)[None, :]
-            zc1 = (zc1 * r)[None, :]
-            pre = tl.sum(_mhc_gate_pre(zp1, BASE, SCALE, M, hc_eps, BLOCK_M, BLOCK_PP), 0)     # [BM]
-            t1 = (one + t).to(tl.int64)
-            _mhc_post_comb(zp1, zc1, t1, t1 < N, BASE, SCALE, POST, COMB, M, iters, hc_eps, 1, BLOCK_M, BLOCK_PP)
-            t64 = tl.zeros([], dtype=tl.int64) + t
-            x_row = X + t64 * stride_xn
-            h_row = H + t64 * stride_hn
-            if ONE_PASS:  # the whole [M, D] row in registers: one load, one store, no re-read
-                d_ok = offs_d < D
-                x = tl.load(x_row + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                            other=0.0).to(tl.float32)
-                w = tl.load(NW + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-                u = tl.sum(x * pre[:, None], 0).to(dt).to(tl.float32)
-                rr = tl.rsqrt(tl.sum(u * u, 0) / D + out_eps)
-                tl.store(h_row + offs_d, (w * (u * rr).to(dt).to(tl.float32)).to(dt), mask=d_ok)
-            else:
-                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_D):  # collapse: u = Σ_i pre[i] X[i] (fp32), rounded; Σ u²
-                    dd = d0 + offs_d
-                    d_ok = dd < D
-                    x = tl.load(x_row + offs_m[:, None] * D + dd[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                                other=0.0).to(tl.float32)
-                    u = tl.sum(x * pre[:, None], 0).to(dt).to(tl.float32)
-                    acc += u * u
-                    tl.store(h_row + dd, u.to(dt), mask=d_ok)
-                rr = tl.rsqrt(tl.sum(acc, 0) / D + out_eps)
-                tl.debug_barrier()
-                for d0 in range(0, D, BLOCK_D):  # h = w · (u · rsqrt(mean u² + eps) rounded)
-                    dd = d0 + offs_d
-                    d_ok = dd < D
-                    u = tl.load(h_row + dd, mask=d_ok, other=0.0).to(tl.float32)
-                    w = tl.load(NW + dd, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-                    tl.store(h_row + dd, (w * (u * rr).to(dt).to(tl.float32)).to(dt), mask=d_ok)
-
-
-def _decode_splits(k: int, nblocks: int, block_k: int = 64) -> int:
-    """K splits of the mix for nblocks token blocks: none once the blocks fill the chip."""
-    if nblocks * 2 >= _NUM_SMS_GUESS:
-        return 1
-    return max(1, min(triton.cdiv(k, 2 * block_k), 2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
-
-
-def _split_layout(k: int, split: int, precision: str, block_k: int = 64) -> tuple[int, int, int]:
-    """(the mix's K tile, K columns per split, splits) for about `split` splits."""
-    # tf32x3 keeps three products' operands live: 64-wide K tiles (128 spilled 528 B on sm_90)
-    mix_k = (_SPLIT_BLOCK_K if precision == "ieee" else _SPLIT_BLOCK_K // 2) if split > 1 else block_k
-    k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k
-    return mix_k, k_per, triton.cdiv(k, k_per)
-
-
 def _block_m(m: int) -> int:
     assert 1 <= m <= 8, f"mhc kernels support 1 <= M <= 8 streams, got {m}"
     return max(4, triton.next_power_of_2(m))
@@ -382,12 +284,16 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         return post, comb, u
     nblocks = triton.cdiv(n, block_n or 16)
     if split is None:
-        split = _decode_splits(k, nblocks, block_k)
+        split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
+                                                                    2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
     large = split == 1 and n >= _LARGE_N
     block_n = block_n or (64 if large else 16)
     precision = precision or ("tf32x3" if large else DECODE_PRECISION)
     nblocks = triton.cdiv(n, block_n)
-    mix_k, k_per, n_split = _split_layout(k, split, precision, block_k)
+    # tf32x3 keeps three products' operands live: 64-wide K tiles (128 spilled 528 B on sm_90)
+    mix_k = (_SPLIT_BLOCK_K if precision == "ieee" else _SPLIT_BLOCK_K // 2) if split > 1 else block_k
+    k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k
+    n_split = triton.cdiv(k, k_per)
     # The epilogue needs no tl.dot when the partials come from the split kernel: one token per
     # program there, so that the partial sums, Sinkhorn and the collapse over D (M·D model-dtype
     # values per token) spread over N programs instead of N/16 (the H200 decode profile: at
@@ -415,56 +321,6 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                           BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
                           PRECISION=precision, **pdl.launch(x.device), num_warps=_SPLIT_WARPS if split_epi else 4)
     return post, comb, u
-
-
-# Up to this many tokens mhc_pre_norm is one launch (_mhc_pre_norm_last_kernel); the last
-# program's epilogue loops over the tokens, so it only pays at decode's smallest batches.
-FUSED_NORM_MAX_TOKENS = 4
-FUSED_ONE_PASS = 16384
-_COUNTERS: dict = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 the one-launch kernel counts its finished programs in (and resets)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
-def mhc_pre_norm(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                 sinkhorn_iters: int, hc_eps: float, norm_eps: float, weight: torch.Tensor, eps: float,
-                 *, precision: str | None = None):
-    """(post, comb, rms_norm(collapsed, weight, eps)) of mhc_pre in one launch, for at most
-    FUSED_NORM_MAX_TOKENS tokens: ReferenceOps.mhc_pre followed by ReferenceOps.rms_norm."""
-    n, m, d = streams.shape
-    if not 1 <= n <= FUSED_NORM_MAX_TOKENS:
-        raise ValueError(f"mhc_pre_norm takes 1..{FUSED_NORM_MAX_TOKENS} tokens, got {n}")
-    k = m * d
-    assert fn.shape == ((2 + m) * m, k) and weight.shape == (d,), (fn.shape, weight.shape)
-    bm = _block_m(m)
-    x = streams if streams.is_contiguous() else streams.contiguous()
-    fn = fn if fn.is_contiguous() else fn.contiguous()
-    dev = streams.device
-    post = torch.empty(n, m, dtype=torch.float32, device=dev)
-    comb = torch.empty(n, m, m, dtype=torch.float32, device=dev)
-    h = torch.empty(n, d, dtype=streams.dtype, device=dev)
-    precision = precision or DECODE_PRECISION
-    # mhc_pre's decode splits (the same partials, so the same post and comb bits)
-    mix_k, k_per, n_split = _split_layout(k, max(2, _decode_splits(k, 1)), precision)
-    zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
-    zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
-    ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
-    # the last program's collapse + norm: one pass over the [M, D] row where it fits (M·D <=
-    # FUSED_ONE_PASS elements: 64 fp32 registers a thread at 8 warps), else D tiles, stored then re-read
-    one_pass = bm * triton.next_power_of_2(d) <= FUSED_ONE_PASS
-    block_d = triton.next_power_of_2(d) if one_pass else max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
-    _mhc_pre_norm_last_kernel[(n_split,)](
-        x, fn, base.contiguous(), scale.contiguous(), zp, zc, ss, post, comb, h, weight.contiguous(), _counter(dev),
-        n, x.stride(0), fn.stride(0), h.stride(0), m, d, k_per, n_split, int(sinkhorn_iters), float(hc_eps),
-        float(norm_eps), float(eps), BLOCK_N=16, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-        BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(n_split), PRECISION=precision, ONE_PASS=one_pass,
-        **pdl.launch(dev), num_warps=8)
-    return post, comb, h
 
 
 @triton.jit
