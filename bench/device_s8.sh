@@ -18,7 +18,8 @@
 #   paired: GPU tests (the MoE partials); bench.decode_profile --interleave 7: bf16 and fp8 (w8a8) at
 #          batch 1 and 64 captured side by side on one GPU and replayed in turn; the tiny-model PDL
 #          tests, time-boxed
-#     bash bench/device_s8.sh align|tiles|fused|final|paired
+#   paired2: bench.decode_profile --interleave 5 at batch 1, 16, 64 and 128, bf16 and fp8 (w8a8)
+#     bash bench/device_s8.sh align|tiles|fused|final|paired|paired2
 source bench/device_common.sh
 case "${1:-}" in
   align)
@@ -67,5 +68,10 @@ case "${1:-}" in
     tail -n 8 "$OUT/paired.txt"
     mv "$OUT/decode_profile.json" "$OUT/paired.json" 2> /dev/null
     tests 120 "tiny" tests/backends/test_pdl.py ;;
-  *) echo "usage: bash bench/device_s8.sh align|tiles|fused|final|paired"; exit 2 ;;
+  paired2)
+    timeout 290 python3 -m bench.decode_profile --batches 1,16,64,128 --quantization bf16,fp8 --interleave 5 \
+      > "$OUT/paired2.txt" 2>&1
+    tail -n 12 "$OUT/paired2.txt"
+    mv "$OUT/decode_profile.json" "$OUT/paired2.json" 2> /dev/null ;;
+  *) echo "usage: bash bench/device_s8.sh align|tiles|fused|final|paired|paired2"; exit 2 ;;
 esac
