@@ -117,6 +117,17 @@ def max_blocks(m: int, num_experts: int, block_m: int) -> int:
 # ---------------------------------------------------------------------------------------
 # alignment
 # ---------------------------------------------------------------------------------------
+@triton.jit
+def _store_blocks(BLOCK_EXPERT, BLOCK_ROWS, bstart, nblk, jmax, expert, count, BLOCK_M: tl.constexpr):
+    """Block table entries of some experts: expert i's blocks are bstart[i] .. + nblk[i], each with
+    its real rows (the last one partial). jmax = max(nblk), reduced by the caller (the interpreter
+    cannot run reductions inside a nested helper; see _align_kernel)."""
+    for j in range(0, jmax):
+        has = j < nblk
+        tl.store(BLOCK_EXPERT + bstart + j, expert, mask=has)
+        tl.store(BLOCK_ROWS + bstart + j, tl.minimum(count - j * BLOCK_M, BLOCK_M), mask=has)
+
+
 # Sizes that change with the batch are not specialised on (no recompile per token count).
 @triton.jit(do_not_specialize=["M", "C", "NUM_BLOCKS"])
 def _align_kernel(IDS, COUNTS, BASE, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, C, E, NUM_BLOCKS,
@@ -170,11 +181,8 @@ def _align_kernel(IDS, COUNTS, BASE, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, C, E, 
         # block against every expert took NUM_BLOCKS/BB dependent [BB, EB] passes, ~290 blocks
         # worst case at decode: 13-71 µs a call on the H200.)
         nblk = tl.where(e_ok, padded // BLOCK_M, 0)
-        bstart = pstart // BLOCK_M
-        for j in range(0, tl.max(nblk, axis=0)):
-            has = j < nblk
-            tl.store(BLOCK_EXPERT + bstart + j, offs_e, mask=has)
-            tl.store(BLOCK_ROWS + bstart + j, tl.minimum(totals - j * BLOCK_M, BLOCK_M), mask=has)
+        _store_blocks(BLOCK_EXPERT, BLOCK_ROWS, pstart // BLOCK_M, nblk, tl.max(nblk, axis=0), offs_e, totals,
+                      BLOCK_M)
         offs_b = tl.arange(0, BB)
         for b0 in range(tl.sum(nblk, axis=0), NUM_BLOCKS, BB):
             bb = b0 + offs_b
@@ -221,11 +229,7 @@ def _align_parallel_kernel(IDS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, M, E, NUM_BLOC
     rank = tl.cumsum(match.to(tl.int32), axis=1) - 1
     tl.store(SORTED + start[:, None] + rank, offs[None, :], mask=match)
     nblk = (count + BLOCK_M - 1) // BLOCK_M
-    bstart = start // BLOCK_M
-    for j in range(0, tl.max(nblk, axis=0)):
-        has = j < nblk
-        tl.store(BLOCK_EXPERT + bstart + j, mine, mask=has)
-        tl.store(BLOCK_ROWS + bstart + j, tl.minimum(count - j * BLOCK_M, BLOCK_M), mask=has)
+    _store_blocks(BLOCK_EXPERT, BLOCK_ROWS, start // BLOCK_M, nblk, tl.max(nblk, axis=0), mine, count, BLOCK_M)
     offs_b = tl.arange(0, BB)
     for b0 in range(pid * BB, NUM_BLOCKS, G * BB):
         bb = b0 + offs_b
