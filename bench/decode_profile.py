@@ -70,7 +70,7 @@ def capture_step(model, b: int, ctx: int):
 
 def profile_batch(model, b: int, ctx: int, args) -> dict:
     graph, touched, _keep = capture_step(model, b, ctx)
-    rep = replay_ms(graph)
+    rep = replay_ms(graph, warm_s=args.warm_s)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.reps):
             graph.replay()
@@ -165,6 +165,10 @@ def main(argv=None) -> list[dict]:
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
+    p.add_argument("--warm-s", type=float, default=0.0,
+                   help="replay each captured step back to back this long before timing it (the eighth session's "
+                        "batch-1 step took 1.43-1.49 ms right after capture, 1.32-1.33 ms replayed in turn with "
+                        "the batch-64 steps: clocks, untested)")
     p.add_argument("--interleave", type=int, default=0,
                    help="R > 0: no profile; every (weights, batch) step captured, then replayed in turn R rounds "
                         "(medians, and bf16 / fp8 of paired rounds)")

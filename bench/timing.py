@@ -47,10 +47,16 @@ def event_ms(fn: Callable, n: int = 3) -> float:
     return statistics.median(times)
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
-    """Median event-timed replay of a captured graph (after 3 warm replays)."""
-    for _ in range(3):
+def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 20, warm_s: float = 0.0) -> float:
+    """Median event-timed replay of a captured graph, after 3 warm replays, or after replaying it
+    back to back for warm_s seconds (a GPU fresh from idle may not be at its working clocks yet)."""
+    t0 = time.perf_counter()
+    k = 0
+    while k < 3 or time.perf_counter() - t0 < warm_s:
         graph.replay()
+        k += 1
+        if k % 16 == 0:
+            torch.cuda.synchronize()  # the clock above measures the GPU's time, not the queue's
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
