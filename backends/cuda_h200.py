@@ -20,9 +20,12 @@ Overridden today (everything else is the reference):
   moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
                   (+ the shared expert's column when it is seated among the routed experts)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
-  mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype
+  mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
+                  rows (MoEPartials) and does its top-k sum on the way in
+  moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
-  kda             every batch, with fla-core: fused_recurrent in place (decode), chunk_kda (prefill)
+  kda             every batch, with fla-core: fused_recurrent in place (decode; our launch shape,
+                  kda.DECODE_LAUNCHES), chunk_kda (prefill)
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
