@@ -50,6 +50,12 @@ def act_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * s).flatten(-2)[..., :k]
 
 
+def w8a8_product(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x · dequant(weight)ᵀ in fp32 with x quantised as the w8a8 kernels do (act_quant_e4m3 per
+    K scale block): the reference product of every w8a8 GEMM (dense linear and MoE experts)."""
+    return F.linear(act_quant_e4m3(x, int(block[1])), dequantize_block_fp8(weight, scale_inv, block, torch.float32))
+
+
 def w8a8_possible(act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
     """Whether a product can quantise its activations (w8a8): e4m3 weights, 16-bit activations and a
     K scale block of 32..256 (one activation group per K tile; an fp8 MMA takes K >= 32: a 16-wide
@@ -112,8 +118,7 @@ class ReferenceOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
         if scale_inv is not None and self.uses_w8a8(x, weight, block):
-            w32 = dequantize_block_fp8(weight, scale_inv, block, torch.float32)
-            y = F.linear(act_quant_e4m3(x, int(block[1])), w32)
+            y = w8a8_product(x, weight, scale_inv, block)
             if bias is not None:
                 y = y + bias.to(x.dtype).float()
             return y.to(x.dtype)
@@ -216,30 +221,22 @@ class ReferenceOps:
         `defer_sum`: the caller also takes MoEPartials (its consumer is mhc_post); the reference
         sums here anyway."""
         out = torch.zeros_like(x)
-        flat_ids = ids.flatten()
         w8a8 = scales is not None and self.uses_w8a8(x, w_gate, block)
+        stacked = (w_gate, w_up, w_down)
 
-        def lin(a, w, s):  # w8a8: fp32 product of the quantised activations
-            return F.linear(act_quant_e4m3(a, int(block[1])), dequantize_block_fp8(w, s, block, torch.float32))
+        def proj(a, p, e):  # expert e's projection p (gate, up, down), in the model dtype
+            w = stacked[p][e]
+            if w8a8:  # the fp32 product, rounded where the w8a16 products round
+                return w8a8_product(a, w, scales[p][e], block).to(x.dtype)
+            if scales is not None:
+                return F.linear(a, dequantize_block_fp8(w, scales[p][e], block, x.dtype))
+            return F.linear(a, w.to(x.dtype))
 
-        for e in torch.unique(flat_ids).tolist():
+        for e in torch.unique(ids.flatten()).tolist():
             tok, kpos = torch.nonzero(ids == e, as_tuple=True)
             xe = x[tok]
-            if w8a8:  # rounded where the w8a16 path rounds
-                g = lin(xe, w_gate[e], scales[0][e]).to(x.dtype)
-                u = lin(xe, w_up[e], scales[1][e]).to(x.dtype)
-                ye = lin(self.swiglu(g, u, limit), w_down[e], scales[2][e]).to(x.dtype) * weights[tok, kpos, None]
-                out.index_add_(0, tok, ye.to(out.dtype))
-                continue
-            if scales is None:
-                g = F.linear(xe, w_gate[e].to(x.dtype))
-                u = F.linear(xe, w_up[e].to(x.dtype))
-                wd = w_down[e].to(x.dtype)
-            else:
-                g = F.linear(xe, dequantize_block_fp8(w_gate[e], scales[0][e], block, x.dtype))
-                u = F.linear(xe, dequantize_block_fp8(w_up[e], scales[1][e], block, x.dtype))
-                wd = dequantize_block_fp8(w_down[e], scales[2][e], block, x.dtype)
-            ye = F.linear(self.swiglu(g, u, limit), wd) * weights[tok, kpos, None]
+            h = self.swiglu(proj(xe, 0, e), proj(xe, 1, e), limit)
+            ye = proj(h, 2, e) * weights[tok, kpos, None]
             out.index_add_(0, tok, ye.to(out.dtype))
         return out
 

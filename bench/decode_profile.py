@@ -176,7 +176,6 @@ def main(argv=None) -> list[dict]:
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import fused_moe, kda, mhc, pdl
-    kda_default = "table"  # kda.DECODE_LAUNCHES by batch
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -204,7 +203,7 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, kda_default))
+                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, "table"))
                                               if v != d]))
             torch.cuda.empty_cache()  # the batch's session and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the floors)

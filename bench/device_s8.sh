@@ -11,9 +11,9 @@
 #   fused: GPU tests (mhc_pre_norm's one launch, the MoE sum in mhc_post, the alignment, the KDA
 #          tiles, the tiny model end to end with PDL); bench.decode_profile at batch 1 bf16 with skinny
 #          measured / all, at batch 64 bf16 and fp8 (w8a8)
-#   final: GPU tests (mhc_pre_norm's one-pass and tiled epilogues, the partials' bound);
-#          bench.decode_profile: batch 1 bf16 with mHC pre + norm fused (up to 4 tokens) and not, two
-#          captures each; bf16 at 16, 64, 128; fp8 (w8a8) at 64, two captures; the tiny-model PDL
+#   final: GPU tests (mhc_pre_norm's epilogues, at 07ffc35; the partials' bound);
+#          bench.decode_profile: batch 1 bf16, two captures (at 07ffc35 also with mHC pre + norm fused,
+#          since removed); bf16 at 16, 64, 128; fp8 (w8a8) at 64, two captures; the tiny-model PDL
 #          tests with the time left
 #   paired: GPU tests (the MoE partials); bench.decode_profile --interleave 7: bf16 and fp8 (w8a8) at
 #          batch 1 and 64 captured side by side on one GPU and replayed in turn; the tiny-model PDL
@@ -56,7 +56,8 @@ case "${1:-}" in
   final)
     tests 70 "pre_norm or partials" tests/backends/test_triton_norms_mhc.py
     mv "$OUT/t_gpu.txt" "$OUT/t_gpu_kernels.txt"
-    TBOX=150 profile profile_b1 --batches 1,1 --quantization bf16 --mhc-fused-norm 4,0
+    # ran at 07ffc35 with --mhc-fused-norm 4,0 (mHC pre + norm in one launch at batch 1: slower, since removed)
+    TBOX=150 profile profile_b1 --batches 1,1 --quantization bf16
     TBOX=150 profile profile_bf16 --batches 16,64,128 --quantization bf16
     TBOX=110 profile profile_fp8 --batches 64,64 --quantization fp8
     tests $(( $(left) - 5 )) "tiny" tests/backends/test_pdl.py ;;

@@ -664,9 +664,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     n, d = x.shape
     top_k = ids.shape[1]
     e, i, _ = w_gate.shape
-    if out is None:
+    if out is None and (reduce or n == 0):  # unreduced, the pair rows are the result
         out = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    assert out.shape == (n, d) and out.dtype == x.dtype and out.stride(-1) == 1
+    assert out is None or (out.shape == (n, d) and out.dtype == x.dtype and out.stride(-1) == 1)
     if n == 0:
         return out
     if x.stride(-1) != 1:
