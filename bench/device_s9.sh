@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The ninth session's lent-GPU calls, each time-boxed (the device tool allows 600 s a call).
+# Run from the repo root with the wheels of ../shared/tools/device-wheels.sh in .whlg:
+#   profile: GPU tests (the lazy softmax rescale); bench.prefill_model at 16K tokens with the
+#            50 largest kernels of one profiled forward; bench.prefill_h200 --mla-sweep (the
+#            sparse-MLA prefill kernel alone: block shapes, lazy rescale); bench.moe_h200's bf16
+#            prefill tile sweep at 16K tokens; bench.decode_profile at batch 1 bf16 with --warm-s 3
+#     bash bench/device_s9.sh profile
+source bench/device_common.sh
+MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
+case "${1:-}" in
+  profile)
+    tests 60 "lazy_rescale" tests/backends/test_triton_kernels.py
+    timeout 200 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 2 --profile 50 \
+      > "$OUT/prefill16k.txt" 2>&1
+    tail -n 8 "$OUT/prefill16k.txt" | cut -c1-3000
+    timeout 120 python3 -m bench.prefill_h200 --no-ref --mla-sweep "$MLA;$MLA,LAZY_RESCALE=8;\
+BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=2,list=precomputed;\
+BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=2,LAZY_RESCALE=8,list=precomputed;\
+BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=3,LAZY_RESCALE=8,list=precomputed;\
+BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=3,LAZY_RESCALE=8,list=precomputed" > "$OUT/mla_sweep.txt" 2>&1
+    tail -n 9 "$OUT/mla_sweep.txt"
+    timeout 150 python3 -m bench.moe_h200 --kinds bf16 --sweep --sweep-only --sweep-tokens 16384 \
+      > "$OUT/moe_sweep.txt" 2>&1
+    grep -A 8 "^sweep (best" "$OUT/moe_sweep.txt"
+    TBOX=$(( $(left) - 5 )) profile profile_b1 --batches 1 --quantization bf16 --warm-s 3 ;;
+  *) echo "usage: bash bench/device_s9.sh profile"; exit 2 ;;
+esac
