@@ -5,7 +5,11 @@
 #            50 largest kernels of one profiled forward; bench.prefill_h200 --mla-sweep (the
 #            sparse-MLA prefill kernel alone: block shapes, lazy rescale); bench.moe_h200's bf16
 #            prefill tile sweep at 16K tokens; bench.decode_profile at batch 1 bf16 with --warm-s 3
-#     bash bench/device_s9.sh profile
+#   prefill: GPU tests (bf16x3 mHC products, the sparse-MLA prefill with its 64-row steps, the tiny
+#            model on the prefill kernels); bench.mhc_h200 launch variants at 16K and 4K tokens;
+#            more sparse-MLA prefill shapes; bench.prefill_model at 16K tokens, bf16 and fp8 (w8a8
+#            at every size), each with its 30 largest kernels
+#     bash bench/device_s9.sh profile|prefill
 source bench/device_common.sh
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
@@ -24,5 +28,23 @@ BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=3,LAZY_RESCALE=8,list=precomputed" 
       > "$OUT/moe_sweep.txt" 2>&1
     grep -A 8 "^sweep (best" "$OUT/moe_sweep.txt"
     TBOX=$(( $(left) - 5 )) profile profile_b1 --batches 1 --quantization bf16 --warm-s 3 ;;
-  *) echo "usage: bash bench/device_s9.sh profile"; exit 2 ;;
+  prefill)
+    tests 150 "bf16x3 or prefill_size or sparse_mla_prefill or tiny_model_with_prefill" \
+      tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_kernels.py
+    timeout 100 python3 -m bench.mhc_h200 --tokens 16384,4096 --variants ";precision=bf16x3;block_n=32;\
+block_n=32,precision=bf16x3;split=4,precision=bf16x3;num_warps=8,precision=bf16x3;block_k=128,precision=bf16x3;\
+num_stages=4,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3" > "$OUT/mhc.txt" 2>&1
+    tail -n 22 "$OUT/mhc.txt"
+    timeout 90 python3 -m bench.prefill_h200 --no-ref --mla-sweep "BLOCK_N=64,num_warps=8,num_stages=2,list=precomputed;\
+BLOCK_N=64,num_warps=8,num_stages=1,list=precomputed;BLOCK_N=64,num_warps=8,num_stages=3,list=precomputed;\
+BLOCK_N=128,num_warps=8,num_stages=2,list=precomputed" > "$OUT/mla_sweep.txt" 2>&1
+    tail -n 5 "$OUT/mla_sweep.txt"
+    timeout 150 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 30 \
+      > "$OUT/prefill16k.txt" 2>&1
+    grep -E "host calls|kernels \(" "$OUT/prefill16k.txt" | cut -c1-2500; tail -n 2 "$OUT/prefill16k.txt"
+    mv "$OUT/prefill_model.json" "$OUT/prefill_bf16.json" 2> /dev/null
+    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
+      --profile 30 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
+    grep -E "kernels \(" "$OUT/prefill16k_fp8.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
+  *) echo "usage: bash bench/device_s9.sh profile|prefill"; exit 2 ;;
 esac

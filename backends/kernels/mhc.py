@@ -51,6 +51,7 @@ _LARGE_N = 1024  # tokens from which the one-launch path takes 64-token blocks a
 # bf16 batch 1 1.363 -> 1.343 ms, batch 64 9.482 -> 9.402; fp8 batch 64 5.949 -> 5.943 (kernels
 # 5.919 -> 5.820). The tests hold the same 1e-5 bound either way.
 DECODE_PRECISION = "tf32x3"
+PREFILL_PRECISION = "tf32x3"  # the one-launch path from _LARGE_N tokens ("bf16x3": see mhc_pre)
 _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
 # Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
 # (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
@@ -64,6 +65,20 @@ _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode 
 # one-program-per-token epilogue, which 4 warps at 4096 are).
 _SPLIT_TILE = 4096
 _SPLIT_WARPS = 4
+
+
+@triton.jit
+def _dot_bf16x3(xb, f, acc):
+    """acc + xb · fᵀ at ~fp32 accuracy on bf16 tensor cores: xb is exact in bf16 (the streams),
+    f (fp32) splits into hi + mid + lo bf16 parts (24 significant bits, f's own), and three
+    bf16 products accumulate in fp32, the small parts first."""
+    hi = f.to(tl.bfloat16)
+    rest = f - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(xb, tl.trans(lo), acc)
+    acc = tl.dot(xb, tl.trans(mid), acc)
+    return tl.dot(xb, tl.trans(hi), acc)
 
 
 @triton.jit
@@ -87,16 +102,20 @@ def _mhc_mix(X, FN, tok, n_ok, stride_xn, stride_fn, M, k_lo, k_hi,
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < k_hi
-        x = tl.load(X + x_row[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
+        xs = tl.load(X + x_row[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = xs.to(tl.float32)
         ss += tl.sum(x * x, 1)
         # fn rows are contiguous along k: load [rows, BLOCK_K] (coalesced) and transpose
         fp = tl.load(FN + offs_pp[:, None] * stride_fn + kk[None, :], mask=pp_ok[:, None] & k_ok[None, :],
                      other=0.0).to(tl.float32)
-        zp += tl.dot(x, tl.trans(fp), input_precision=PRECISION)
         fc = tl.load(FN + q_row[:, None] * stride_fn + kk[None, :], mask=q_ok[:, None] & k_ok[None, :],
                      other=0.0).to(tl.float32)
-        zc += tl.dot(x, tl.trans(fc), input_precision=PRECISION)
+        if PRECISION == "bf16x3":  # bf16 streams straight into bf16 products (no fp32 operand)
+            zp = _dot_bf16x3(xs, fp, zp)
+            zc = _dot_bf16x3(xs, fc, zc)
+        else:
+            zp += tl.dot(x, tl.trans(fp), input_precision=PRECISION)
+            zc += tl.dot(x, tl.trans(fc), input_precision=PRECISION)
     return zp, zc, ss
 
 
@@ -252,12 +271,15 @@ def _block_m(m: int) -> int:
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             sinkhorn_iters: int, hc_eps: float, norm_eps: float, *, split: int | None = None,
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            block_n: int | None = None, block_k: int = 64, precision: str | None = None):
+            block_n: int | None = None, block_k: int = 64, precision: str | None = None,
+            num_warps: int | None = None, num_stages: int | None = None):
     """ReferenceOps.mhc_pre: streams [N, M, D] -> (post [N, M] f32, comb [N, M, M] f32,
     collapsed [N, D] streams.dtype). fn [(2+M)M, M*D], base [(2+M)M], scale [3], any float dtype
     (used in fp32). `split` = number of K splits (1 = one fused launch; None = by heuristic);
     `out` = (post, comb, collapsed) written in place; `precision` is tl.dot's input_precision
-    for the fp32 products ("ieee" = exact fp32 FMAs; "tf32x3" is faster at ~fp32 accuracy).
+    for the fp32 products ("ieee" = exact fp32 FMAs; "tf32x3" is faster at ~fp32 accuracy; "bf16x3",
+    bf16 streams only, splits fn in three bf16 parts: bf16 products at ~fp32 accuracy);
+    num_warps / num_stages override the mixing launch's (bench.mhc_h200 sweeps them).
     By default decode sizes take 16-token blocks and DECODE_PRECISION; the one-launch path at prefill sizes
     (>= _LARGE_N tokens) takes 64-token blocks and tf32x3: there the ieee FMA products made
     mhc_pre 16% of a 16K-token prefill on the H200 (39 ms, ~3 TFLOP/s), and the streams are
@@ -288,7 +310,9 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                                                                     2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
     large = split == 1 and n >= _LARGE_N
     block_n = block_n or (64 if large else 16)
-    precision = precision or ("tf32x3" if large else DECODE_PRECISION)
+    precision = precision or (PREFILL_PRECISION if large else DECODE_PRECISION)
+    if precision == "bf16x3" and streams.dtype != torch.bfloat16:
+        precision = "tf32x3"  # the streams must be exact in bf16
     nblocks = triton.cdiv(n, block_n)
     # tf32x3 keeps three products' operands live: 64-wide K tiles (128 spilled 528 B on sm_90)
     mix_k = (_SPLIT_BLOCK_K if precision == "ieee" else _SPLIT_BLOCK_K // 2) if split > 1 else block_k
@@ -309,7 +333,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
         _mhc_mix_kernel[(nblocks, n_split)](x, fn, zp, zc, ss, n, x.stride(0), fn.stride(0), m, k, k_per,
                                             BLOCK_N=block_n, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-                                            PRECISION=precision, **pdl.launch(x.device), num_warps=4)
+                                            PRECISION=precision, **pdl.launch(x.device), num_warps=num_warps or 4,
+                                            **({"num_stages": num_stages} if num_stages else {}))
     else:
         block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
         grid = (triton.cdiv(n, bn_fin),)
@@ -319,7 +344,9 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                           int(sinkhorn_iters), float(hc_eps), float(norm_eps),
                           BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                           BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
-                          PRECISION=precision, **pdl.launch(x.device), num_warps=_SPLIT_WARPS if split_epi else 4)
+                          PRECISION=precision, **pdl.launch(x.device),
+                          num_warps=_SPLIT_WARPS if split_epi else num_warps or 4,
+                          **({"num_stages": num_stages} if num_stages and not split_epi else {}))
     return post, comb, u
 
 

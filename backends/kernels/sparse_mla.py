@@ -539,6 +539,11 @@ PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds th
 # the H200 at 16K tokens the in-kernel derivation spilled registers (255 regs, 20 spills) and
 # took 84.5 ms against 23.0 ms on the lists (234 regs, no spills); bench/RESULTS.md.
 PREFILL_TOKEN_LIST = "precomputed"
+# Prefill rows (one per query token, ~1900 latent rows each at 16K tokens) stream 64 rows per
+# step with a 16-bit cache: `bench.prefill_h200 --mla-sweep` on an H200 (1 x 16K tokens, 64
+# heads x 512): 16.97 ms (244 TFLOP/s, 255 regs, no spills) against 22.97 at decode's 32.
+# LAZY_RESCALE (keep the running max) spilled there and lost: 18.24 ms at 64, 23.51 at 32.
+PREFILL_CONFIG = dict(BLOCK_N=64)
 
 
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
@@ -596,7 +601,8 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
         pos, req = meta.positions[c0:c1], meta.req_index[c0:c1]
         if PREFILL_TOKEN_LIST == "precomputed":
             token_idx, ntok = build_prefill_token_idx(sel[c0:c1], pos, req, table, meta.page_size, kpool, with_tail)
-            o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, ntok, out_dtype=dt)
+            cfg = PREFILL_CONFIG if cache.dtype in (torch.bfloat16, torch.float16) else None
+            o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, ntok, out_dtype=dt, config=cfg)
         else:
             o_lat = sparse_mla_rows_sel(q_abs, cache, sel[c0:c1], pos, req, table, meta.page_size, kpool, scale,
                                         with_tail, out_dtype=dt)

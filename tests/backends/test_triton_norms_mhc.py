@@ -172,6 +172,19 @@ def test_mhc_pre_prefill_size(device):
     _check_pre(device, torch.bfloat16, 4, 32, 1100, 20, None)
 
 
+@pytest.mark.parametrize("n", [1, 20, 1100])
+def test_mhc_pre_bf16x3(device, monkeypatch, n):
+    """bf16x3 products (fn split in three bf16 parts, the bf16 streams as they are) hold the fp32
+    bound, in the split (decode) and the one-launch (prefill) paths; fp32 streams fall back to
+    tf32x3."""
+    from backends.kernels import mhc
+    monkeypatch.setattr(mhc, "DECODE_PRECISION", "bf16x3")
+    monkeypatch.setattr(mhc, "PREFILL_PRECISION", "bf16x3")
+    _check_pre(device, torch.bfloat16, 4, 32 if n > 1000 else 1024, n, 20, None)
+    if n == 20:
+        _check_pre(device, torch.float32, 4, 64, n, 20, None)
+
+
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_mhc_pre_other_m(device, m):
     _check_pre(device, torch.float32, m, 32, 5, 20, None)
