@@ -9,7 +9,10 @@
 #            model on the prefill kernels); bench.mhc_h200 launch variants at 16K and 4K tokens;
 #            more sparse-MLA prefill shapes; bench.prefill_model at 16K tokens, bf16 and fp8 (w8a8
 #            at every size), each with its 30 largest kernels
-#     bash bench/device_s9.sh profile|prefill
+#   sweeps: GPU tests (bf16x3 mHC, the sparse-MLA prefill); bench.mhc_h200 (bf16x3 with the tile sum
+#           started from zero); the w8a8 dense linear's prefill tiles at 16K rows; the w8a8 MoE's
+#           prefill tiles at 16K tokens
+#     bash bench/device_s9.sh profile|prefill|sweeps
 source bench/device_common.sh
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
@@ -46,5 +49,18 @@ BLOCK_N=128,num_warps=8,num_stages=2,list=precomputed" > "$OUT/mla_sweep.txt" 2>
     timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
       --profile 30 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
     grep -E "kernels \(" "$OUT/prefill16k_fp8.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
-  *) echo "usage: bash bench/device_s9.sh profile|prefill"; exit 2 ;;
+  sweeps)
+    tests 80 "bf16x3 or prefill_size or sparse_mla_prefill_matches" tests/backends/test_triton_norms_mhc.py \
+      tests/backends/test_triton_kernels.py
+    timeout 60 python3 -m bench.mhc_h200 --tokens 16384,4096 --variants ";precision=bf16x3;\
+block_k=128,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3;block_n=128,num_warps=8" > "$OUT/mhc.txt" 2>&1
+    tail -n 13 "$OUT/mhc.txt"
+    timeout 200 python3 -m bench.fp8_linear_h200 --tokens 64 --prefill-tokens 16384 --act dynamic \
+      --shapes "kda.q,kda.o,dsa.q_b,dsa.o" --sweep --sweep-tokens 16384 \
+      --sweep-tiles 128x128x8x4,128x256x8x3,256x128x8x3,128x128x4x4,128x128x8x3,64x128x4x4 > "$OUT/lin_sweep.txt" 2>&1
+    grep -A 30 "^sweep (best" "$OUT/lin_sweep.txt" | head -30
+    timeout $(( $(left) - 5 )) python3 -m bench.moe_h200 --kinds fp8a8 --sweep --sweep-only --sweep-tokens 16384 \
+      --no-baseline > "$OUT/moe_sweep.txt" 2>&1
+    grep -A 12 "^sweep (best" "$OUT/moe_sweep.txt" ;;
+  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps"; exit 2 ;;
 esac
