@@ -122,7 +122,7 @@ def check_shape(name, in_f, out_f, w, s, dev, gd, tokens=(1, 64)) -> list[dict]:
         row = dict(check=name, tokens=n, in_f=in_f, out_f=out_f, nan=bool(torch.isnan(out).any()),
                    deterministic=bool(torch.equal(out, again)), rel_vs_ref=_rel(out, ref),
                    rel_ours_truth=_rel(out, truth), rel_ref_truth=_rel(ref, truth),
-                   splits=f8.split_k(n, out_f, in_f, f8.get_config(n), f8.sm_count(x.device))[0])
+                   splits=f8.split_k(n, out_f, in_f, f8.get_config(n, act_fp8=ACT_FP8[0]), f8.sm_count(x.device))[0])
         row["pass"] = (not row["nan"] and row["deterministic"] and row["rel_vs_ref"] < 1e-2
                        and row["rel_ours_truth"] < 1e-2)
         rows.append(row)
@@ -140,7 +140,7 @@ def check_graph_and_sync(dev, gd) -> list[dict]:
         b = torch.randn(out_f, device=dev, dtype=torch.bfloat16, generator=gd)
         x = torch.randn(n, in_f, device=dev, dtype=torch.bfloat16, generator=gd)
         r: dict = dict(check="graph+sync", in_f=in_f, out_f=out_f, tokens=n,
-                       splits=f8.split_k(n, out_f, in_f, f8.get_config(n), f8.sm_count(dev))[0])
+                       splits=f8.split_k(n, out_f, in_f, f8.get_config(n, act_fp8=ACT_FP8[0]), f8.sm_count(dev))[0])
         eager = ops.linear(x, w, b, s, BLOCK)
         torch.cuda.synchronize()
         try:
@@ -217,7 +217,7 @@ def time_shape(name, in_f, out_f, fp8_ws, bf16_ws, n, dev, gd, config=None, spli
     b8 = out_f * in_f + fp8_ws[0][1].numel() * 4 + io
     bb = 2 * out_f * in_f + io
     flops = 2.0 * n * in_f * out_f
-    cfg = f8.get_config(n)
+    cfg = f8.get_config(n, act_fp8=ACT_FP8[0])
     if config:
         cfg.update(config)
     sp, _ = f8.split_k(n, out_f, in_f, cfg, f8.sm_count(dev)) if splits is None else (splits, None)
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
             prefill.append(r)
         if args.sweep:
             for n in ([1] if args.smoke else sweep_tokens):
-                base = f8.get_config(n)
+                base = f8.get_config(n, act_fp8=ACT_FP8[0])
                 auto = f8.split_k(n, out_f, in_f, base, f8.sm_count(dev))[0]
                 for cfg in ([base] + SWEEP_CONFIGS[:2] if args.smoke else [base] + sweep_configs):
                     own = f8.split_k(n, out_f, in_f, cfg, f8.sm_count(dev))[0]  # the heuristic for this tile

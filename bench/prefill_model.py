@@ -99,6 +99,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dsa", default="torch,triton", help="DSA prefill backends: torch, triton (the kernels on "
                    "packed row lists, sparse_mla's default), triton-kernel (rows derived inside the attention "
                    "kernel); the torch reference expands [H, T, T] scores: it does not fit at 16K in one forward")
+    p.add_argument("--mla-chunk-rows", default="", help="sparse_mla.PREFILL_CHUNK_ROWS values (query tokens per "
+                   "sparse-MLA prefill launch) also timed on the triton backend, e.g. 4096,16384")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -141,6 +143,15 @@ def main(argv=None) -> list[dict]:
             sm.PREFILL_TOKEN_LIST = "kernel" if name == "triton-kernel" else "precomputed"
             row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
+            if name == "triton" and args.mla_chunk_rows:
+                keep = sm.PREFILL_CHUNK_ROWS
+                for rows_per in [int(x) for x in args.mla_chunk_rows.split(",")]:
+                    sm.PREFILL_CHUNK_ROWS = rows_per
+                    ms = ours_prefill_ms(model, prompt.cuda(), args.reps)[0]
+                    row[f"triton_ms_chunk{rows_per}"] = ms
+                    print(f"triton {t}, sparse-MLA prefill in launches of {rows_per} query tokens: {ms:.1f} ms "
+                          f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling)", flush=True)
+                sm.PREFILL_CHUNK_ROWS = keep
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())

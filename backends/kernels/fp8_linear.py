@@ -54,6 +54,10 @@ CONFIGS: list[tuple[int, dict]] = [
     (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
     (1 << 62, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)),
 ]
+# w8a8 (act_fp8) past the table's 256-row entry: `bench.fp8_linear_h200 --act dynamic --sweep
+# --sweep-tokens 16384` on an H200, 2026-11-30 (ms, this tile / the 16-bit table's 128x128x64 with
+# 8 warps): kda q,k,v 1.65 / 1.98, kda o 1.64 / 1.77, dsa o 3.30 / 3.56, dsa q_b 1.43 / 1.45
+A8_PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 # fp32 activations are the parity path (FMA dots on the GPU): small tiles (dequant at K 64 spills).
 FP32_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
 
@@ -72,11 +76,12 @@ REDUCE_BLOCK = 1024
 _SM_COUNT: dict = {}
 
 
-def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16) -> dict:
+def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16, act_fp8: bool = False) -> dict:
     """The tile table's entry for N tokens (a fresh copy; callers may edit it)."""
     if act_dtype == torch.float32:
         return dict(FP32_CONFIG)
-    return dict(next(c for lim, c in CONFIGS if n_tokens <= lim))
+    lim, cfg = next((lim, c) for lim, c in CONFIGS if n_tokens <= lim)
+    return dict(A8_PREFILL_CONFIG if act_fp8 and lim == CONFIGS[-1][0] else cfg)
 
 
 def sm_count(device: torch.device) -> int:
@@ -254,13 +259,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    cfg = get_config(n, x.dtype)
+    act_fp8 = act_fp8_supported(act_fp8, x.dtype, w.dtype, block)
+    cfg = get_config(n, x.dtype, act_fp8)
     if config:
         cfg.update(config)
     bo, bi = int(block[0]), int(block[1])
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], bo)  # one scale per weight tile
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], bi)
-    act_fp8 = act_fp8_supported(act_fp8, x.dtype, w.dtype, block)
     if act_fp8:
         cfg["BLOCK_K"] = bi  # one K tile = one activation group = the weight's scale block
     if splits is None:

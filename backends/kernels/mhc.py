@@ -51,7 +51,7 @@ _LARGE_N = 1024  # tokens from which the one-launch path takes 64-token blocks a
 # bf16 batch 1 1.363 -> 1.343 ms, batch 64 9.482 -> 9.402; fp8 batch 64 5.949 -> 5.943 (kernels
 # 5.919 -> 5.820). The tests hold the same 1e-5 bound either way.
 DECODE_PRECISION = "tf32x3"
-PREFILL_PRECISION = "tf32x3"  # the one-launch path from _LARGE_N tokens ("bf16x3": see mhc_pre)
+PREFILL_PRECISION = "bf16x3"  # from _LARGE_N tokens (bf16 streams; others take tf32x3): see mhc_pre
 _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
 # Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
 # (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
@@ -283,10 +283,12 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     for the fp32 products ("ieee" = exact fp32 FMAs; "tf32x3" is faster at ~fp32 accuracy; "bf16x3",
     bf16 streams only, splits fn in three bf16 parts: bf16 products at ~fp32 accuracy);
     num_warps / num_stages override the mixing launch's (bench.mhc_h200 sweeps them).
-    By default decode sizes take 16-token blocks and DECODE_PRECISION; the one-launch path at prefill sizes
-    (>= _LARGE_N tokens) takes 64-token blocks and tf32x3: there the ieee FMA products made
-    mhc_pre 16% of a 16K-token prefill on the H200 (39 ms, ~3 TFLOP/s), and the streams are
-    bf16, exact in tf32, so only fn's low bits go through the extra products."""
+    By default decode sizes take 16-token blocks and DECODE_PRECISION. Prefill sizes (>= _LARGE_N
+    tokens) take PREFILL_PRECISION; there the ieee FMA products made mhc_pre 16% of a 16K-token
+    prefill on the H200 (39 ms, ~3 TFLOP/s). Their blocks: 128 tokens per mixing program with K
+    split over the chip while fewer than 66 such blocks exist, else one launch of 64-token blocks.
+    `bench.mhc_h200` on an H200 (M 4, D 4096): 16K tokens tf32x3 0.93 ms, bf16x3 0.64; 4K tokens
+    (one launch: 64 programs) tf32x3 0.58, bf16x3 0.40, split bf16x3 at 128-token blocks 0.13."""
     n, m, d = streams.shape
     k = m * d
     assert fn.shape == ((2 + m) * m, k), (fn.shape, m, d)
@@ -307,13 +309,16 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         assert u.shape == (n, d) and u.dtype == streams.dtype and u.stride(-1) == 1
     if n == 0:
         return post, comb, u
+    prefill = n >= _LARGE_N
+    if prefill and block_n is None and split is None and triton.cdiv(n, 128) * 2 < _NUM_SMS_GUESS:
+        block_n, num_warps = 128, num_warps or 8  # too few 64-token blocks to fill the chip: split K
     nblocks = triton.cdiv(n, block_n or 16)
     if split is None:
         split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
                                                                     2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
     large = split == 1 and n >= _LARGE_N
     block_n = block_n or (64 if large else 16)
-    precision = precision or (PREFILL_PRECISION if large else DECODE_PRECISION)
+    precision = precision or (PREFILL_PRECISION if prefill else DECODE_PRECISION)
     if precision == "bf16x3" and streams.dtype != torch.bfloat16:
         precision = "tf32x3"  # the streams must be exact in bf16
     nblocks = triton.cdiv(n, block_n)

@@ -100,6 +100,13 @@ def test_fp8_linear_prefill_tiles(device):
     _check(device, *_problem(g, 150, 256, 160, torch.bfloat16, True), config=cfg)
 
 
+def test_w8a8_prefill_tile_choice():
+    """w8a8 past the table's 256-row entry takes its own measured tile; w8a16 keeps the table's."""
+    assert f8.get_config(16384, act_fp8=True) == f8.A8_PREFILL_CONFIG
+    assert f8.get_config(16384) == f8.CONFIGS[-1][1]
+    assert f8.get_config(64, act_fp8=True) == f8.get_config(64)
+
+
 def test_split_heuristic():
     sms = 132
     cfg = f8.get_config(1)
@@ -126,6 +133,7 @@ def test_split_heuristic():
     (5, 520, 200, True, dict(config=dict(BLOCK_M=16, BLOCK_N=128, SWAP_AB=True, num_warps=8, num_stages=3))),
     (64, 384, 264, False, dict(config=dict(BLOCK_M=64, BLOCK_N=128, SWAP_AB=True, num_warps=8, num_stages=3),
                                splits=2)),
+    (300, 384, 264, True, {}),                                    # past 256 rows: A8_PREFILL_CONFIG
 ])
 def test_fp8_linear_w8a8(device, monkeypatch, n, in_f, out_f, bias, kw):
     """act_fp8: x quantised per row and 128-wide K block (inside the GEMM up to 16 rows, by

@@ -172,6 +172,12 @@ def test_mhc_pre_prefill_size(device):
     _check_pre(device, torch.bfloat16, 4, 32, 1100, 20, None)
 
 
+def test_mhc_pre_prefill_split_k(device):
+    """Prefill sizes with too few 128-token blocks to fill the chip (here 9) split K: 128-token
+    mixing blocks, the per-token epilogue, PREFILL_PRECISION products."""
+    _check_pre(device, torch.bfloat16, 4, 1024, 1100, 20, None)
+
+
 @pytest.mark.parametrize("n", [1, 20, 1100])
 def test_mhc_pre_bf16x3(device, monkeypatch, n):
     """bf16x3 products (fn split in three bf16 parts, the bf16 streams as they are) hold the fp32
