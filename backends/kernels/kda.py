@@ -171,10 +171,14 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     seq = meta.seq_lens
     if meta.num_reqs and all(s == 1 for s in seq):
         return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     cu = meta.cu_seqlens
     ones = [r for r, s in enumerate(seq) if s == 1] if split_decode else []
     many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]
+    if many and not ones and cu[-1] == q.shape[0]:  # every token in a multi-token request: fla's output as is
+        o = kda_chunked(q, k, v, g, beta, state, many, [seq[r] for r in many], [meta.prefix_lens[r] > 0 for r in many],
+                        meta.slot_ids)
+        return o if o.dtype == v.dtype else o.to(v.dtype)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Requests with no new token keep their state untouched (as the reference does).
     if ones:
         idx = torch.tensor([cu[r] for r in ones], dtype=torch.long, device=q.device)
