@@ -12,7 +12,9 @@
 #   sweeps: GPU tests (bf16x3 mHC, the sparse-MLA prefill); bench.mhc_h200 (bf16x3 with the tile sum
 #           started from zero); the w8a8 dense linear's prefill tiles at 16K rows; the w8a8 MoE's
 #           prefill tiles at 16K tokens
-#     bash bench/device_s9.sh profile|prefill|sweeps
+#   final: GPU tests (the tables and kernels changed this session); bench.prefill_model at 16K tokens,
+#          bf16 (also with the sparse-MLA prefill in one launch) and fp8 (w8a8 at every size)
+#     bash bench/device_s9.sh profile|prefill|sweeps|final
 source bench/device_common.sh
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
@@ -62,5 +64,16 @@ block_k=128,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3;block_n=12
     timeout $(( $(left) - 5 )) python3 -m bench.moe_h200 --kinds fp8a8 --sweep --sweep-only --sweep-tokens 16384 \
       --no-baseline > "$OUT/moe_sweep.txt" 2>&1
     grep -A 12 "^sweep (best" "$OUT/moe_sweep.txt" ;;
-  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps"; exit 2 ;;
+  final)
+    tests 110 "bf16x3 or prefill_split_k or prefill_size or w8a8 or tile_choice or config_table or chunk or \
+sparse_mla_prefill_matches or lazy" tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_fp8_linear.py \
+      tests/backends/test_triton_moe.py tests/backends/test_triton_kda.py tests/backends/test_triton_kernels.py
+    timeout 200 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 30 \
+      --mla-chunk-rows 16384 > "$OUT/prefill16k.txt" 2>&1
+    grep -E "host calls|kernels \(|launches of" "$OUT/prefill16k.txt" | cut -c1-2500; tail -n 2 "$OUT/prefill16k.txt"
+    mv "$OUT/prefill_model.json" "$OUT/prefill_bf16.json" 2> /dev/null
+    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
+      --profile 30 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
+    grep -E "kernels \(" "$OUT/prefill16k_fp8.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
+  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final"; exit 2 ;;
 esac
