@@ -14,7 +14,9 @@
 #           prefill tiles at 16K tokens
 #   final: GPU tests (the tables and kernels changed this session); bench.prefill_model at 16K tokens,
 #          bf16 (also with the sparse-MLA prefill in one launch) and fp8 (w8a8 at every size)
-#     bash bench/device_s9.sh profile|prefill|sweeps|final
+#   cublas: GPU tests (w8a8 on cuBLASLt's block-scaled GEMM); the w8a8 prefill linears at 16K rows on
+#           Triton and on cuBLASLt; bench.prefill_model at 16K tokens, fp8 (w8a8 at every size) and bf16
+#     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas
 source bench/device_common.sh
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
@@ -75,5 +77,20 @@ sparse_mla_prefill_matches or lazy" tests/backends/test_triton_norms_mhc.py test
     timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
       --profile 30 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
     grep -E "kernels \(" "$OUT/prefill16k_fp8.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
-  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final"; exit 2 ;;
+  cublas)
+    tests 60 "cublas or w8a8" tests/backends/test_triton_fp8_linear.py
+    for m in 1073741824 1024; do
+      timeout 60 python3 -m bench.fp8_linear_h200 --tokens 64 --prefill-tokens 16384 --act dynamic \
+        --shapes "kda.q,kda.o,dsa.q_b,dsa.o" --cublas-min-rows $m > "$OUT/lin_$m.txt" 2>&1
+      echo "== CUBLAS_MIN_ROWS $m"; grep -A 4 "^prefill (do_bench" "$OUT/lin_$m.txt"; grep -i "warn" "$OUT/lin_$m.txt" | head -2
+    done
+    rm -f "$OUT/fp8_linear_h200.json"
+    timeout 170 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 12 \
+      --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
+    grep -E "kernels \(|host calls" "$OUT/prefill16k_fp8.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k_fp8.txt"
+    mv "$OUT/prefill_model.json" "$OUT/prefill_fp8.json" 2> /dev/null
+    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
+      --profile 12 > "$OUT/prefill16k.txt" 2>&1
+    grep -E "kernels \(|host calls" "$OUT/prefill16k.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k.txt" ;;
+  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final|cublas"; exit 2 ;;
 esac

@@ -259,11 +259,15 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-tiles", default="",
                    help="BLOCK_MxBLOCK_NxWARPSxSTAGES[s],... instead of SWEEP_CONFIGS (e.g. 64x32x4x4,16x128x8x3s; "
                         "a trailing s: swapped tiles, the weight rows on the MMA's M side, w8a8 only)")
+    p.add_argument("--cublas-min-rows", type=int, default=None,
+                   help="fp8_linear.CUBLAS_MIN_ROWS (w8a8 on cuBLASLt's block-scaled GEMM from N rows; huge: Triton)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--act", default="none", help="none: w8a16 (x stays bf16); dynamic: w8a8 (x quantised)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
     ACT_FP8[0] = args.act == "dynamic"
+    if args.cublas_min_rows is not None:
+        f8.CUBLAS_MIN_ROWS = args.cublas_min_rows
     sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")]
     sweep_configs = SWEEP_CONFIGS if not args.sweep_tiles else [
         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=st, SWAP_AB=t.endswith("s"))

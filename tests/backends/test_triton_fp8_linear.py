@@ -100,6 +100,26 @@ def test_fp8_linear_prefill_tiles(device):
     _check(device, *_problem(g, 150, 256, 160, torch.bfloat16, True), config=cfg)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_w8a8_cublas_blockwise(device, monkeypatch, bias):
+    """From CUBLAS_MIN_ROWS rows w8a8 goes to cuBLASLt's block-scaled fp8 GEMM where torch has it:
+    the same e4m3 products as the Triton GEMM and ReferenceOps' dynamic w8a8."""
+    if device.type != "cuda":
+        pytest.skip("cuBLASLt: CUDA only")
+    monkeypatch.setattr(f8, "CUBLAS_MIN_ROWS", 64)
+    g = _gen("w8a8-cublas", bias)
+    x, w, s, b = _to(device, *_problem(g, 128, 384, 264, torch.bfloat16, bias))
+    got = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True)
+    if f8._CUBLAS_OK.get(device.index if device.index is not None else torch.cuda.current_device()) is not True:
+        pytest.skip("this torch's _scaled_mm takes no 1x128/128x128 block scales")
+    monkeypatch.setattr(f8, "CUBLAS_MIN_ROWS", 1 << 30)
+    triton_out = f8.fp8_linear(x, w, s, (128, 128), b, act_fp8=True)
+    ref_a8 = ReferenceOps()
+    ref_a8.fp8_activations = "dynamic"
+    ref = ref_a8.linear(x, w, b, s, (128, 128))
+    assert _rel(got, ref) < 5e-3 and _rel(got, triton_out) < 5e-3
+
+
 def test_w8a8_prefill_tile_choice():
     """w8a8 past the table's 256-row entry takes its own measured tile; w8a16 keeps the table's."""
     assert f8.get_config(16384, act_fp8=True) == f8.A8_PREFILL_CONFIG
