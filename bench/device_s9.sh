@@ -16,10 +16,7 @@
 #          bf16 (also with the sparse-MLA prefill in one launch) and fp8 (w8a8 at every size)
 #   cublas: GPU tests (w8a8 on cuBLASLt's block-scaled GEMM); the w8a8 prefill linears at 16K rows on
 #           Triton and on cuBLASLt; bench.prefill_model at 16K tokens, fp8 (w8a8 at every size) and bf16
-#   grouped: GPU tests (the MoE on torch's grouped GEMM); bench.moe_h200 bf16 at 4K and 16K tokens (the
-#            grouped GEMM is the table's route there), checked against the reference at 4K;
-#            bench.prefill_model at 16K tokens, bf16, the grouped GEMM and the fused kernel side by side
-#     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|grouped
+#     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas
 source bench/device_common.sh
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
@@ -95,13 +92,5 @@ sparse_mla_prefill_matches or lazy" tests/backends/test_triton_norms_mhc.py test
     timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
       --profile 12 > "$OUT/prefill16k.txt" 2>&1
     grep -E "kernels \(|host calls" "$OUT/prefill16k.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k.txt" ;;
-  grouped)
-    tests 60 "grouped_gemm or unreduced" tests/backends/test_triton_moe.py
-    timeout 120 python3 -m bench.moe_h200 --kinds bf16 --tokens 4096,16384 --check-tokens 64,4096 --graph-max 0 \
-      > "$OUT/moe.txt" 2>&1
-    grep -E "PASS|FAIL" "$OUT/moe.txt" | head -6; tail -n 6 "$OUT/moe.txt"
-    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
-      --profile 16 --moe-fused-too > "$OUT/prefill16k.txt" 2>&1
-    grep -E "kernels \(|host calls|fused MoE" "$OUT/prefill16k.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k.txt" ;;
-  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|grouped"; exit 2 ;;
+  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final|cublas"; exit 2 ;;
 esac

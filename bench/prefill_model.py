@@ -101,8 +101,6 @@ def main(argv=None) -> list[dict]:
                    "kernel); the torch reference expands [H, T, T] scores: it does not fit at 16K in one forward")
     p.add_argument("--mla-chunk-rows", default="", help="sparse_mla.PREFILL_CHUNK_ROWS values (query tokens per "
                    "sparse-MLA prefill launch) also timed on the triton backend, e.g. 4096,16384")
-    p.add_argument("--moe-fused-too", action="store_true", help="also time the triton backend with the fused "
-                   "MoE kernel at every size (fused_moe.GROUPED_MIN_TOKENS = None: no grouped GEMM)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -154,17 +152,6 @@ def main(argv=None) -> list[dict]:
                     print(f"triton {t}, sparse-MLA prefill in launches of {rows_per} query tokens: {ms:.1f} ms "
                           f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling)", flush=True)
                 sm.PREFILL_CHUNK_ROWS = keep
-            if name == "triton" and args.moe_fused_too:
-                from backends.kernels import fused_moe as fm
-                keep = fm.GROUPED_MIN_TOKENS
-                fm.GROUPED_MIN_TOKENS = None
-                ms, lg = ours_prefill_ms(model, prompt.cuda(), args.reps)
-                fm.GROUPED_MIN_TOKENS = keep
-                row["triton_fused_moe_ms"] = ms
-                row["fused_moe_vs_grouped_rel"] = float((lg - got[name]).norm() / got[name].norm())
-                print(f"triton {t}, the fused MoE kernel at every size: {ms:.1f} ms "
-                      f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling), "
-                      f"logits vs the grouped GEMM's rel {row['fused_moe_vs_grouped_rel']:.2e}", flush=True)
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())

@@ -76,8 +76,7 @@ from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, 
 from . import pdl
 from .pdl import pdl_enter
 from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3
-from .interpreter import interpreting, patch_interpreter
-from . import moe_grouped as mg
+from .interpreter import patch_interpreter
 from ..reference import MoEPartials
 
 patch_interpreter()
@@ -105,9 +104,6 @@ PAIR_BLOCKS_MAX_PAIRS = 32
 # measured decode path); above, act_quant quantises x and h once first (at BLOCK_M 128 the in-GEMM
 # quantisation of a 128x128 x tile spills on sm_90, and every N tile would redo it).
 INKERNEL_QUANT_MAX_TOKENS = 1024
-# From this many tokens, 16-bit weights go to moe_grouped (torch's grouped GEMM over exact group
-# sizes, no BLOCK_M padding) where torch has it; None: never.
-GROUPED_MIN_TOKENS: int | None = 4096
 # 16-bit weights on pair blocks: gate/up in 32-column tiles, 3 stages (the table's 64 / 4 left
 # the last of ~2.2 waves mostly empty at batch 1 with the shared expert seated, 9 pairs). H200,
 # bench/moe_pair_tiles.py, one MoE layer call: 128.8 -> 119.6 µs, the same output.
@@ -677,9 +673,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         x = x.contiguous()
     m = n * top_k
     fp8 = scales is not None
-    if (GROUPED_MIN_TOKENS is not None and n >= GROUPED_MIN_TOKENS and not fp8 and config is None
-            and pair_blocks is None and (x.is_cuda or interpreting()) and mg.supported(x, w_gate, w_up, w_down)):
-        return _finish(mg.moe_grouped(x, ids, weights, w_gate, w_up, w_down, limit), ids, out, e, reduce)
     act_fp8 = act_fp8_supported(act_fp8, x.dtype, w_gate.dtype, block)
     cfg = get_config(n, x.dtype, w_gate.dtype, act_fp8)
     if pair_blocks is None:
@@ -751,19 +744,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
              SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
-    return _finish(y, ids, out, e, reduce)
-
-
-def _finish(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None, e: int, reduce: bool):
-    """The weighted pair rows y [N·k, D] -> their per-token sum in out, or MoEPartials."""
-    n, top_k = ids.shape
-    d = y.shape[1]
     if not reduce:
         return MoEPartials(y.view(n, top_k, d), ids, e)
-    flat_ids = ids.reshape(-1)
-    if not flat_ids.is_contiguous():
-        flat_ids = flat_ids.contiguous()
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
-                                              BLOCK_D=block_d, **pdl.launch(y.device), num_warps=4)
+                                              BLOCK_D=block_d, **launch, num_warps=4)
     return out

@@ -636,32 +636,3 @@ def test_moe_route_ties_and_fallbacks(device):
     gw, gids = ops.moe_route(x, w, bias, 3, 2, 1, True, 1.0)     # group routing: the reference's answer
     rw, rids = REF.moe_route(x.cpu(), w.cpu(), bias.cpu(), 3, 2, 1, True, 1.0)
     assert _rel(gw, rw) < 1e-6 and gids.shape == rids.shape
-
-
-@pytest.mark.parametrize("limit,used,dropped", [(7.0, None, False), (None, 3, True), (0.5, None, True)])
-def test_fused_moe_grouped_gemm(device, monkeypatch, limit, used, dropped):
-    """Prefill sizes on torch's grouped GEMM (moe_grouped, forced here from 1 token): against the
-    float64 truth and the reference as the fused kernel is; its pair rows (MoEPartials) are the
-    fused kernel's up to the products' fp32 summation order; experts with no token (used=3 of 6)
-    and dropped pairs (-1, a token with none) included."""
-    from backends.kernels import moe_grouped as mg
-
-    if not mg.available():
-        pytest.skip("this torch has no _grouped_mm")
-    g = _gen("grouped", limit, used, dropped)
-    x, ids, weights, ws, scales = _problem(g, 37, 64, 96, 6, 3, torch.bfloat16, False, used=used)
-    if dropped:
-        drop = torch.rand(ids.shape, generator=g) < 0.25
-        drop[0] = True
-        ids = ids.masked_fill(drop, -1)
-    monkeypatch.setattr(fm, "GROUPED_MIN_TOKENS", 1)
-    out = _check(device, x, ids, weights, ws, scales, limit)
-    xd, idd, wd, wsd = _to(device, x, ids, weights, ws)
-    parts = fm.fused_moe(xd, idd, wd, *wsd, limit, reduce=False)
-    assert torch.equal(parts.reduce().cpu(), out.cpu())
-    monkeypatch.setattr(fm, "GROUPED_MIN_TOKENS", None)
-    fused = fm.fused_moe(xd, idd, wd, *wsd, limit, reduce=False)
-    ok = ((idd >= 0) & (idd < 6)).cpu()
-    assert _rel(parts.y.cpu()[ok], fused.y.cpu()[ok]) < 1e-2
-    if dropped:
-        assert (out[0] == 0).all()
