@@ -79,6 +79,18 @@ class BatchMeta:
         positions = torch.arange(int(cu[-1])) - cu[req_index] + pre[req_index]
         out_loc = table[req_index, positions // page_size] * page_size + positions % page_size
         dev = torch.device(device)
-        return cls(list(prefix_lens), list(seq_lens), positions.to(dev), req_index.to(dev),
-                   torch.tensor(slot_ids, dtype=torch.long).to(dev), table.to(dev), out_loc.to(dev), page_size,
-                   pre.to(dev), cu.to(dev))
+        slots = torch.tensor(slot_ids, dtype=torch.long)
+        parts = (positions, req_index, slots, table, out_loc, pre, cu)
+        if dev.type == "cpu":
+            return cls(list(prefix_lens), list(seq_lens), *parts[:5], page_size, *parts[5:])
+        # one copy of all seven from pinned memory, not seven blocking ones (each a host wait for
+        # the GPU: the step could not be queued behind the previous one); the views keep the dtypes
+        host = torch.cat([t.reshape(-1) for t in parts])
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=dev.type == "cuda")
+        views, at = [], 0
+        for t in parts:
+            views.append(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+        return cls(list(prefix_lens), list(seq_lens), *views[:5], page_size, *views[5:])

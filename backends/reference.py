@@ -300,11 +300,11 @@ class ReferenceOps:
         ape32 = ape.float()
         for r, (s0, s1) in enumerate(zip(meta.cu_seqlens[:-1], meta.cu_seqlens[1:])):
             p0 = meta.prefix_lens[r]
-            slot = int(meta.slot_ids[r])
+            slot = meta.slot_ids[r:r + 1]  # a 1-element index: int() / a 0-dim index would wait for the GPU
             t0 = p0 % kpool
             base = p0 - t0
-            ks = torch.cat([tail_k[slot, :t0].to(k.dtype), k[s0:s1]], dim=0)
-            gs = torch.cat([tail_g[slot, :t0].to(g.dtype), g[s0:s1]], dim=0)
+            ks = torch.cat([tail_k[slot, :t0][0].to(k.dtype), k[s0:s1]], dim=0)
+            gs = torch.cat([tail_g[slot, :t0][0].to(g.dtype), g[s0:s1]], dim=0)
             n_done = ks.shape[0] // kpool
             if n_done:
                 kk = ks[: n_done * kpool].view(n_done, kpool, -1)
@@ -316,8 +316,8 @@ class ReferenceOps:
                 pooled[pages, pool_ids % pools_per_page] = keys.to(pooled.dtype)
             rest = ks.shape[0] - n_done * kpool
             if rest:
-                tail_k[slot, :rest] = ks[n_done * kpool:].to(tail_k.dtype)
-                tail_g[slot, :rest] = gs[n_done * kpool:].to(tail_g.dtype)
+                tail_k[slot, :rest] = ks[None, n_done * kpool:].to(tail_k.dtype)
+                tail_g[slot, :rest] = gs[None, n_done * kpool:].to(tail_g.dtype)
 
     def indexer_select(self, q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta,
                        kpool: int, topk_pools: int) -> torch.Tensor:

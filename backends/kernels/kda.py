@@ -138,14 +138,20 @@ def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launc
 
 
 def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], has_hist: list[bool],
-                slot_ids: torch.Tensor) -> torch.Tensor:
+                slot_ids: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Requests `reqs` (their tokens are q.. in order, seq_lens each) through chunk_kda with the
-    states gathered from and scattered back to their slots. Host lists: prefill is not captured."""
+    states gathered from and scattered back to their slots. Host lists: prefill is not captured.
+    `cu`: (cu_seqlens on the device, the same on the host) when the caller has them: no H2D copy
+    (a blocking one, a host wait), and the same two tensors in every KDA layer of a forward let
+    fla's identity cache keep its chunk indices (their own blocking copy) after the first layer."""
     dev = q.device
-    cu = [0]
-    for n in seq_lens:
-        cu.append(cu[-1] + n)
-    cu_cpu = torch.tensor(cu, dtype=torch.long)
+    if cu is None:
+        bounds = [0]
+        for n in seq_lens:
+            bounds.append(bounds[-1] + n)
+        cu_cpu = torch.tensor(bounds, dtype=torch.long)
+        cu = (cu_cpu.to(dev), cu_cpu)
+    cu_dev, cu_cpu = cu
     slots = slot_ids[torch.tensor(reqs, dtype=torch.long, device=dev)] if len(reqs) != slot_ids.shape[0] \
         else slot_ids
     init = None
@@ -159,7 +165,7 @@ def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], h
     q, k = l2norm(q), l2norm(k)
     o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
                          initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=False,
-                         cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu)
+                         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu)
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[0]
 
@@ -174,9 +180,12 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     cu = meta.cu_seqlens
     ones = [r for r, s in enumerate(seq) if s == 1] if split_decode else []
     many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]
-    if many and not ones and cu[-1] == q.shape[0]:  # every token in a multi-token request: fla's output as is
-        o = kda_chunked(q, k, v, g, beta, state, many, [seq[r] for r in many], [meta.prefix_lens[r] > 0 for r in many],
-                        meta.slot_ids)
+    if many and len(many) == meta.num_reqs and not ones:
+        # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours
+        # (no [N, H, dv] copy), and meta's device cu_seqlens (+ one host copy kept on the meta for
+        # the forward's other KDA layers) are chunk_kda's: no H2D copy per layer
+        o = kda_chunked(q, k, v, g, beta, state, many, list(seq), [p > 0 for p in meta.prefix_lens],
+                        meta.slot_ids, (cu_t, _host_cu(meta)))
         return o if o.dtype == v.dtype else o.to(v.dtype)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Requests with no new token keep their state untouched (as the reference does).
@@ -197,6 +206,14 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         else:
             out.copy_(o)  # every token belongs to a multi-token request
     return out
+
+
+def _host_cu(meta: BatchMeta) -> torch.Tensor:
+    """meta.cu_seqlens as one host tensor per meta (the same object in every layer of the forward)."""
+    cu = meta.__dict__.get("_kda_cu_cpu")
+    if cu is None:
+        cu = meta.__dict__["_kda_cu_cpu"] = torch.tensor(meta.cu_seqlens, dtype=torch.long)
+    return cu
 
 
 # ---- Triton interpreter support for chunk_kda (CPU tests only) --------------------------------

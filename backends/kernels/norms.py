@@ -144,16 +144,20 @@ def gated_supported(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -
             and gate.device == x.device and weight.device == x.device)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["n", "heads"])
+def _l2norm_kernel(X, Y, n, stride_x, stride_y, D, eps, heads, stride_h, BLOCK_R: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """Row r of [n, D] is head r % heads of outer row r // heads of X (strides stride_x, stride_h):
+    a [N, H, D] view with any row stride (q/k as column slices of the conv output) is read in
+    place; a plain [n, D] input has heads 1."""
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < n
     offs = tl.arange(0, BLOCK_D)
     ok = r_ok[:, None] & (offs < D)[None, :]
     rows = rows.to(tl.int64)
-    x = tl.load(X + rows[:, None] * stride_x + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+    xrow = (rows // heads) * stride_x + (rows % heads) * stride_h
+    x = tl.load(X + xrow[:, None] + offs[None, :], mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps)
     tl.store(Y + rows[:, None] * stride_y + offs[None, :], (x * rstd[:, None]).to(Y.dtype.element_ty), mask=ok)
 
@@ -166,13 +170,19 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = Non
     Here the row count is a plain runtime argument: one compile for every batch."""
     d = x.shape[-1]
     assert 1 <= d <= MAX_GATED_D and x.dtype in (torch.float32, torch.bfloat16, torch.float16), (x.shape, x.dtype)
-    x2, out = _rows(x, d), _output(x, out)
-    n = x2.shape[0]
+    out = _output(x, out)
+    # [..., H, D] as [rows, H, D] (a view for KDA's q/k, column slices of the conv output whose
+    # rows are 3·H·D apart): the kernel reads the heads in place, no strided copy first
+    x3 = x.reshape(-1, x.shape[-2], d) if x.dim() >= 3 else x.reshape(-1, 1, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    n = x3.shape[0] * x3.shape[1]
     if n == 0:
         return out
     y2 = out.view(-1, d)
     bd = triton.next_power_of_2(d)
     br = max(1, min(16, 2048 // bd))
-    _l2norm_kernel[(triton.cdiv(n, br),)](x2, y2, n, x2.stride(0), y2.stride(0), d, float(eps),
-                                          BLOCK_R=br, BLOCK_D=bd, **pdl.launch(x2.device), num_warps=4)
+    _l2norm_kernel[(triton.cdiv(n, br),)](x3, y2, n, x3.stride(0), y2.stride(0), d, float(eps),
+                                          x3.shape[1], x3.stride(1),
+                                          BLOCK_R=br, BLOCK_D=bd, **pdl.launch(x3.device), num_warps=4)
     return out

@@ -69,7 +69,7 @@ class DirectSession:
         flat = torch.cat(ids).to(self.model.device)
         idx = None
         if not all_logits:
-            idx = torch.tensor(meta.cu_seqlens[1:], device=self.model.device) - 1
+            idx = meta.cu_seqlens_t[1:] - 1  # on the device already: no blocking H2D copy
         logits, _ = self.model(flat, meta, self.cache, input_embeds=input_embeds, logits_indices=idx)
         out, start = {}, 0
         for r, n in zip(rids, seq_lens):
