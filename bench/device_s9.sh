@@ -16,7 +16,9 @@
 #          bf16 (also with the sparse-MLA prefill in one launch) and fp8 (w8a8 at every size)
 #   cublas: GPU tests (w8a8 on cuBLASLt's block-scaled GEMM); the w8a8 prefill linears at 16K rows on
 #           Triton and on cuBLASLt; bench.prefill_model at 16K tokens, fp8 (w8a8 at every size) and bf16
-#     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas
+#   last: GPU tests (KDA prefill, l2norm on head views, the sparse-MLA and indexer prefill); bench.prefill_model
+#         at 16K tokens, bf16 and fp8 (w8a8 at every size), after the host-wait and copy removals
+#     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|last
 source bench/device_common.sh
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
@@ -92,5 +94,16 @@ sparse_mla_prefill_matches or lazy" tests/backends/test_triton_norms_mhc.py test
     timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
       --profile 12 > "$OUT/prefill16k.txt" 2>&1
     grep -E "kernels \(|host calls" "$OUT/prefill16k.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k.txt" ;;
-  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final|cublas"; exit 2 ;;
+  last)
+    tests 90 "kda or chunk or l2norm or sparse_mla_prefill_matches or indexer_select_prefill or cublas" \
+      tests/backends/test_triton_kda.py tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_kernels.py \
+      tests/backends/test_triton_fp8_linear.py
+    timeout 170 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 12 \
+      > "$OUT/prefill16k.txt" 2>&1
+    grep -E "kernels \(|host calls" "$OUT/prefill16k.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k.txt"
+    mv "$OUT/prefill_model.json" "$OUT/prefill_bf16.json" 2> /dev/null
+    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
+      --profile 12 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
+    grep -E "kernels \(|host calls" "$OUT/prefill16k_fp8.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
+  *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|last"; exit 2 ;;
 esac
