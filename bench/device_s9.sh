@@ -18,15 +18,23 @@
 #           Triton and on cuBLASLt; bench.prefill_model at 16K tokens, fp8 (w8a8 at every size) and bf16
 #   last: GPU tests (KDA prefill, l2norm on head views, the sparse-MLA and indexer prefill); bench.prefill_model
 #         at 16K tokens, bf16 and fp8 (w8a8 at every size), after the host-wait and copy removals
+#   (call 6 ran `grouped` at 59d8bf4, since reverted; call 8 only GPU tests, see bench/RESULTS.md)
 #     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|last
 source bench/device_common.sh
+# bench.prefill_model at 16K tokens, one request: $OUT/NAME.txt and .json kept, the profile's kernel
+# and host-wait lines and the table printed
+prefill16k() {
+  local name=$1 box=$2; shift 2
+  timeout "$box" python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --reps 3 "$@" > "$OUT/$name.txt" 2>&1
+  grep -E "kernels \(|host calls|launches of" "$OUT/$name.txt" | cut -c1-2500; tail -n 2 "$OUT/$name.txt"
+  mv "$OUT/prefill_model.json" "$OUT/$name.json" 2> /dev/null
+}
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
   profile)
     tests 60 "lazy_rescale" tests/backends/test_triton_kernels.py
-    timeout 200 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 2 --profile 50 \
-      > "$OUT/prefill16k.txt" 2>&1
-    tail -n 8 "$OUT/prefill16k.txt" | cut -c1-3000
+    # ran as --dsa triton, which then meant the rows derived in the kernel (bench/RESULTS.md)
+    prefill16k prefill16k 200 --dsa triton-kernel --reps 2 --profile 50
     timeout 120 python3 -m bench.prefill_h200 --no-ref --mla-sweep "$MLA;$MLA,LAZY_RESCALE=8;\
 BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=2,list=precomputed;\
 BLOCK_H=64,BLOCK_N=64,num_warps=8,num_stages=2,LAZY_RESCALE=8,list=precomputed;\
@@ -44,17 +52,13 @@ BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=3,LAZY_RESCALE=8,list=precomputed" 
 block_n=32,precision=bf16x3;split=4,precision=bf16x3;num_warps=8,precision=bf16x3;block_k=128,precision=bf16x3;\
 num_stages=4,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3" > "$OUT/mhc.txt" 2>&1
     tail -n 22 "$OUT/mhc.txt"
-    timeout 90 python3 -m bench.prefill_h200 --no-ref --mla-sweep "BLOCK_N=64,num_warps=8,num_stages=2,list=precomputed;\
-BLOCK_N=64,num_warps=8,num_stages=1,list=precomputed;BLOCK_N=64,num_warps=8,num_stages=3,list=precomputed;\
+    timeout 90 python3 -m bench.prefill_h200 --no-ref --mla-sweep \
+      "BLOCK_N=64,num_warps=8,num_stages=2,list=precomputed;BLOCK_N=64,num_warps=8,num_stages=1,list=precomputed;BLOCK_N=64,num_warps=8,num_stages=3,list=precomputed;\
 BLOCK_N=128,num_warps=8,num_stages=2,list=precomputed" > "$OUT/mla_sweep.txt" 2>&1
     tail -n 5 "$OUT/mla_sweep.txt"
-    timeout 150 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 30 \
-      > "$OUT/prefill16k.txt" 2>&1
-    grep -E "host calls|kernels \(" "$OUT/prefill16k.txt" | cut -c1-2500; tail -n 2 "$OUT/prefill16k.txt"
-    mv "$OUT/prefill_model.json" "$OUT/prefill_bf16.json" 2> /dev/null
-    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
-      --profile 30 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
-    grep -E "kernels \(" "$OUT/prefill16k_fp8.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
+    prefill16k prefill16k 150 --dsa triton --profile 30
+    prefill16k prefill16k_fp8 $(( $(left) - 5 )) --dsa triton --profile 30 --quantization fp8 \
+      --fp8-act-max-tokens all ;;
   sweeps)
     tests 80 "bf16x3 or prefill_size or sparse_mla_prefill_matches" tests/backends/test_triton_norms_mhc.py \
       tests/backends/test_triton_kernels.py
@@ -72,38 +76,27 @@ block_k=128,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3;block_n=12
     tests 110 "bf16x3 or prefill_split_k or prefill_size or w8a8 or tile_choice or config_table or chunk or \
 sparse_mla_prefill_matches or lazy" tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_fp8_linear.py \
       tests/backends/test_triton_moe.py tests/backends/test_triton_kda.py tests/backends/test_triton_kernels.py
-    timeout 200 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 30 \
-      --mla-chunk-rows 16384 > "$OUT/prefill16k.txt" 2>&1
-    grep -E "host calls|kernels \(|launches of" "$OUT/prefill16k.txt" | cut -c1-2500; tail -n 2 "$OUT/prefill16k.txt"
-    mv "$OUT/prefill_model.json" "$OUT/prefill_bf16.json" 2> /dev/null
-    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
-      --profile 30 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
-    grep -E "kernels \(" "$OUT/prefill16k_fp8.txt" | cut -c1-1500; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
+    prefill16k prefill16k 200 --dsa triton --profile 30 --mla-chunk-rows 16384
+    prefill16k prefill16k_fp8 $(( $(left) - 5 )) --dsa triton --profile 30 --quantization fp8 \
+      --fp8-act-max-tokens all ;;
   cublas)
     tests 60 "cublas or w8a8" tests/backends/test_triton_fp8_linear.py
     for m in 1073741824 1024; do
       timeout 60 python3 -m bench.fp8_linear_h200 --tokens 64 --prefill-tokens 16384 --act dynamic \
         --shapes "kda.q,kda.o,dsa.q_b,dsa.o" --cublas-min-rows $m > "$OUT/lin_$m.txt" 2>&1
-      echo "== CUBLAS_MIN_ROWS $m"; grep -A 4 "^prefill (do_bench" "$OUT/lin_$m.txt"; grep -i "warn" "$OUT/lin_$m.txt" | head -2
+      echo "== CUBLAS_MIN_ROWS $m"; grep -A 4 "^prefill (do_bench" "$OUT/lin_$m.txt"
+      grep -i "warn" "$OUT/lin_$m.txt" | head -2
     done
     rm -f "$OUT/fp8_linear_h200.json"
-    timeout 170 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 12 \
-      --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
-    grep -E "kernels \(|host calls" "$OUT/prefill16k_fp8.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k_fp8.txt"
-    mv "$OUT/prefill_model.json" "$OUT/prefill_fp8.json" 2> /dev/null
-    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
-      --profile 12 > "$OUT/prefill16k.txt" 2>&1
-    grep -E "kernels \(|host calls" "$OUT/prefill16k.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k.txt" ;;
+    prefill16k prefill16k_fp8 170 --dsa triton --profile 12 --quantization fp8 \
+      --fp8-act-max-tokens all
+    prefill16k prefill16k $(( $(left) - 5 )) --dsa triton --profile 12 ;;
   last)
     tests 90 "kda or chunk or l2norm or sparse_mla_prefill_matches or indexer_select_prefill or cublas" \
       tests/backends/test_triton_kda.py tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_kernels.py \
       tests/backends/test_triton_fp8_linear.py
-    timeout 170 python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 --profile 12 \
-      > "$OUT/prefill16k.txt" 2>&1
-    grep -E "kernels \(|host calls" "$OUT/prefill16k.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k.txt"
-    mv "$OUT/prefill_model.json" "$OUT/prefill_bf16.json" 2> /dev/null
-    timeout $(( $(left) - 5 )) python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --dsa triton --reps 3 \
-      --profile 12 --quantization fp8 --fp8-act-max-tokens all > "$OUT/prefill16k_fp8.txt" 2>&1
-    grep -E "kernels \(|host calls" "$OUT/prefill16k_fp8.txt" | cut -c1-1200; tail -n 2 "$OUT/prefill16k_fp8.txt" ;;
+    prefill16k prefill16k 170 --dsa triton --profile 12
+    prefill16k prefill16k_fp8 $(( $(left) - 5 )) --dsa triton --profile 12 --quantization fp8 \
+      --fp8-act-max-tokens all ;;
   *) echo "usage: bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|last"; exit 2 ;;
 esac
