@@ -54,7 +54,8 @@ num_stages=4,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3" > "$OUT/
     tail -n 22 "$OUT/mhc.txt"
     timeout 90 python3 -m bench.prefill_h200 --no-ref --mla-sweep \
       "BLOCK_N=64,num_warps=8,num_stages=2,list=precomputed;BLOCK_N=64,num_warps=8,num_stages=1,list=precomputed;\
-BLOCK_N=64,num_warps=8,num_stages=3,list=precomputed;BLOCK_N=128,num_warps=8,num_stages=2,list=precomputed" > "$OUT/mla_sweep.txt" 2>&1
+BLOCK_N=64,num_warps=8,num_stages=3,list=precomputed;BLOCK_N=128,num_warps=8,num_stages=2,list=precomputed" \
+      > "$OUT/mla_sweep.txt" 2>&1
     tail -n 5 "$OUT/mla_sweep.txt"
     prefill16k prefill16k 150 --dsa triton --profile 30
     prefill16k prefill16k_fp8 $(( $(left) - 5 )) --dsa triton --profile 30 --quantization fp8 \
