@@ -12,14 +12,15 @@ Overridden today (everything else is the reference):
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
-  linear          FP8 weights every batch (w8a8 by default: fp8_activations); 16-bit weights up to 8 rows
-                  (decode) by skinny_linear
+  linear          FP8 weights every batch (w8a8 by default: fp8_activations; from 1024 rows on cuBLASLt's
+                  block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
                   (+ the shared expert's column when it is seated among the routed experts)
-  mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse
+  mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse (bf16x3 products
+                  from 1024 tokens)
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
                   rows (MoEPartials) and does its top-k sum on the way in
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
