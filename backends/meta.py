@@ -78,19 +78,25 @@ class BatchMeta:
         req_index = torch.repeat_interleave(torch.arange(len(seq_lens)), seq)
         positions = torch.arange(int(cu[-1])) - cu[req_index] + pre[req_index]
         out_loc = table[req_index, positions // page_size] * page_size + positions % page_size
-        dev = torch.device(device)
         slots = torch.tensor(slot_ids, dtype=torch.long)
-        parts = (positions, req_index, slots, table, out_loc, pre, cu)
-        if dev.type == "cpu":
-            return cls(list(prefix_lens), list(seq_lens), *parts[:5], page_size, *parts[5:])
-        # one copy of all seven from pinned memory, not seven blocking ones (each a host wait for
-        # the GPU: the step could not be queued behind the previous one); the views keep the dtypes
-        host = torch.cat([t.reshape(-1) for t in parts])
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(dev, non_blocking=dev.type == "cuda")
-        views, at = [], 0
-        for t in parts:
-            views.append(flat[at:at + t.numel()].view(t.shape))
-            at += t.numel()
-        return cls(list(prefix_lens), list(seq_lens), *views[:5], page_size, *views[5:])
+        parts = host_to_device(device, positions, req_index, slots, table, out_loc, pre, cu)
+        return cls(list(prefix_lens), list(seq_lens), *parts[:5], page_size, *parts[5:])
+
+
+def host_to_device(device: torch.device | str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host tensors of one dtype on `device` in one copy from pinned memory, not one blocking copy
+    each: a copy from pageable memory waits for the GPU to drain its queue first, so the host could
+    not queue this forward behind the previous one. Returns views of one flat device buffer (the
+    tensors themselves on the CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return list(tensors)
+    host = torch.cat([t.reshape(-1) for t in tensors])
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(dev, non_blocking=dev.type == "cuda")
+    views, at = [], 0
+    for t in tensors:
+        views.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return views

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.meta import BatchMeta
+from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
 from glmrt.engine.sampler import Sampler, SamplerRow
@@ -264,8 +264,8 @@ class ModelRunner:
         ids = torch.tensor([t for w in work for t in w.req.token_slice(w.start, w.start + w.num)], dtype=torch.long)
         rows = [i for i, w in enumerate(work) if w.sample]
         ends = meta.cu_seqlens
-        idx = torch.tensor([ends[i + 1] - 1 for i in rows], dtype=torch.long, device=self.device)
-        ids = ids.to(self.device)
+        idx = torch.tensor([ends[i + 1] - 1 for i in rows], dtype=torch.long)
+        ids, idx = host_to_device(self.device, ids, idx)  # one non-blocking copy, no host wait
         logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(work, ids),
                                logits_indices=idx)
         return logits

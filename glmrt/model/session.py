@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from backends.meta import BatchMeta
+from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 
 
@@ -66,7 +66,8 @@ class DirectSession:
         seq_lens = [int(x.numel()) for x in ids]
         meta = BatchMeta.build([self.lens[r] for r in rids], seq_lens, [self.slots[r] for r in rids],
                                [self.pages[r] for r in rids], self.page_size, self.model.device)
-        flat = torch.cat(ids).to(self.model.device)
+        flat = torch.cat(ids)
+        flat = host_to_device(self.model.device, flat)[0] if flat.device.type == "cpu" else flat.to(self.model.device)
         idx = None
         if not all_logits:
             idx = meta.cu_seqlens_t[1:] - 1  # on the device already: no blocking H2D copy
