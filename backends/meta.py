@@ -75,8 +75,9 @@ class BatchMeta:
         pre = torch.tensor(prefix_lens, dtype=torch.long)
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
         torch.cumsum(seq, 0, out=cu[1:])
-        req_index = torch.repeat_interleave(torch.arange(len(seq_lens)), seq)
-        positions = torch.arange(int(cu[-1])) - cu[req_index] + pre[req_index]
+        total = sum(seq_lens)  # known on the host: no .item() (repeat_interleave's own costs two)
+        req_index = torch.repeat_interleave(torch.arange(len(seq_lens)), seq, output_size=total)
+        positions = torch.arange(total) - cu[req_index] + pre[req_index]
         out_loc = table[req_index, positions // page_size] * page_size + positions % page_size
         slots = torch.tensor(slot_ids, dtype=torch.long)
         parts = host_to_device(device, positions, req_index, slots, table, out_loc, pre, cu)
@@ -87,16 +88,19 @@ def host_to_device(device: torch.device | str, *tensors: torch.Tensor) -> list[t
     """Host tensors of one dtype on `device` in one copy from pinned memory, not one blocking copy
     each: a copy from pageable memory waits for the GPU to drain its queue first, so the host could
     not queue this forward behind the previous one. Returns views of one flat device buffer (the
-    tensors themselves on the CPU)."""
+    tensors themselves on the CPU). Each view starts 16-byte aligned: Triton specialises pointer
+    arguments on 16-byte alignment, and a misaligned page table or out_loc (an odd offset, e.g.
+    after one request's slot id) would compile and run a kernel variant without it."""
     dev = torch.device(device)
     if dev.type == "cpu":
         return list(tensors)
-    host = torch.cat([t.reshape(-1) for t in tensors])
-    if dev.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(dev, non_blocking=dev.type == "cuda")
-    views, at = [], 0
+    per = max(1, 16 // tensors[0].element_size())
+    offs, at = [], 0
     for t in tensors:
-        views.append(flat[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return views
+        offs.append(at)
+        at += -(-t.numel() // per) * per
+    host = torch.empty(at, dtype=tensors[0].dtype, pin_memory=dev.type == "cuda")
+    for t, o in zip(tensors, offs):
+        host[o:o + t.numel()] = t.reshape(-1)
+    flat = host.to(dev, non_blocking=dev.type == "cuda")
+    return [flat[o:o + t.numel()].view(t.shape) for t, o in zip(tensors, offs)]
