@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The ninth session's lent-GPU calls, each time-boxed (the device tool allows 600 s a call).
 # Run from the repo root with the wheels of ../shared/tools/device-wheels.sh in .whlg:
-#   profile: GPU tests (the lazy softmax rescale); bench.prefill_model at 16K tokens with the
+#   profile: GPU tests (the lazy softmax rescale, since removed); bench.prefill_model at 16K tokens with the
 #            50 largest kernels of one profiled forward; bench.prefill_h200 --mla-sweep (the
 #            sparse-MLA prefill kernel alone: block shapes, lazy rescale); bench.moe_h200's bf16
 #            prefill tile sweep at 16K tokens; bench.decode_profile at batch 1 bf16 with --warm-s 3
@@ -32,7 +32,7 @@ prefill16k() {
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
   profile)
-    tests 60 "lazy_rescale" tests/backends/test_triton_kernels.py
+    # ran with the kernel's LAZY_RESCALE option and its test (since removed; bench/RESULTS.md)
     # ran as --dsa triton, which then meant the rows derived in the kernel (bench/RESULTS.md)
     prefill16k prefill16k 200 --dsa triton-kernel --reps 2 --profile 50
     timeout 120 python3 -m bench.prefill_h200 --no-ref --mla-sweep "$MLA;$MLA,LAZY_RESCALE=8;\
@@ -75,7 +75,7 @@ block_k=128,precision=bf16x3;block_n=128,num_warps=8,precision=bf16x3;block_n=12
     grep -A 12 "^sweep (best" "$OUT/moe_sweep.txt" ;;
   final)
     tests 110 "bf16x3 or prefill_split_k or prefill_size or w8a8 or tile_choice or config_table or chunk or \
-sparse_mla_prefill_matches or lazy" tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_fp8_linear.py \
+sparse_mla_prefill_matches" tests/backends/test_triton_norms_mhc.py tests/backends/test_triton_fp8_linear.py \
       tests/backends/test_triton_moe.py tests/backends/test_triton_kda.py tests/backends/test_triton_kernels.py
     prefill16k prefill16k 200 --dsa triton --profile 30 --mla-chunk-rows 16384
     prefill16k prefill16k_fp8 $(( $(left) - 5 )) --dsa triton --profile 30 --quantization fp8 \

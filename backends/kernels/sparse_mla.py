@@ -66,7 +66,7 @@ def _sparse_mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
     FROM_SEL: tl.constexpr, KPOOL: tl.constexpr, WITH_TAIL: tl.constexpr, BLOCK_SEL: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr, LAZY_RESCALE: tl.constexpr = 0, PDL: tl.constexpr = False):
+    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -136,29 +136,14 @@ def _sparse_mla_decode_kernel(
             kv = (kv.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(q.dtype)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_blk = tl.max(s, 1)
-        if LAZY_RESCALE > 0:
-            # Keep the running max (and skip rescaling the [BLOCK_H, BLOCK_R] accumulator) unless
-            # some row's block max exceeds it by more than LAZY_RESCALE (log2 units): then p <=
-            # 2^LAZY_RESCALE, exact enough in fp32 sums and bf16 P (relative rounding). A row that
-            # saw no token yet (m = -inf) takes any finite block max here.
-            if tl.max((m_blk > m_i + LAZY_RESCALE).to(tl.int32), 0) > 0:
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i += tl.sum(p, 1)
-        else:
-            m_new = tl.maximum(m_i, m_blk)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no token yet
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no token yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=PRECISION)  # accumulate in place
+        m_i = m_new
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -418,7 +403,6 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
         FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail, KV_FP8=fp8, HAS_REQ=req is not None,
-        LAZY_RESCALE=cfg.get("LAZY_RESCALE", 0),
         BLOCK_SEL=max(16, triton.next_power_of_2(sel.shape[1])) if from_sel else 16,
         **pdl.launch(q_abs.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -542,7 +526,8 @@ PREFILL_TOKEN_LIST = "precomputed"
 # Prefill rows (one per query token, ~1900 latent rows each at 16K tokens) stream 64 rows per
 # step with a 16-bit cache: `bench.prefill_h200 --mla-sweep` on an H200 (1 x 16K tokens, 64
 # heads x 512): 16.97 ms (244 TFLOP/s, 255 regs, no spills) against 22.97 at decode's 32.
-# LAZY_RESCALE (keep the running max) spilled there and lost: 18.24 ms at 64, 23.51 at 32.
+# A lazy rescale (keep the running max until a block's exceeds it by 8) spilled there and lost:
+# 18.24 ms at 64, 23.51 at 32; removed.
 PREFILL_CONFIG = dict(BLOCK_N=64)
 
 

@@ -95,29 +95,6 @@ def test_sparse_mla_decode_kernel(device, dtype, r, num_splits):
     assert (out[3] == 0).all()
 
 
-@pytest.mark.parametrize("lazy", [2, 8])
-@pytest.mark.parametrize("scale", [0.3, 2.0])
-def test_sparse_mla_lazy_rescale(device, lazy, scale):
-    """LAZY_RESCALE keeps the running max until a block's exceeds it by `lazy` (log2 units): the
-    same softmax, whether the rescale branch is taken often (scale 2.0) or rarely (0.3)."""
-    g = _gen(300 + lazy)
-    b, h, r, k, num_pages = 4, 16, 64, 150, 12
-    cache = torch.randn(num_pages, PAGE, r, generator=g).to(torch.bfloat16)
-    q_abs = torch.randn(b, h, r, generator=g).to(torch.bfloat16)
-    token_idx = torch.randint(0, num_pages * PAGE, (b, k), generator=g, dtype=torch.int32)
-    token_idx[torch.rand(b, k, generator=g) < 0.3] = -1
-    token_idx[1, :40] = -1                                     # leading blocks with no token
-    token_idx[3] = -1
-    cache, q_abs, token_idx = cache.to(device), q_abs.to(device), token_idx.to(device)
-    cfg = dict(BLOCK_N=16, LAZY_RESCALE=lazy)
-    out = sparse_mla_decode(q_abs, cache, token_idx, scale, num_splits=1, config=cfg)
-    ref = _torch_decode(q_abs, cache.view(-1, r), token_idx, scale)
-    assert _rel(out, ref) < _tol(torch.bfloat16)
-    assert (out[3] == 0).all()
-    split = sparse_mla_decode(q_abs, cache, token_idx, scale, num_splits=3, config=cfg)
-    assert _rel(split, ref) < _tol(torch.bfloat16)
-
-
 def test_sparse_mla_decode_num_tokens_bound(device):
     """num_tokens stops at the packed prefix: what lies beyond is never read."""
     g = _gen(7)
