@@ -31,6 +31,9 @@ class BatchMeta:
     # The same lengths on the device, for kernels that must not read Python lists (CUDA graphs):
     prefix_lens_t: torch.Tensor | None = None  # [B] long
     cu_seqlens_t: torch.Tensor | None = None   # [B+1] long, flat start of each request
+    # cu_seqlens as a host tensor (BatchMeta.build's): one object per forward, which fla's
+    # chunk_kda caches its chunk indices on (the same tensors in every KDA layer: one copy, not three)
+    cu_seqlens_cpu: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -81,7 +84,7 @@ class BatchMeta:
         out_loc = table[req_index, positions // page_size] * page_size + positions % page_size
         slots = torch.tensor(slot_ids, dtype=torch.long)
         parts = host_to_device(device, positions, req_index, slots, table, out_loc, pre, cu)
-        return cls(list(prefix_lens), list(seq_lens), *parts[:5], page_size, *parts[5:])
+        return cls(list(prefix_lens), list(seq_lens), *parts[:5], page_size, *parts[5:], cu_seqlens_cpu=cu)
 
 
 def host_to_device(device: torch.device | str, *tensors: torch.Tensor) -> list[torch.Tensor]:

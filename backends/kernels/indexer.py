@@ -25,6 +25,7 @@ from ..reference import ReferenceOps
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
+from .conv import device_lens
 from .sparse_mla import is_decode_batch
 
 patch_interpreter()
@@ -199,13 +200,9 @@ def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
     small = torch.where(j[None, :] < visible[:, None], j[None, :], -1)  # request has <= topk pools
     if max_pools <= topk_pools:
         return small.to(torch.long)
-    if meta.prefix_lens_t is not None and meta.cu_seqlens_t is not None:
-        # each token's request's total_len // kpool from meta's device lengths: no blocking H2D copy
-        cu_t = meta.cu_seqlens_t
-        req_pools = torch.div(meta.prefix_lens_t + (cu_t[1:] - cu_t[:-1]), kpool,
-                              rounding_mode="floor")[meta.req_index]
-    else:
-        req_pools = torch.tensor(req_pools_list, dtype=torch.long, device=dev)[meta.req_index]
+    # each token's request's total_len // kpool from meta's device lengths: no blocking H2D copy
+    pre_t, cu_t = device_lens(meta, dev)
+    req_pools = torch.div(pre_t + (cu_t[1:] - cu_t[:-1]), kpool, rounding_mode="floor")[meta.req_index]
     table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
     req = meta.req_index.contiguous()
     chunk = max(1, min(n, max_score_bytes // (4 * max_pools)))

@@ -182,10 +182,11 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]
     if many and len(many) == meta.num_reqs and not ones:
         # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours
-        # (no [N, H, dv] copy), and meta's device cu_seqlens (+ one host copy kept on the meta for
-        # the forward's other KDA layers) are chunk_kda's: no H2D copy per layer
+        # (no [N, H, dv] copy), and meta's cu_seqlens (device and host) are chunk_kda's: no H2D
+        # copy per layer
+        cu_cpu = meta.cu_seqlens_cpu if meta.cu_seqlens_cpu is not None else torch.tensor(cu, dtype=torch.long)
         o = kda_chunked(q, k, v, g, beta, state, many, list(seq), [p > 0 for p in meta.prefix_lens],
-                        meta.slot_ids, (cu_t, _host_cu(meta)))
+                        meta.slot_ids, (cu_t, cu_cpu))
         return o if o.dtype == v.dtype else o.to(v.dtype)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Requests with no new token keep their state untouched (as the reference does).
@@ -206,14 +207,6 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         else:
             out.copy_(o)  # every token belongs to a multi-token request
     return out
-
-
-def _host_cu(meta: BatchMeta) -> torch.Tensor:
-    """meta.cu_seqlens as one host tensor per meta (the same object in every layer of the forward)."""
-    cu = meta.__dict__.get("_kda_cu_cpu")
-    if cu is None:
-        cu = meta.__dict__["_kda_cu_cpu"] = torch.tensor(meta.cu_seqlens, dtype=torch.long)
-    return cu
 
 
 # ---- Triton interpreter support for chunk_kda (CPU tests only) --------------------------------

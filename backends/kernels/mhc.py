@@ -316,7 +316,7 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if split is None:
         split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
                                                                     2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
-    large = split == 1 and n >= _LARGE_N
+    large = split == 1 and prefill
     block_n = block_n or (64 if large else 16)
     precision = precision or (PREFILL_PRECISION if prefill else DECODE_PRECISION)
     if precision == "bf16x3" and streams.dtype != torch.bfloat16:
