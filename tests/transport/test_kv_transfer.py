@@ -310,6 +310,25 @@ def test_64mib_throughput(pair):
           f"(runs: {', '.join(f'{r:.0f}' for r in rates)})")
 
 
+def _stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP pid and return once the kernel reports it stopped.
+
+    kill() only queues the signal: on a busy 2-core runner the peer could still answer one more
+    write before it takes effect (CI saw a 0.4 ms acknowledgement after the kill)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    states: list[str] = []
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):  # every thread: ZMQ answers from its I/O thread
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s (thread states {states})")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stalled_or_dead_peer_fails_within_timeout(backend):
     _require(backend)
@@ -327,7 +346,7 @@ def test_stalled_or_dead_peer_fails_within_timeout(backend):
         assert ok.ok, ok.error
 
         # a stalled peer (stopped: it never acknowledges) -> ok=False at the timeout
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        _stop_process(peer.proc.pid)
         t0 = time.monotonic()
         res = asyncio.run(eng.wait(eng.write(peer.name, local, remote, checksum=True), timeout=1.0))
         elapsed = time.monotonic() - t0
