@@ -402,6 +402,74 @@ def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.G
     return res
 
 
+_TMA_KEYS = dict(bm="BLOCK_M", a="A_TMA", gn="gate_up.BLOCK_N", gk="gate_up.BLOCK_K", gw="gate_up.num_warps",
+                 gs="gate_up.num_stages", gg="gate_up.GROUP_M", gws="gate_up.WARP_SPECIALIZE",
+                 dn="down.BLOCK_N", dk="down.BLOCK_K", dw="down.num_warps", ds="down.num_stages",
+                 dg="down.GROUP_M", dws="down.WARP_SPECIALIZE")
+
+
+def tma_config(spec: str) -> dict:
+    """fused_moe_tma.CONFIG with a spec's changes: "bm=64,gn=128,gs=3,dws=1" (keys: _TMA_KEYS)."""
+    from backends.kernels import fused_moe_tma
+
+    c = {**fused_moe_tma.CONFIG, "gate_up": dict(fused_moe_tma.CONFIG["gate_up"]),
+         "down": dict(fused_moe_tma.CONFIG["down"])}
+    for item in filter(None, spec.split(",")):
+        key, val = item.split("=")
+        path = _TMA_KEYS[key.strip()].split(".")
+        v = int(val)
+        if path[-1] in ("A_TMA", "WARP_SPECIALIZE"):
+            v = bool(v)
+        (c[path[0]] if len(path) == 2 else c)[path[-1]] = v
+    return c
+
+
+def tma_sweep(n: int, w: dict, dims: dict, dev: torch.device, gd: torch.Generator, args, kernel_ms) -> list:
+    """bf16 at N tokens: the pointer GEMMs (the table's entry) against each --tma-sweep spec of the
+    sorted-row TMA GEMMs, whole fused_moe calls (alignment, gather, GEMMs, sum) each; every TMA
+    output compared with the pointer GEMMs' on the same inputs."""
+    from backends.kernels import fused_moe_tma
+
+    ws, _ = w["bf16"]
+    sets = make_inputs(n, dims, w, dev, gd, args.rotate)
+    flops = 6.0 * n * dims["k"] * dims["i"] * dims["d"]
+    outs = [torch.empty_like(x) for x, _, _ in sets]
+    x0, ids0, rw0 = sets[0]
+    ptr = fm.fused_moe(x0, ids0, rw0, *ws, dims["limit"], tma=False)
+    res = []
+    for spec in ["pointer"] + args.tma_sweep.split(";"):
+        cfg = None if spec == "pointer" else tma_config(spec)
+        it = [0]
+
+        def run():
+            j = it[0] % len(sets)
+            it[0] += 1
+            x, ids, rw = sets[j]
+            fm.fused_moe(x, ids, rw, *ws, dims["limit"], out=outs[j], tma=cfg is not None, config=cfg)
+
+        rec = dict(tokens=n, spec=spec)
+        refused = len(fused_moe_tma.refusals())
+        try:
+            t = time.time()
+            got = fm.fused_moe(x0, ids0, rw0, *ws, dims["limit"], tma=cfg is not None, config=cfg)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            rec["compile_s"] = time.time() - t
+            if cfg is not None and len(fused_moe_tma.refusals()) > refused:  # it fell back to the pointer GEMMs
+                raise RuntimeError(list(fused_moe_tma.refusals().values())[-1])
+            rec["rel_vs_pointer"] = _rel(got, ptr)
+            ms = kernel_ms(run)
+            rec.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        except Exception as err:  # noqa: BLE001 - a shape that does not compile is a result too
+            rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        res.append(rec)
+        print("tma", json.dumps(rec), flush=True)
+    del sets, outs
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
 def _cfg_str(c: dict) -> str:
     def one(p: dict) -> str:
         flags = ("S" if p.get("SWAP_AB") else "") + ("E" if p.get("scale_acc", True) is False else "")
@@ -421,9 +489,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-ref", action="store_true")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-tokens", default="1,128,16384")
-    p.add_argument("--sweep-only", action="store_true", help="with --sweep: checks + sweep, no timing table")
+    p.add_argument("--sweep-only", action="store_true", help="with --sweep / --tma-sweep: checks + sweeps, no "
+                   "timing table")
     p.add_argument("--no-baseline", action="store_true",
                    help="fp8 sweep without timing bf16's table entry at the same N (needs bf16 weights)")
+    p.add_argument("--tma-sweep", default="", help="bf16 at --sweep-tokens: the pointer GEMMs against these "
+                   "';'-separated fused_moe_tma configs (e.g. 'bm=128;a=0;gws=1,dws=1'; an empty spec is CONFIG)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
@@ -460,7 +531,7 @@ def main(argv=None) -> int:
     if dev.type == "cuda" and "fp8" in w:
         checks.append(check_graph_and_sync(w, dims, dev, gd))
     rows = []
-    for kind in ([] if args.sweep and args.sweep_only else kinds):
+    for kind in ([] if (args.sweep or args.tma_sweep) and args.sweep_only else kinds):
         for n in tokens:
             t = time.time()
             rows.append(time_case(kind, n, w, dims, dev, gd, args, kernel_ms, ref_ms))
@@ -474,7 +545,12 @@ def main(argv=None) -> int:
             for n in sweep_tokens:
                 swept += sweep("bf16", n, w, dims, dev, gd, args, kernel_ms, baseline=True)
 
-    write_out("moe_h200.json", dict(env=env, checks=checks, rows=rows, sweep=swept))
+    tma_rows = []
+    if args.tma_sweep:
+        for n in sweep_tokens:
+            tma_rows += tma_sweep(n, w, dims, dev, gd, args, kernel_ms)
+
+    write_out("moe_h200.json", dict(env=env, checks=checks, rows=rows, sweep=swept, tma=tma_rows))
 
     na = float("nan")
     if swept:
@@ -531,7 +607,17 @@ def main(argv=None) -> int:
                   f"{r.get('graph_ms', na):>7.3f} {r['align_ms']:>6.3f} {r['gbytes']:>6.2f} {r['tbps']:>5.2f} "
                   f"{r['pct_bw']:>4.0f} {r['tflops']:>7.1f} {r['pct_flops']:>4.0f} {r['floor_ms']:>7.3f} "
                   f"{r['x_floor']:>6.2f} {r.get('ref_ms', na):>8.2f} {r.get('speedup', na):>7.1f}")
-    ok = all(c["pass"] for c in checks)
+    if tma_rows:
+        print("\nbf16 fused MoE: pointer GEMMs vs sorted-row TMA GEMMs (whole call; TFLOP/s of the routed rows)")
+        for r in tma_rows:
+            base = next((b for b in tma_rows if b["tokens"] == r["tokens"] and b["spec"] == "pointer" and "ms" in b), None)
+            if "ms" not in r:
+                print(f"  N={r['tokens']:<6} {r['spec']:<40} FAILED {r['error']}")
+                continue
+            gain = f"x{base['ms'] / r['ms']:.3f}" if base is not None else ""
+            print(f"  N={r['tokens']:<6} {r['spec']:<40} {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s {gain:>7} "
+                  f"rel {r['rel_vs_pointer']:.1e}")
+    ok = all(c["pass"] for c in checks) and all(r.get("rel_vs_pointer", 0) < 1e-2 for r in tma_rows)
     print(f"\nchecks: {'ALL PASS' if ok else 'FAILURES'}")
     return 0 if ok else 1
 
