@@ -74,6 +74,7 @@ import triton.language as tl
 # the tile tables live in fused_moe_configs; re-exported here for tests and benches (fm.CONFIGS, ...)
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
 from . import fused_moe_tma, pdl
+from .fused_moe_tma import swiglu_clamped
 from .pdl import pdl_enter
 from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3
 from .interpreter import patch_interpreter
@@ -442,14 +443,7 @@ def _gate_up_kernel(
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
 
-    # clamped SwiGLU with the reference's roundings (gate, up, silu(gate), product)
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    h = (s * u).to(dt)
+    h = swiglu_clamped(acc_g.to(dt), acc_u.to(dt), limit, HAS_LIMIT)  # the reference's roundings
     tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 

@@ -85,14 +85,31 @@ def _gather_kernel(X, XS, SORTED, BLOCK_EXPERT, BLOCK_ROWS, D, top_k, num_blocks
 
 
 @triton.jit
-def _grouped_pid(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(block, N tile) of this program: GROUP_M consecutive blocks (mostly one expert's) sweep the
-    N tiles together, so an expert's weight tiles are reused from L2."""
+def _block_tile(BLOCK_EXPERT, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(block, N tile, expert) of this program: GROUP_M consecutive blocks (mostly one expert's)
+    sweep the N tiles together, so an expert's weight tiles are reused from L2. Expert -1: a block
+    past the end of the aligned list (the caller returns)."""
     pid = tl.program_id(0)
     in_group = GROUP_M * num_pid_n
     first_m = (pid // in_group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+    pid_m = first_m + (pid % in_group) % size_m
+    return pid_m, (pid % in_group) // size_m, tl.load(BLOCK_EXPERT + pid_m)
+
+
+@triton.jit
+def swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """h = silu(min(g, limit)) · clamp(u, ±limit) from gate and up already rounded to the model
+    dtype, with the reference's roundings (silu(gate) and the product); h in that dtype. fused_moe's
+    pointer GEMMs share it."""
+    dt = g.dtype
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
 
 
 @triton.jit(do_not_specialize=["num_pid_m"])
@@ -102,8 +119,7 @@ def _gate_up_kernel(xs_desc, X, wg_desc, wu_desc, h_desc, SORTED, BLOCK_EXPERT, 
                     HAS_LIMIT: tl.constexpr, A_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                     PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    pid_m, pid_n = _grouped_pid(num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
-    e = tl.load(BLOCK_EXPERT + pid_m)
+    pid_m, pid_n, e = _block_tile(BLOCK_EXPERT, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
@@ -127,14 +143,7 @@ def _gate_up_kernel(xs_desc, X, wg_desc, wu_desc, h_desc, SORTED, BLOCK_EXPERT, 
         bu = wu_desc.load([w_row, k0])
         acc_g = tl.dot(a, bg.T, acc_g)
         acc_u = tl.dot(a, bu.T, acc_u)
-    # clamped SwiGLU with the reference's roundings (gate, up, silu(gate), product), as fused_moe
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    h_desc.store([row0, n0], (s * u).to(dt))
+    h_desc.store([row0, n0], swiglu_clamped(acc_g.to(dt), acc_u.to(dt), limit, HAS_LIMIT))
 
 
 @triton.jit(do_not_specialize=["num_pid_m"])
@@ -142,8 +151,7 @@ def _down_kernel(h_desc, wd_desc, RW, Y, SORTED, BLOCK_EXPERT, BLOCK_ROWS, D, I,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    pid_m, pid_n = _grouped_pid(num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
-    e = tl.load(BLOCK_EXPERT + pid_m)
+    pid_m, pid_n, e = _block_tile(BLOCK_EXPERT, num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
