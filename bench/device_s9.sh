@@ -21,14 +21,6 @@
 #   (call 6 ran `grouped` at 59d8bf4, since reverted; call 8 only GPU tests, see bench/RESULTS.md)
 #     bash bench/device_s9.sh profile|prefill|sweeps|final|cublas|last
 source bench/device_common.sh
-# bench.prefill_model at 16K tokens, one request: $OUT/NAME.txt and .json kept, the profile's kernel
-# and host-wait lines and the table printed
-prefill16k() {
-  local name=$1 box=$2; shift 2
-  timeout "$box" python3 -m bench.prefill_model --tokens 16384 --hf-tokens "" --reps 3 "$@" > "$OUT/$name.txt" 2>&1
-  grep -E "kernels \(|host calls|launches of" "$OUT/$name.txt" | cut -c1-2500; tail -n 2 "$OUT/$name.txt"
-  mv "$OUT/prefill_model.json" "$OUT/$name.json" 2> /dev/null
-}
 MLA="BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2,list=precomputed"
 case "${1:-}" in
   profile)
