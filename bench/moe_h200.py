@@ -412,8 +412,7 @@ def tma_config(spec: str) -> dict:
     """fused_moe_tma.CONFIG with a spec's changes: "bm=64,gn=128,gs=3,dws=1" (keys: _TMA_KEYS)."""
     from backends.kernels import fused_moe_tma
 
-    c = {**fused_moe_tma.CONFIG, "gate_up": dict(fused_moe_tma.CONFIG["gate_up"]),
-         "down": dict(fused_moe_tma.CONFIG["down"])}
+    c = fused_moe_tma.merged_config()
     for item in filter(None, spec.split(",")):
         key, val = item.split("=")
         path = _TMA_KEYS[key.strip()].split(".")

@@ -705,18 +705,13 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
                            SWAP_AB=bool(c.get("SWAP_AB", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
-    flat_ids = ids.reshape(-1)
-    if not flat_ids.is_contiguous():
-        flat_ids = flat_ids.contiguous()
+    flat_ids, rw = _flat_pairs(ids, weights)
     if pair_blocks:  # block b = pair b, expert ids.flat[b]: no alignment launch, no buffers
         sorted_ids = block_expert = block_rows = flat_ids  # unused (PAIR_BLOCKS)
         nb = m
     else:
         sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
         nb = block_expert.shape[0]
-    rw = weights.reshape(-1)
-    if not rw.is_contiguous():
-        rw = rw.contiguous()
     h = torch.empty(m, i, dtype=x.dtype, device=x.device)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if fp8:
@@ -754,6 +749,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     return _finish(y, ids, flat_ids, e, out, reduce)
 
 
+def _flat_pairs(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and routing weights [N, k] as contiguous [N*k] vectors, one entry per (token, slot) pair."""
+    return ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+
+
 def _finish(y: torch.Tensor, ids: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
             out: torch.Tensor | None, reduce: bool) -> torch.Tensor | MoEPartials:
     """The pair rows y [N*top_k, D]: summed per token into out, or handed over unreduced."""
@@ -775,16 +775,9 @@ def _fused_moe_tma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_
     n, d = x.shape
     top_k = ids.shape[1]
     e = w_gate.shape[0]
-    cfg = {**fused_moe_tma.CONFIG, **(config or {})}
-    for part in ("gate_up", "down"):
-        cfg[part] = {**fused_moe_tma.CONFIG[part], **(config or {}).get(part, {})}
-    flat_ids = ids.reshape(-1)
-    if not flat_ids.is_contiguous():
-        flat_ids = flat_ids.contiguous()
+    cfg = fused_moe_tma.merged_config(config)
+    flat_ids, rw = _flat_pairs(ids, weights)
     sorted_ids, block_expert, block_rows = moe_align(ids, e, cfg["BLOCK_M"])
-    rw = weights.reshape(-1)
-    if not rw.is_contiguous():
-        rw = rw.contiguous()
     y = torch.empty(n * top_k, d, dtype=x.dtype, device=x.device)
     if not fused_moe_tma.launch_or_refuse(x, w_gate, w_up, w_down, rw, y, sorted_ids, block_expert, block_rows,
                                           top_k, limit, cfg):

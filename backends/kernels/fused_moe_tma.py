@@ -49,6 +49,16 @@ CONFIG = dict(BLOCK_M=128, A_TMA=True,
               down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4))
 
 
+def merged_config(overrides: dict | None = None) -> dict:
+    """CONFIG with a caller's changes (top-level keys, and per GEMM under "gate_up" / "down"):
+    a fresh copy either way."""
+    overrides = overrides or {}
+    cfg = {**CONFIG, **overrides}
+    for part in ("gate_up", "down"):
+        cfg[part] = {**CONFIG[part], **overrides.get(part, {})}
+    return cfg
+
+
 def available(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
     """Whether these (already fused_moe.supported) arguments can take the TMA path: 16-bit x and
     weights of x's dtype, weights contiguous (the [E*rows, K] views), rows 16-byte aligned (TMA),
@@ -187,7 +197,7 @@ def launch_or_refuse(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, 
     """grouped_gemms(...), or False (with a warning, once) where this config's kernels do not
     compile on x's device (e.g. warp specialisation or a tile's shared memory): the caller then
     runs its pointer GEMMs. Triton compiles at the first launch, before anything runs on the GPU."""
-    key = (str(x.device), repr(sorted((k, sorted(v.items()) if isinstance(v, dict) else v) for k, v in cfg.items())))
+    key = (str(x.device), repr(cfg))
     if key in _REFUSED:
         return False
     try:
