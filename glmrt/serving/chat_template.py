@@ -23,7 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # Errors go through `raise_exception`, the global transformers provides; render_chat maps it
 # to ValueError.
 CHAT_TEMPLATE = r"""
-{#- GLM-5.3 prompt layout: see docs/PROTOCOLS.md in the glmrt repository. -#}
+{#- GLM-5.3 prompt layout: [gMASK]<sop>, then per message <|system|>, <|user|>, <|assistant|> or
+    <|observation|> and its content; assistant turns carry <think>...</think> before the answer and
+    <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call> after it. -#}
 {%- macro render_content(content, role) -%}
   {%- if content is not defined or content is none -%}
   {%- elif content is string -%}

@@ -69,6 +69,30 @@ def test_tiny_writes_every_file(runs):
     assert isinstance(tc.get("chat_template"), str) and "<|assistant|>" in tc["chat_template"]
 
 
+# A file a template names: a name with a document or code suffix, with its directories if any.
+_FILE_REF = re.compile(r"(?:[\w.-]+/)*[\w-]+\.(?:md|rst|txt|json|jinja2?|py|html)\b")
+
+
+def template_file_refs(template: str) -> list[str]:
+    """The file names a chat template mentions (in its comments or its text)."""
+    return _FILE_REF.findall(template)
+
+
+def test_template_file_refs_finds_a_path():
+    assert template_file_refs("{#- layout: see docs/PROTOCOLS.md -#}<|user|></think>") == ["docs/PROTOCOLS.md"]
+    assert template_file_refs("{#- see NOTES.md -#}") == ["NOTES.md"]
+    assert template_file_refs("../shared/docs/MODEL.md") == ["../shared/docs/MODEL.md"]
+    assert template_file_refs("<|assistant|><think></think><tool_call>{function-name}</tool_call> a key/value pair") == []
+
+
+def test_tiny_template_names_no_missing_file(runs):
+    """The template travels inside tokenizer_config.json: a file it points a reader to must be
+    in the checkpoint directory, or the pointer leads nowhere."""
+    d = runs["root"] / "tiny"
+    template = json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
+    missing = [ref for ref in template_file_refs(template) if not (d / ref).exists()]
+    assert missing == []
+
 def test_tiny_generation_config(runs):
     d = runs["root"] / "tiny"
     v = preset_config("tiny").text.vocab_size
