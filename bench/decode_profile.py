@@ -98,8 +98,7 @@ def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float
 def interleaved(args, cfg) -> list[dict]:
     """Every (weights, batch) step captured first, all models on the GPU at once, then replayed in
     turn for args.interleave rounds: clock and thermal drift hit every row alike, and bf16 / fp8
-    is a ratio of paired rounds (the fifth-to-eighth sessions saw the same step differ by 3%
-    between runs)."""
+    is a ratio of paired rounds (separate runs of the same step differ by up to 3%)."""
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
@@ -166,9 +165,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--warm-s", type=float, default=0.0,
-                   help="replay each captured step back to back this long before timing it (the eighth session's "
-                        "batch-1 step took 1.43-1.49 ms right after capture, 1.32-1.33 ms replayed in turn with "
-                        "the batch-64 steps: clocks, untested)")
+                   help="replay each captured step back to back this long before timing it (timed right after "
+                        "capture, from idle clocks, the batch-1 step reads ~8%% slower: bench/RESULTS.md)")
     p.add_argument("--interleave", type=int, default=0,
                    help="R > 0: no profile; every (weights, batch) step captured, then replayed in turn R rounds "
                         "(medians, and bf16 / fp8 of paired rounds)")
@@ -205,8 +203,8 @@ def main(argv=None) -> list[dict]:
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
                        act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, "table"))
                                               if v != d]))
-            torch.cuda.empty_cache()  # the batch's session and graphs are gone
-            row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (the issue's floors)
+            torch.cuda.empty_cache()  # the batch's DirectSession and graphs are gone
+            row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (E(1-(1-k/E)^B) experts per layer)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)

@@ -13,7 +13,7 @@ shape in bf16 through torch F.linear (cuBLAS).
 
 1. Correctness per shape at N = 1 and 64: `fp8_linear` (output NaN-poisoned first) against
    ReferenceOps.linear (dequantise to bf16 + F.linear) and both against an fp32 product of the
-   same bf16-rounded weight; METHOD.md bound for bf16 operands: ‖out − ref‖/‖ref‖ < 1e-2.
+   same bf16-rounded weight; the bound for bf16 operands: ‖out − ref‖/‖ref‖ < 1e-2.
    Also: no host sync (torch.cuda.set_sync_debug_mode("error")) on a split-K and an unsplit
    shape, and a CUDA graph replayed on a new x equals eager.
 2. Timing: (a) `triton.testing.do_bench` median, L2 flushed before every call (cold weights,
@@ -21,7 +21,7 @@ shape in bf16 through torch F.linear (cuBLAS).
    copies (>= 160 MB of fp8 weights, at most 512 copies) that the weights come from HBM, replayed
    and timed with events: per-call time without launch gaps, as a captured decode step runs it.
    Bytes = weight (+ scales) + x read + y written; GB/s against the measured 4.09 TB/s copy
-   ceiling (KINDS.md). The bf16 F.linear is timed the same way; `ratio` = fp8 time / bf16 time
+   ceiling (bench/h200.py). The bf16 F.linear is timed the same way; `ratio` = fp8 time / bf16 time
    (the ideal at decode is ~0.5: half the weight bytes). Prefill: a few shapes at N = 4096
    (do_bench only) in TFLOP/s against bf16 F.linear.
 

@@ -1,4 +1,4 @@
-"""What the H200 benches share: the ceilings measured on the lent H200, and `--smoke`'s switch to
+"""What the H200 benches share: the ceilings measured on an H200, and `--smoke`'s switch to
 Triton's interpreter (it must happen before Triton is imported, so benches call it first).
 
 Imports nothing heavy at module level: a bench imports this before torch and Triton.
@@ -26,7 +26,7 @@ def write_out(name: str, obj) -> str | None:
 
 
 CEILING_TBPS = 4.09     # measured device-to-device copy (bytes read + written)
-CEILING_TFLOPS = 779.0  # measured bf16 8192^3 matmul on random data (KINDS.md: 769-798)
+CEILING_TFLOPS = 779.0  # measured bf16 8192^3 matmul on random data (769-798 over runs)
 
 
 def interpret_if_smoke(argv: list[str] | None = None) -> None:

@@ -3,7 +3,7 @@
 `build_hf_from_ours(model, device, dtype)` constructs transformers' `Glm5NextForConditionalGeneration`
 (5.17.0) on the meta device, materialises it empty on `device` and fills every parameter and
 buffer from our parameters, one tensor at a time (peak memory = our model + HF's, no third
-copy, no files). The renames are MODEL.md section 9.1 applied to our flat names:
+copy, no files). The renames are docs/MODEL.md §9.1 applied to our flat names:
 
     ours (flat checkpoint names)                      HF in-memory names
     model.X                                           model.language_model.X

@@ -1,11 +1,7 @@
 """KDA on the cuda-h200 backend: our conv kernels and fla-core's KDA kernels, checked and timed.
 
-    python3 -m bench.kda_h200              # H200; needs fla-core 0.6.0 (carry its wheel, see below)
+    python3 -m bench.kda_h200              # H200; needs fla-core 0.6.0 (bench/README.md)
     python3 -m bench.kda_h200 --smoke      # tiny sizes; on a CPU-only machine in Triton's interpreter
-
-On the device machine (no registry there) install the carried wheel first:
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/fla_core-0.6.0-py3-none-any.whl && export PYTHONPATH=/tmp/site:$PWD
 
 Full size: H 64 heads, dk = dv = 128, conv over C = 3·8192 channels with K = 4, bf16 model
 dtype, fp32 recurrent state (and a bf16-state decode row), slots scattered in a pool.
@@ -114,7 +110,7 @@ def kda_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, s
     row["pct_ceiling"] = 100 * row["tbps"] / CEILING_TBPS
     if dev.type == "cuda" and all(s == 1 for s in seqs):
         # the decode op captured in a CUDA graph (as the step runs it): no host launch cost, which
-        # bounds the eager time below 64 rows (eighth session: ~50-190 µs whatever the tile)
+        # bounds the eager time below 64 rows (measured on the H200: ~50-190 µs whatever the tile)
         try:
             row["graph_us"] = timing.graph_ms(lambda: kk.kda(q, k, v, g, beta, pool, meta,
                                                               split_decode=split_decode)) * 1e3

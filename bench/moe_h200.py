@@ -18,7 +18,7 @@ sigmoid router (random [E, D] gate, correction bias) with top-8 of 288, normalis
 1. Correctness (per weight dtype): the kernel (output NaN-poisoned first) against
    ReferenceOps.moe_experts in the same dtype, and both against an fp32 evaluation of the
    routed experts ("truth", N <= 8 only: it upcasts just the routed experts' weights);
-   METHOD.md bound for bf16 operands: ‖out − ref‖/‖ref‖ < 1e-2. Also: two runs bitwise equal
+   the bound for bf16 operands: ‖out − ref‖/‖ref‖ < 1e-2. Also: two runs bitwise equal
    (deterministic top-k sum), no host sync (torch.cuda.set_sync_debug_mode("error") around
    route + experts), and a CUDA-graph capture replayed on new inputs equals eager.
 2. Timing at N = 1, 16, 64, 128 (decode) and 4096, 16384 (prefill): `triton.testing.do_bench`
@@ -26,7 +26,7 @@ sigmoid router (random [E, D] gate, correction bias) with top-8 of 288, normalis
    for N <= 128 also a CUDA-graph replay of the whole op (launch gaps removed). Bytes = the
    weights of the experts actually routed (unique experts per input set, averaged; + fp8
    scales) + x read + out written; FLOPs = 6·N·top_k·I·D. Against the measured H200 ceilings
-   (4.09 TB/s copy, 779 TFLOP/s bf16 matmul on random data, see KINDS.md); the floor is the
+   (4.09 TB/s copy, 779 TFLOP/s bf16 matmul on random data, bench/h200.py); the floor is the
    larger of bytes/4.09 TB/s and FLOPs/779 TFLOP/s. Reference time: median of 3 event-timed
    calls of ReferenceOps.moe_experts (its per-expert loop).
 
@@ -56,154 +56,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.timing import timers  # noqa: E402
+from bench.moe_cases import BLOCK, FULL, SMOKE, expert_bytes, make_inputs, make_weights, rel, table_config, weights_of  # noqa: E402
+from bench.moe_sweep import SWEEP, SWEEP_FP8, print_sweep, print_tma, sweep, tma_sweep  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
 from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
-
-FP8 = torch.float8_e4m3fn
-BLOCK = (128, 128)
-
-FULL = dict(d=4096, i=2048, e=288, k=8, limit=10.0, scaling=2.5)
-SMOKE = dict(d=256, i=128, e=16, k=4, limit=10.0, scaling=2.5)
-
-def _smem_ok(c: dict) -> bool:
-    """Pipelined bf16 tiles of both GEMMs fit the 227 KB a block may have (sm_90)."""
-    bm, g, d = c["BLOCK_M"], c["gate_up"], c["down"]
-    gu = g["num_stages"] * (bm + 2 * g["BLOCK_N"]) * g["BLOCK_K"] * 2
-    dn = d["num_stages"] * (bm + d["BLOCK_N"]) * d["BLOCK_K"] * 2
-    return max(gu, dn) <= 220 * 1024
-
-
-def _cfg(bm: int, n: int, n2: int, kk: int, g: int, w: int, s: int) -> dict:
-    return dict(BLOCK_M=bm, gate_up=dict(BLOCK_N=n, BLOCK_K=kk, GROUP_M=g, num_warps=w, num_stages=s),
-                down=dict(BLOCK_N=n2, BLOCK_K=kk, GROUP_M=g, num_warps=w, num_stages=s))
-
-
-SWEEP = {  # alternatives to the table's entry (BLOCK_M + both GEMMs' tiles); sm_90 compiles checked
-    "decode": [c for c in (_cfg(16, n, n2, kk, 1, w, s)
-                           for n, n2 in ((32, 64), (64, 64), (64, 128), (128, 128)) for kk in (64, 128)
-                           for w, s in ((4, 3), (4, 5), (8, 4)) if kk == 128 or (n, w) == (64, 4))
-               if _smem_ok(c)],
-    "prefill": [c for c in (_cfg(bm, n, 2 * n, kk, 8, w, s)
-                            for bm in (64, 128) for n in (64, 128) for kk in (64, 128)
-                            for w, s in ((4, 3), (8, 3), (8, 4)) if not (bm == 128 and w == 4))
-                if _smem_ok(c)],
-}
-
-
-def _smem_ok_fp8(c: dict) -> bool:
-    """fp8 weight tiles (1 byte) + bf16 activation tiles per stage, + the converted bf16 weight
-    tile once (unless SWAP_AB: there it can stay in registers), within the 227 KB of sm_90."""
-    bm = c["BLOCK_M"]
-
-    def need(p: dict, nw: int) -> int:
-        stage = bm * p["BLOCK_K"] * 2 + nw * p["BLOCK_N"] * p["BLOCK_K"]
-        cvt = 0 if p.get("SWAP_AB") else nw * p["BLOCK_N"] * p["BLOCK_K"] * 2
-        return p["num_stages"] * stage + cvt
-
-    return max(need(c["gate_up"], 2), need(c["down"], 1)) <= 220 * 1024
-
-
-def _cfg8(bm: int, gu: tuple, dn: tuple, group: int = 1, **extra) -> dict:
-    """fp8 sweep entry: gu/dn = (BLOCK_N, BLOCK_K, num_warps, num_stages); extra (SWAP_AB,
-    scale_acc) goes to both GEMMs."""
-    def part(t):
-        return dict(BLOCK_N=t[0], BLOCK_K=t[1], GROUP_M=group, num_warps=t[2], num_stages=t[3], **extra)
-    return dict(BLOCK_M=bm, gate_up=part(gu), down=part(dn))
-
-
-# fp8 alternatives to FP8_CONFIGS' entry (edit freely; the table's entry is always timed first and
-# duplicates of it are skipped). Kept short so that `--sweep --kinds fp8` stays a ~1-2 minute run.
-SWEEP_FP8 = {
-    "decode": [c for c in (
-        _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4)),                    # bf16's tiles, scale on acc
-        _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4), scale_acc=False),   # ... per element (before)
-        _cfg8(16, (64, 128, 4, 6), (128, 128, 4, 6)),                   # deeper pipeline
-        _cfg8(16, (128, 128, 4, 4), (128, 128, 4, 4)),
-        _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5)),
-        _cfg8(16, (256, 64, 8, 4), (256, 128, 8, 4)),                   # one scale per column
-        _cfg8(16, (64, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),     # weights as MMA A operand
-        _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5), SWAP_AB=True),
-    ) if _smem_ok_fp8(c)],
-    "prefill": [c for c in (
-        _cfg8(128, (64, 64, 8, 3), (128, 64, 8, 3), 8),                 # bf16's tiles, scale on acc
-        _cfg8(128, (64, 64, 8, 3), (128, 64, 8, 3), 8, scale_acc=False),
-        _cfg8(128, (128, 64, 8, 4), (256, 64, 8, 3), 8),
-        _cfg8(128, (64, 128, 8, 3), (128, 128, 8, 3), 8, SWAP_AB=True),
-        _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 8, SWAP_AB=True),
-        _cfg8(64, (64, 128, 4, 4), (128, 128, 4, 4), 8),
-    ) if _smem_ok_fp8(c)],
-}
-
-
-# w8a8 alternatives (kind "fp8a8": the fp8 weights with act_fp8, activations quantised on the fly):
-# the table's tiles, and SWAP_AB tiles, where the product is an fp8 wgmma (m64nNk32, no convert).
-SWEEP_FP8["decode-a8"] = [c for c in (
-    _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5), SWAP_AB=True),      # the table's (1 program per SM)
-    _cfg8(16, (128, 128, 4, 3), (128, 128, 4, 4), SWAP_AB=True),      # 2 programs per SM
-    _cfg8(16, (128, 128, 8, 3), (128, 128, 8, 4), SWAP_AB=True),
-    _cfg8(16, (64, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),
-    _cfg8(16, (64, 128, 4, 3), (64, 128, 4, 4), SWAP_AB=True),
-    _cfg8(16, (256, 128, 8, 3), (256, 128, 8, 4), SWAP_AB=True),       # more bytes per stage
-    _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5)),                     # mma.sync on f16-converted fp8
-    _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4)),
-    _cfg8(32, (128, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),
-) if _smem_ok_fp8(c)]
-SWEEP_FP8["prefill-a8"] = [c for c in (
-    _cfg8(128, (64, 128, 8, 3), (128, 128, 8, 3), 8),
-    _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 8),
-    _cfg8(128, (128, 128, 8, 3), (256, 128, 8, 3), 8),             # bf16's 16K shape (gate/up 128, down 256)
-    _cfg8(128, (64, 128, 8, 5), (128, 128, 8, 5), 8),
-    _cfg8(64, (64, 128, 4, 4), (128, 128, 4, 4), 8),
-) if _smem_ok_fp8(c)]
-
-
-def weights_of(kind: str) -> str:
-    """fp8a8 runs the fp8 weights (w8a8: act_fp8=True)."""
-    return "fp8" if kind == "fp8a8" else kind
-
-
-def table_config(kind: str, n: int) -> dict:
-    return fm.get_config(n, torch.bfloat16, FP8 if weights_of(kind) == "fp8" else torch.bfloat16, kind == "fp8a8")
-
-
-# ---------------------------------------------------------------------------------------
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    if torch.isnan(out).any():
-        return float("nan")
-    return float((out - ref).norm() / ref.norm())
-
-
-def make_weights(dims: dict, dev: torch.device, gd: torch.Generator, kinds=("bf16", "fp8")) -> dict:
-    e, d, i = dims["e"], dims["d"], dims["i"]
-    shapes = ((e, i, d), (e, i, d), (e, d, i))
-    gate_w = torch.randn(e, d, device=dev, generator=gd, dtype=torch.bfloat16).mul_(d ** -0.5)
-    bias = torch.randn(e, device=dev, generator=gd).mul_(0.05)
-    out = dict(gate_w=gate_w, bias=bias)
-    if "bf16" in kinds:
-        out["bf16"] = ([torch.randn(s, device=dev, dtype=torch.bfloat16, generator=gd).mul_(s[2] ** -0.5)
-                        for s in shapes], None)
-    if "fp8" in kinds:
-        fp8 = []
-        for s in shapes:  # e4m3 values ~N(0, 1), scales ~fan_in^-0.5: weights of the same size as bf16's
-            fp8.append(torch.randn(s, device=dev, dtype=torch.bfloat16, generator=gd).to(FP8))
-        scales = tuple(torch.rand(e, triton.cdiv(o, BLOCK[0]), triton.cdiv(c, BLOCK[1]), device=dev, generator=gd)
-                       .add_(0.5).mul_(c ** -0.5) for (_, o, c) in shapes)
-        out["fp8"] = (fp8, scales)
-    return out
-
-
-def make_inputs(n: int, dims: dict, w: dict, dev: torch.device, gd: torch.Generator, sets: int) -> list:
-    ops = ReferenceOps()
-    out = []
-    for _ in range(sets):
-        x = torch.randn(n, dims["d"], device=dev, generator=gd, dtype=torch.bfloat16)
-        rw, ids = ops.moe_route(x, w["gate_w"], w["bias"], dims["k"], 1, 1, True, dims["scaling"])
-        out.append((x, ids, rw))
-    return out
-
 
 def truth_fp32(x, ids, rw, ws, scales, limit):
     """fp32 MoE over the routed experts only (their weights upcast; ids remapped)."""
@@ -239,10 +97,10 @@ def check(kind: str, w: dict, dims: dict, dev: torch.device, gd: torch.Generator
         ref = ref_ops.moe_experts(x, ids, rw, *ws, dims["limit"], scales, BLOCK)
         row = dict(check=kind, tokens=n, experts=int(torch.unique(ids).numel()),
                    nan=bool(torch.isnan(out).any()), deterministic=bool(torch.equal(out, again)),
-                   rel_vs_ref=_rel(out, ref), max_abs_vs_ref=float((out.float() - ref.float()).abs().max()))
+                   rel_vs_ref=rel(out, ref), max_abs_vs_ref=float((out.float() - ref.float()).abs().max()))
         if n <= truth_max:
             t = truth_fp32(x, ids, rw, ws, scales, dims["limit"])
-            row.update(rel_ours_truth=_rel(out, t), rel_ref_truth=_rel(ref, t))
+            row.update(rel_ours_truth=rel(out, t), rel_ref_truth=rel(ref, t))
         # fp8: the kernel scales fp32 partials where the reference rounds w·s to bf16 first, so the
         # two differ by about the reference's own error: vs ref loosely, vs the fp32 truth at 1e-2.
         # fp8a8 against its own (w8a8) reference; its distance to the unquantised truth is the
@@ -301,13 +159,6 @@ def check_graph_and_sync(w: dict, dims: dict, dev: torch.device, gd: torch.Gener
     return res
 
 
-def expert_bytes(dims: dict, kind: str) -> float:
-    d, i = dims["d"], dims["i"]
-    if kind == "bf16":
-        return 3 * d * i * 2
-    return 3 * d * i + 3 * (d // BLOCK[0]) * (i // BLOCK[1]) * 4
-
-
 def time_case(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.Generator, args,
               kernel_ms, ref_ms) -> dict:
     ws, scales = w[weights_of(kind)]
@@ -359,121 +210,6 @@ def time_case(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: tor
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.Generator, args, kernel_ms,
-          baseline: bool = False) -> list:
-    """Time the table's entry and the sweep list's alternatives for `kind` at N tokens (baseline:
-    the table's entry only, for the fp8/bf16 ratio)."""
-    ws, scales = w[weights_of(kind)]
-    a8 = kind == "fp8a8"
-    sets = make_inputs(n, dims, w, dev, gd, args.rotate)
-    uniq = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
-    nbytes = uniq * expert_bytes(dims, weights_of(kind)) + 2 * n * dims["d"] * 2
-    outs = [torch.empty_like(x) for x, _, _ in sets]
-    table = table_config(kind, n)
-    lists = SWEEP_FP8 if weights_of(kind) == "fp8" else SWEEP
-    phase = ("decode" if n <= 1024 else "prefill") + ("-a8" if a8 else "")
-    cands = [table] + ([] if baseline else [c for c in lists[phase] if c != table])
-    res = []
-    for ci, cfg in enumerate(cands):
-        it = [0]
-
-        def run():
-            j = it[0] % len(sets)
-            it[0] += 1
-            x, ids, rw = sets[j]
-            fm.fused_moe(x, ids, rw, *ws, dims["limit"], scales, BLOCK, out=outs[j], config=cfg, act_fp8=a8)
-
-        rec = dict(kind=kind, tokens=n, table=ci == 0, baseline=baseline, config=cfg)
-        try:
-            t = time.time()
-            run()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            rec["compile_s"] = time.time() - t
-            ms = kernel_ms(run)
-            rec.update(ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12, pct_bw=100 * nbytes / (ms * 1e-3) / 1e12 / CEILING_TBPS,
-                       tflops=6.0 * n * dims["k"] * dims["i"] * dims["d"] / (ms * 1e-3) / 1e12)
-        except Exception as err:  # noqa: BLE001 - a shape that does not compile is a result too
-            rec["error"] = f"{type(err).__name__}: {str(err)[:160]}"
-        res.append(rec)
-        print("sweep", json.dumps(rec), flush=True)
-    return res
-
-
-_TMA_KEYS = dict(bm="BLOCK_M", a="A_TMA", gn="gate_up.BLOCK_N", gk="gate_up.BLOCK_K", gw="gate_up.num_warps",
-                 gs="gate_up.num_stages", gg="gate_up.GROUP_M", gws="gate_up.WARP_SPECIALIZE",
-                 dn="down.BLOCK_N", dk="down.BLOCK_K", dw="down.num_warps", ds="down.num_stages",
-                 dg="down.GROUP_M", dws="down.WARP_SPECIALIZE")
-
-
-def tma_config(spec: str) -> dict:
-    """fused_moe_tma.CONFIG with a spec's changes: "bm=64,gn=128,gs=3,dws=1" (keys: _TMA_KEYS)."""
-    from backends.kernels import fused_moe_tma
-
-    c = fused_moe_tma.merged_config()
-    for item in filter(None, spec.split(",")):
-        key, val = item.split("=")
-        path = _TMA_KEYS[key.strip()].split(".")
-        v = int(val)
-        if path[-1] in ("A_TMA", "WARP_SPECIALIZE"):
-            v = bool(v)
-        (c[path[0]] if len(path) == 2 else c)[path[-1]] = v
-    return c
-
-
-def tma_sweep(n: int, w: dict, dims: dict, dev: torch.device, gd: torch.Generator, args, kernel_ms) -> list:
-    """bf16 at N tokens: the pointer GEMMs (the table's entry) against each --tma-sweep spec of the
-    sorted-row TMA GEMMs, whole fused_moe calls (alignment, gather, GEMMs, sum) each; every TMA
-    output compared with the pointer GEMMs' on the same inputs."""
-    from backends.kernels import fused_moe_tma
-
-    ws, _ = w["bf16"]
-    sets = make_inputs(n, dims, w, dev, gd, args.rotate)
-    flops = 6.0 * n * dims["k"] * dims["i"] * dims["d"]
-    outs = [torch.empty_like(x) for x, _, _ in sets]
-    x0, ids0, rw0 = sets[0]
-    ptr = fm.fused_moe(x0, ids0, rw0, *ws, dims["limit"], tma=False)
-    res = []
-    for spec in ["pointer"] + args.tma_sweep.split(";"):
-        cfg = None if spec == "pointer" else tma_config(spec)
-        it = [0]
-
-        def run():
-            j = it[0] % len(sets)
-            it[0] += 1
-            x, ids, rw = sets[j]
-            fm.fused_moe(x, ids, rw, *ws, dims["limit"], out=outs[j], tma=cfg is not None, config=cfg)
-
-        rec = dict(tokens=n, spec=spec)
-        refused = len(fused_moe_tma.refusals())
-        try:
-            t = time.time()
-            got = fm.fused_moe(x0, ids0, rw0, *ws, dims["limit"], tma=cfg is not None, config=cfg)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            rec["compile_s"] = time.time() - t
-            if cfg is not None and len(fused_moe_tma.refusals()) > refused:  # it fell back to the pointer GEMMs
-                raise RuntimeError(list(fused_moe_tma.refusals().values())[-1])
-            rec["rel_vs_pointer"] = _rel(got, ptr)
-            ms = kernel_ms(run)
-            rec.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-        except Exception as err:  # noqa: BLE001 - a shape that does not compile is a result too
-            rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        res.append(rec)
-        print("tma", json.dumps(rec), flush=True)
-    del sets, outs
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return res
-
-
-def _cfg_str(c: dict) -> str:
-    def one(p: dict) -> str:
-        flags = ("S" if p.get("SWAP_AB") else "") + ("E" if p.get("scale_acc", True) is False else "")
-        return f"N{p['BLOCK_N']}K{p['BLOCK_K']}w{p['num_warps']}s{p['num_stages']}{flags}"
-    return f"M{c['BLOCK_M']} gu:{one(c['gate_up'])} dn:{one(c['down'])}"
 
 
 def main(argv=None) -> int:
@@ -553,32 +289,7 @@ def main(argv=None) -> int:
 
     na = float("nan")
     if swept:
-        print("\nsweep (best 3 per case; * = the table's entry; flags S = SWAP_AB, E = per-element scales):")
-        best_rows = []
-        for kind in sorted({r["kind"] for r in swept}):
-            for n in sweep_tokens:
-                ok = sorted((r for r in swept if r["kind"] == kind and r["tokens"] == n and "ms" in r),
-                            key=lambda r: r["ms"])
-                if not ok:
-                    continue
-                table = next((r for r in ok if r["table"]), None)
-                for r in ok[:3] + ([table] if table is not None and table not in ok[:3] else []):
-                    print(f"  {kind:<4} N={n:<6} {'*' if r['table'] else ' '} {_cfg_str(r['config']):<60} "
-                          f"{r['ms']:9.3f} ms {r['tbps']:5.2f} TB/s {r['pct_bw']:4.0f}% {r['tflops']:6.1f} TFLOP/s")
-                if not ok[0]["baseline"]:
-                    best_rows.append((kind, n, ok[0], table))
-        fails = [r for r in swept if "error" in r]
-        for r in fails:
-            print(f"  FAILED {r['kind']} N={r['tokens']} {_cfg_str(r['config'])}: {r['error']}")
-        print("\nbest per N (vs the table's entry; fp8 vs bf16's table entry at the same N, target <= 0.60):")
-        for kind, n, b, table in best_rows:
-            bf = next((r for r in swept if r["kind"] == "bf16" and r["tokens"] == n and r["table"] and "ms" in r), None)
-            ratio = f" fp8/bf16 {b['ms'] / bf['ms']:.2f} (table {table['ms'] / bf['ms']:.2f}, bf16 {bf['ms']:.3f} ms)" \
-                if kind != "bf16" and bf is not None and table is not None else ""
-            gain = f"x{table['ms'] / b['ms']:.2f} vs table" if table is not None else ""
-            print(f"  {kind:<4} N={n:<6} {b['ms']:8.3f} ms {b['pct_bw']:4.0f}% bw {gain}{ratio}")
-            print(f"       {_cfg_str(b['config'])}")
-            print(f"       {b['config']!r}")
+        print_sweep(swept, sweep_tokens)
     print("\nchecks (rel = ‖a−b‖/‖b‖; bound 1e-2 for bf16 operands; fp8 vs ref 2e-2):")
     for c in checks:
         if c["check"] == "graph+sync":
@@ -607,15 +318,7 @@ def main(argv=None) -> int:
                   f"{r['pct_bw']:>4.0f} {r['tflops']:>7.1f} {r['pct_flops']:>4.0f} {r['floor_ms']:>7.3f} "
                   f"{r['x_floor']:>6.2f} {r.get('ref_ms', na):>8.2f} {r.get('speedup', na):>7.1f}")
     if tma_rows:
-        print("\nbf16 fused MoE: pointer GEMMs vs sorted-row TMA GEMMs (whole call; TFLOP/s of the routed rows)")
-        for r in tma_rows:
-            base = next((b for b in tma_rows if b["tokens"] == r["tokens"] and b["spec"] == "pointer" and "ms" in b), None)
-            if "ms" not in r:
-                print(f"  N={r['tokens']:<6} {r['spec']:<40} FAILED {r['error']}")
-                continue
-            gain = f"x{base['ms'] / r['ms']:.3f}" if base is not None else ""
-            print(f"  N={r['tokens']:<6} {r['spec']:<40} {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s {gain:>7} "
-                  f"rel {r['rel_vs_pointer']:.1e}")
+        print_tma(tma_rows)
     ok = all(c["pass"] for c in checks) and all(r.get("rel_vs_pointer", 0) < 1e-2 for r in tma_rows)
     print(f"\nchecks: {'ALL PASS' if ok else 'FAILURES'}")
     return 0 if ok else 1

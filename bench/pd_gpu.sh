@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # PD across two GPUs with NIXL moving GPU memory, against a unified engine on one GPU, on the
-# same dummy flash-4l weights and the same workload. Run on `nvidia-h200-x2` from the repo
-# root with the wheels of ../shared/tools/device-wheels.sh .whl --nixl carried in .whl.
+# same dummy flash-4l weights and the same workload. From the repo root on a host with two
+# GPUs and the NIXL wheel (bench/README.md):
+#     [WHEELS=DIR] bash bench/pd_gpu.sh
 # Prints a short table last; logs and JSON under $OUT.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source bench/host_env.sh
 python3 -m cli.main make-checkpoint --preset flash-4l --out /tmp/f4l --no-weights > /dev/null
 common='[model]
 path = "/tmp/f4l"

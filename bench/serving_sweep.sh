@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # The GPU serving sweep: `glmrt up` on flash-4l (dummy weights, cuda-h200 kernels, decode CUDA
 # graphs and the overlap schedule) and `glmrt bench serving` at 0%, 50% and 93.75% shared
-# prefix, concurrency 1, 8, 32, 64. Run on the lent H200 from the repo root with the wheels
-# of ../shared/tools/device-wheels.sh .whlg --fla carried in .whlg:
-#     bash bench/serving_sweep.sh [input_len] [output_len] [num_prompts]
+# prefix, concurrency 1, 8, 32, 64. From the repo root on a CUDA host:
+#     [WHEELS=DIR] bash bench/serving_sweep.sh [input_len] [output_len] [num_prompts]
 # Writes $OUT/serving_<ratio>.json and .png, the server log, and prints the tables last.
 set -u
 IN=${1:-1024}; OUTLEN=${2:-64}; N=${3:-128}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlg/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source bench/host_env.sh
 python3 -m cli.main make-checkpoint --preset flash-4l --out /tmp/f4l --no-weights > /dev/null || exit 1
 cat > /tmp/serve.toml <<'EOF'
 [model]

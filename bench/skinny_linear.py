@@ -5,7 +5,7 @@ launch), side by side at each projection's real shape.
 Each row times a chain of calls captured in one CUDA graph, so the figure includes the launch
 gap a call costs inside the decode step's graph. The chain rotates over enough copies of the
 weight to overflow the 50 MB L2 (a repeated small weight would be served from L2). Prints µs per
-call, TB/s of weight bytes, and cuBLAS / ours. Run on the lent GPU:
+call, TB/s of weight bytes, and cuBLAS / ours. Run on a CUDA host:
 
     python3 -m bench.skinny_linear [--rows 1,4]
 """

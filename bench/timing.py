@@ -1,4 +1,4 @@
-"""How the GPU benches time things (METHOD.md): `do_bench` medians for kernels, event-timed
+"""How the GPU benches time things: `do_bench` medians for kernels, event-timed
 medians for slow reference calls, CUDA-graph replays for chains of small launches."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""GPU checks of the vision path (run on the lent H200 from the repo root, wheels for pyzmq
-and msgspec carried in .whl): (1) an image request through a separate vision actor handing
+"""GPU checks of the vision path (run on a CUDA host from the repo root; set-up in
+bench/README.md): (1) an image request through a separate vision actor handing
 embeddings over CUDA IPC gives the same tokens as the engine running the tower itself;
 (2) our video preprocessing against HF's video processor (torchvision exists there).
 Prints a short table last."""
