@@ -74,7 +74,7 @@ class CudaH200Ops(ReferenceOps):
     prefill_kernels = True
     # The router, KDA forget-gate and gated-norm kernels (each replaces 6-10 small launches).
     # Their tests passed compiled on the H200 and the decode step got faster at every batch
-    # (bench/RESULTS.md, fourth session), so they are on; False gives the torch compositions.
+    # (bench.decode_profile --fused-small-ops off,on), so they are on; False gives the torch compositions.
     fused_small_ops = True
     # The shared expert runs inside the fused MoE as expert E, the router's (k+1)-th pick
     # (glmrt.model.moe.SharedExpertSlot): at decode, two GEMVs and four small launches fewer
@@ -87,7 +87,7 @@ class CudaH200Ops(ReferenceOps):
     # FP8 weights: activations quantised too (w8a8, fp8 tensor-core products; ReferenceOps has the
     # same numerics under "dynamic"), in calls of up to fp8_act_max_tokens tokens (ReferenceOps:
     # 1024; prefill chunks stay w8a16, as measured before). H200, flash-4l decode step at batch
-    # 64: 7.42 ms w8a16 -> 5.95 ms (bench/RESULTS.md, seventh session). `--fp8-activations none`
+    # 64: 7.37 ms w8a16 -> 5.94 ms, replayed in one run (bench/RESULTS.md). `--fp8-activations none`
     # keeps w8a16 everywhere.
     fp8_activations = "dynamic"
 

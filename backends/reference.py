@@ -3,9 +3,9 @@
 It is the numerical oracle for every fast kernel, so it favours the obvious formulation
 over speed: per-request loops over the batch, dense masked attention over the gathered
 latent of one request, a per-expert loop in the MoE. Dtype handling follows the HF
-reference (MODEL.md §2-5) so that fp32 results agree with it to ~1e-6.
+reference (docs/MODEL.md §2-5) so that fp32 results agree with it to ~1e-6.
 
-Cache tensors (one layer's view of the pools, MODEL.md §8):
+Cache tensors (one layer's view of the pools, docs/MODEL.md §8):
   latent  [num_pages, page_size, kv_lora_rank]        MLA latent per token
   pooled  [num_pages, page_size // kpool, index_dim]  one pooled indexer key per complete k-pool
   tail_k / tail_g [num_slots, kpool, index_dim]       raw keys/gates of the incomplete pool

@@ -6,7 +6,7 @@ GPU as `cuda`, so the same dispatch applies): DSA decode, RMSNorm and mHC from
 AITER, no MFMA-tuned tiles). Its defaults live in `backends/adapters.py`: fp8_e4m3 KV by
 default (gfx950 uses the OCP e4m3 format, torch.float8_e4m3fn), MXFP4 as the preferred weight
 format (dequantised on load once the loader reads it), and neither DFlash2 nor breakable CUDA
-graphs (the seeds disable both on MI355X). The selection logic is unit-tested on CPU; the
+graphs (SGLang's MI355X recipe disables both). The selection logic is unit-tested on CPU; the
 kernels have not been compiled or run on gfx950, and nothing is claimed about their speed there.
 
 Importing this module registers the backend. `backends.registry` imports it lazily, only when

@@ -72,7 +72,7 @@ def print_meta(preset: str, config, dtype: str) -> None:
     active = total - parts["routed experts"] - parts["vision"] - parts["mtp layer"] + active_experts
     print(f"  {'active / token':<16} {active / 1e9:10.3f} B (text, without vision and MTP)")
     print(f"checkpoint size ({dtype}): {checkpoint_bytes(config, dtype) / GIB:.2f} GiB")
-    print("cache per request (KV for the context + one state slot; MODEL.md §8):")
+    print("cache per request (KV for the context + one state slot; docs/MODEL.md §8):")
     combos = [("bf16 KV + fp32 state", "bfloat16", "float32"), ("fp8 KV + bf16 state", "fp8_e4m3", "bfloat16"),
               ("fp8 KV + fp32 state", "fp8_e4m3", "float32")]
     layouts = [(label, CacheLayout.from_config(t, page_size=max(64, t.index_kpool), kv_dtype=kv, state_dtype=st))

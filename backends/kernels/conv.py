@@ -1,4 +1,4 @@
-"""KDA short causal depthwise conv + SiLU over a flat varlen batch (MODEL.md §4 step 2).
+"""KDA short causal depthwise conv + SiLU over a flat varlen batch (docs/MODEL.md §4 step 2).
 
     out[t, c] = silu( Σ_{j<K} W[c, j] · m_{t-K+1+j}[c] )          in fp32, cast to x.dtype
 

@@ -356,7 +356,7 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = Fal
 # A decode step of a few rows streams each weight once: the kernel is bound by how many bytes
 # each SM keeps in flight, not by the math. cuBLAS's batch-1 GEMVs on the H200 ran at 50-80%
 # of the copy rate on the step's mid-size projections (16-134 MB) and split K with a second
-# reduce launch (bench/RESULTS.md, fifth session). Here the out tile is as wide as still gives
+# reduce launch (bench.decode_profile's kernel table). Here the out tile is as wide as still gives
 # every SM two programs, and the K tile is widened in step so that one weight tile is ~16 KB
 # whatever its width (4 stages: ~64 KB in flight per program). K is split (plus the reduce
 # launch) only when even 16-wide out tiles leave half the SMs idle.
@@ -378,7 +378,7 @@ def skinny_supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 def skinny_preferred(n_tokens: int, out_f: int, in_f: int, sms: int) -> bool:
     """Whether the skinny kernel beat cuBLAS at this shape class on the H200 (bench.skinny_linear,
-    1 and 4 rows, sixth session): the 64-wide out tiles (the KDA in_proj: 1.11-1.15x), the
+    1 and 4 rows; bench/RESULTS.md): the 64-wide out tiles (the KDA in_proj: 1.11-1.15x), the
     split-K shapes (out <= ~1K: 1.4x, one launch fewer) and short K (<= 256: 1.03-1.05x). cuBLAS
     stays ahead on the LM head (0.93x) and on 16/32-wide tiles over long K (0.83-0.94x)."""
     cfg, s, _ = skinny_config(n_tokens, out_f, in_f, sms)

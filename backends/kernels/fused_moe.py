@@ -1,4 +1,4 @@
-"""Fused routed-expert MoE (MODEL.md §5, MoE) as Triton kernels: ReferenceOps.moe_experts, fast.
+"""Fused routed-expert MoE (docs/MODEL.md §5, MoE) as Triton kernels: ReferenceOps.moe_experts, fast.
 
     out[t] = Σ_k w[t,k] · down_e( silu(clamp(gate_e x_t)) · clamp(up_e x_t) ),   e = ids[t,k]
 
@@ -107,12 +107,12 @@ PAIR_BLOCKS_MAX_PAIRS = 32
 INKERNEL_QUANT_MAX_TOKENS = 1024
 # 16-bit weights on pair blocks: gate/up in 32-column tiles, 3 stages (the table's 64 / 4 left
 # the last of ~2.2 waves mostly empty at batch 1 with the shared expert seated, 9 pairs). H200,
-# bench/moe_pair_tiles.py, one MoE layer call: 128.8 -> 119.6 µs, the same output.
+# one MoE layer call in a CUDA graph: 128.8 -> 119.6 µs, the same output.
 PAIR_GATE_UP_16BIT = dict(BLOCK_N=32, num_stages=3)
 # 16-bit weights from this many tokens: the GEMMs on expert-sorted rows with TMA tile loads
 # (fused_moe_tma; its own tiles, fused_moe_tma.CONFIG). None: never unasked. Off until timed on an
-# H200 against the pointer GEMMs (bench.moe_h200 --tma-sweep, bench.prefill_model --moe-tma): it
-# was written and checked in the interpreter in a session without device time.
+# H200 against the pointer GEMMs (bench.moe_h200 --tma-sweep, bench.prefill_model --moe-tma): so
+# far it is checked in Triton's interpreter only (bench/RESULTS.md, "Not measured").
 TMA_MIN_TOKENS: int | None = None
 
 def max_blocks(m: int, num_experts: int, block_m: int) -> int:

@@ -1,4 +1,5 @@
-"""DSA k-pool indexer for decode (and, one row per token, prefill) queries (MODEL.md §3.3) as a Triton kernel + a tie-broken top-k.
+"""DSA k-pool indexer for decode (and, one row per token, prefill) queries (docs/MODEL.md §3.3) as a
+Triton kernel + a tie-broken top-k.
 
 Score of pool p for the query of request b (fp32):
     I(b, p) = Σ_h w[b, h] · relu(q[b, h] · K_p · di^-0.5)

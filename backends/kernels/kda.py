@@ -1,4 +1,4 @@
-"""KDA delta rule (MODEL.md §4 steps 5-6) on fla-core 0.6.0, reading and writing the state pool.
+"""KDA delta rule (docs/MODEL.md §4 steps 5-6) on fla-core 0.6.0, reading and writing the state pool.
 
 ReferenceOps.kda's contract: q, k [N, H, dk] and v [N, H, dv] in the model dtype, g [N, H, dk]
 fp32 log-decay, beta [N, H]; state [slots, H, dk, dv] (fp32, or bf16/fp16) is one layer's view
@@ -54,10 +54,10 @@ patch_interpreter()
 INTERPRET_CHUNK = False  # see enable_interpreted_chunk()
 # fla's decode kernel with our launch shape: a program holds the [dk, BV] fp32 state tile of one
 # (request, head) and updates it in place. fla's own wrapper fixes BV 32, 4 warps, 2 stages;
-# the fp32-state pass at batch 64 ran at ~71% of the copy rate with those (bench/RESULTS.md,
-# seventh session), so the shape is ours to choose. The numerics do not depend on it: every
+# the fp32-state pass at batch 64 ran at ~71% of the copy rate with those (bench.decode_profile's
+# kernel table), so the shape is ours to choose. The numerics do not depend on it: every
 # state column is updated on its own, the sums over dk stay inside one program.
-# H200, `bench.kda_h200 --decode-sweep` (eighth session, µs per layer call, full-size heads):
+# H200, `bench.kda_h200 --decode-sweep` (µs per layer call, full-size heads; bench/RESULTS.md):
 # B=64: fla's 32x4x2 174-177, 32x2x2 160, 64x2x2 153 (87% of the copy rate); B=128: 365-388,
 # 313, 296 (90%). Fewer warps per program = more programs resident per SM = more state bytes in
 # flight. Below 64 rows that bench is bound by the host, so those keep fla's shape (unmeasured).

@@ -1,4 +1,4 @@
-"""mHC (MODEL.md §2.2) as Triton kernels: the pre block (RMS + mixing matmul + gates +
+"""mHC (docs/MODEL.md §2.2) as Triton kernels: the pre block (RMS + mixing matmul + gates +
 Sinkhorn + collapse) and the post combine.
 
 mhc_pre, per token, all fp32 (ReferenceOps.mhc_pre):

@@ -1,4 +1,4 @@
-"""Weighted RMSNorm (MODEL.md §2.1) as a Triton kernel (and the gated RMSNorm and l2norm of KDA).
+"""Weighted RMSNorm (docs/MODEL.md §2.1) as a Triton kernel (and the gated RMSNorm and l2norm of KDA).
 
     y = w.to(dt) * cast_dt(x32 * rsqrt(mean(x32²) + eps))          dt = x.dtype
 

@@ -21,8 +21,8 @@ completed, and that predecessor could only complete after passing its own wait.
 Off (PDL=False, no launch attribute) under Triton's interpreter, on CPU tensors, before
 SM90, when `ENABLED` is False (benchmarks flip it to measure the difference), and for forwards
 of more than MAX_TOKENS tokens: the model tells the ops its token count at the start of each
-forward (`CudaH200Ops.begin_forward` -> `set_tokens`). On the H200 (bench/RESULTS.md, sixth
-session, on and off side by side in one run) the batch-1 decode step went 1.439 -> 1.388 ms with
+forward (`CudaH200Ops.begin_forward` -> `set_tokens`). On the H200 (bench/RESULTS.md, on and
+off side by side in one run) the batch-1 decode step went 1.439 -> 1.388 ms with
 PDL and the batch-16 step 4.965 -> 5.132 ms; batch 64 and 128 lost 2-4% too. The early-resident
 programs of the next kernel cost the multi-wave MoE GEMMs more than the hidden launch gaps
 save once the step is not launch-bound. Batches 2-15 are not measured, so only batch 1 takes it.

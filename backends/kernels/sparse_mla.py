@@ -1,4 +1,4 @@
-"""Sparse absorbed-MLA decode (MODEL.md §3.1, §3.3) as a Triton kernel.
+"""Sparse absorbed-MLA decode (docs/MODEL.md §3.1, §3.3) as a Triton kernel.
 
 Decode is one query per request. In the absorbed form every head scores the same cached
 latent rows, `score_h,s = q̃_h · c_s * scale` and `õ_h = Σ_s p_h,s c_s`, so one program
@@ -513,8 +513,8 @@ def _token_rows(sel, pos, table, ps, kpool, with_tail, dense_len):
 # How a decode query finds its latent rows: "rows-kernel" lists them first in one small launch
 # (build_decode_rows, packed: a context shorter than the selection attends only to what exists)
 # and the attention kernel reads the list; "in-kernel" derives them inside the attention kernel
-# (sparse_mla_decode_sel). H200, context 1024 (bench.mla_decode_tiles, sixth session): the
-# attention on a list took 18.8 µs at batch 1 and 38.4 at 16, the in-kernel derivation 46.5 and 109.5.
+# (sparse_mla_decode_sel). H200, context 1024, µs per call in a CUDA graph: the attention on a
+# list took 18.8 µs at batch 1 and 38.4 at 16, the in-kernel derivation 46.5 and 109.5.
 DECODE_TOKEN_LIST = "rows-kernel"
 PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds the [rows, H, R] temporaries)
 # How a prefill row finds its latent rows: "precomputed" builds packed flat row lists first

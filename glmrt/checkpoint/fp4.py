@@ -4,7 +4,7 @@ Both formats store e2m1 ("FP4") values, two per uint8 along the input dimension,
 nibble holding the even element (`byte = code[2j] | code[2j+1] << 4`). A code is a sign bit
 (bit 3) and a magnitude index (bits 0-2) into {0, 0.5, 1, 1.5, 2, 3, 4, 6}, so codes 0-15
 are +0 ... +6, -0 ... -6. A quantised linear `X` with weight `[out, in]` is written under
-its usual checkpoint name (per expert for routed experts, MODEL.md §9.1); everything not
+its usual checkpoint name (per expert for routed experts, docs/MODEL.md §9.1); everything not
 quantised stays in the model dtype, and the config's ignore list names those linear layers.
 
 **MXFP4** (OCP microscaling; AMD Quark export, as the MI355X release ships it; vLLM's and

@@ -6,7 +6,7 @@ Names follow what HF's `save_pretrained` writes (nested `model.language_model.*`
 `model.visual.*`, per-expert tensors, split conv kernels), plus the MTP layer at index
 `num_hidden_layers` the way real checkpoints carry it.
 
-`--dtype fp8` writes DeepSeek-V3 block-scaled e4m3 (MODEL.md §9.2). `--dtype mxfp4` (Quark
+`--dtype fp8` writes DeepSeek-V3 block-scaled e4m3 (docs/MODEL.md §9.2). `--dtype mxfp4` (Quark
 export) and `--dtype nvfp4` (ModelOpt export) pack the MLP linear layers — dense MLPs, shared
 experts and every routed expert — the way the real FP4 releases of DeepSeek-class models do,
 and leave attention, router, embeddings, lm_head, the MTP layer and vision in bf16 (listed in
