@@ -81,7 +81,7 @@ def template_file_refs(template: str) -> list[str]:
 def test_template_file_refs_finds_a_path():
     assert template_file_refs("{#- layout: see docs/PROTOCOLS.md -#}<|user|></think>") == ["docs/PROTOCOLS.md"]
     assert template_file_refs("{#- see NOTES.md -#}") == ["NOTES.md"]
-    assert template_file_refs("../shared/docs/MODEL.md") == ["../shared/docs/MODEL.md"]
+    assert template_file_refs("../elsewhere/docs/MODEL.md") == ["../elsewhere/docs/MODEL.md"]
     assert template_file_refs("<|assistant|><think></think><tool_call>{function-name}</tool_call> a key/value pair") == []
 
 
