@@ -240,14 +240,13 @@ class Engine:
             if precomputed:  # a separate vision actor ran the tower
                 mm_state.embeds = torch.cat([it.embeds for it in mm_items]).to(self.model.device)
             key_ids = cache_key_ids(prompt, pos, mm_items)
-        parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids,
-                         num_mm_items=len(mm_items or []))
+        parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids)
         reqs = [parent]
         for i in range(1, params.n):
             seed = None if params.seed is None else params.seed + i
             child_params = _replace_params(params, seed=seed)
             child = Request(f"{rid}-{i}", list(prompt), child_params, next(self._arrival), fork_parent=parent,
-                            mm_key_ids=key_ids, num_mm_items=parent.num_mm_items)
+                            mm_key_ids=key_ids)
             parent.fork_children.append(child)
             reqs.append(child)
         for r in reqs:

@@ -106,7 +106,7 @@ def test_a_page_shortage_retracts_the_newest_running_request():
     plan = s.schedule()                              # old needs a third page: new makes room
     assert plan.retracted == [new] and work_of(plan) == [(old.rid, 8, 1, True)]
     assert new.status is Status.WAITING and s.waiting[0] is new
-    assert (new.num_computed, new.pages, new.slot, new.num_retractions) == (0, [], None, 1)
+    assert (new.num_computed, new.pages, new.slot) == (0, [], None)
     assert new.output_ids == [7]                     # outputs are kept and recomputed with the prompt
     s.pages.check()
     s.slots.check()
@@ -120,7 +120,7 @@ def test_a_request_retracts_itself_when_only_planned_requests_hold_pages():
     assert plan.retracted == [new]                   # new needs a third page that nobody can give
     # its pages are free again: it is re-admitted at once, recomputing from position 0
     assert work_of(plan) == [(old.rid, 7, 1, True), (new.rid, 0, 8, False)]
-    assert new.num_retractions == 1 and new.output_ids == [7] and s.pages.num_free == 0
+    assert new.output_ids == [7] and s.pages.num_free == 0
 
 
 def test_admission_saves_the_state_at_the_prompt_end_and_every_interval():
