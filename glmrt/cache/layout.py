@@ -1,4 +1,4 @@
-"""What a GLM-5.3-Flash engine caches, per token and per request (MODEL.md §8), as numbers.
+"""What a GLM-5.3-Flash engine caches, per token and per request (docs/MODEL.md, the caches), as numbers.
 
 No torch: the scheduler, `make-checkpoint --meta` and `compute-mamba-ratio` size things
 from this without touching a device.

@@ -1,7 +1,7 @@
 """KDA (Kimi delta attention) layers: short causal conv, fine-grained forget gate, delta rule.
 
 Per request the layer reads and writes two request-local states in the state pool: the last
-K-1 pre-conv q/k/v inputs and the [H, dk, dv] recurrent state (MODEL.md §4, §8.2).
+K-1 pre-conv q/k/v inputs and the [H, dk, dv] recurrent state (docs/MODEL.md: KDA layers, the caches).
 """
 
 from __future__ import annotations

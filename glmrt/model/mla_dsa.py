@@ -2,7 +2,7 @@
 
 Only the latent `c = kv_a_layernorm(kv_a_proj(x))` is cached per token (never per-head K/V);
 a full indexer layer also caches one pooled key per completed k-pool and keeps the tail of
-the incomplete pool in the request's state slot (MODEL.md §3, §8.1).
+the incomplete pool in the request's state slot (docs/MODEL.md: DSA layers, the caches).
 """
 
 from __future__ import annotations

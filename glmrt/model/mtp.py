@@ -1,5 +1,5 @@
 """The MTP (NextN) draft layer: a plain DeepSeek-V3 block (DSA attention with its own indexer,
-MoE, ordinary residuals, no mHC) fed by the target's final hidden state (MODEL.md §6).
+MoE, ordinary residuals, no mHC) fed by the target's final hidden state (docs/MODEL.md, the MTP layer).
 
 Draft step for position t: e = embed(token_{t+1}), h = target hidden at t (after the final
 norm), z = eh_proj([enorm(e); hnorm(h)]), z -> block -> shared_head.norm -> target lm_head.

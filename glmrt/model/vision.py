@@ -1,7 +1,7 @@
 """The GLM-5.3-Flash vision tower: pixel patches -> merged embeddings ready for the text stream.
 
 Owns the patch embedding, the 2-D axial rotary, the ViT blocks, the 2x2 downsample and the
-merger (MODEL.md section 7.3). `state_dict()` names are the checkpoint's `model.visual.*`
+merger (docs/MODEL.md, the vision tower). `state_dict()` names are the checkpoint's `model.visual.*`
 names with that prefix stripped; nothing else (no rotary buffers) is persistent.
 
 Input layout is the processor's: patches block-major (each 2x2 merge block's 4 patches are

@@ -1,7 +1,7 @@
 """Weight names and random weights: the one map between checkpoint names and our parameters.
 
 Checkpoints use the original (pre-HF-conversion) names that `save_pretrained` writes
-(MODEL.md §9.1), nested (`model.language_model.*`, `model.visual.*`) or flat (`model.*`,
+(docs/MODEL.md, the checkpoint format), nested (`model.language_model.*`, `model.visual.*`) or flat (`model.*`,
 `visual.*`). Our parameters use the flat names, except that routed experts are stacked:
 `...mlp.experts.{E}.gate_proj.weight` is row E of our `...mlp.experts.gate_proj.weight`.
 The MTP layer sits at checkpoint layer `num_hidden_layers` and is our `mtp.*`.

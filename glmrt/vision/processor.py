@@ -1,7 +1,7 @@
 """Vision preprocessing for GLM-5.3-Flash: images and videos to patch rows (canvas, grid, sampling).
 
 Runs in the tokenizer process, which has no torch: everything here is numpy + PIL. The math
-follows HF transformers 5.17's Glm5Next processors (docs/MODEL.md §7.2, §7.4):
+follows HF transformers 5.17's Glm5Next processors (docs/MODEL.md, vision input):
 
 * **Canvas** (`fit_canvas`): the content keeps its aspect ratio and is resized (PIL bicubic,
   uint8) so that the canvas, aligned up to ``factor = patch_size * merge_size`` (28), stays
