@@ -201,3 +201,20 @@ def test_n_choices_fork_from_the_parents_prompt_end():
         assert f.src_page == parent.pages[1] and f.dst_page == child.pages[1]
     assert s.pages.refcount(parent.pages[0]) == 3
     assert not s.waiting and not parent.fork_children
+
+
+def test_free_request_gives_everything_back_and_forked_children_alone_are_no_work():
+    s = make()
+    assert not s.has_work()
+    parent = submit(s, list(range(6)), n=2)
+    plan = s.schedule()
+    (child,) = [r for r in s.running if r is not parent]
+    for r in (parent, child):
+        s.free_request(r)
+    assert not s.running and not s.has_work()
+    (save,) = plan.saves                             # the planned checkpoint copy is not theirs to free
+    assert s.pages.num_free == s.pages.num_pages - 1 and save.dst_page is not None
+    assert s.slots.num_live == 0 and s.slots.num_checkpoint == 1
+    waiting_child = Request("c", [1, 2], SamplingParams(), next(_arrival), fork_parent=parent)
+    s.add(waiting_child)                             # waits for a parent's prefill: not work by itself
+    assert not s.has_work()
