@@ -113,6 +113,7 @@ def _check_graph_logits(engine, prompts) -> dict:
         if launched is not None:
             engine._mark_launched(launched)
             engine._inflight = launched
+            engine._resolve_inflight()  # the graphs-mode steps below are synchronous
     while engine.has_work():
         engine.step()
     for r in rids:

@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from glmrt.cache.page_manager import PageManager
-from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
+from glmrt.cache.slot_manager import SlotManager
 
 
 @dataclass(eq=False)

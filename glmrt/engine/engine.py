@@ -6,8 +6,10 @@
         for out in engine.step(): ...
 
 One step: schedule (data) -> run the plan (model) -> apply tokens, cache full pages in the
-radix tree, turn saved states into checkpoints, finish requests. Everything a later layer
-(actors, API, PD) needs wraps this class; it owns no sockets.
+radix tree, turn saved states into checkpoints, finish requests. Two step bodies, one chosen
+at construction: the synchronous `_normal_step`, and `_overlap_step`, which launches decode
+step N+1 on the device before it reads step N's tokens. Everything a later layer (actors,
+API, PD) needs wraps this class; it owns no sockets.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from glmrt.engine import compile_watch
 from glmrt.engine.config import EngineConfig
 from glmrt.engine.memory import MemoryPlan, plan_memory
 from glmrt.engine.request import Request, Status
-from glmrt.engine.runner import ModelRunner
+from glmrt.engine.runner import PLACEHOLDER, ModelRunner
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
 from glmrt.sampling_params import SamplingParams
 
@@ -139,9 +141,9 @@ class Engine:
             compile_watch.install()  # names the kernels behind a slow step in the log
             if not config.skip_server_warmup:
                 self._warm_prefill(config)
+        self._inflight = None  # the launched decode step whose tokens are not read yet
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
-        self._inflight = None  # the launched decode step whose tokens are not read yet
         self.requests: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}   # prefill role: finished prompts whose state awaits transfer
         self.imports: dict[str, Request] = {}    # decode role: reserved requests whose state is arriving
@@ -238,14 +240,13 @@ class Engine:
             if precomputed:  # a separate vision actor ran the tower
                 mm_state.embeds = torch.cat([it.embeds for it in mm_items]).to(self.model.device)
             key_ids = cache_key_ids(prompt, pos, mm_items)
-        parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids,
-                         num_mm_items=len(mm_items or []))
+        parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids)
         reqs = [parent]
         for i in range(1, params.n):
             seed = None if params.seed is None else params.seed + i
             child_params = _replace_params(params, seed=seed)
             child = Request(f"{rid}-{i}", list(prompt), child_params, next(self._arrival), fork_parent=parent,
-                            mm_key_ids=key_ids, num_mm_items=parent.num_mm_items)
+                            mm_key_ids=key_ids)
             parent.fork_children.append(child)
             reqs.append(child)
         for r in reqs:
@@ -267,39 +268,69 @@ class Engine:
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the tokens whose values are now known.
+    # ---- the step: schedule -> execute -> apply, in one of two loop bodies ---------------
+    @property
+    def overlap(self) -> bool:
+        """Whether `step` runs the overlapped body (chosen at construction; a bench may switch
+        it between runs, never while a step is in flight)."""
+        return self._step_body == self._overlap_step
 
-        With the overlap schedule, a decode plan that CUDA graphs and the device sampler can
-        run without the host is launched before the previous step's tokens are read: the
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if self._inflight is not None:
+            raise RuntimeError("the step body cannot change while a launched step is in flight")
+        self._step_body = self._overlap_step if on else self._normal_step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the tokens whose values are now known."""
+        return self._step_body()
+
+    def _normal_step(self) -> list[RequestOutput]:
+        """The synchronous step: its tokens are on the host when it returns."""
+        plan = self._schedule()
+        if not plan:
+            return []
+        return self._apply(plan, self._execute(plan))
+
+    def _overlap_step(self) -> list[RequestOutput]:
+        """The overlapped step: a decode plan that CUDA graphs and the device sampler run
+        without the host is launched before the previous step's tokens are read, so the
         scheduling and launch of step N+1 happen while the GPU runs step N, and the outputs
         returned are step N's. Its inputs that are still PLACEHOLDERs come from step N's
-        tokens on the device. Any other plan first waits for the step in flight.
-        """
+        tokens on the device. Any other plan first waits for the step in flight."""
+        plan = self._schedule()
+        key = self.runner.async_key(plan) if plan else None
+        if key is None:
+            outputs = self._resolve_inflight()
+            return outputs + (self._apply(plan, self._execute(plan)) if plan else [])
+        launched = self.runner.launch(plan, self._inflight, key)
+        self._mark_launched(launched)
+        outputs = self._resolve_inflight()
+        self._inflight = launched
+        return outputs
+
+    def _schedule(self):
         plan = self.scheduler.schedule()
         self.counters["retractions"] += len(plan.retracted)
         for w in plan.work:
             w.req.inflight += 1
-        launched = None
-        key = self.runner.async_key(plan) if self.overlap and plan else None
-        if key is not None:
-            launched = self.runner.launch(plan, self._inflight, key)
-            self._mark_launched(launched)
-        outputs = self._resolve(self._inflight) if self._inflight is not None else []
-        self._inflight = launched
-        if plan and launched is None:
-            outputs += self._run_sync(plan)
-        return outputs
+        return plan
 
-    def _run_sync(self, plan) -> list[RequestOutput]:
+    def _execute(self, plan) -> list:
+        """Run the plan and wait for its tokens; a slow step is logged with its batch."""
         compile_watch.take()
         t0 = time.perf_counter()
-        results = self.runner.execute(plan)  # returns host values: the step has finished
+        results = self.runner.execute(plan)  # host values: the step has finished
         took = time.perf_counter() - t0
         if took > SLOW_STEP_S:
             self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (a kernel variant compiled "
                      f"on first use stalls like this; the start-up warm-up should have run it); "
                      f"{compile_watch.summary(compile_watch.take())}")
+        return results
+
+    def _apply(self, plan, results) -> list[RequestOutput]:
+        """A finished step's bookkeeping: positions computed, restores done, full pages into
+        the tree, saved states into checkpoints, sampled tokens to their requests."""
         for w in plan.work:
             w.req.num_computed = w.start + w.num
         for r in plan.restores:
@@ -326,12 +357,10 @@ class Engine:
         self._step_done(plan)
         return outputs
 
-    # ---- the overlap schedule ------------------------------------------------------------
+    # ---- the overlapped step's bookkeeping -----------------------------------------------
     def _mark_launched(self, launched) -> None:
         """Advance the launched requests as if their tokens were known: num_computed, and a
         PLACEHOLDER output (so the next plan decodes it) unless the count alone ends them."""
-        from glmrt.engine.runner import PLACEHOLDER
-
         launched.placeholder_at = []
         for w in launched.plan.work:
             req = w.req
@@ -343,8 +372,11 @@ class Engine:
                 launched.placeholder_at.append(len(req.output_ids))
                 req.output_ids.append(PLACEHOLDER)
 
-    def _resolve(self, launched) -> list[RequestOutput]:
-        """Read a launched step's tokens (the one host sync) and apply them."""
+    def _resolve_inflight(self) -> list[RequestOutput]:
+        """Read the launched step's tokens (the one host sync) and apply them."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return []
         tokens = launched.tokens.tolist()
         outputs = []
         for req, tok, at in zip(launched.reqs, tokens, launched.placeholder_at):

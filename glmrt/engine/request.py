@@ -34,22 +34,15 @@ class Request:
     cached_tokens: int = 0
     save_at: list[int] = field(default_factory=list)   # positions whose state goes into the tree
     finish_reason: str | None = None
-    error: str | None = None
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    num_retractions: int = 0
     fork_parent: "Request | None" = None               # n > 1: children share the parent's prefill
     fork_children: list["Request"] = field(default_factory=list)
     admitted_once: bool = False
     mm_key_ids: list[int] | None = None   # prompt ids with image tokens replaced by content hashes
-    num_mm_items: int = 0
     num_tree_pages: int = 0               # full pages already offered to the prefix cache
     inflight: int = 0                     # planned or launched steps not yet applied (overlap)
     finishing: str | None = None          # finished, but a step in flight still uses its cache
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without concatenating the whole sequence (the per-step hot path)."""
@@ -76,10 +69,6 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.status is Status.RUNNING and self.num_uncomputed == 1 and self.num_computed > 0
 
     @property
     def finished(self) -> bool:

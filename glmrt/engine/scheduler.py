@@ -140,7 +140,6 @@ class Scheduler:
         req.num_tree_pages = 0
         req.save_at = []
         req.status = Status.WAITING
-        req.num_retractions += 1
         self.waiting.insert(0, req)
         plan.retracted.append(req)
 

@@ -1,7 +1,7 @@
-"""Vision preprocessing for GLM-5.3-Flash: images and videos to patch rows, and placeholder expansion.
+"""Vision preprocessing for GLM-5.3-Flash: images and videos to patch rows (canvas, grid, sampling).
 
 Runs in the tokenizer process, which has no torch: everything here is numpy + PIL. The math
-follows HF transformers 5.17's Glm5Next processors (docs/MODEL.md §7.2, §7.4):
+follows HF transformers 5.17's Glm5Next processors (docs/MODEL.md, vision input):
 
 * **Canvas** (`fit_canvas`): the content keeps its aspect ratio and is resized (PIL bicubic,
   uint8) so that the canvas, aligned up to ``factor = patch_size * merge_size`` (28), stays
@@ -25,20 +25,16 @@ on a small fraction of pixels (frames that need no resize match exactly).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from glmrt.vision.processor_config import ImageProcessorConfig
 
 __all__ = [
-    "ImageProcessorConfig",
     "ProcessedImage",
     "ProcessedVideo",
     "fit_canvas",
@@ -47,158 +43,7 @@ __all__ = [
     "sample_frame_indices",
     "process_image",
     "process_video",
-    "expand_placeholders",
-    "token_ids_from_config",
-    "to_torch",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if obj is None:
-        return default
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
-def _scalar(v: Any) -> Any:
-    return v[0] if isinstance(v, (list, tuple)) else v
-
-
-@dataclass(frozen=True)
-class ImageProcessorConfig:
-    """Preprocessing settings. Defaults are HF's Glm5Next processor defaults.
-
-    Token budgets count *merged* tokens (one per 2x2 patch block per temporal group):
-    images ``min_image_tokens..max_image_tokens`` each, videos
-    ``min_video_tokens..max_video_tokens`` per clip (over all its temporal groups).
-    """
-
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
-    image_std: tuple[float, ...] = OPENAI_CLIP_STD
-    rescale_factor: float = 1 / 255
-    min_image_tokens: int = 16
-    max_image_tokens: int = 8000
-    min_video_tokens: int = 16
-    max_video_tokens: int = 240000
-    video_fps: float = 2.0
-    max_video_frames: int = 2048
-    # HF applies it to videos only (canvas factor patch*merge*expand); 1 in every released config.
-    patch_expand_factor: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_image_tokens",
-                     "max_image_tokens", "min_video_tokens", "max_video_tokens", "max_video_frames",
-                     "patch_expand_factor"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ImageProcessorConfig.{name} must be a positive int, got {v!r}")
-        if self.min_image_tokens > self.max_image_tokens:
-            raise ValueError(f"min_image_tokens ({self.min_image_tokens}) > max_image_tokens ({self.max_image_tokens})")
-        if self.min_video_tokens > self.max_video_tokens:
-            raise ValueError(f"min_video_tokens ({self.min_video_tokens}) > max_video_tokens ({self.max_video_tokens})")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or any(s <= 0 for s in self.image_std):
-            raise ValueError("image_mean / image_std must have 3 entries (std > 0)")
-        if not self.video_fps > 0 or not self.rescale_factor > 0:
-            raise ValueError("video_fps and rescale_factor must be > 0")
-        object.__setattr__(self, "image_mean", tuple(float(x) for x in self.image_mean))
-        object.__setattr__(self, "image_std", tuple(float(x) for x in self.image_std))
-
-    @property
-    def factor(self) -> int:
-        """Canvas alignment for images: patch_size * merge_size (28)."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def video_factor(self) -> int:
-        return self.patch_size * self.merge_size * self.patch_expand_factor
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one patch row: 3 * temporal_patch_size * patch_size**2 (1176)."""
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    @classmethod
-    def from_vision_config(
-        cls,
-        vision_config: Any = None,
-        preprocessor_config: Mapping[str, Any] | None = None,
-        video_preprocessor_config: Mapping[str, Any] | None = None,
-        **overrides: Any,
-    ) -> "ImageProcessorConfig":
-        """Builds a config from a checkpoint's `vision_config` (a `glmrt.config.VisionConfig`,
-        a dict, or anything with ``patch_size`` / ``temporal_patch_size`` / ``spatial_merge_size``
-        attributes) plus optional HF ``preprocessor_config.json`` / ``video_preprocessor_config.json``
-        dicts (their ``min/max_image_tokens`` are the image budget in the first and the *video*
-        budget in the second). Explicit keyword overrides win."""
-        kw: dict[str, Any] = {}
-        if vision_config is not None:
-            for ours, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                                 ("merge_size", "spatial_merge_size")):
-                v = _scalar(_get(vision_config, theirs))
-                if v is not None:
-                    kw[ours] = int(v)
-        pp = dict(preprocessor_config or {})
-        vp = dict(video_preprocessor_config or {})
-        for src in (pp, vp):  # the vision tower's geometry must agree with the processors'
-            for k in ("patch_size", "temporal_patch_size", "merge_size"):
-                if src.get(k) is not None:
-                    v = int(_scalar(src[k]))
-                    if k in kw and kw[k] != v:
-                        raise ValueError(f"processor {k}={v} disagrees with vision_config ({kw[k]})")
-                    kw[k] = v
-        for k in ("image_mean", "image_std"):
-            if pp.get(k) is not None:
-                kw[k] = tuple(pp[k])
-        if pp.get("rescale_factor") is not None:
-            kw["rescale_factor"] = float(pp["rescale_factor"])
-        for k in ("min_image_tokens", "max_image_tokens"):
-            if pp.get(k) is not None:
-                kw[k] = int(pp[k])
-        if vp.get("min_image_tokens") is not None:
-            kw["min_video_tokens"] = int(vp["min_image_tokens"])
-        if vp.get("max_image_tokens") is not None:
-            kw["max_video_tokens"] = int(vp["max_image_tokens"])
-        if vp.get("fps") is not None:
-            kw["video_fps"] = float(vp["fps"])
-        if vp.get("max_frames") is not None:
-            kw["max_video_frames"] = int(vp["max_frames"])
-        if vp.get("patch_expand_factor") is not None:
-            kw["patch_expand_factor"] = int(vp["patch_expand_factor"])
-        kw.update(overrides)
-        return cls(**kw)
-
-    @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, **overrides: Any) -> "ImageProcessorConfig":
-        """Reads ``config.json``'s ``vision_config`` and, when present, ``preprocessor_config.json``,
-        ``video_preprocessor_config.json`` or a combined ``processor_config.json``."""
-
-        def load(name: str) -> dict[str, Any] | None:
-            p = os.path.join(path, name)
-            if not os.path.isfile(p):
-                return None
-            with open(p, encoding="utf-8") as f:
-                d = json.load(f)
-            if not isinstance(d, dict):
-                raise ValueError(f"{p} must hold a JSON object")
-            return d
-
-        cfg = load("config.json") or {}
-        pp = load("preprocessor_config.json")
-        vp = load("video_preprocessor_config.json")
-        combined = load("processor_config.json") or {}
-        if pp is None and isinstance(combined.get("image_processor"), dict):
-            pp = combined["image_processor"]
-        if vp is None and isinstance(combined.get("video_processor"), dict):
-            vp = combined["video_processor"]
-        return cls.from_vision_config(cfg.get("vision_config"), pp, vp, **overrides)
 
 
 # --------------------------------------------------------------------------------------------
@@ -517,126 +362,3 @@ def process_video(
     return ProcessedVideo(pixel_values=rows, grid_thw=(groups, gh, gw),
                           num_tokens=groups * gh * gw // cfg.merge_size**2,
                           timestamps=timestamps, frame_indices=[int(i) for i in idx])
-
-
-# --------------------------------------------------------------------------------------------
-# Placeholders
-# --------------------------------------------------------------------------------------------
-
-_TOKEN_KEYS = {
-    "image_token_id": "<|image|>",
-    "video_token_id": "<|video|>",
-    "image_start_token_id": "<|begin_of_image|>",
-    "image_end_token_id": "<|end_of_image|>",
-    "video_start_token_id": "<|begin_of_video|>",
-    "video_end_token_id": "<|end_of_video|>",
-}
-
-
-def token_ids_from_config(model_config: Any) -> dict[str, int]:
-    """The six vision token ids of a `glmrt.config.ModelConfig` (or a config.json dict)."""
-    out = {}
-    for k in _TOKEN_KEYS:
-        v = _get(model_config, k)
-        if v is None:
-            raise ValueError(f"model config has no {k}")
-        out[k] = int(v)
-    return out
-
-
-def _resolve_token_ids(token_ids: Mapping[str, int]) -> dict[str, int]:
-    out = {}
-    for key, text in _TOKEN_KEYS.items():
-        v = token_ids.get(key, token_ids.get(text))
-        if v is None:
-            raise ValueError(f"token_ids lacks {key!r} (or {text!r})")
-        out[key] = int(v)
-    return out
-
-
-def expand_placeholders(
-    prompt_ids: Sequence[int],
-    items: Sequence[ProcessedImage | ProcessedVideo],
-    token_ids: Mapping[str, int],
-    encode: Callable[[str], list[int]] | None = None,
-) -> list[int]:
-    """Expands the prompt's visual placeholders, in order, for `items` (same order).
-
-    ``<|begin_of_image|><|image|><|end_of_image|>`` -> the image token repeated num_tokens
-    times between the same begin/end. ``<|begin_of_video|><|video|><|end_of_video|>`` -> per
-    temporal group ``<|begin_of_image|>`` + image token x tokens_per_frame + ``<|end_of_image|>``
-    + encode(f"{timestamp:.1f} seconds"), all inside the begin/end-of-video pair (video
-    positions use the image token id). `token_ids` takes the config field names
-    (image_token_id, video_token_id, image_start_token_id, image_end_token_id,
-    video_start_token_id, video_end_token_id) or the token strings. Raises ValueError when
-    placeholders and items disagree in number or kind, or a placeholder is malformed.
-    """
-    t = _resolve_token_ids(token_ids)
-    img, vid = t["image_token_id"], t["video_token_id"]
-    boi, eoi = t["image_start_token_id"], t["image_end_token_id"]
-    bov, eov = t["video_start_token_id"], t["video_end_token_id"]
-    ids = list(prompt_ids)
-    n = len(ids)
-
-    slots: list[tuple[int, str]] = []
-    for pos, tok in enumerate(ids):
-        if tok == img:
-            if not (0 < pos < n - 1 and ids[pos - 1] == boi and ids[pos + 1] == eoi):
-                raise ValueError(f"image placeholder at position {pos} is not "
-                                 f"<|begin_of_image|><|image|><|end_of_image|>")
-            slots.append((pos, "image"))
-        elif tok == vid:
-            if not (0 < pos < n - 1 and ids[pos - 1] == bov and ids[pos + 1] == eov):
-                raise ValueError(f"video placeholder at position {pos} is not "
-                                 f"<|begin_of_video|><|video|><|end_of_video|>")
-            slots.append((pos, "video"))
-    if len(slots) != len(items):
-        n_img = sum(k == "image" for _, k in slots)
-        raise ValueError(f"prompt has {n_img} image and {len(slots) - n_img} video placeholders "
-                         f"but {len(items)} media items were given")
-
-    out: list[int] = []
-    prev = 0
-    for (pos, kind), item in zip(slots, items):
-        out.extend(ids[prev:pos])
-        prev = pos + 1
-        if kind == "image":
-            if not isinstance(item, ProcessedImage):
-                raise ValueError(f"placeholder at position {pos} is an image but the item is "
-                                 f"{type(item).__name__}")
-            out.extend([img] * item.num_tokens)
-        else:
-            if not isinstance(item, ProcessedVideo):
-                raise ValueError(f"placeholder at position {pos} is a video but the item is "
-                                 f"{type(item).__name__}")
-            if encode is None:
-                raise ValueError("expanding a video placeholder needs `encode` for its timestamps")
-            groups = item.grid_thw[0]
-            if len(item.timestamps) != groups:
-                raise ValueError(f"video has {groups} temporal groups but {len(item.timestamps)} timestamps")
-            per = item.tokens_per_frame
-            for ts in item.timestamps:
-                out.append(boi)
-                out.extend([img] * per)
-                out.append(eoi)
-                out.extend(encode(f"{ts:.1f} seconds"))
-    out.extend(ids[prev:])
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Torch conversion (model side only; torch imported lazily)
-# --------------------------------------------------------------------------------------------
-
-def to_torch(items: Sequence[ProcessedImage | ProcessedVideo], dtype: Any = None) -> tuple[Any, Any]:
-    """Concatenates items' rows into one torch tensor [N, patch_dim] and their grids into a
-    LongTensor [len(items), 3] -- the `pixel_values` / `*_grid_thw` layout HF's model takes."""
-    import torch
-
-    if not items:
-        raise ValueError("to_torch needs at least one item")
-    pv = torch.from_numpy(np.concatenate([np.asarray(it.pixel_values) for it in items], axis=0))
-    if dtype is not None:
-        pv = pv.to(dtype)
-    grid = torch.tensor([list(it.grid_thw) for it in items], dtype=torch.long)
-    return pv, grid

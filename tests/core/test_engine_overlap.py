@@ -145,3 +145,19 @@ def test_overlap_random_traffic_with_aborts_and_retractions(ckpt, model):
     assert len(both) > 60
     for rid in both:  # sampled rows too: the overlapped draw is the synchronous one
         assert got[rid] == want[rid], rid
+
+
+def test_the_step_body_changes_only_between_steps_in_flight(ckpt, model):
+    """`overlap` picks the step body; switching it while a launched step's tokens are unread
+    would strand them, so it is refused until the step in flight has been read."""
+    e = make(ckpt, model, True)
+    assert e.overlap
+    e.add_request(toks(5, 6), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while e._inflight is None:
+        e.step()
+    with pytest.raises(RuntimeError):
+        e.overlap = False
+    while e.has_work():
+        e.step()
+    e.overlap = False
+    assert not e.overlap and e._step_body == e._normal_step
