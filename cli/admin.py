@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 
-DEFAULT_URL = "http://127.0.0.1:30000"
+from glmrt import env
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -17,8 +16,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                            ("scale", "set the replica count of an actor kind: glmrt scale engine=2"),
                            ("down", "drain and stop a deployment")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--url", default=os.environ.get("GLMRT_URL", DEFAULT_URL))
-        p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
+        p.add_argument("--url", default=env.url())
+        p.add_argument("--api-key", default=env.api_key())
         if name == "status":
             p.add_argument("--json", action="store_true")
         if name == "scale":

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+from glmrt import env
 from glmrt.engine.config import EngineConfig
 
 # Set by [model] flags, or by placement (role, load_vision), not by engine flags.
@@ -57,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-format", choices=["auto", "dummy"])
     p.add_argument("--quantization", help="weight format: auto (the checkpoint's) | fp8 | mxfp4 | nvfp4; with "
                                           "--load-format dummy, fp8 quantises the random weights")
-    p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
+    p.add_argument("--api-key", default=env.api_key())
     p.add_argument("--max-request-mb", type=float)
     p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
     p.add_argument("--mm-feature-transport", choices=["cpu", "cuda_ipc", "auto"],
@@ -80,13 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def cache_dir() -> str:
-    return os.path.expanduser(os.environ.get("GLMRT_CACHE_DIR", "~/.cache/glmrt"))
-
-
 def ensure_tiny_checkpoint() -> str:
     """The embedded default model: generated once (in a child process: no torch here)."""
-    path = os.path.join(cache_dir(), "checkpoints", "tiny")
+    path = os.path.join(env.cache_dir(), "checkpoints", "tiny")
     if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -131,25 +128,18 @@ def build_topology(args: argparse.Namespace):
         n = getattr(args, flag)
         if n is not None:
             if n < 1:
-                raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1, got {n}")
+                raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1 (got {n})")
             topo = topo.with_replicas(kind, n)
-    validate(topo)
-    configs = {}
-    for spec in topo.actors:  # engine flags (file, per-entry overrides, CLI) validated now, clearly
-        if spec.kind in ("engine", "prefill", "decode"):
-            try:
-                configs[spec.kind] = topo.engine_config(spec)
-            except (ValueError, TypeError) as e:
-                raise TopologyError(f"engine flags of the {spec.kind} entry: {e}") from None
+    validate(topo, flags=True)   # the file was validated as it was read: what is new here is the flags'
+    configs = topo.engine_configs()
+    if "prefill" in configs:
+        try:
+            env.kv_transfer()
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
     options = check_backend_options(configs)
     if "prefill" in configs and "decode" in configs:
-        # the bootstrap check, at start: a prefill can only hand state to a decode of the same layout
-        pre, dec = configs["prefill"], configs["decode"]
-        for field in ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page_size", "load_format", "preset",
-                      "quantization"):
-            if getattr(pre, field) != getattr(dec, field):
-                raise TopologyError(f"prefill and decode must agree on {field}: prefill {getattr(pre, field)!r}, "
-                                    f"decode {getattr(dec, field)!r} (their state could not be handed over)")
+        # a prefill can only hand state to a decode of the same KV layout
         kv = {k: options[k].kv_cache_dtype for k in ("prefill", "decode") if k in options}
         if len(kv) == 2 and "auto" not in kv.values() and kv["prefill"] != kv["decode"]:
             raise TopologyError(f"prefill and decode must agree on the KV cache dtype: prefill {kv['prefill']} "
@@ -212,21 +202,25 @@ def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> 
     return None
 
 
+def refuse(message: str) -> int:
+    """The one-line refusal of `glmrt up` (exit status 2), argparse's way."""
+    print("glmrt up: error: " + " ".join(str(message).split()), file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     from glmrt.topology import TopologyError
 
     try:
         topo = build_topology(args)
     except (TopologyError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     path = topo.model.path
     if path is None:
         path = ensure_tiny_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
     if not os.path.exists(os.path.join(path, "config.json")):
-        print(f"error: no config.json in {path}", file=sys.stderr)
-        return 2
+        return refuse(f"no config.json in {path}")
     try:
         import uvloop
         return uvloop.run(serve(topo, path, args.ready_timeout))
@@ -243,13 +237,10 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
     try:
         mc = load_model_config(path)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    refusal = check_checkpoint_weights({a.kind: topo.engine_config(a) for a in topo.actors
-                                        if a.kind in ("engine", "prefill", "decode")}, mc)
+        return refuse(str(e))
+    refusal = check_checkpoint_weights(topo.engine_configs(), mc)
     if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
+        return refuse(refusal)
     gen_path = os.path.join(path, "generation_config.json")
     gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}
     served = topo.model.served_model_name or os.path.basename(os.path.normpath(path))
