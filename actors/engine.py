@@ -27,13 +27,12 @@ class EngineActor(Actor):
     async def setup(self) -> dict[str, Any]:
         import torch
 
-        from glmrt.engine.config import EngineConfig
         from glmrt.engine.engine import Engine
 
-        torch.set_num_threads(int(self.spec.config.get("torch_threads", 1)))
+        torch.set_num_threads(self.spec.config.torch_threads)
         if self.spec.gpus and torch.cuda.is_available():
             torch.cuda.set_device(self.spec.gpus[0])
-        cfg = EngineConfig(**self.spec.config["engine"])
+        cfg = self.spec.config.engine
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self._log))

@@ -58,9 +58,16 @@ def _status(args) -> int:
 
 
 def _scale(args) -> int:
+    from glmrt.topology import check_scale_request
+
     kind, _, n = args.assignment.partition("=")
     if not n.isdigit():
-        print("error: expected KIND=N, e.g. engine=2", file=sys.stderr)
+        print("glmrt scale: error: expected KIND=N, e.g. engine=2", file=sys.stderr)
+        return 2
+    try:
+        check_scale_request(kind, int(n))   # the deployment checks the rest (which kinds it runs)
+    except ValueError as e:
+        print(f"glmrt scale: error: {e}", file=sys.stderr)
         return 2
     out = _call(args, "POST", "/admin/scale", {"kind": kind, "replicas": int(n)})
     print(f"{kind}: {out['replicas']} replica(s); changed: {', '.join(out['changed']) or 'nothing'}")

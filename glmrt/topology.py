@@ -313,13 +313,19 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
             raise TopologyError(f"the topology has no {needed!r} actor")
 
 
-def validate_scale(topo: Topology, kind: str, n: int) -> str:
-    """What `glmrt scale KIND=N` may ask of a running deployment; returns the canonical kind."""
+def check_scale_request(kind: str, n: int) -> str:
+    """What `glmrt scale KIND=N` may ask of any deployment; returns the canonical kind."""
     name = canonical_kind(kind)
     if name is None or name not in SCALABLE_KINDS:
         raise ValueError(f"cannot scale {kind!r}; scalable kinds: {', '.join(SCALABLE_KINDS)}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{name} needs at least 1 replica, got {n}")
+    return name
+
+
+def validate_scale(topo: Topology, kind: str, n: int) -> str:
+    """What `glmrt scale KIND=N` may ask of the deployment `topo`; returns the canonical kind."""
+    name = check_scale_request(kind, n)
     spec = topo.actor(name)
     if spec is None:
         raise ValueError(f"this deployment runs no {name!r} actor")
