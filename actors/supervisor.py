@@ -24,7 +24,7 @@ from actors.base import RunSpec, codec_for, encode_run_specs, inbox_address
 from glmrt import protocol as P
 from glmrt.actor_config import (ActorConfig, DetokenizerActorConfig, EngineActorConfig, MediaPolicy,
                                 TokenizerActorConfig, VisionActorConfig)
-from glmrt.actor_kinds import REQUIRED_KINDS, kind_of
+from glmrt.actor_kinds import kind_of
 from glmrt.topology import ActorSpec, Topology, validate_scale
 from transport.channels import Inbox, Peers
 
@@ -80,8 +80,7 @@ class Supervisor:
     def all_ready(self) -> bool:
         live = [a for a in self.actors.values() if a.state not in ("retired",)]
         return bool(live) and all(a.state in ("ready", "retiring") for a in live) and \
-            all(self.ready(k) for k in (*REQUIRED_KINDS, *self.topo.engine_kinds)) and \
-            (self.topo.actor("vision") is None or bool(self.ready("vision")))
+            all(self.ready(spec.kind) for spec in self.topo.actors)   # validate(): every required kind is placed
 
     def status(self) -> list[dict[str, Any]]:
         import socket

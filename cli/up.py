@@ -184,6 +184,19 @@ def check_backend_options(configs: dict[str, EngineConfig], probe=None) -> dict:
     return resolved
 
 
+def check_cache_layout(configs: dict[str, EngineConfig], model_config) -> str | None:
+    """The engine values only the checkpoint can judge (the page size against its pooled index keys),
+    through the same CacheLayout check the engine makes. Returns the refusal, or None."""
+    from glmrt.cache.layout import CacheLayout
+
+    for kind, cfg in configs.items():
+        try:
+            CacheLayout.from_config(model_config.text, page_size=cfg.page_size)
+        except ValueError as e:
+            return f"{kind}: --page-size: {e}"
+    return None
+
+
 def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> str | None:
     """An explicit --quantization must name the checkpoint's own weight format (glmrt does not re-quantise
     a checkpoint on load). Returns the refusal, or None."""
@@ -238,7 +251,7 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
         mc = load_model_config(path)
     except ConfigError as e:
         return refuse(str(e))
-    refusal = check_checkpoint_weights(topo.engine_configs(), mc)
+    refusal = check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
     if refusal:
         return refuse(refusal)
     gen_path = os.path.join(path, "generation_config.json")

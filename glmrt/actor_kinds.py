@@ -29,6 +29,8 @@ class ActorKind:
     """May be placed on GPUs; a process of kinds that do not runs with CUDA hidden."""
     engine_role: str | None = None
     """The EngineConfig.role of an engine kind (None: not an engine)."""
+    computes_prompts: bool = False
+    """An engine that runs prompts, and so takes a vision actor's embeddings."""
     required: bool = False
     """Every topology has one."""
     min_replicas: int = 0
@@ -43,9 +45,9 @@ KINDS: tuple[ActorKind, ...] = (
     ActorKind("vision", "actors.vision:VisionActor", VisionActorConfig, P.VISION_IN, uses_gpus=True,
               min_replicas=1),
     ActorKind("engine", "actors.engine:EngineActor", EngineActorConfig, P.ENGINE_IN, aliases=("unified",),
-              uses_gpus=True, engine_role="unified", scalable=True),
+              uses_gpus=True, engine_role="unified", computes_prompts=True, scalable=True),
     ActorKind("prefill", "actors.engine:EngineActor", EngineActorConfig, P.ENGINE_IN, uses_gpus=True,
-              engine_role="prefill", scalable=True),
+              engine_role="prefill", computes_prompts=True, scalable=True),
     ActorKind("decode", "actors.engine:EngineActor", EngineActorConfig, P.ENGINE_IN, uses_gpus=True,
               engine_role="decode", scalable=True),
     ActorKind("detokenizer", "actors.detokenizer:DetokenizerActor", DetokenizerActorConfig, P.DETOK_IN,

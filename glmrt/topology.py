@@ -119,7 +119,7 @@ class Topology:
 
     def prompt_engines(self) -> list[ActorSpec]:
         """The engine entries that compute prompts (and so take vision embeddings)."""
-        return [a for a in self.actors if kind_of(a.kind).engine_role in ("unified", "prefill")]
+        return [a for a in self.actors if kind_of(a.kind).computes_prompts]
 
     def engine_config(self, spec: ActorSpec | None = None) -> EngineConfig:
         """The engine config one engine entry runs with: [model] + [engine] + the entry's overrides,
