@@ -20,7 +20,8 @@ import sys
 import tempfile
 
 from glmrt import env
-from glmrt.engine.config import EngineConfig
+from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
+from glmrt.topology import FEATURE_TRANSPORTS, TopologyError, default_topology, load_topology, validate
 
 # Set by [model] flags, or by placement (role, load_vision), not by engine flags.
 _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
@@ -52,16 +53,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["auto", "reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x"],
                    help="kernel set (auto: cuda-h200 on SM90, cuda-blackwell on SM100, rocm-mi355x on gfx950, "
                         "else reference)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=MODEL_DTYPES)
     p.add_argument("--kv-cache-dtype", help="auto | bfloat16 | fp8_e4m3 | the model dtype (auto: bfloat16 on "
                                             "cuda-h200, fp8_e4m3 on cuda-blackwell / rocm-mi355x)")
-    p.add_argument("--load-format", choices=["auto", "dummy"])
+    p.add_argument("--load-format", choices=LOAD_FORMATS)
     p.add_argument("--quantization", help="weight format: auto (the checkpoint's) | fp8 | mxfp4 | nvfp4; with "
                                           "--load-format dummy, fp8 quantises the random weights")
     p.add_argument("--api-key", default=env.api_key())
     p.add_argument("--max-request-mb", type=float)
     p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
-    p.add_argument("--mm-feature-transport", choices=["cpu", "cuda_ipc", "auto"],
+    p.add_argument("--mm-feature-transport", choices=FEATURE_TRANSPORTS,
                    help="how a separate vision actor hands embeddings to the engine (default auto = cpu here)")
     p.add_argument("--allow-remote-media", action="store_true", default=None,
                    help="fetch http(s) image/video URLs (size-limited, with a timeout)")
@@ -98,8 +99,6 @@ def ensure_tiny_checkpoint() -> str:
 
 
 def build_topology(args: argparse.Namespace):
-    from glmrt.topology import default_topology, load_topology
-
     topo = load_topology(args.topology) if args.topology else default_topology()
     model = topo.model
     over = {k: getattr(args, k) for k in ("dtype", "backend", "kv_cache_dtype", "load_format", "quantization")
@@ -123,12 +122,14 @@ def build_topology(args: argparse.Namespace):
         api_over["allowed_local_media_path"] = os.path.abspath(os.path.expanduser(api_over["allowed_local_media_path"]))
     api = dataclasses.replace(api, **api_over)
     topo = dataclasses.replace(topo, model=model, engine=engine, api=api)
-    from glmrt.topology import TopologyError, validate
     for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
         n = getattr(args, flag)
         if n is not None:
             if n < 1:
                 raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1 (got {n})")
+            if topo.actor(kind) is None:
+                raise TopologyError(f"--{flag.replace('_', '-')}: the topology runs no {kind!r} actor; set the "
+                                    "replicas of its entries in the topology file")
             topo = topo.with_replicas(kind, n)
     validate(topo, flags=True)   # the file was validated as it was read: what is new here is the flags'
     configs = topo.engine_configs()
@@ -158,8 +159,6 @@ def check_backend_options(configs: dict[str, EngineConfig], probe=None) -> dict:
     """
     from backends.adapters import (BackendError, IllegalOption, check_request, needs_hardware, probe_hardware,
                                    resolve_options)
-    from glmrt.topology import TopologyError
-
     hardware: list = []   # probed once, lazily
     resolved = {}
     for kind, cfg in configs.items():
@@ -222,8 +221,6 @@ def refuse(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from glmrt.topology import TopologyError
-
     try:
         topo = build_topology(args)
     except (TopologyError, ValueError, TypeError) as e:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from glmrt.actor_kinds import (ENGINE_KINDS, KIND_NAMES, REQUIRED_KINDS, SCALABLE_KINDS, canonical_kind, kind_of,
                                known_spellings)
 from glmrt.config_bounds import ConfigValueError, bounded, check_fields, flag_spelling, key_spelling
-from glmrt.engine.config import EngineConfig
+from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
 
 FEATURE_TRANSPORTS = ("cpu", "cuda_ipc", "auto")
 # A prefill hands its pages and state to a decode as they lie in memory: these must agree.
@@ -38,13 +38,13 @@ class TopologyError(ValueError):
 class ModelSection:
     path: str | None = None
     """Checkpoint directory (HF format); None: the embedded tiny checkpoint."""
-    dtype: str = bounded("auto", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = bounded("auto", choices=MODEL_DTYPES)
     """Model dtype (auto: bfloat16 on a GPU, float32 on the CPU)."""
     kv_cache_dtype: str = "auto"
     """KV cache dtype (EngineConfig.kv_cache_dtype)."""
     backend: str = "auto"
     """Kernel set (EngineConfig.backend)."""
-    load_format: str = bounded("auto", choices=("auto", "dummy"))
+    load_format: str = bounded("auto", choices=LOAD_FORMATS)
     """auto (safetensors) | dummy (random weights)."""
     preset: str | None = None
     """The preset built with load_format = "dummy" and no path."""

@@ -13,6 +13,8 @@ from glmrt.config_bounds import bounded, check_fields
 
 
 ENGINE_ROLES = ("unified", "prefill", "decode")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 _BACKEND_OPTIONS = ("backend", "kv_cache_dtype", "quantization", "attention_backend", "dsa_prefill_backend",
                     "dsa_decode_backend", "moe_runner_backend", "linear_attn_backend")
@@ -29,12 +31,12 @@ class EngineConfig:
     """Checkpoint directory (HF format). None with load_format='dummy' builds `preset`."""
     preset: str | None = None
     """A preset model (glmrt.checkpoint.presets; None: tiny) built with random weights when `model` is None."""
-    load_format: str = bounded("auto", choices=("auto", "dummy"))
+    load_format: str = bounded("auto", choices=LOAD_FORMATS)
     """auto (safetensors) | dummy (random weights in device memory, no files)."""
     quantization: str | None = None
     """None: the checkpoint's format. fp8 with load_format='dummy' quantises the linear layers
     (block-scaled e4m3). mxfp4 / nvfp4 are refused until the loader reads them."""
-    dtype: str = bounded("auto", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = bounded("auto", choices=MODEL_DTYPES)
     """auto: bfloat16 on a GPU, float32 on the CPU."""
     device: str = "auto"
     """auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N."""

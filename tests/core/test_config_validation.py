@@ -171,3 +171,33 @@ def test_check_fields_on_any_section():
     check_fields(ApiSection())
     with pytest.raises(ConfigValueError, match=r"mm_feature_transport must be one of cpu, cuda_ipc, auto"):
         check_fields(ApiSection(mm_feature_transport="rdma"))
+
+
+def _build(argv: list[str]):
+    from cli.main import build_parser
+    from cli.up import build_topology
+
+    return build_topology(build_parser().parse_args(["up", *argv]))
+
+
+def test_flags_override_the_file_and_are_checked_once_merged(tmp_path):
+    path = tmp_path / "topology.toml"
+    path.write_text('[engine]\nmax_running_requests = 4\n[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n'
+                    '[[actors]]\nkind = "decode"\n[[actors]]\nkind = "detokenizer"\n')
+    topo = _build([str(path), "--max-running-requests", "6", "--tokenizer-replicas", "2"])
+    assert {c.max_running_requests for c in topo.engine_configs().values()} == {6}
+    assert topo.actor("tokenizer").replicas == 2
+    with pytest.raises(TopologyError, match=r"^--max-running-requests must be >= 1 \(got 0\)$"):
+        _build([str(path), "--max-running-requests", "0"])
+    with pytest.raises(TopologyError, match="--engine-replicas: the topology runs no 'engine' actor"):
+        _build([str(path), "--engine-replicas", "2"])   # not accepted and ignored
+
+
+def test_a_bad_kv_transfer_mode_is_refused_before_a_pd_deployment_starts(tmp_path, monkeypatch):
+    path = tmp_path / "topology.toml"
+    path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n'
+                    '[[actors]]\nkind = "decode"\n[[actors]]\nkind = "detokenizer"\n')
+    monkeypatch.setenv("GLMRT_KV_TRANSFER", "nfs")
+    with pytest.raises(TopologyError, match="GLMRT_KV_TRANSFER must be one of auto, nixl, zmq, frames"):
+        _build([str(path)])
+    _build([])   # a unified engine hands nothing over: the variable is not read
