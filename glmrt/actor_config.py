@@ -24,6 +24,8 @@ class MediaPolicy:
 
 @dataclass(frozen=True)
 class TokenizerActorConfig:
+    """What a tokenizer actor is handed."""
+
     model_path: str
     """Checkpoint directory holding tokenizer.json and config.json."""
     vocab_size: int
@@ -36,12 +38,16 @@ class TokenizerActorConfig:
 
 @dataclass(frozen=True)
 class DetokenizerActorConfig:
+    """What a detokenizer actor is handed."""
+
     model_path: str
     """Checkpoint directory holding tokenizer.json."""
 
 
 @dataclass(frozen=True)
 class VisionActorConfig:
+    """What a vision actor is handed."""
+
     model_path: str
     """Checkpoint directory holding the vision tower's weights."""
     dtype: str = "auto"
@@ -54,6 +60,8 @@ class VisionActorConfig:
 
 @dataclass(frozen=True)
 class EngineActorConfig:
+    """What an engine actor (unified, prefill or decode) is handed."""
+
     engine: EngineConfig
     """The engine's options, role and load_vision set by placement."""
     torch_threads: int = 1
