@@ -92,10 +92,18 @@ class ActorSpec:
 
 @dataclass(frozen=True)
 class Topology:
+    """The root of the config tree. Each actor's own typed section (glmrt.actor_config) is derived
+    from it by the supervisor; an engine's is `engine_config(spec)`."""
+
     model: ModelSection = ModelSection()
+    """The checkpoint and the model-wide engine options."""
     engine: dict[str, Any] = field(default_factory=dict)
+    """The engine flags set by [engine] and the command line, only those set: `engine_config` lays
+    them over [model] and under an entry's own engine table, and checks the result."""
     api: ApiSection = ApiSection()
+    """The OpenAI API server."""
     actors: tuple[ActorSpec, ...] = ()
+    """One entry per actor kind placed (glmrt.actor_kinds)."""
 
     @property
     def feature_transport(self) -> str:
