@@ -65,3 +65,16 @@ def _shown(value: str):
         except ValueError:
             pass
     return repr(value)
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_imports_no_torch_and_no_actor(e2e_env):
+    import sys
+
+    probe = ("import sys\nfrom cli.main import main\nrc = main(['up', '--cuda-graph-max-bs', '0'])\n"
+             "print(rc, sorted(m for m in ('torch', 'actors.supervisor', 'actors.engine', 'actors.api') "
+             "if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=str(REPO), env=e2e_env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.split("\n")[0] == "2 []", (r.stdout, r.stderr)
+    assert r.stderr == "glmrt up: error: --cuda-graph-max-bs must be >= 1 (got 0)\n"
