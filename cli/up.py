@@ -221,6 +221,8 @@ def refuse(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.ready_timeout > 0:
+        return refuse(f"--ready-timeout must be > 0 (got {args.ready_timeout})")
     try:
         topo = build_topology(args)
     except (TopologyError, ValueError, TypeError) as e:
