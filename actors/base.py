@@ -16,36 +16,52 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from glmrt import protocol as P
+from glmrt.actor_config import ActorConfig
+from glmrt.actor_kinds import KINDS, kind_of
 from transport.channels import Inbox, Peers, address_for
 from transport.codec import Codec, ProtocolError
 
 log = logging.getLogger("glmrt.actor")
 
-INBOX_UNION = {"api": P.API_IN, "tokenizer": P.TOKENIZER_IN, "engine": P.ENGINE_IN,
-               "prefill": P.ENGINE_IN, "decode": P.ENGINE_IN,
-               "detokenizer": P.DETOK_IN, "supervisor": P.SUPERVISOR_IN, "vision": P.VISION_IN}
+INBOX_UNION = {"api": P.API_IN, "supervisor": P.SUPERVISOR_IN, **{k.name: k.inbox for k in KINDS}}
 HEARTBEAT_S = 0.5
 DRAIN_QUIET_S = 1.0  # a draining actor exits only after this long without new messages
 
 
 @dataclass
 class RunSpec:
-    """What the supervisor hands an actor process (JSON on its command line)."""
+    """What the supervisor hands an actor process (JSON on its command line, encode_run_specs)."""
 
     kind: str
     replica: int
     run_dir: str
-    config: dict[str, Any] = field(default_factory=dict)
+    config: ActorConfig
+    """The kind's typed config section (glmrt.actor_kinds: config_type)."""
     gpus: list[int] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)   # actor ids sharing this process
 
     @property
     def actor_id(self) -> str:
         return f"{self.kind}/{self.replica}"
+
+
+def encode_run_specs(specs: list[RunSpec]) -> str:
+    """The command-line argument of one actor process running `specs` (msgspec JSON)."""
+    return msgspec.json.encode({"actors": specs}).decode()
+
+
+def decode_run_specs(text: str) -> list[RunSpec]:
+    """encode_run_specs' inverse: each config decoded into its kind's config type."""
+    specs = []
+    for d in msgspec.json.decode(text)["actors"]:
+        d["config"] = msgspec.convert(d["config"], kind_of(d["kind"]).config_type)
+        specs.append(RunSpec(**d))
+    return specs
 
 
 def inbox_address(run_dir: str, actor_id: str) -> str:

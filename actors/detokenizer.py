@@ -63,7 +63,7 @@ class DetokenizerActor(Actor):
     async def setup(self) -> dict[str, Any]:
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(os.path.join(self.spec.config["model_path"], "tokenizer.json"))
+        self.tok = Tokenizer.from_file(os.path.join(self.spec.config.model_path, "tokenizer.json"))
         self.reqs: dict[str, Req] = {}
         self.orphans: dict[str, tuple[float, list[P.TokenOut]]] = {}
         return {}

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from actors.base import Actor
+from glmrt import env
 from glmrt import protocol as P
 
 STATS_S = 1.0
@@ -26,13 +27,12 @@ class EngineActor(Actor):
     async def setup(self) -> dict[str, Any]:
         import torch
 
-        from glmrt.engine.config import EngineConfig
         from glmrt.engine.engine import Engine
 
-        torch.set_num_threads(int(self.spec.config.get("torch_threads", 1)))
+        torch.set_num_threads(self.spec.config.torch_threads)
         if self.spec.gpus and torch.cuda.is_available():
             torch.cuda.set_device(self.spec.gpus[0])
-        cfg = EngineConfig(**self.spec.config["engine"])
+        cfg = self.spec.config.engine
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self._log))
@@ -45,7 +45,6 @@ class EngineActor(Actor):
         self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
         self._vision_results: dict[str, tuple] = {}          # embeddings that came first
         from actors.handoff import layout_of, make_transfer
-        import os
         self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
         self.xfer = make_transfer(self.engine, self.spec.actor_id.replace("/", "-")) if cfg.role != "unified" else None
         self._xfer_peers: set[str] = set()
@@ -253,7 +252,7 @@ class EngineActor(Actor):
         local = regions(pool_tensors(self.engine).get, src_pages, src_slot)
         remote = regions(lambda tid: self.xfer.peer_tensor(peer, tid), list(acc.pages), acc.slot)
         # NOTE: a checksum of GPU memory costs a device-to-host copy of the bytes: opt-in
-        checksum = os.environ.get("GLMRT_KV_CHECKSUM", "0") == "1"
+        checksum = env.kv_checksum()
         handle = self.xfer.write(peer, local, remote, checksum=checksum, transfer_id=rid)
         _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=[],

@@ -104,9 +104,9 @@ def make_transfer(engine, name: str):
     """A transfer engine (NIXL when it works here) with this engine's pools registered, or
     None: then the state travels in-band as tensor frames (the ZMQ fallback).
     GLMRT_KV_TRANSFER=frames|nixl|zmq|auto chooses (default auto: NIXL, else frames)."""
-    import os
+    from glmrt import env
 
-    prefer = os.environ.get("GLMRT_KV_TRANSFER", "auto")
+    prefer = env.kv_transfer()
     if prefer == "frames":
         return None
     try:

@@ -10,8 +10,6 @@ retires the highest ones with a drain, so no in-flight request is lost.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -22,15 +20,17 @@ from typing import Any, Callable
 
 import zmq.asyncio
 
-from actors.base import RunSpec, codec_for, inbox_address
+from actors.base import RunSpec, codec_for, encode_run_specs, inbox_address
 from glmrt import protocol as P
-from glmrt.topology import ActorSpec, Topology
+from glmrt.actor_config import (ActorConfig, DetokenizerActorConfig, EngineActorConfig, MediaPolicy,
+                                TokenizerActorConfig, VisionActorConfig)
+from glmrt.actor_kinds import kind_of
+from glmrt.topology import ActorSpec, Topology, validate_scale
 from transport.channels import Inbox, Peers
 
 log = logging.getLogger("glmrt.supervisor")
 MAX_RESTARTS = 5           # within RESTART_WINDOW_S, then the actor is marked failed
 RESTART_WINDOW_S = 60.0
-SCALABLE = ("tokenizer", "engine", "prefill", "decode", "detokenizer")
 
 
 @dataclass
@@ -80,8 +80,7 @@ class Supervisor:
     def all_ready(self) -> bool:
         live = [a for a in self.actors.values() if a.state not in ("retired",)]
         return bool(live) and all(a.state in ("ready", "retiring") for a in live) and \
-            all(self.ready(k) for k in ("tokenizer", "detokenizer", *self.topo.engine_kinds)) and \
-            (self.topo.actor("vision") is None or bool(self.ready("vision")))
+            all(self.ready(spec.kind) for spec in self.topo.actors)   # validate(): every required kind is placed
 
     def status(self) -> list[dict[str, Any]]:
         import socket
@@ -120,22 +119,22 @@ class Supervisor:
             return list(spec.gpus[replica * spec.tp:(replica + 1) * spec.tp])
         return [spec.gpus[replica % len(spec.gpus)]]
 
-    def _config(self, spec: ActorSpec) -> dict[str, Any]:
-        vision = self.topo.actor("vision")
-        if spec.kind in ("engine", "prefill", "decode"):
-            cfg = dataclasses.asdict(self.topo.engine_config(spec))
-            cfg["role"] = "unified" if spec.kind == "engine" else spec.kind
-            if vision is not None:
-                cfg["load_vision"] = False  # the vision actor runs the tower
-            cfg["model"] = self.model_path if cfg.get("load_format") != "dummy" or cfg.get("model") else cfg["model"]
-            return {"engine": cfg, "torch_threads": 1}
-        media = {"allowed_local_media_path": self.topo.api.allowed_local_media_path,
-                 "allow_remote_media": self.topo.api.allow_remote_media}
+    def _config(self, spec: ActorSpec) -> ActorConfig:
+        """The typed config section of one actor of `spec`, from the validated topology."""
+        if kind_of(spec.kind).engine_role is not None:
+            engine = self.topo.engine_config(spec)
+            if engine.model is not None or engine.load_format != "dummy":
+                engine = engine.replace(model=self.model_path)
+            return EngineActorConfig(engine=engine)
         if spec.kind == "vision":
-            return {"model_path": self.model_path, "torch_threads": 1, "dtype": self.topo.model.dtype,
-                    "feature_transport": self.topo.feature_transport}
-        return {"model_path": self.model_path, "vocab_size": self.vocab_size, "media": media,
-                "vision_replicas": vision.replicas if vision is not None else 0}
+            return VisionActorConfig(model_path=self.model_path, dtype=self.topo.model.dtype,
+                                     feature_transport=self.topo.feature_transport)
+        if spec.kind == "detokenizer":
+            return DetokenizerActorConfig(model_path=self.model_path)
+        vision = self.topo.actor("vision")
+        media = MediaPolicy(self.topo.api.allowed_local_media_path, self.topo.api.allow_remote_media)
+        return TokenizerActorConfig(model_path=self.model_path, vocab_size=self.vocab_size, media=media,
+                                    vision_replicas=vision.replicas if vision is not None else 0)
 
     async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
         return (await self._spawn_group([(spec, replica)], [existing] if existing else None))[0]
@@ -160,11 +159,11 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus_all)
             for run in runs:
                 run.gpus = [gpus_all.index(g) for g in run.gpus]
-        elif all(spec.kind not in ("engine", "prefill", "decode", "vision") for spec, _ in members):
+        elif not any(kind_of(spec.kind).uses_gpus for spec, _ in members):
             env["CUDA_VISIBLE_DEVICES"] = ""
-        local = [r.actor_id for r in runs]
-        payload = {"actors": [dict(dataclasses.asdict(r), colocated=local) for r in runs]}
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "actors.worker", json.dumps(payload),
+        for run in runs:
+            run.colocated = [r.actor_id for r in runs]
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "actors.worker", encode_run_specs(runs),
                                                     env=env)
         for ap in aps:
             ap.proc = proc
@@ -232,16 +231,8 @@ class Supervisor:
     # ---- scaling and shutdown ------------------------------------------------------------
     async def scale(self, kind: str, n: int, before_retire: Callable[[str], Any] | None = None) -> list[str]:
         """Set the replica count of `kind`; returns the actor ids started or retiring."""
-        if kind == "unified":
-            kind = "engine"
-        if kind not in SCALABLE:
-            raise ValueError(f"cannot scale {kind!r}; scalable kinds: {', '.join(SCALABLE)}")
-        if n < 1:
-            raise ValueError(f"{kind} needs at least 1 replica, got {n}")
+        kind = validate_scale(self.topo, kind, n)
         spec = self.topo.actor(kind)
-        if spec is not None and spec.process:
-            raise ValueError(f"{kind} shares process {spec.process!r} with other actors; co-located actors "
-                             "are not scaled one kind at a time")
         live = sorted((a for a in self.actors.values() if a.kind == kind and a.state not in ("retiring", "retired")),
                       key=lambda a: a.replica)
         changed = []

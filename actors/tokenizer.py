@@ -23,11 +23,11 @@ class TokenizerActor(Actor):
 
         from glmrt.config import load_model_config
 
-        model_path = self.spec.config["model_path"]
+        model_path = self.spec.config.model_path
         self.tok = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
-        self.vocab_size = int(self.spec.config.get("vocab_size") or self.tok.get_vocab_size())
+        self.vocab_size = self.spec.config.vocab_size or self.tok.get_vocab_size()
         self.model_config = load_model_config(model_path)
-        self.media = self.spec.config.get("media", {})
+        self.media = self.spec.config.media
         self.num = 0
         return {"vocab_size": self.tok.get_vocab_size(), "vision": self.model_config.vision is not None}
 
@@ -53,8 +53,8 @@ class TokenizerActor(Actor):
                 url = ref.get("url") if isinstance(ref, dict) else ref
                 if not isinstance(url, str) or not url:
                     raise ValueError(f"{where}: missing the {kind} url")
-                opts = dict(allowed_local_path=self.media.get("allowed_local_media_path"),
-                            allow_remote=bool(self.media.get("allow_remote_media")))
+                opts = dict(allowed_local_path=self.media.allowed_local_media_path,
+                            allow_remote=self.media.allow_remote_media)
                 cfg = ImageProcessorConfig.from_vision_config(self.model_config.vision)
                 try:
                     if kind.startswith("image"):
@@ -115,7 +115,7 @@ class TokenizerActor(Actor):
             mm_items.append(P.MMItem(kind=kind, grid_thw=[int(x) for x in it.grid_thw], num_tokens=it.num_tokens,
                                      tensor=P.TensorRef(dtype="float32", shape=list(it.pixel_values.shape), frame=k)))
             tensors.append(it.pixel_values)
-        visions = int(self.spec.config.get("vision_replicas", 0))
+        visions = self.spec.config.vision_replicas
         if mm_items and visions:
             # a vision actor runs the tower; the engine waits for its embeddings
             target = f"vision/{self.num % visions}"

@@ -25,17 +25,17 @@ class VisionActor(Actor):
 
         from glmrt.model.loader import load_vision_tower
 
-        torch.set_num_threads(int(self.spec.config.get("torch_threads", 1)))
+        torch.set_num_threads(self.spec.config.torch_threads)
         device = "cuda" if self.spec.gpus and torch.cuda.is_available() else "cpu"
-        want = self.spec.config.get("dtype", "auto")  # the engine's dtype, so both paths agree
+        want = self.spec.config.dtype  # the engine's dtype, so both paths agree
         dtype = getattr(torch, want) if want != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vision")
         loop = asyncio.get_running_loop()
         self.tower = await loop.run_in_executor(
-            self._executor, lambda: load_vision_tower(self.spec.config["model_path"], dtype=dtype, device=device))
+            self._executor, lambda: load_vision_tower(self.spec.config.model_path, dtype=dtype, device=device))
         self.device, self.dtype = device, dtype
         self.inflight = 0
-        self.transport = self.spec.config.get("feature_transport", "cpu") if device == "cuda" else "cpu"
+        self.transport = self.spec.config.feature_transport if device == "cuda" else "cpu"
         return {"device": device, "feature_transport": self.transport}
 
     def busy(self) -> bool:

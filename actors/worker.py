@@ -1,4 +1,4 @@
-"""Entry point of an actor process: `python -m actors.worker '<RunSpec JSON>'`.
+"""Entry point of an actor process: `python -m actors.worker '<RunSpecs JSON>'` (actors.base.encode_run_specs).
 
 The process dies with its supervisor (PR_SET_PDEATHSIG on Linux), so a killed `glmrt up`
 never leaves actors behind.
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
+import importlib
 import logging
 import signal
 import sys
 
-from actors.base import RunSpec
+from actors.base import decode_run_specs
+from glmrt.actor_kinds import kind_of
 
 
 def _die_with_parent() -> None:
@@ -25,26 +26,15 @@ def _die_with_parent() -> None:
 
 
 def actor_class(kind: str):
-    if kind in ("engine", "prefill", "decode"):
-        from actors.engine import EngineActor
-        return EngineActor
-    if kind == "tokenizer":
-        from actors.tokenizer import TokenizerActor
-        return TokenizerActor
-    if kind == "vision":
-        from actors.vision import VisionActor
-        return VisionActor
-    if kind == "detokenizer":
-        from actors.detokenizer import DetokenizerActor
-        return DetokenizerActor
-    raise ValueError(f"no actor of kind {kind!r} in this build")
+    """The actor class of `kind`, imported here (glmrt.actor_kinds names it by import path)."""
+    module, _, name = kind_of(kind).actor_class.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
-    payload = json.loads(argv[0])
-    specs = [RunSpec(**d) for d in payload["actors"]] if "actors" in payload else [RunSpec(**payload)]
+    specs = decode_run_specs(argv[0])
     logging.basicConfig(level=logging.INFO,
                         format=f"[{','.join(s.actor_id for s in specs)}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop

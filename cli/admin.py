@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 
-DEFAULT_URL = "http://127.0.0.1:30000"
+from glmrt import env
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -17,8 +16,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                            ("scale", "set the replica count of an actor kind: glmrt scale engine=2"),
                            ("down", "drain and stop a deployment")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--url", default=os.environ.get("GLMRT_URL", DEFAULT_URL))
-        p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
+        p.add_argument("--url", default=env.url())
+        p.add_argument("--api-key", default=env.api_key())
         if name == "status":
             p.add_argument("--json", action="store_true")
         if name == "scale":
@@ -59,9 +58,16 @@ def _status(args) -> int:
 
 
 def _scale(args) -> int:
+    from glmrt.topology import check_scale_request
+
     kind, _, n = args.assignment.partition("=")
     if not n.isdigit():
-        print("error: expected KIND=N, e.g. engine=2", file=sys.stderr)
+        print("glmrt scale: error: expected KIND=N, e.g. engine=2", file=sys.stderr)
+        return 2
+    try:
+        check_scale_request(kind, int(n))   # the deployment checks the rest (which kinds it runs)
+    except ValueError as e:
+        print(f"glmrt scale: error: {e}", file=sys.stderr)
         return 2
     out = _call(args, "POST", "/admin/scale", {"kind": kind, "replicas": int(n)})
     print(f"{kind}: {out['replicas']} replica(s); changed: {', '.join(out['changed']) or 'nothing'}")

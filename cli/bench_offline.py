@@ -54,14 +54,9 @@ class _Usage(ValueError):
 
 
 def _check_args(args) -> None:
-    for flag in ("num_prompts", "shared_prefix_len", "suffix_len", "output_len", "page_size",
-                 "chunked_prefill_size"):
+    for flag in ("num_prompts", "shared_prefix_len", "suffix_len", "output_len"):  # engine flags: EngineConfig
         if getattr(args, flag) < 1:
             raise _Usage(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.max_running_requests is not None and args.max_running_requests < 1:
-        raise _Usage("--max-running-requests must be >= 1")
-    if args.cache_memory_gb <= 0:
-        raise _Usage("--cache-memory-gb must be > 0")
     if args.cpu_threads < 0:
         raise _Usage("--cpu-threads must be >= 0")
     if not args.model and not args.preset:
@@ -136,30 +131,29 @@ def format_table(runs: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        _check_args(args)
-    except _Usage as e:
-        print(f"glmrt bench offline: error: {e}", file=sys.stderr)
-        return 2
-    import torch
-
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
+    from glmrt.config_bounds import ConfigValueError, flag_spelling
     from glmrt.engine.config import EngineConfig
 
-    def log(line: str) -> None:
-        if not args.quiet:
-            print(line)
     try:
+        _check_args(args)
         cfg_on = EngineConfig(model=args.model, preset=args.preset, load_format=args.load_format, dtype=args.dtype,
                               device=args.device, backend=args.backend, cache_memory_gb=args.cache_memory_gb,
                               max_running_requests=args.max_running_requests,
                               chunked_prefill_size=args.chunked_prefill_size,
                               max_prefill_tokens=max(16384, args.chunked_prefill_size),
                               page_size=args.page_size, seed=args.seed)
-    except ValueError as e:
-        print(f"glmrt bench offline: error: {e}", file=sys.stderr)
+    except (_Usage, ConfigValueError) as e:
+        msg = e.message(flag_spelling) if isinstance(e, ConfigValueError) else str(e)
+        print(f"glmrt bench offline: error: {msg}", file=sys.stderr)
         return 2
+    import torch
+
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+
+    def log(line: str) -> None:
+        if not args.quiet:
+            print(line)
     cfg_off = cfg_on.replace(disable_radix_cache=True)
     n, lp, ls, lo = args.num_prompts, args.shared_prefix_len, args.suffix_len, args.output_len
     print(f"glmrt bench offline: {n} prompts = {lp} shared + {ls} own tokens, {lo} output tokens each "

@@ -52,6 +52,7 @@ from typing import Any
 
 from cli.bench_serving_client import Result, send_request
 from cli.bench_serving_report import format_summary, plot, summarize
+from glmrt import env
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 DATASETS = ("random", "shared-prefix", "multi-turn")
@@ -87,10 +88,10 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
         "serving", help="an OpenAI-compatible server over HTTP: throughput, TTFT/TPOT/ITL, goodput",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("server")
-    s.add_argument("--url", default=os.environ.get("GLMRT_URL", DEFAULT_URL),
+    s.add_argument("--url", default=env.url(),
                    help=f"the server's base URL (default $GLMRT_URL or {DEFAULT_URL})")
     s.add_argument("--model", metavar="M", help="the model name to send (default: the first of /v1/models)")
-    s.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"), help="default $GLMRT_API_KEY")
+    s.add_argument("--api-key", default=env.api_key(), help="default $GLMRT_API_KEY")
     s.add_argument("--endpoint", choices=["completions", "chat"],
                    help="completions: token-id prompts (default for random, shared-prefix); "
                         "chat: text prompts (default for multi-turn)")

@@ -19,7 +19,9 @@ import subprocess
 import sys
 import tempfile
 
-from glmrt.engine.config import EngineConfig
+from glmrt import env
+from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
+from glmrt.topology import FEATURE_TRANSPORTS, TopologyError, default_topology, load_topology, validate
 
 # Set by [model] flags, or by placement (role, load_vision), not by engine flags.
 _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
@@ -51,16 +53,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=["auto", "reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x"],
                    help="kernel set (auto: cuda-h200 on SM90, cuda-blackwell on SM100, rocm-mi355x on gfx950, "
                         "else reference)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=MODEL_DTYPES)
     p.add_argument("--kv-cache-dtype", help="auto | bfloat16 | fp8_e4m3 | the model dtype (auto: bfloat16 on "
                                             "cuda-h200, fp8_e4m3 on cuda-blackwell / rocm-mi355x)")
-    p.add_argument("--load-format", choices=["auto", "dummy"])
+    p.add_argument("--load-format", choices=LOAD_FORMATS)
     p.add_argument("--quantization", help="weight format: auto (the checkpoint's) | fp8 | mxfp4 | nvfp4; with "
                                           "--load-format dummy, fp8 quantises the random weights")
-    p.add_argument("--api-key", default=os.environ.get("GLMRT_API_KEY"))
+    p.add_argument("--api-key", default=env.api_key())
     p.add_argument("--max-request-mb", type=float)
     p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
-    p.add_argument("--mm-feature-transport", choices=["cpu", "cuda_ipc", "auto"],
+    p.add_argument("--mm-feature-transport", choices=FEATURE_TRANSPORTS,
                    help="how a separate vision actor hands embeddings to the engine (default auto = cpu here)")
     p.add_argument("--allow-remote-media", action="store_true", default=None,
                    help="fetch http(s) image/video URLs (size-limited, with a timeout)")
@@ -80,13 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def cache_dir() -> str:
-    return os.path.expanduser(os.environ.get("GLMRT_CACHE_DIR", "~/.cache/glmrt"))
-
-
 def ensure_tiny_checkpoint() -> str:
     """The embedded default model: generated once (in a child process: no torch here)."""
-    path = os.path.join(cache_dir(), "checkpoints", "tiny")
+    path = os.path.join(env.cache_dir(), "checkpoints", "tiny")
     if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -101,8 +99,6 @@ def ensure_tiny_checkpoint() -> str:
 
 
 def build_topology(args: argparse.Namespace):
-    from glmrt.topology import default_topology, load_topology
-
     topo = load_topology(args.topology) if args.topology else default_topology()
     model = topo.model
     over = {k: getattr(args, k) for k in ("dtype", "backend", "kv_cache_dtype", "load_format", "quantization")
@@ -126,30 +122,25 @@ def build_topology(args: argparse.Namespace):
         api_over["allowed_local_media_path"] = os.path.abspath(os.path.expanduser(api_over["allowed_local_media_path"]))
     api = dataclasses.replace(api, **api_over)
     topo = dataclasses.replace(topo, model=model, engine=engine, api=api)
-    from glmrt.topology import TopologyError, validate
     for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
         n = getattr(args, flag)
         if n is not None:
             if n < 1:
-                raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1, got {n}")
+                raise TopologyError(f"--{flag.replace('_', '-')} must be >= 1 (got {n})")
+            if topo.actor(kind) is None:
+                raise TopologyError(f"--{flag.replace('_', '-')}: the topology runs no {kind!r} actor; set the "
+                                    "replicas of its entries in the topology file")
             topo = topo.with_replicas(kind, n)
-    validate(topo)
-    configs = {}
-    for spec in topo.actors:  # engine flags (file, per-entry overrides, CLI) validated now, clearly
-        if spec.kind in ("engine", "prefill", "decode"):
-            try:
-                configs[spec.kind] = topo.engine_config(spec)
-            except (ValueError, TypeError) as e:
-                raise TopologyError(f"engine flags of the {spec.kind} entry: {e}") from None
+    validate(topo, flags=True)   # the file was validated as it was read: what is new here is the flags'
+    configs = topo.engine_configs()
+    if "prefill" in configs:
+        try:
+            env.kv_transfer()
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
     options = check_backend_options(configs)
     if "prefill" in configs and "decode" in configs:
-        # the bootstrap check, at start: a prefill can only hand state to a decode of the same layout
-        pre, dec = configs["prefill"], configs["decode"]
-        for field in ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page_size", "load_format", "preset",
-                      "quantization"):
-            if getattr(pre, field) != getattr(dec, field):
-                raise TopologyError(f"prefill and decode must agree on {field}: prefill {getattr(pre, field)!r}, "
-                                    f"decode {getattr(dec, field)!r} (their state could not be handed over)")
+        # a prefill can only hand state to a decode of the same KV layout
         kv = {k: options[k].kv_cache_dtype for k in ("prefill", "decode") if k in options}
         if len(kv) == 2 and "auto" not in kv.values() and kv["prefill"] != kv["decode"]:
             raise TopologyError(f"prefill and decode must agree on the KV cache dtype: prefill {kv['prefill']} "
@@ -168,8 +159,6 @@ def check_backend_options(configs: dict[str, EngineConfig], probe=None) -> dict:
     """
     from backends.adapters import (BackendError, IllegalOption, check_request, needs_hardware, probe_hardware,
                                    resolve_options)
-    from glmrt.topology import TopologyError
-
     hardware: list = []   # probed once, lazily
     resolved = {}
     for kind, cfg in configs.items():
@@ -194,6 +183,19 @@ def check_backend_options(configs: dict[str, EngineConfig], probe=None) -> dict:
     return resolved
 
 
+def check_cache_layout(configs: dict[str, EngineConfig], model_config) -> str | None:
+    """The engine values only the checkpoint can judge (the page size against its pooled index keys),
+    through the same CacheLayout check the engine makes. Returns the refusal, or None."""
+    from glmrt.cache.layout import CacheLayout
+
+    for kind, cfg in configs.items():
+        try:
+            CacheLayout.from_config(model_config.text, page_size=cfg.page_size)
+        except ValueError as e:
+            return f"{kind}: --page-size: {e}"
+    return None
+
+
 def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> str | None:
     """An explicit --quantization must name the checkpoint's own weight format (glmrt does not re-quantise
     a checkpoint on load). Returns the refusal, or None."""
@@ -212,21 +214,25 @@ def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> 
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from glmrt.topology import TopologyError
+def refuse(message: str) -> int:
+    """The one-line refusal of `glmrt up` (exit status 2), argparse's way."""
+    print("glmrt up: error: " + " ".join(str(message).split()), file=sys.stderr)
+    return 2
 
+
+def run(args: argparse.Namespace) -> int:
+    if not args.ready_timeout > 0:
+        return refuse(f"--ready-timeout must be > 0 (got {args.ready_timeout})")
     try:
         topo = build_topology(args)
     except (TopologyError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     path = topo.model.path
     if path is None:
         path = ensure_tiny_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
     if not os.path.exists(os.path.join(path, "config.json")):
-        print(f"error: no config.json in {path}", file=sys.stderr)
-        return 2
+        return refuse(f"no config.json in {path}")
     try:
         import uvloop
         return uvloop.run(serve(topo, path, args.ready_timeout))
@@ -243,13 +249,10 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
     try:
         mc = load_model_config(path)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    refusal = check_checkpoint_weights({a.kind: topo.engine_config(a) for a in topo.actors
-                                        if a.kind in ("engine", "prefill", "decode")}, mc)
+        return refuse(str(e))
+    refusal = check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
     if refusal:
-        print(f"error: {refusal}", file=sys.stderr)
-        return 2
+        return refuse(refusal)
     gen_path = os.path.join(path, "generation_config.json")
     gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}
     served = topo.model.served_model_name or os.path.basename(os.path.normpath(path))

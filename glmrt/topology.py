@@ -1,12 +1,15 @@
-"""The topology file (`glmrt up topology.toml`): which actors run, how many, where. No torch.
+"""The config tree of a deployment (`glmrt up topology.toml`) and its one validation pass. No torch.
 
-    [model]     path, dtype, kv_cache_dtype, backend, load_format, preset, served_model_name
+    [model]     ModelSection: path, dtype, kv_cache_dtype, backend, load_format, preset, ...
     [engine]    engine flags (glmrt.engine.config.EngineConfig fields)
-    [api]       host, port, api_key, max_request_mb, max_queued_requests
-    [[actors]]  kind, replicas, gpus, tp, process, engine (per-entry engine overrides)
+    [api]       ApiSection: host, port, api_key, max_request_mb, max_queued_requests, media
+    [[actors]]  ActorSpec: kind, replicas, gpus, tp, process, engine (per-entry engine overrides)
 
-Unknown keys and impossible placements are refused with a message naming them. Without a
-file, `default_topology()` is one host: tokenizer, unified engine and detokenizer, one each.
+`Topology` is the root. `validate(topo)` is the pass `glmrt up` runs after the file and the flags
+are merged and before any actor starts: it checks every section's fields against their declared
+bounds (glmrt.config_bounds), the placement of the actors, and that a prefill and a decode engine
+can hand state to each other. Unknown keys are refused while the file is read. Without a file,
+`default_topology()` is one host: tokenizer, unified engine and detokenizer, one each.
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from glmrt.engine.config import EngineConfig
+from glmrt.actor_kinds import (ENGINE_KINDS, KIND_NAMES, REQUIRED_KINDS, SCALABLE_KINDS, canonical_kind, kind_of,
+                               known_spellings)
+from glmrt.config_bounds import ConfigValueError, bounded, check_fields, flag_spelling, key_spelling
+from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
 
-ACTOR_KINDS = ("tokenizer", "vision", "engine", "prefill", "decode", "detokenizer")
-_KIND_ALIASES = {"unified": "engine"}
+FEATURE_TRANSPORTS = ("cpu", "cuda_ipc", "auto")
+# A prefill hands its pages and state to a decode as they lie in memory: these must agree.
+PD_LAYOUT_FIELDS = ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page_size", "load_format", "preset",
+                    "quantization")
 
 
 class TopologyError(ValueError):
@@ -29,43 +37,73 @@ class TopologyError(ValueError):
 @dataclass(frozen=True)
 class ModelSection:
     path: str | None = None
-    dtype: str = "auto"
+    """Checkpoint directory (HF format); None: the embedded tiny checkpoint."""
+    dtype: str = bounded("auto", choices=MODEL_DTYPES)
+    """Model dtype (auto: bfloat16 on a GPU, float32 on the CPU)."""
     kv_cache_dtype: str = "auto"
+    """KV cache dtype (EngineConfig.kv_cache_dtype)."""
     backend: str = "auto"
-    load_format: str = "auto"
+    """Kernel set (EngineConfig.backend)."""
+    load_format: str = bounded("auto", choices=LOAD_FORMATS)
+    """auto (safetensors) | dummy (random weights)."""
     preset: str | None = None
+    """The preset built with load_format = "dummy" and no path."""
     quantization: str | None = None
+    """Weight format (EngineConfig.quantization)."""
     served_model_name: str | None = None
+    """The model id the API reports (None: the checkpoint directory's name)."""
 
 
 @dataclass(frozen=True)
 class ApiSection:
     host: str = "127.0.0.1"
-    port: int = 30000
+    """Address the OpenAI API listens on."""
+    port: int = bounded(30000, ge=0, lt=65536)
+    """TCP port of the API (0: any free port)."""
     api_key: str | None = None
-    max_request_mb: float = 32.0
-    max_queued_requests: int = 1024
-    allowed_local_media_path: str | None = None   # local image/video paths only under this directory
-    allow_remote_media: bool = False               # fetch http(s) image/video URLs
-    mm_feature_transport: str = "auto"             # vision actor -> engine: cpu | cuda_ipc | auto
+    """Bearer key every route but /health requires (None: open)."""
+    max_request_mb: float = bounded(32.0, gt=0)
+    """Largest request body accepted, in MiB."""
+    max_queued_requests: int = bounded(1024, ge=1)
+    """Requests in flight beyond which the API answers 503."""
+    allowed_local_media_path: str | None = None
+    """Local image/video paths are served only under this directory."""
+    allow_remote_media: bool = False
+    """Fetch http(s) image/video URLs."""
+    mm_feature_transport: str = bounded("auto", choices=FEATURE_TRANSPORTS)
+    """vision actor -> engine: cpu | cuda_ipc | auto (cuda_ipc when they share GPUs)."""
 
 
 @dataclass(frozen=True)
 class ActorSpec:
     kind: str
+    """One of glmrt.actor_kinds.KIND_NAMES."""
     replicas: int = 1
+    """Processes of this kind (bounds: the kind's min_replicas)."""
     gpus: tuple[int, ...] = ()
+    """GPUs the replicas are placed on (one each in turn, or replicas x tp of them)."""
     tp: int = 1
+    """Tensor-parallel degree (only 1 in this build)."""
     process: str | None = None
+    """Entries sharing a process name run in one process (one replica each)."""
     engine: dict[str, Any] = field(default_factory=dict)
+    """Engine flags of this entry, over [engine]."""
 
 
 @dataclass(frozen=True)
 class Topology:
+    """The root of the config tree. Each actor's own typed section (glmrt.actor_config) is derived
+    from it by the supervisor; an engine's is `engine_config(spec)`."""
+
     model: ModelSection = ModelSection()
+    """The checkpoint and the model-wide engine options."""
     engine: dict[str, Any] = field(default_factory=dict)
+    """The engine flags set by [engine] and the command line, only those set: `engine_config` lays
+    them over [model] and under an entry's own engine table, and checks the result."""
     api: ApiSection = ApiSection()
+    """The OpenAI API server."""
     actors: tuple[ActorSpec, ...] = ()
+    """One entry per actor kind placed (glmrt.actor_kinds)."""
 
     @property
     def feature_transport(self) -> str:
@@ -74,7 +112,7 @@ class Topology:
         if mode != "auto":
             return mode
         vis = self.actor("vision")
-        engines = [a for a in self.actors if a.kind in ("engine", "prefill")]
+        engines = self.prompt_engines()
         if vis is not None and vis.gpus and engines and all(list(e.gpus) == list(vis.gpus) for e in engines):
             return "cuda_ipc"
         return "cpu"
@@ -82,13 +120,18 @@ class Topology:
     @property
     def engine_kinds(self) -> tuple[str, ...]:
         """The actor kinds that run a model: ("engine",) or ("prefill", "decode")."""
-        return ("prefill", "decode") if self.actor("prefill") else ("engine",)
+        return tuple(k for k in ENGINE_KINDS if self.actor(k) is not None) or ("engine",)
 
     def actor(self, kind: str) -> ActorSpec | None:
         return next((a for a in self.actors if a.kind == kind), None)
 
+    def prompt_engines(self) -> list[ActorSpec]:
+        """The engine entries that compute prompts (and so take vision embeddings)."""
+        return [a for a in self.actors if kind_of(a.kind).computes_prompts]
+
     def engine_config(self, spec: ActorSpec | None = None) -> EngineConfig:
-        """The engine flags of one engine entry: [model] + [engine] + the entry's overrides."""
+        """The engine config one engine entry runs with: [model] + [engine] + the entry's overrides,
+        its role set by its kind and the vision tower left to a vision actor when one is placed."""
         m = self.model
         kw: dict[str, Any] = {"model": m.path, "dtype": m.dtype, "kv_cache_dtype": m.kv_cache_dtype,
                               "backend": m.backend, "load_format": m.load_format, "preset": m.preset,
@@ -96,11 +139,25 @@ class Topology:
         kw.update(self.engine)
         if spec is not None:
             kw.update(spec.engine)
+            kw["role"] = kind_of(spec.kind).engine_role
+        if self.actor("vision") is not None:
+            kw["load_vision"] = False
         return EngineConfig(**kw)
+
+    def engine_configs(self) -> dict[str, EngineConfig]:
+        """The engine config of every engine entry, by kind."""
+        return {a.kind: self.engine_config(a) for a in self.actors if a.kind in ENGINE_KINDS}
 
     def with_replicas(self, kind: str, n: int) -> "Topology":
         actors = tuple(dataclasses.replace(a, replicas=n) if a.kind == kind else a for a in self.actors)
         return dataclasses.replace(self, actors=actors)
+
+
+def _table(data: dict, key: str) -> dict:
+    table = data.get(key, {})
+    if not isinstance(table, dict):
+        raise TopologyError(f"[{key}] must be a table, got {table!r}")
+    return table
 
 
 def _take(table: dict, cls, where: str, renames: dict[str, str] | None = None) -> dict:
@@ -127,22 +184,30 @@ def parse_topology(data: dict) -> Topology:
     for key in data:
         if key not in known:
             raise TopologyError(f"unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
-    model = ModelSection(**_take(data.get("model", {}), ModelSection, "[model]"))
-    engine = _engine_flags(data.get("engine", {}), "[engine]")
-    api = ApiSection(**_take(data.get("api", {}), ApiSection, "[api]"))
+    model = ModelSection(**_take(_table(data, "model"), ModelSection, "[model]"))
+    engine = _engine_flags(_table(data, "engine"), "[engine]")
+    api = ApiSection(**_take(_table(data, "api"), ApiSection, "[api]"))
     actors = []
-    for i, entry in enumerate(data.get("actors", [])):
+    entries = data.get("actors", [])
+    if not isinstance(entries, list):
+        raise TopologyError("actors must be an array of tables ([[actors]])")
+    for i, entry in enumerate(entries):
         where = f"[[actors]] entry {i}"
         if not isinstance(entry, dict):
             raise TopologyError(f"{where} must be a table")
         kw = _take(entry, ActorSpec, where)
         if "kind" not in kw:
-            raise TopologyError(f"{where} has no 'kind' (one of: {', '.join(ACTOR_KINDS)})")
-        kind = _KIND_ALIASES.get(kw["kind"], kw["kind"])
-        if kind not in ACTOR_KINDS:
-            raise TopologyError(f"{where}: unknown actor kind {kw['kind']!r}; known: {', '.join(ACTOR_KINDS)}, unified")
+            raise TopologyError(f"{where} has no 'kind' (one of: {', '.join(KIND_NAMES)})")
+        kind = canonical_kind(str(kw["kind"]))
+        if kind is None:
+            raise TopologyError(f"{where}: unknown actor kind {kw['kind']!r}; known: {known_spellings()}")
         kw["kind"] = kind
-        kw["gpus"] = tuple(int(g) for g in kw.get("gpus", ()))
+        try:
+            kw["gpus"] = tuple(int(g) for g in kw.get("gpus", ()))
+        except (TypeError, ValueError):
+            raise TopologyError(f"{where}: gpus must be a list of GPU indices, got {kw['gpus']!r}") from None
+        if not isinstance(kw.get("engine", {}), dict):
+            raise TopologyError(f"{where}: engine must be a table of engine flags")
         kw["engine"] = _engine_flags(kw.get("engine", {}), f"{where} engine")
         actors.append(ActorSpec(**kw))
     topo = Topology(model, engine, api, tuple(actors) if actors else default_topology().actors)
@@ -165,19 +230,66 @@ def default_topology() -> Topology:
     return Topology(actors=(ActorSpec("tokenizer"), ActorSpec("engine"), ActorSpec("detokenizer")))
 
 
-def validate(topo: Topology, num_gpus: int | None = None) -> None:
+def validate(topo: Topology, num_gpus: int | None = None, *, flags: bool = False) -> None:
+    """The one validation pass: raise TopologyError, a one-line message naming the field, for the
+    first thing in `topo` that cannot run. `flags`: the values came from the command line, so
+    the message spells a field as its flag (`--page-size`), else as its key (`[engine] page_size`)."""
+    spell = flag_spelling if flags else key_spelling
+    _check_section(topo.model, "" if flags else "[model] ", spell)
+    _check_section(topo.api, "" if flags else "[api] ", spell)
+    _check_placement(topo, num_gpus)
+    configs = {}
+    for spec in topo.actors:
+        if spec.kind in ENGINE_KINDS:
+            try:
+                configs[spec.kind] = topo.engine_config(spec)
+            except ConfigValueError as e:
+                raise TopologyError(_engine_where(topo, spec, e.name, flags) + e.message(spell)) from None
+    if "prefill" in configs and "decode" in configs:
+        pre, dec = configs["prefill"], configs["decode"]
+        for name in PD_LAYOUT_FIELDS:
+            if getattr(pre, name) != getattr(dec, name):
+                raise TopologyError(f"prefill and decode must agree on {spell(name)}: prefill {getattr(pre, name)!r}, "
+                                    f"decode {getattr(dec, name)!r} (their state could not be handed over)")
+
+
+def _check_section(section: Any, where: str, spell: Callable[[str], str]) -> None:
+    try:
+        check_fields(section)
+    except ConfigValueError as e:
+        raise TopologyError(where + e.message(spell)) from None
+
+
+def _engine_where(topo: Topology, spec: ActorSpec, name: str, flags: bool) -> str:
+    """Where a bad engine value was written: the entry's own engine table, [engine] or [model]
+    (nothing for a flag: its spelling says where)."""
+    if name in spec.engine:
+        return f"[[actors]] {spec.kind} engine: "
+    if flags:
+        return ""
+    if name in topo.engine:
+        return "[engine] "
+    return "[model] " if any(f.name == name for f in dataclasses.fields(ModelSection)) else ""
+
+
+def _check_placement(topo: Topology, num_gpus: int | None) -> None:
     kinds = [a.kind for a in topo.actors]
     for k in set(kinds):
         if kinds.count(k) > 1:
             raise TopologyError(f"actor kind {k!r} is listed {kinds.count(k)} times; use one entry with replicas")
     for a in topo.actors:
-        if a.replicas < 0 or (a.replicas == 0 and a.kind in ("tokenizer", "detokenizer")):
-            raise TopologyError(f"{a.kind}: replicas must be >= 1, got {a.replicas}")
+        row = kind_of(a.kind)
+        for name in ("replicas", "tp"):
+            if isinstance(getattr(a, name), bool) or not isinstance(getattr(a, name), int):
+                raise TopologyError(f"{a.kind}: {name} must be an integer, got {getattr(a, name)!r}")
+        if a.replicas < row.min_replicas:
+            extra = " (leave the entry out to run the tower in the engine)" if a.kind == "vision" else ""
+            raise TopologyError(f"{a.kind}: replicas must be >= {row.min_replicas}, got {a.replicas}{extra}")
         if a.tp < 1:
             raise TopologyError(f"{a.kind}: tp must be >= 1, got {a.tp}")
         if a.tp > 1:
             raise TopologyError(f"{a.kind}: tp={a.tp} — tensor parallelism is not available in this build; use tp = 1")
-        if a.gpus and a.kind in ("tokenizer", "detokenizer"):
+        if a.gpus and not row.uses_gpus:
             raise TopologyError(f"{a.kind} does not run a model and takes no GPUs (gpus = {list(a.gpus)})")
         if num_gpus is not None:
             for g in a.gpus:
@@ -196,19 +308,36 @@ def validate(topo: Topology, num_gpus: int | None = None) -> None:
         raise TopologyError(f"prefill/decode disaggregation needs both kinds; the {missing!r} actor is missing")
     if not has_engine and not has_pd:
         raise TopologyError("the topology has no 'engine' actor (or 'prefill' + 'decode' pair)")
-    if topo.api.mm_feature_transport not in ("cpu", "cuda_ipc", "auto"):
-        raise TopologyError(f"mm_feature_transport must be cpu, cuda_ipc or auto, got {topo.api.mm_feature_transport!r}")
     if topo.api.mm_feature_transport == "cuda_ipc":
-        vis, engines = topo.actor("vision"), [a for a in topo.actors if a.kind in ("engine", "prefill")]
+        vis, engines = topo.actor("vision"), topo.prompt_engines()
         if vis is None:
             raise TopologyError("mm_feature_transport = 'cuda_ipc' needs a separate 'vision' actor")
         if not vis.gpus or any(list(e.gpus) != list(vis.gpus) for e in engines):
             raise TopologyError("mm_feature_transport = 'cuda_ipc' needs the vision actor and the engines on the same "
                                 f"GPUs (vision {list(vis.gpus)}, engines {[list(e.gpus) for e in engines]}); use "
                                 "'cpu' or 'auto'")
-    vision = topo.actor("vision")
-    if vision is not None and vision.replicas < 1:
-        raise TopologyError("vision: replicas must be >= 1 (leave the entry out to run the tower in the engine)")
-    for needed in ("tokenizer", "detokenizer"):
+    for needed in REQUIRED_KINDS:
         if needed not in kinds:
             raise TopologyError(f"the topology has no {needed!r} actor")
+
+
+def check_scale_request(kind: str, n: int) -> str:
+    """What `glmrt scale KIND=N` may ask of any deployment; returns the canonical kind."""
+    name = canonical_kind(kind)
+    if name is None or name not in SCALABLE_KINDS:
+        raise ValueError(f"cannot scale {kind!r}; scalable kinds: {', '.join(SCALABLE_KINDS)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} needs at least 1 replica, got {n}")
+    return name
+
+
+def validate_scale(topo: Topology, kind: str, n: int) -> str:
+    """What `glmrt scale KIND=N` may ask of the deployment `topo`; returns the canonical kind."""
+    name = check_scale_request(kind, n)
+    spec = topo.actor(name)
+    if spec is None:
+        raise ValueError(f"this deployment runs no {name!r} actor")
+    if spec.process:
+        raise ValueError(f"{name} shares process {spec.process!r} with other actors; co-located actors "
+                         "are not scaled one kind at a time")
+    return name

@@ -1,10 +1,20 @@
-"""Engine options (the `[engine]` table of a topology, and the engine flags of `glmrt up`). No torch."""
+"""Engine options (the `[engine]` table of a topology, and the engine flags of `glmrt up`). No torch.
+
+Every field has a docstring and, where it has one, its bound declared beside it
+(glmrt.config_bounds); `glmrt up` names each field `--field-name` on its command line.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from glmrt.config_bounds import bounded, check_fields
+
+
+ENGINE_ROLES = ("unified", "prefill", "decode")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 _BACKEND_OPTIONS = ("backend", "kv_cache_dtype", "quantization", "attention_backend", "dsa_prefill_backend",
                     "dsa_decode_backend", "moe_runner_backend", "linear_attn_backend")
@@ -12,17 +22,24 @@ _BACKEND_OPTIONS = ("backend", "kv_cache_dtype", "quantization", "attention_back
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """One engine's options, valid once constructed (`check_fields` runs in `__post_init__`, and
+    `glmrt up` runs it over the whole topology before any actor starts). Values an engine finds at
+    runtime (the resolved device, the memory plan, the context length) live on the engine, never
+    back in here."""
+
     model: str | None = None
     """Checkpoint directory (HF format). None with load_format='dummy' builds `preset`."""
     preset: str | None = None
-    load_format: str = "auto"
+    """A preset model (glmrt.checkpoint.presets; None: tiny) built with random weights when `model` is None."""
+    load_format: str = bounded("auto", choices=LOAD_FORMATS)
     """auto (safetensors) | dummy (random weights in device memory, no files)."""
     quantization: str | None = None
     """None: the checkpoint's format. fp8 with load_format='dummy' quantises the linear layers
     (block-scaled e4m3). mxfp4 / nvfp4 are refused until the loader reads them."""
-    dtype: str = "auto"
+    dtype: str = bounded("auto", choices=MODEL_DTYPES)
     """auto: bfloat16 on a GPU, float32 on the CPU."""
     device: str = "auto"
+    """auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N."""
     backend: str = "auto"
     """auto | reference | cuda-h200 | cuda-blackwell | rocm-mi355x (backends/adapters.py: the table)."""
     kv_cache_dtype: str = "auto"
@@ -39,40 +56,48 @@ class EngineConfig:
     ... are refused: glmrt does not ship them."""
     linear_attn_backend: str = "auto"
     """KDA: auto | triton (the CUDA/ROCm kernel sets) | torch (the reference)."""
-    mamba_ssm_dtype: str = "float32"
+    mamba_ssm_dtype: str = bounded("float32", choices=("float32", "bfloat16"))
     """KDA recurrent state dtype: float32 or bfloat16."""
-    fp8_activations: str = "auto"
+    fp8_activations: str = bounded("auto", choices=("auto", "dynamic", "none"))
     """FP8 (block-scaled) weights: auto (dynamic on the Triton kernel sets, none on the reference) |
     dynamic (w8a8: activations quantised to e4m3 per token and 128-wide K block, fp8 tensor-core
     products; DeepSeek-V3's and SGLang's recipe) | none (w8a16: activations stay in the model dtype,
     the reference's and transformers' numerics)."""
-    mem_fraction_static: float = 0.85
+    mem_fraction_static: float = bounded(0.85, gt=0, lt=1)
     """GPU: fraction of the free memory after weights given to the two cache pools."""
-    cache_memory_gb: float = 0.25
+    cache_memory_gb: float = bounded(0.25, gt=0)
     """CPU: absolute cache budget (small, so several engines fit on one test machine)."""
-    mamba_full_memory_ratio: float = 0.9
+    mamba_full_memory_ratio: float = bounded(0.9, gt=0)
     """state : KV bytes. The state pool gets r / (1 + r) of the budget."""
-    max_mamba_cache_size: int | None = None
+    max_mamba_cache_size: int | None = bounded(None, ge=1)
     """Pin the number of state slots instead of using the ratio."""
-    max_running_requests: int | None = None
-    chunked_prefill_size: int = 8192
-    max_prefill_tokens: int = 16384
-    schedule_policy: str = "fcfs"
+    max_running_requests: int | None = bounded(None, ge=1)
+    """Most requests decoding at once (None: 256, clamped to what the state slots allow)."""
+    chunked_prefill_size: int = bounded(8192, ge=1)
+    """Most prompt tokens of one request computed in one step (longer prompts are chunked)."""
+    max_prefill_tokens: int = bounded(16384, ge=1)
+    """Most prompt tokens of all requests together in one step."""
+    schedule_policy: str = bounded("fcfs", choices=("fcfs", "lpm"))
     """fcfs | lpm (longest cached prefix first)."""
-    state_checkpoint_interval: int = 0
+    state_checkpoint_interval: int = bounded(0, ge=0)
     """Save KDA state into the prefix cache every N prompt tokens (0 = only at prompt end,
     request end and divergence points)."""
     disable_radix_cache: bool = False
-    page_size: int = 64
+    """Reuse no prompt prefix between requests."""
+    page_size: int = bounded(64, ge=1)
+    """Tokens per KV page (a prefix is shared in whole pages)."""
     seed: int = 0
-    context_length: int | None = None
+    """Seed of the random weights (load_format='dummy')."""
+    context_length: int | None = bounded(None, ge=1)
+    """Longest prompt + output in tokens (None: the model's max_position_embeddings); the KV pool
+    may allow fewer."""
     load_vision: bool = True
     """Load the vision tower in the engine (False when a separate vision actor runs it)."""
     disable_cuda_graph: bool = False
     """Run decode eagerly (graphs are used only where the kernel set is graph-safe, on CUDA)."""
-    cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs: int | None = bounded(None, ge=1)
     """Largest decode batch replayed from a graph (default: max_running_requests, at most 256)."""
-    cuda_graph_warmup_tokens: int = 4096
+    cuda_graph_warmup_tokens: int = bounded(4096, ge=0)
     """Capture the decode graphs of every batch bucket for contexts up to this many tokens at
     start (0: capture each on first use, which stalls the batch that needs it)."""
     skip_server_warmup: bool = False
@@ -80,25 +105,12 @@ class EngineConfig:
     then compiles on first use, stalling the requests running at that moment)."""
     disable_overlap_schedule: bool = False
     """Schedule step N+1 only after step N's tokens are on the host (no CPU/GPU overlap)."""
-    role: str = "unified"
+    role: str = bounded("unified", choices=ENGINE_ROLES)
     """unified | prefill (computes prompts, hands the state over after the first token) |
     decode (receives handed-over requests and continues them)."""
 
     def __post_init__(self):
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.mamba_ssm_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"mamba_ssm_dtype must be float32 or bfloat16, got {self.mamba_ssm_dtype!r}")
-        if self.fp8_activations not in ("auto", "dynamic", "none"):
-            raise ValueError(f"fp8_activations must be auto, dynamic or none, got {self.fp8_activations!r}")
-        if not 0 < self.mem_fraction_static < 1:
-            raise ValueError("mem_fraction_static must be in (0, 1)")
-        if self.cache_memory_gb <= 0:
-            raise ValueError("cache_memory_gb must be > 0")
-        if self.page_size < 1:
-            raise ValueError("page_size must be >= 1")
-        if self.role not in ("unified", "prefill", "decode"):
-            raise ValueError(f"role must be unified, prefill or decode, got {self.role!r}")
+        check_fields(self)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

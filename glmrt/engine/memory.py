@@ -52,13 +52,9 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, *, ratio: float = 0.9,
                 checkpoint_headroom: int = 1) -> MemoryPlan:
     if budget_bytes <= 0:
         raise ValueError("the cache budget must be positive")
-    if ratio <= 0:
-        raise ValueError(f"--mamba-full-memory-ratio must be > 0, got {ratio}")
     per_slot = layout.state_bytes_per_slot
     per_page = layout.kv_bytes_per_page
-    if max_mamba_cache_size is not None:
-        if max_mamba_cache_size < 1:
-            raise ValueError("--max-mamba-cache-size must be >= 1")
+    if max_mamba_cache_size is not None:  # ratio and size meet EngineConfig's declared bounds
         state = max_mamba_cache_size * per_slot
         if state >= budget_bytes:
             raise ValueError(f"--max-mamba-cache-size {max_mamba_cache_size} needs {state / 2**30:.2f} GiB of state, "

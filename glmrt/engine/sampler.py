@@ -25,12 +25,12 @@ results (per-row values travel as one host-built tensor each, copied without a s
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from glmrt import env
 from glmrt.sampling_params import SamplingParams
 
 # NOTE: like vLLM's _SAMPLING_EPS: a tiny positive temperature would overflow logits / T.
@@ -122,7 +122,7 @@ class Sampler:
         """The Triton sampling module when this call takes the kernel path, else None."""
         if self.use_kernel is False or x.shape[0] == 0:
             return None
-        if self.use_kernel is None and (not x.is_cuda or os.environ.get("GLMRT_SAMPLER_KERNEL", "1") == "0"):
+        if self.use_kernel is None and (not x.is_cuda or not env.sampler_kernel()):
             return None
         mod = _load_kernels()
         if mod is None and self.use_kernel:

@@ -33,12 +33,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     policy: str = "fcfs"                     # fcfs | lpm
     state_checkpoint_interval: int = 0       # 0 = off
-
-    def __post_init__(self):
-        if self.policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule policy must be 'fcfs' or 'lpm', got {self.policy!r}")
-        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("chunked_prefill_size and max_prefill_tokens must be >= 1")
+    # NOTE: built from an EngineConfig, whose declared bounds these values already meet
 
 
 @dataclass

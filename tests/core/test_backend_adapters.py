@@ -381,7 +381,7 @@ def up_cli(monkeypatch):
 def test_up_refuses_with_the_rule(up_cli, capsys, argv, hardware, needle):
     assert up_cli(*argv, hardware=hardware) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: engine: ") and needle in err and "Rule:" in err and "Alternatives" in err
+    assert err.startswith("glmrt up: error: engine: ") and needle in err and "Rule:" in err and "Alternatives" in err
 
 
 def test_up_refuses_a_topology_file(up_cli, capsys, tmp_path):

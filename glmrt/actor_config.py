@@ -1,0 +1,71 @@
+"""The typed config section each actor process is handed (RunSpec.config). No torch.
+
+The supervisor builds one of these per actor from the validated topology; it travels as JSON
+(msgspec) on the actor's command line and is decoded back into the same type by the actor's
+kind (glmrt.actor_kinds). Frozen: an actor keeps what it finds at runtime on itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from glmrt.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Which image/video sources the tokenizer may open."""
+
+    allowed_local_media_path: str | None = None
+    """Local image/video paths are served only under this directory (None: no local paths)."""
+    allow_remote_media: bool = False
+    """Fetch http(s) image/video URLs (size-limited, with a timeout)."""
+
+
+@dataclass(frozen=True)
+class TokenizerActorConfig:
+    """What a tokenizer actor is handed."""
+
+    model_path: str
+    """Checkpoint directory holding tokenizer.json and config.json."""
+    vocab_size: int
+    """The model's vocabulary size (token ids at or above it are refused)."""
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    """Where image/video inputs may come from."""
+    vision_replicas: int = 0
+    """Vision actors to send pixels to (0: the engine runs the vision tower itself)."""
+
+
+@dataclass(frozen=True)
+class DetokenizerActorConfig:
+    """What a detokenizer actor is handed."""
+
+    model_path: str
+    """Checkpoint directory holding tokenizer.json."""
+
+
+@dataclass(frozen=True)
+class VisionActorConfig:
+    """What a vision actor is handed."""
+
+    model_path: str
+    """Checkpoint directory holding the vision tower's weights."""
+    dtype: str = "auto"
+    """The engines' dtype, so both vision paths compute alike (auto: bfloat16 on a GPU, else float32)."""
+    feature_transport: str = "cpu"
+    """How embeddings reach the engine: cpu (tensor frames) | cuda_ipc (GPU handles, same GPUs only)."""
+    torch_threads: int = 1
+    """torch CPU threads of the actor process."""
+
+
+@dataclass(frozen=True)
+class EngineActorConfig:
+    """What an engine actor (unified, prefill or decode) is handed."""
+
+    engine: EngineConfig
+    """The engine's options, role and load_vision set by placement."""
+    torch_threads: int = 1
+    """torch CPU threads of the actor process."""
+
+
+ActorConfig = TokenizerActorConfig | DetokenizerActorConfig | VisionActorConfig | EngineActorConfig

@@ -1,0 +1,80 @@
+"""E2E: `glmrt up` refuses a bad engine value, given as a flag or in a topology file, in one
+line on stderr with exit status 2, before it starts anything (it prints nothing on stdout: the
+"serving" line comes before the first actor is spawned), within a second or two."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from tests.e2e.conftest import REPO, free_port, glmrt_cmd
+
+QUICK_S = 5.0   # the refusal imports no torch and starts no actor
+
+# flag, bad value, the requirement the refusal must state
+BAD_VALUES = [
+    ("schedule-policy", "random", "must be one of fcfs, lpm"),
+    ("chunked-prefill-size", "0", "must be >= 1"),
+    ("mamba-full-memory-ratio", "-0.5", "must be > 0"),
+    ("max-running-requests", "0", "must be >= 1"),
+    ("context-length", "0", "must be >= 1"),
+    ("cuda-graph-max-bs", "0", "must be >= 1"),
+    ("state-checkpoint-interval", "-8", "must be >= 0"),
+]
+ACTORS = '[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "engine"\n[[actors]]\nkind = "detokenizer"\n'
+
+
+def _refused(args: list[str], env) -> tuple[str, str]:
+    t0 = time.monotonic()
+    r = subprocess.run(glmrt_cmd() + ["up", *args, "--port", str(free_port()), "--ready-timeout", "5"],
+                       cwd=str(REPO), env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, f"status {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    assert took < QUICK_S, f"took {took:.1f} s"
+    assert r.stdout == "", f"something started: {r.stdout}"
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("glmrt up: error: "), r.stderr
+    return lines[0], r.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag, value, requirement", BAD_VALUES, ids=[f"{f}={v}" for f, v, _ in BAD_VALUES])
+def test_bad_flag_is_refused_in_one_line(tmp_path, e2e_env, tiny_checkpoint, flag, value, requirement):
+    line, _ = _refused(["--model", tiny_checkpoint, f"--{flag}", value], e2e_env)
+    assert line == f"glmrt up: error: --{flag} {requirement} (got {_shown(value)})"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag, value, requirement", BAD_VALUES, ids=[f"{f}={v}" for f, v, _ in BAD_VALUES])
+def test_bad_topology_value_is_refused_in_one_line(tmp_path, e2e_env, tiny_checkpoint, flag, value, requirement):
+    key = flag.replace("-", "_")
+    toml_value = f'"{value}"' if not value.lstrip("-").replace(".", "").isdigit() else value
+    path = tmp_path / "topology.toml"
+    path.write_text(f"[engine]\n{key} = {toml_value}\n" + ACTORS)
+    line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
+    assert line == f"glmrt up: error: [engine] {key} {requirement} (got {_shown(value)})"
+
+
+def _shown(value: str):
+    """The value as the refusal prints it (the parsed int, float or string)."""
+    for kind in (int, float):
+        try:
+            return repr(kind(value))
+        except ValueError:
+            pass
+    return repr(value)
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_imports_no_torch_and_no_actor(e2e_env):
+    import sys
+
+    probe = ("import sys\nfrom cli.main import main\nrc = main(['up', '--cuda-graph-max-bs', '0'])\n"
+             "print(rc, sorted(m for m in ('torch', 'actors.supervisor', 'actors.engine', 'actors.api') "
+             "if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=str(REPO), env=e2e_env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.split("\n")[0] == "2 []", (r.stdout, r.stderr)
+    assert r.stderr == "glmrt up: error: --cuda-graph-max-bs must be >= 1 (got 0)\n"
