@@ -215,7 +215,7 @@ class ApiServer:
     async def _submit(self, req, rid: str) -> list[Inflight]:
         tok, eng, det, dec = self._route()
         ctx = self.context_length()
-        sampling = oa.to_sampling_msg(req, defaults=self.generation_config, max_model_len=ctx)
+        sampling = oa.to_sampling_params(req, defaults=self.generation_config, max_model_len=ctx)
         queue: asyncio.Queue = asyncio.Queue()
         states = []
         for i, tr in enumerate(oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time())):

@@ -148,14 +148,12 @@ class EngineActor(Actor):
                 errors += getattr(self, f"_pd_{op}")(arg)
                 continue
             m, mm = arg
-            s = m.sampling
             if self.engine.config.role == "prefill" and not m.decode:
                 errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=500,
                                                             message="prefill engine got a request without a decode")))
                 continue
-            params = self._params(s, n=s.n)
             try:
-                rids = self.engine.add_request(m.prompt_ids, params, rid=f"{m.rid}#{time.monotonic_ns()}",
+                rids = self.engine.add_request(m.prompt_ids, m.sampling, rid=f"{m.rid}#{time.monotonic_ns()}",
                                                mm_items=mm or None)
             except ContextLengthExceeded as e:
                 errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e),
@@ -205,7 +203,7 @@ class EngineActor(Actor):
         reason = layout_mismatch(self._layout, offer.layout)
         if reason is None:
             try:
-                params = self._params(offer.sampling)
+                params = offer.sampling.replace(n=1)  # the offer is one choice of the request
                 res = handoff.reserve(self.engine, offer.rid, offer.prompt_ids, offer.first_token, params)
                 self._reservations[offer.rid] = (res, offer, time.monotonic())
                 info = None
@@ -235,7 +233,7 @@ class EngineActor(Actor):
         comps, tensors = pack(self.engine, rid, acc.reused_tokens)
         c = self.engine.counters
         c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(x.num_bytes for x in comps)
-        _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
+        _, sampling, _ = self._pd.get(rid, (None, P.SamplingParams(), None))
         detok = self._routes.get(rid, ("", 0, ""))[2]
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=comps,
                           sampling=sampling, detokenizer=detok, prompt_ids=list(req.prompt_ids))
@@ -255,7 +253,7 @@ class EngineActor(Actor):
         # NOTE: a checksum of GPU memory costs a device-to-host copy of the bytes: opt-in
         checksum = os.environ.get("GLMRT_KV_CHECKSUM", "0") == "1"
         handle = self.xfer.write(peer, local, remote, checksum=checksum, transfer_id=rid)
-        _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
+        _, sampling, _ = self._pd.get(rid, (None, P.SamplingParams(), None))
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=[],
                           sampling=sampling, detokenizer=self._routes.get(rid, ("", 0, ""))[2],
                           prompt_ids=list(req.prompt_ids), transfer_id=rid)
@@ -349,16 +347,6 @@ class EngineActor(Actor):
                 self._release_handoff(rid)
                 msgs += self._fail(rid, 503, f"handoff to {decode} timed out")
         return msgs
-
-    @staticmethod
-    def _params(s: P.SamplingMsg, n: int = 1):
-        from glmrt.sampling_params import SamplingParams
-        return SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos, max_tokens=s.max_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
-            top_logprobs=s.top_logprobs, n=n)
 
     def _step(self) -> tuple[list, list]:
         errors = self._apply_pending()

@@ -2,7 +2,7 @@
 
 Each top-level message is a tagged msgspec Struct (tag field "t", tag = class name), so one
 socket decodes the union its inbox accepts (`ENGINE_IN`, `DETOK_IN`, ... at the bottom).
-Nested payload structs (`SamplingMsg`, `MMItem`, `TensorRef`, ...) are untagged: the field
+Nested payload structs (`SamplingParams`, `MMItem`, `TensorRef`, ...) are untagged: the field
 that holds them fixes their type.
 
 NOTE: msgspec cannot decode a union that mixes array-like and map-like structs, and the
@@ -13,8 +13,9 @@ Per-token messages also skip GC tracking (`gc=False`); they never form reference
 Tensors never travel inside a message: a `TensorRef` (dtype, shape, frame) describes a raw
 buffer carried as an out-of-band frame after the msgpack header (see transport/codec.py).
 
-This module imports nothing of ours and no torch, so every actor (and the tests) can load it
-in milliseconds. `SamplingMsg` mirrors glmrt.sampling_params.SamplingParams field for field.
+This module imports no torch and nothing of ours but glmrt.sampling_params (data only), so
+every actor (and the tests) can load it in milliseconds. The sampling knobs travel as the
+engine's own `SamplingParams`, so no field is copied by hand between the api and the sampler.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+from glmrt.sampling_params import SamplingParams
 
 
 class Msg(msgspec.Struct, tag_field="t", tag=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -55,30 +58,6 @@ class TensorRef(Part):
     dtype: str
     shape: list[int]
     frame: int
-
-
-class SamplingMsg(Part):
-    """SamplingParams on the wire, plus the stop strings the detokenizer handles."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    max_tokens: int = 16
-    min_tokens: int = 0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    n: int = 1
-    # detokenizer-only knobs (the engine ignores them)
-    stop: list[str] = []
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
 
 
 class MMItem(Part):
@@ -143,7 +122,7 @@ class TokenizeRequest(Msg):
 
     rid: str
     kind: Literal["chat", "completion"]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     reply_to: str  # the detokenizer that will see this request's tokens
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
@@ -174,7 +153,7 @@ class TokenizerError(Msg):
 class EngineRequest(Msg):
     rid: str
     prompt_ids: list[int]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     detokenizer: str
     mm_items: list[MMItem] = []
     decode: str | None = None  # PD only: where the prefill hands the request's state
@@ -189,7 +168,7 @@ class DetokenizeRequest(Msg):
     """
 
     rid: str
-    sampling: SamplingMsg
+    sampling: SamplingParams
     prompt_tokens: int
     stream: bool = False
     reasoning: bool = False  # parse <think>...</think> into reasoning (template opened it)
@@ -348,7 +327,7 @@ class KVHandoff(Msg):
     prompt_len: int
     first_token: int
     components: list[StateComponent]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     detokenizer: str
     prompt_ids: list[int] = []  # for penalties and the decode-side prefix cache
     transfer_id: str | None = None  # NIXL transfer carrying components without a tensor frame
@@ -362,7 +341,7 @@ class HandoffOffer(Msg):
     rid: str
     prompt_ids: list[int]
     first_token: int
-    sampling: SamplingMsg
+    sampling: SamplingParams
     detokenizer: str
     prefill: str
     layout: dict[str, Any] = {}

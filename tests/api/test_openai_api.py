@@ -16,6 +16,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from glmrt import protocol as P
+from glmrt.sampling_params import SamplingParams
 from glmrt.serving import openai_api as A
 
 MODEL = "glm-5.3-flash"
@@ -222,33 +223,33 @@ def test_chat_parse_defaults_and_extras_ignored():
     assert req.model == MODEL and req.messages == USER and not req.stream and req.n == 1
     assert req.tools is None and req.tool_choice == "none" and req.thinking
     assert req.user == "u1"
-    s = A.to_sampling_msg(req, max_model_len=8192)
-    assert s == P.SamplingMsg(max_tokens=8192)
+    s = A.to_sampling_params(req, max_model_len=8192)
+    assert s == SamplingParams(max_tokens=8192)
 
 
 def test_every_sampling_field_maps():
     req = chat(temperature=0.5, top_p=0.9, top_k=20, min_p=0.05, frequency_penalty=0.1, presence_penalty=-0.2,
                repetition_penalty=1.1, seed=7, n=3, stop="###", stop_token_ids=[5, 6], max_completion_tokens=100,
                max_tokens=50, min_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=4, return_token_ids=True)
-    s = A.to_sampling_msg(req)
-    assert s == P.SamplingMsg(temperature=0.5, top_p=0.9, top_k=20, min_p=0.05, frequency_penalty=0.1,
+    s = A.to_sampling_params(req)
+    assert s == SamplingParams(temperature=0.5, top_p=0.9, top_k=20, min_p=0.05, frequency_penalty=0.1,
                               presence_penalty=-0.2, repetition_penalty=1.1, seed=7, stop_token_ids=[5, 6],
                               ignore_eos=True, max_tokens=100, min_tokens=2, logprobs=True, top_logprobs=4, n=3,
                               stop=["###"])
     assert req.return_token_ids and req.logprobs and req.top_logprobs == 4
-    assert A.to_sampling_msg(chat(max_tokens=50)).max_tokens == 50
-    assert A.to_sampling_msg(chat(stop=["a", "b", "a"])).stop == ["a", "b"]
-    assert A.to_sampling_msg(chat(n=2.0, temperature=1)).n == 2  # integral floats and ints are fine
-    assert A.to_sampling_msg(chat(temperature=None, seed=None)) == A.to_sampling_msg(chat())
+    assert A.to_sampling_params(chat(max_tokens=50)).max_tokens == 50
+    assert A.to_sampling_params(chat(stop=["a", "b", "a"])).stop == ["a", "b"]
+    assert A.to_sampling_params(chat(n=2.0, temperature=1)).n == 2  # integral floats and ints are fine
+    assert A.to_sampling_params(chat(temperature=None, seed=None)) == A.to_sampling_params(chat())
 
 
 def test_generation_config_defaults():
     gen = {"temperature": 0.6, "top_p": 0.95, "top_k": 40, "do_sample": True}
-    s = A.to_sampling_msg(chat(temperature=0.2), defaults=gen, max_model_len=100)
+    s = A.to_sampling_params(chat(temperature=0.2), defaults=gen, max_model_len=100)
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.2, 0.95, 40, 100)
-    assert A.to_sampling_msg(chat(), defaults={"do_sample": False}).temperature == 0.0
+    assert A.to_sampling_params(chat(), defaults={"do_sample": False}).temperature == 0.0
     with pytest.raises(A.APIError) as ei:
-        A.to_sampling_msg(chat(stop_token_ids=[99]), vocab_size=50)
+        A.to_sampling_params(chat(stop_token_ids=[99]), vocab_size=50)
     assert ei.value.param == "stop_token_ids"
 
 
@@ -257,11 +258,11 @@ def test_completion_parse_prompts_and_logprobs():
     assert comp(prompt=["a", "b"]).prompts == ["a", "b"]
     assert comp(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
     assert comp(prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]
-    s = A.to_sampling_msg(comp())
+    s = A.to_sampling_params(comp())
     assert s.max_tokens == 16 and not s.logprobs
-    s = A.to_sampling_msg(comp(logprobs=0))
+    s = A.to_sampling_params(comp(logprobs=0))
     assert s.logprobs and s.top_logprobs == 0
-    s = A.to_sampling_msg(comp(logprobs=5, max_tokens=7, n=2, best_of=2))
+    s = A.to_sampling_params(comp(logprobs=5, max_tokens=7, n=2, best_of=2))
     assert (s.logprobs, s.top_logprobs, s.max_tokens, s.n) == (True, 5, 7, 2)
     req = comp(prompt=["a", "b"], n=2, stream=True, stream_options={"include_usage": True})
     assert req.num_choices == 4 and req.include_usage
@@ -381,7 +382,7 @@ def test_chat_completion_non_streamed_with_tools():
     assert cc.usage.prompt_tokens_details.cached_tokens == 8
     assert ch.logprobs is None
     # through a JSON round trip too (what the client really sees)
-    assert ChatCompletion.model_validate_json(A._ENCODER.encode(resp)) == cc
+    assert ChatCompletion.model_validate_json(msgspec.json.encode(resp)) == cc
 
 
 def test_chat_parallel_tool_calls_false_keeps_first_call():
@@ -421,7 +422,7 @@ def test_chat_logprobs_shape():
     assert content[0].top_logprobs[1].logprob == A.LOGPROB_FLOOR  # -inf is not JSON
     assert [t.token for t in content[0].top_logprobs] == ["Hel", "Hi"]
     assert content[1].logprob == -0.2 and cc.choices[0].finish_reason == "length"
-    json.loads(A._ENCODER.encode(cc.model_dump()))  # strictly JSON (no Infinity/NaN)
+    json.loads(msgspec.json.encode(cc.model_dump()))  # strictly JSON (no Infinity/NaN)
 
 
 def test_completion_non_streamed():

@@ -1,6 +1,5 @@
 """Every protocol message round-trips through a Codec; bad input becomes a ProtocolError."""
 
-import dataclasses
 import pickle
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from glmrt import protocol as P
 from glmrt.sampling_params import SamplingParams
 from transport.codec import Codec, ProtocolError, as_buffer, describe, tensor_from_frame
 
-SAMPLING = P.SamplingMsg(temperature=0.7, top_k=20, seed=3, stop_token_ids=[2], max_tokens=64,
+SAMPLING = SamplingParams(temperature=0.7, top_k=20, seed=3, stop_token_ids=[2], max_tokens=64,
                          logprobs=True, top_logprobs=2, stop=["\n\n"], include_stop_str_in_output=True)
 REF = P.TensorRef(dtype="float32", shape=[2, 3], frame=0)
 ITEM = P.MMItem(kind="image", grid_thw=[1, 4, 4], num_tokens=4, tensor=REF)
@@ -39,9 +38,9 @@ SAMPLES = [
                       messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}],
                       chat_template_kwargs={"enable_thinking": False}, reasoning_effort="low", stream=True,
                       return_token_ids=True, engine="engine/1", arrival=12.5),
-    P.TokenizeRequest(rid="r2", kind="completion", sampling=P.SamplingMsg(), reply_to="detokenizer/0",
+    P.TokenizeRequest(rid="r2", kind="completion", sampling=SamplingParams(), reply_to="detokenizer/0",
                       prompt=[1, 2, 3]),
-    P.TokenizeRequest(rid="r3", kind="completion", sampling=P.SamplingMsg(), reply_to="d", prompt="once"),
+    P.TokenizeRequest(rid="r3", kind="completion", sampling=SamplingParams(), reply_to="d", prompt="once"),
     P.TokenizerError(rid="r1", status=400, message="context too long", code="context_length_exceeded"),
     P.EngineRequest(rid="r1", prompt_ids=[1, 2, 3], sampling=SAMPLING, detokenizer="detokenizer/0",
                     mm_items=[ITEM, P.MMItem(kind="video", grid_thw=[2, 4, 4], num_tokens=8)],
@@ -130,14 +129,16 @@ def test_hot_path_options():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(P.Abort(rid="x"))) == ["Abort", "x", None]
 
 
-def test_sampling_msg_mirrors_sampling_params():
-    msg_defaults = {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
-                    for f in msgspec.structs.fields(P.SamplingMsg)}
-    for f in dataclasses.fields(SamplingParams):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        assert f.name in msg_defaults and msg_defaults[f.name] == default, f.name
-    params = SamplingParams(**{f.name: getattr(SAMPLING, f.name) for f in dataclasses.fields(SamplingParams)})
-    params.validate()
+def test_messages_carry_the_engine_sampling_type():
+    """Every message with sampling knobs holds glmrt.sampling_params.SamplingParams itself, so
+    no hop copies the knobs field by field (and none can drop one)."""
+    holders = [cls for cls in _all_messages() if "sampling" in cls.__struct_fields__]
+    assert {c.__name__ for c in holders} >= {"TokenizeRequest", "EngineRequest", "DetokenizeRequest"}
+    for cls in holders:
+        (field,) = [f for f in msgspec.structs.fields(cls) if f.name == "sampling"]
+        assert field.type is SamplingParams, cls
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(SAMPLING), type=SamplingParams)
+    assert back == SAMPLING and back.validate() is back
 
 
 @pytest.mark.parametrize("payload", [
