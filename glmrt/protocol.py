@@ -60,6 +60,26 @@ class TensorRef(Part):
     frame: int
 
 
+class RequestKey(HotPart, frozen=True):
+    """Which request a message is about: the api's response id `rid`, its prompt `prompt` (a
+    completion with a list of prompts is one engine request per prompt) and choice `choice`
+    (n > 1). Messages about a whole prompt (tokenize, engine and detokenize requests, errors)
+    carry choice 0; token and text deltas carry their choice. Inside an engine a request has
+    its own string id, mapped to its key by the engine actor, never parsed."""
+
+    rid: str
+    prompt: int = 0
+    choice: int = 0
+
+    @property
+    def request(self) -> RequestKey:
+        """The key of the whole prompt's request this choice belongs to."""
+        return self if self.choice == 0 else msgspec.structs.replace(self, choice=0)
+
+    def with_choice(self, choice: int) -> RequestKey:
+        return msgspec.structs.replace(self, choice=choice)
+
+
 class MMItem(Part):
     """One image or video after preprocessing; `tensor` is its pixel patches (None once embedded)."""
 
@@ -120,7 +140,7 @@ class ActorFailed(Msg):
 class TokenizeRequest(Msg):
     """A validated OpenAI request. Addresses are address ids (e.g. "detokenizer/0")."""
 
-    rid: str
+    key: RequestKey
     kind: Literal["chat", "completion"]
     sampling: SamplingParams
     reply_to: str  # the detokenizer that will see this request's tokens
@@ -139,7 +159,7 @@ class TokenizeRequest(Msg):
 class TokenizerError(Msg):
     """Bad input found while tokenizing (context too long, bad image, ...): answer `status`."""
 
-    rid: str
+    key: RequestKey
     status: int
     message: str
     code: str | None = None
@@ -151,7 +171,7 @@ class TokenizerError(Msg):
 
 
 class EngineRequest(Msg):
-    rid: str
+    key: RequestKey
     prompt_ids: list[int]
     sampling: SamplingParams
     detokenizer: str
@@ -164,10 +184,10 @@ class DetokenizeRequest(Msg):
     """Registers a request with its detokenizer, sent by the tokenizer before the EngineRequest.
 
     NOTE: it races the engine's first TokenOut (different senders into one PULL socket), so
-    the detokenizer buffers tokens of an unknown rid until this arrives.
+    the detokenizer buffers tokens of an unknown request until this arrives.
     """
 
-    rid: str
+    key: RequestKey
     sampling: SamplingParams
     prompt_tokens: int
     stream: bool = False
@@ -187,10 +207,9 @@ class TokenOut(HotMsg):
     """New tokens of one choice. `first_index` is token_ids[0]'s position in the output, so the
     detokenizer orders tokens that reach it out of order from a prefill and a decode engine."""
 
-    rid: str
+    key: RequestKey  # with its choice
     token_ids: list[int]
     first_index: int
-    index: int = 0  # choice index (n > 1)
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -209,7 +228,7 @@ class TokenBatch(HotMsg):
 class EngineError(Msg):
     """The engine failed a request (also forwarded detokenizer -> api)."""
 
-    rid: str
+    key: RequestKey
     status: int
     message: str
     code: str | None = None  # OpenAI error code, e.g. "context_length_exceeded"
@@ -252,8 +271,7 @@ class TokenLogprob(HotPart):
 class TextOut(HotMsg):
     """A delta of one choice: new text, reasoning and tool-call fragments since the last one."""
 
-    rid: str
-    index: int = 0
+    key: RequestKey  # with its choice
     text: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = []
@@ -275,11 +293,16 @@ class TextBatch(HotMsg):
 
 
 class Abort(Msg):
-    """Drop request `rid` (client gone), or only its choice `index` (a stop string matched in
-    that choice); unknown rids are ignored."""
+    """Drop the request `key` names, every choice of it (client gone), or with `choice_only`
+    only its choice `key.choice` (a stop string matched in that choice); unknown keys are
+    ignored."""
 
-    rid: str
-    index: int | None = None
+    key: RequestKey
+    choice_only: bool = False
+
+    def drops(self, key: RequestKey) -> bool:
+        """Whether this abort covers choice `key`."""
+        return key.request == self.key.request and (not self.choice_only or key.choice == self.key.choice)
 
 
 class EngineStatsQuery(Msg):
@@ -339,6 +362,7 @@ class HandoffOffer(Msg):
     check (model, dtypes, tp, page size, pool layouts): a mismatch is refused by name."""
 
     rid: str
+    key: RequestKey  # the choice the decode will serve
     prompt_ids: list[int]
     first_token: int
     sampling: SamplingParams
@@ -397,7 +421,7 @@ class VisionRequest(Msg):
     """Tokenizer -> vision actor: pixel patches (tensor frames) of a request's items; the
     embeddings go to `engine`, which holds the request until they arrive."""
 
-    rid: str
+    key: RequestKey
     items: list[MMItem]
     engine: str = ""
     detokenizer: str = ""
@@ -406,7 +430,7 @@ class VisionRequest(Msg):
 class VisionResult(Msg):
     """Embeddings of `VisionRequest.items`, one TensorRef per item, in order (or an error)."""
 
-    rid: str
+    key: RequestKey
     embeddings: list[TensorRef]
     error: str | None = None
     cuda_ipc: list[dict[str, Any]] | None = None  # feature transport cuda_ipc: handles instead of frames

@@ -22,8 +22,8 @@ Conventions (documented choices):
   caps it at max_model_len - prompt_len) and completions use OpenAI's default of 16.
 - Completions `logprobs: k` means token logprobs plus the top k (0..20); chat uses
   `logprobs: bool` + `top_logprobs: 0..20`.
-- A list of completion prompts becomes one engine request per prompt (`sub_rid`); choice
-  `i` of prompt `p` is reported as index `p * n + i`.
+- A list of completion prompts becomes one engine request per prompt (`RequestKey.prompt`);
+  choice `i` of prompt `p` is reported as index `p * n + i`.
 - `return_token_ids`: chat puts `prompt_token_ids` at the top level of the response (and of
   the first streamed chunk); completions put it on each choice (each choice may have its own
   prompt), as vLLM does. `token_ids` goes on every choice and every streamed choice delta.
@@ -35,11 +35,11 @@ from glmrt.serving.openai_api.errors import (APIError, bad_request, context_leng
                                              internal_error, not_found_model, not_supported, overloaded, too_large,
                                              unauthorized)
 from glmrt.serving.openai_api.requests import (MAX_STOP_SEQUENCES, ChatRequest, CompletionRequest,
-                                               parse_chat_request, parse_completion_request, sub_rid,
+                                               parse_chat_request, parse_completion_request,
                                                to_sampling_params, to_tokenize_request, to_tokenize_requests)
 from glmrt.serving.openai_api.responses import (LOGPROB_FLOOR, ChoiceAccumulator, UsageTotals,
                                                 chat_completion_response, completion_response, models_response,
-                                                new_request_id, usage_json)
+                                                new_request_id, response_index, usage_json)
 from glmrt.serving.openai_api.streaming import (SSE_DONE, ChatStream, CompletionStream, chat_chunk, completion_chunk,
                                                 sse, sse_error, usage_chunk)
 
@@ -47,8 +47,8 @@ __all__ = [
     "APIError", "bad_request", "not_supported", "not_found_model", "unauthorized", "too_large", "overloaded",
     "context_length_exceeded", "internal_error", "error_from_wire",
     "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
-    "to_sampling_params", "to_tokenize_request", "to_tokenize_requests", "sub_rid",
-    "new_request_id", "usage_json", "UsageTotals", "ChoiceAccumulator",
+    "to_sampling_params", "to_tokenize_request", "to_tokenize_requests",
+    "new_request_id", "response_index", "usage_json", "UsageTotals", "ChoiceAccumulator",
     "chat_completion_response", "completion_response", "ChatStream", "CompletionStream",
     "chat_chunk", "completion_chunk", "usage_chunk", "sse", "sse_error", "SSE_DONE", "models_response",
     "MAX_STOP_SEQUENCES", "LOGPROB_FLOOR",

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from glmrt.protocol import TokenizeRequest
+from glmrt.protocol import RequestKey, TokenizeRequest
 from glmrt.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from glmrt.serving.openai_api.chat_messages import (check_messages, check_template_kwargs, check_tool_choice,
                                                     check_tools)
@@ -321,33 +321,24 @@ def to_sampling_params(req: ChatRequest | CompletionRequest, *, defaults: Mappin
     return params
 
 
-def sub_rid(rid: str, prompt_index: int, num_prompts: int) -> str:
-    """The engine-request id of prompt `prompt_index` of a request with `num_prompts` prompts."""
-    return rid if num_prompts == 1 else f"{rid}-{prompt_index}"
-
-
-def to_tokenize_request(req: ChatRequest | CompletionRequest, rid: str, reply_to: str, *, prompt_index: int = 0,
+def to_tokenize_request(req: ChatRequest | CompletionRequest, key: RequestKey, reply_to: str, *,
                         sampling: SamplingParams | None = None, arrival: float = 0.0, engine: str | None = None,
                         decode: str | None = None) -> TokenizeRequest:
-    """The TokenizeRequest for a chat request, or for prompt `prompt_index` of a completion
-    (`rid` is used as given: pass `sub_rid(...)` for multi-prompt completions)."""
+    """The TokenizeRequest for a chat request, or for prompt `key.prompt` of a completion."""
     sampling = sampling if sampling is not None else to_sampling_params(req)
-    common = dict(rid=rid, sampling=sampling, reply_to=reply_to, stream=req.stream,
+    common = dict(key=key, sampling=sampling, reply_to=reply_to, stream=req.stream,
                   return_token_ids=req.return_token_ids, engine=engine, decode=decode, arrival=arrival)
     if isinstance(req, ChatRequest):
         return TokenizeRequest(kind="chat", messages=req.messages, tools=req.tools,
                                chat_template_kwargs=dict(req.chat_template_kwargs),
                                reasoning_effort=req.reasoning_effort, **common)
-    return TokenizeRequest(kind="completion", prompt=req.prompts[prompt_index], **common)
+    return TokenizeRequest(kind="completion", prompt=req.prompts[key.prompt], **common)
 
 
 def to_tokenize_requests(req: ChatRequest | CompletionRequest, rid: str, reply_to: str, *,
                          sampling: SamplingParams | None = None, arrival: float = 0.0) -> list[TokenizeRequest]:
     """One TokenizeRequest per engine request (one for chat, one per prompt for completions)."""
     sampling = sampling if sampling is not None else to_sampling_params(req)
-    if isinstance(req, ChatRequest):
-        return [to_tokenize_request(req, rid, reply_to, sampling=sampling, arrival=arrival)]
-    k = len(req.prompts)
-    return [to_tokenize_request(req, sub_rid(rid, i, k), reply_to, prompt_index=i, sampling=sampling,
-                                arrival=arrival) for i in range(k)]
-
+    num_prompts = 1 if isinstance(req, ChatRequest) else len(req.prompts)
+    return [to_tokenize_request(req, RequestKey(rid=rid, prompt=i), reply_to, sampling=sampling, arrival=arrival)
+            for i in range(num_prompts)]

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any, Literal
 
-from glmrt.protocol import TextOut, TokenLogprob, ToolCallDelta, Usage
+from glmrt.protocol import RequestKey, TextOut, TokenLogprob, ToolCallDelta, Usage
 
 LOGPROB_FLOOR = -9999.0
 _CHAT_FINISH = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
@@ -26,6 +26,11 @@ def new_request_id(kind: Literal["chat", "completion"] = "chat") -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
 
 
+def response_index(key: RequestKey, n: int) -> int:
+    """The `index` the client sees for choice `key.choice` of prompt `key.prompt` (n choices each)."""
+    return key.prompt * n + key.choice
+
+
 def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -33,16 +38,16 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 class UsageTotals:
-    """Sums per-choice `Usage`s: a prompt counts once per engine request (rid), however many
+    """Sums per-choice `Usage`s: a prompt counts once per engine request (its RequestKey), however many
     choices it has; completion tokens add up over every choice."""
 
     def __init__(self) -> None:
-        self._prompt: dict[str, tuple[int, int]] = {}
+        self._prompt: dict[Hashable, tuple[int, int]] = {}
         self.completion_tokens = 0
 
-    def add(self, rid: str, usage: Usage) -> None:
-        p, c = self._prompt.get(rid, (0, 0))
-        self._prompt[rid] = (max(p, usage.prompt_tokens), max(c, usage.cached_tokens))
+    def add(self, prompt: Hashable, usage: Usage) -> None:
+        p, c = self._prompt.get(prompt, (0, 0))
+        self._prompt[prompt] = (max(p, usage.prompt_tokens), max(c, usage.cached_tokens))
         self.completion_tokens += usage.completion_tokens
 
     @property

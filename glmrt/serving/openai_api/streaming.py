@@ -10,7 +10,7 @@ import msgspec
 from glmrt.protocol import TextOut, ToolCallDelta
 from glmrt.serving.openai_api.errors import APIError
 from glmrt.serving.openai_api.responses import (ChoiceState, UsageTotals, chat_logprob_entries, completion_logprobs,
-                                                finish_reason_for)
+                                                finish_reason_for, response_index)
 
 
 def chat_chunk(id: str, model: str, created: int, choices: list[dict[str, Any]],
@@ -79,7 +79,7 @@ class _Stream:
             st.finished = True
             if out.usage is not None:
                 st.usage = out.usage
-                self.usage.add(out.rid, out.usage)
+                self.usage.add(out.key.request, out.usage)
 
     def usage_chunk(self) -> dict[str, Any] | None:
         """The usage-only chunk, when the client asked for it (send it before SSE_DONE)."""
@@ -94,12 +94,13 @@ class ChatStream(_Stream):
     kind = "chat"
 
     def on_text(self, out: TextOut) -> list[dict[str, Any]]:
-        st = self._state(out.index)
+        index = out.key.choice
+        st = self._state(index)
         chunks: list[dict[str, Any]] = []
         if not st.started:
             st.started = True
             first = chat_chunk(self.id, self.model, self.created,
-                               [{"index": out.index, "delta": {"role": "assistant", "content": ""},
+                               [{"index": index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}], include_usage=self.include_usage)
             if self.return_token_ids and out.prompt_token_ids is not None:
                 first["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -116,7 +117,7 @@ class ChatStream(_Stream):
                 calls.append(_tool_call_delta_json(d, st.tool_ids[d.index], first_of_call))
         if calls:
             delta["tool_calls"] = calls
-        choice: dict[str, Any] = {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         has_lps = self.logprobs and bool(out.logprobs)
         if has_lps:
             choice["logprobs"] = {"content": chat_logprob_entries(out.logprobs or [])}
@@ -142,8 +143,8 @@ class CompletionStream(_Stream):
                          return_token_ids=return_token_ids)
         self.n = n
 
-    def on_text(self, out: TextOut, prompt_index: int = 0) -> list[dict[str, Any]]:
-        index = prompt_index * self.n + out.index
+    def on_text(self, out: TextOut) -> list[dict[str, Any]]:
+        index = response_index(out.key, self.n)
         st = self._state(index)
         choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": None, "finish_reason": None}
         has_lps = self.logprobs and bool(out.logprobs)
