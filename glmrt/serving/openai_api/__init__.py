@@ -34,8 +34,8 @@ Conventions (documented choices):
 from glmrt.serving.openai_api.errors import (APIError, bad_request, context_length_exceeded, error_from_wire,
                                              internal_error, not_found_model, not_supported, overloaded, too_large,
                                              unauthorized)
-from glmrt.serving.openai_api.requests import (MAX_STOP_SEQUENCES, ChatRequest, CompletionRequest,
-                                               parse_chat_request, parse_completion_request,
+from glmrt.serving.openai_api.requests import (MAX_STOP_SEQUENCES, SAMPLING_NOT_IN_BODY, ChatRequest,
+                                               CompletionRequest, parse_chat_request, parse_completion_request,
                                                to_sampling_params, to_tokenize_request, to_tokenize_requests)
 from glmrt.serving.openai_api.responses import (LOGPROB_FLOOR, ChoiceAccumulator, UsageTotals,
                                                 chat_completion_response, completion_response, models_response,
@@ -51,5 +51,5 @@ __all__ = [
     "new_request_id", "response_index", "usage_json", "UsageTotals", "ChoiceAccumulator",
     "chat_completion_response", "completion_response", "ChatStream", "CompletionStream",
     "chat_chunk", "completion_chunk", "usage_chunk", "sse", "sse_error", "SSE_DONE", "models_response",
-    "MAX_STOP_SEQUENCES", "LOGPROB_FLOOR",
+    "MAX_STOP_SEQUENCES", "SAMPLING_NOT_IN_BODY", "LOGPROB_FLOOR",
 ]
