@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from glmrt.serving.openai_api.errors import bad_request, not_supported
@@ -12,6 +12,15 @@ from glmrt.serving.openai_api.fields import read_object, type_error, value_error
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _IMAGE_TYPES = ("image_url", "image")
 _VIDEO_TYPES = ("video_url", "video")
+
+
+def _each_object(items: list, p: str) -> Iterator[tuple[str, dict]]:
+    """(`p[i]`, item) for each item of an array that must hold objects."""
+    for i, item in enumerate(items):
+        param = f"{p}[{i}]"
+        if not isinstance(item, dict):
+            raise type_error(param, "an object", item)
+        yield param, item
 
 
 def _check_content(content: Any, role: str, p: str) -> None:
@@ -24,10 +33,7 @@ def _check_content(content: Any, role: str, p: str) -> None:
     if not isinstance(content, list):
         raise type_error(p, "a string or an array of content parts", content)
     media_ok = role == "user"
-    for j, part in enumerate(content):
-        pp = f"{p}[{j}]"
-        if not isinstance(part, dict):
-            raise type_error(pp, "an object", part)
+    for pp, part in _each_object(content, p):
         t = part.get("type")
         if not isinstance(t, str):
             raise bad_request(f"Missing or invalid 'type' in content part '{pp}'.", f"{pp}.type", "invalid_value")
@@ -54,10 +60,7 @@ def _check_content(content: Any, role: str, p: str) -> None:
 def _check_tool_calls(calls: Any, p: str) -> None:
     if not isinstance(calls, list):
         raise type_error(p, "an array", calls)
-    for j, call in enumerate(calls):
-        pp = f"{p}[{j}]"
-        if not isinstance(call, dict):
-            raise type_error(pp, "an object", call)
+    for pp, call in _each_object(calls, p):
         if call.get("type", "function") != "function":
             raise not_supported(f"Tool call type {call.get('type')!r} is not supported.", f"{pp}.type")
         fn = call.get("function")
@@ -87,10 +90,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         raise type_error("messages", "an array", messages)
     if not messages:
         raise bad_request("'messages' must contain at least one message.", "messages", "empty_array")
-    for i, m in enumerate(messages):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise type_error(p, "an object", m)
+    for p, m in _each_object(messages, "messages"):
         role = m.get("role")
         if not isinstance(role, str):
             raise bad_request(f"Missing or invalid 'role' in '{p}'.", f"{p}.role", "invalid_value")
@@ -119,10 +119,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(tools, list):
         raise type_error("tools", "an array", tools)
-    for i, tool in enumerate(tools):
-        p = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise type_error(p, "an object", tool)
+    for p, tool in _each_object(tools, "tools"):
         if tool.get("type", "function") != "function":
             raise not_supported(f"Tool type {tool.get('type')!r} is not supported; only 'function' tools are.",
                                 f"{p}.type")

@@ -58,31 +58,25 @@ def as_int(v: Any, param: str) -> int:
     return v
 
 
-def read_bool(body: Mapping, name: str) -> bool | None:
+def _read_typed(body: Mapping, name: str, kind: type, expected: str) -> Any:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, bool):
-        raise type_error(name, "a boolean", v)
+    if not isinstance(v, kind):
+        raise type_error(name, expected, v)
     return v
+
+
+def read_bool(body: Mapping, name: str) -> bool | None:
+    return _read_typed(body, name, bool, "a boolean")
 
 
 def read_str(body: Mapping, name: str) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise type_error(name, "a string", v)
-    return v
+    return _read_typed(body, name, str, "a string")
 
 
 def read_object(body: Mapping, name: str) -> dict | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise type_error(name, "an object", v)
-    return v
+    return _read_typed(body, name, dict, "an object")
 
 
 def decode_body(body: bytes | str) -> dict[str, Any]:

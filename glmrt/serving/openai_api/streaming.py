@@ -13,22 +13,22 @@ from glmrt.serving.openai_api.responses import (ChoiceState, UsageTotals, chat_l
                                                 finish_reason_for, response_index)
 
 
-def chat_chunk(id: str, model: str, created: int, choices: list[dict[str, Any]],
-               usage: dict[str, Any] | None = None, *, include_usage: bool = False) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": choices}
+def _chunk(obj: str, id: str, model: str, created: int, choices: list[dict[str, Any]],
+           usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": id, "object": obj, "created": created, "model": model, "choices": choices}
     if include_usage or usage is not None:
         chunk["usage"] = usage
     return chunk
+
+
+def chat_chunk(id: str, model: str, created: int, choices: list[dict[str, Any]],
+               usage: dict[str, Any] | None = None, *, include_usage: bool = False) -> dict[str, Any]:
+    return _chunk("chat.completion.chunk", id, model, created, choices, usage, include_usage)
 
 
 def completion_chunk(id: str, model: str, created: int, choices: list[dict[str, Any]],
                      usage: dict[str, Any] | None = None, *, include_usage: bool = False) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": id, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices}
-    if include_usage or usage is not None:
-        chunk["usage"] = usage
-    return chunk
+    return _chunk("text_completion", id, model, created, choices, usage, include_usage)
 
 
 def usage_chunk(id: str, model: str, created: int, usage: dict[str, Any], *,
