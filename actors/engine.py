@@ -42,8 +42,8 @@ class EngineActor(Actor):
         self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
         self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
         self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (Reservation, HandoffOffer)
-        self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
-        self._vision_results: dict[str, tuple] = {}          # embeddings that came first
+        self._vision_wait: dict[P.RequestKey, P.EngineRequest] = {}  # waiting for a vision actor's embeddings
+        self._vision_results: dict[P.RequestKey, tuple] = {}        # embeddings that came first
         from actors.handoff import layout_of, make_transfer
         import os
         self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
