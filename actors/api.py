@@ -30,12 +30,11 @@ log = logging.getLogger("glmrt.api")
 
 @dataclass
 class Inflight:
-    rid: str
+    key: P.RequestKey  # one prompt's engine request (all its choices)
     queue: asyncio.Queue
     engine: str
     tokenizer: str
     detokenizer: str
-    prompt_index: int = 0
     decode: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -57,7 +56,7 @@ class ApiServer:
         ctx = supervisor.ctx
         self.inbox = Inbox(ctx, inbox_address(supervisor.run_dir, "api/0"), codec_for("api/0"))
         self.peers = supervisor.peers
-        self.inflight: dict[str, Inflight] = {}
+        self.inflight: dict[P.RequestKey, Inflight] = {}
         self._rr = itertools.count()
         self.metrics = Metrics()
         self.engine_stats: dict[str, P.EngineStats] = {}
@@ -138,16 +137,14 @@ class ApiServer:
                 continue
             if isinstance(msg, P.TextBatch):
                 for item in msg.items:
-                    self._deliver(item.rid, item)
-            elif isinstance(msg, P.TextOut):
-                self._deliver(msg.rid, msg)
-            elif isinstance(msg, (P.TokenizerError, P.EngineError)):
-                self._deliver(msg.rid, msg)
+                    self._deliver(item)
+            elif isinstance(msg, (P.TextOut, P.TokenizerError, P.EngineError)):
+                self._deliver(msg)
             elif isinstance(msg, P.EngineStats):
                 self.engine_stats[f"{msg.actor}/{msg.replica}"] = msg
 
-    def _deliver(self, rid: str, item: Any) -> None:
-        st = self.inflight.get(rid)
+    def _deliver(self, item: Any) -> None:
+        st = self.inflight.get(item.key.request)
         if st is None:
             return
         now = time.monotonic()
@@ -215,13 +212,13 @@ class ApiServer:
     async def _submit(self, req, rid: str) -> list[Inflight]:
         tok, eng, det, dec = self._route()
         ctx = self.context_length()
-        sampling = oa.to_sampling_msg(req, defaults=self.generation_config, max_model_len=ctx)
+        sampling = oa.to_sampling_params(req, defaults=self.generation_config, max_model_len=ctx)
         queue: asyncio.Queue = asyncio.Queue()
         states = []
-        for i, tr in enumerate(oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time())):
+        for tr in oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time()):
             tr.engine, tr.decode = eng, dec
-            st = Inflight(tr.rid, queue, eng, tok, det, prompt_index=i, decode=dec)
-            self.inflight[tr.rid] = st
+            st = Inflight(tr.key, queue, eng, tok, det, decode=dec)
+            self.inflight[tr.key] = st
             states.append(st)
             await self.peers.send(tok, tr)
         return states
@@ -233,10 +230,10 @@ class ApiServer:
                     if dest is None:
                         continue
                     try:
-                        await asyncio.wait_for(self.peers.send(dest, P.Abort(rid=st.rid)), 1.0)
+                        await asyncio.wait_for(self.peers.send(dest, P.Abort(key=st.key)), 1.0)
                     except Exception:
                         pass
-            self.inflight.pop(st.rid, None)
+            self.inflight.pop(st.key, None)
 
     def _finish_metrics(self, states: list[Inflight], usage: dict | None, status: str) -> None:
         self.metrics.requests.labels(status=status).inc()
@@ -274,12 +271,11 @@ class ApiServer:
         queue = states[0].queue
         n_prompts = len(states)
         total = n_prompts * req.n
-        by_rid = {st.rid: st for st in states}
         created = int(time.time())
         status = "error"
         try:
             if req.stream:
-                resp, ok = await self._stream(request, req, kind, rid, created, queue, by_rid, total)
+                resp, ok = await self._stream(request, req, kind, rid, created, queue, states, total)
                 status = "success" if ok else "error"
                 if not ok:
                     self.metrics.requests.labels(status="error").inc()
@@ -292,8 +288,7 @@ class ApiServer:
                     raise item
                 if isinstance(item, (P.TokenizerError, P.EngineError)):
                     raise oa.error_from_wire(item.status, item.message, getattr(item, "code", None))
-                st = by_rid[item.rid]
-                index = st.prompt_index * req.n + item.index
+                index = oa.response_index(item.key, req.n)
                 acc = accs.get(index)
                 if acc is None:
                     acc = accs[index] = oa.ChoiceAccumulator(
@@ -307,7 +302,7 @@ class ApiServer:
             totals = oa.UsageTotals()
             for i, acc in accs.items():
                 if acc.usage is not None:
-                    totals.add(f"{i // req.n}", acc.usage)
+                    totals.add(i // req.n, acc.usage)  # the prompt's index
             usage = totals.to_json()
             ordered = [accs[i] for i in sorted(accs)]
             if kind == "chat":
@@ -327,9 +322,9 @@ class ApiServer:
             if status != "success" or not all(st.done for st in states):
                 await self._abort(states)
             for st in states:
-                self.inflight.pop(st.rid, None)
+                self.inflight.pop(st.key, None)
 
-    async def _stream(self, request, req, kind, rid, created, queue, by_rid, total) -> web.StreamResponse:
+    async def _stream(self, request, req, kind, rid, created, queue, states, total) -> web.StreamResponse:
         if kind == "chat":
             stream = oa.ChatStream(rid, self.served_model, created, include_usage=req.include_usage,
                                    logprobs=bool(req.logprobs), return_token_ids=req.return_token_ids,
@@ -347,7 +342,6 @@ class ApiServer:
         await resp.prepare(request)
         finished = 0
         item = first
-        states = list(by_rid.values())
         ok = False
         while True:
             if isinstance(item, oa.APIError):
@@ -357,9 +351,7 @@ class ApiServer:
                 await resp.write(oa.sse_error(oa.error_from_wire(item.status, item.message,
                                                                  getattr(item, "code", None))))
                 break
-            st = by_rid[item.rid]
-            chunks = stream.on_text(item) if kind == "chat" else stream.on_text(item, st.prompt_index)
-            for c in chunks:
+            for c in stream.on_text(item):
                 await resp.write(oa.sse(c))
             if item.finished:
                 finished += 1

@@ -3,7 +3,8 @@
 Per choice: an IncrementalDetokenizer (stop strings), then the glm45 reasoning parser (when
 the template opened a think block), then the glm47 tool parser (when the request has
 tools). Streamed requests get deltas as tokens arrive; non-streamed ones get one final
-TextOut built by the non-streaming parsers, so both shapes follow PROTOCOLS.md exactly.
+TextOut built by the non-streaming parsers, so both shapes carry the same text, reasoning
+and calls.
 Tokens may reach it out of order (prefill and decode engines) or before the request's
 DetokenizeRequest: both are buffered. No torch in this process.
 """
@@ -76,8 +77,8 @@ class DetokenizerActor(Actor):
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.DetokenizeRequest):
-            self.reqs[msg.rid] = Req(msg)
-            _, early = self.orphans.pop(msg.rid, (0.0, []))
+            self.reqs[msg.key] = Req(msg)
+            _, early = self.orphans.pop(msg.key, (0.0, []))
             if early:
                 await self._process(early)
         elif isinstance(msg, P.TokenBatch):
@@ -85,24 +86,25 @@ class DetokenizerActor(Actor):
         elif isinstance(msg, P.TokenOut):
             await self._process([msg])
         elif isinstance(msg, P.EngineError):
-            self.reqs.pop(msg.rid, None)
-            self.orphans.pop(msg.rid, None)
+            self.reqs.pop(msg.key, None)
+            self.orphans.pop(msg.key, None)
             await self.send("api/0", msg)
         elif isinstance(msg, P.Abort):
-            self.reqs.pop(msg.rid, None)
-            self.orphans.pop(msg.rid, None)
+            self.reqs.pop(msg.key.request, None)
+            self.orphans.pop(msg.key.request, None)
 
     # ---- tokens -> text ------------------------------------------------------------------
     async def _process(self, items: list[P.TokenOut]) -> None:
         outs: list[P.TextOut] = []
         now = time.monotonic()
         for item in items:
-            req = self.reqs.get(item.rid)
+            key = item.key.request
+            req = self.reqs.get(key)
             if req is None:
-                t, buf = self.orphans.setdefault(item.rid, (now, []))
+                t, buf = self.orphans.setdefault(key, (now, []))
                 buf.append(item)
                 continue
-            ch = self._choice(req, item.index)
+            ch = self._choice(req, item.key.choice)
             if ch.done:
                 continue
             ch.pending[item.first_index] = item
@@ -113,9 +115,9 @@ class DetokenizerActor(Actor):
                 if out is not None:
                     outs.append(out)
             if all(c.done for c in req.choices.values()) and len(req.choices) >= req.cfg.sampling.n:
-                del self.reqs[item.rid]
-        for rid in [r for r, (t, _) in self.orphans.items() if now - t > ORPHAN_TTL_S]:
-            del self.orphans[rid]
+                del self.reqs[key]
+        for key in [k for k, (t, _) in self.orphans.items() if now - t > ORPHAN_TTL_S]:
+            del self.orphans[key]
         if outs:
             await self.send("api/0", P.TextBatch(items=outs))
 
@@ -161,7 +163,7 @@ class DetokenizerActor(Actor):
         reason = it.finish_reason if it.finished else None
         if ch.detok.stopped and reason is None:
             reason = "stop"
-            self._abort_choice(cfg, it.index)
+            self._abort_choice(cfg, it.key)
         finished = reason is not None
         if finished:
             text += ch.detok.finish()
@@ -170,7 +172,7 @@ class DetokenizerActor(Actor):
         usage = P.Usage(prompt_tokens=it.prompt_tokens or cfg.prompt_tokens, completion_tokens=it.completion_tokens,
                         cached_tokens=it.cached_tokens) if finished else None
         prompt_ids = None
-        if cfg.prompt_token_ids is not None and not ch.sent_any and it.index == 0:
+        if cfg.prompt_token_ids is not None and not ch.sent_any and it.key.choice == 0:
             prompt_ids = list(cfg.prompt_token_ids)
         if not cfg.stream:
             ch.raw.append(text)
@@ -179,10 +181,10 @@ class DetokenizerActor(Actor):
                 ch.logprobs += lps
             if not finished:
                 return None
-            return self._final(req, ch, it.index, reason, usage, prompt_ids)
+            return self._final(req, ch, it.key, reason, usage, prompt_ids)
         reasoning, content, calls = self._stream_parse(ch, text, reason if finished else None)
         ch.sent_any = True
-        return P.TextOut(rid=cfg.rid, index=it.index, text=content, reasoning=reasoning, tool_calls=calls,
+        return P.TextOut(key=it.key, text=content, reasoning=reasoning, tool_calls=calls,
                          token_ids=list(it.token_ids), finished=finished, finish_reason=reason, usage=usage,
                          logprobs=lps, prompt_token_ids=prompt_ids)
 
@@ -206,7 +208,7 @@ class DetokenizerActor(Actor):
                     calls.append(P.ToolCallDelta(index=d.index, arguments=d.arguments or "", id=d.id, name=d.name))
         return reasoning, content, calls
 
-    def _final(self, req: Req, ch: Choice, index: int, reason: str, usage, prompt_ids) -> P.TextOut:
+    def _final(self, req: Req, ch: Choice, key: P.RequestKey, reason: str, usage, prompt_ids) -> P.TextOut:
         from glmrt.serving.reasoning import parse as parse_reasoning
         text = "".join(ch.raw)
         reasoning = ""
@@ -217,12 +219,12 @@ class DetokenizerActor(Actor):
         if ch.tools is not None:
             text, found = ch.tools.parse(text)
             calls = [P.ToolCallDelta(index=c.index, arguments=c.arguments_json, id=c.id, name=c.name) for c in found]
-        return P.TextOut(rid=req.cfg.rid, index=index, text=text, reasoning=reasoning, tool_calls=calls,
+        return P.TextOut(key=key, text=text, reasoning=reasoning, tool_calls=calls,
                          token_ids=ch.token_ids, finished=True, finish_reason=reason, usage=usage,
                          logprobs=ch.logprobs or None, prompt_token_ids=prompt_ids)
 
-    def _abort_choice(self, cfg: P.DetokenizeRequest, index: int) -> None:
+    def _abort_choice(self, cfg: P.DetokenizeRequest, key: P.RequestKey) -> None:
         import asyncio
         if cfg.engine:
-            msg = P.Abort(rid=cfg.rid, index=index if cfg.sampling.n > 1 else None)
+            msg = P.Abort(key=key, choice_only=cfg.sampling.n > 1)
             asyncio.get_running_loop().create_task(self.send(cfg.engine, msg))

@@ -38,12 +38,12 @@ class EngineActor(Actor):
         self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self._log))
         self._pending: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
-        self._routes: dict[str, tuple[str, int, str]] = {}   # engine rid -> (api rid, choice index, detok)
-        self._prompt_cached: dict[str, int] = {}               # api rid -> cached prompt tokens of choice 0
+        self._routes: dict[str, tuple[P.RequestKey, str]] = {}  # engine rid -> (its choice's key, detok)
+        self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
         self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
         self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (Reservation, HandoffOffer)
-        self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
-        self._vision_results: dict[str, tuple] = {}          # embeddings that came first
+        self._vision_wait: dict[P.RequestKey, P.EngineRequest] = {}  # waiting for a vision actor's embeddings
+        self._vision_results: dict[P.RequestKey, tuple] = {}        # embeddings that came first
         from actors.handoff import layout_of, make_transfer
         self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
         self.xfer = make_transfer(self.engine, self.spec.actor_id.replace("/", "-")) if cfg.role != "unified" else None
@@ -73,9 +73,9 @@ class EngineActor(Actor):
             mm = []
             if msg.mm_items and any(it.tensor is None for it in msg.mm_items):
                 # a vision actor computes the embeddings: hold the request until they arrive
-                early = self._vision_results.pop(msg.rid, None)
+                early = self._vision_results.pop(msg.key, None)
                 if early is None:
-                    self._vision_wait[msg.rid] = msg
+                    self._vision_wait[msg.key] = msg
                     return
                 self._join_vision(msg, *early)
                 self._wake.set()
@@ -93,9 +93,9 @@ class EngineActor(Actor):
             await self.send(msg.reply_to, self._stats(msg.qid))
             return
         elif isinstance(msg, P.VisionResult):
-            req_msg = self._vision_wait.pop(msg.rid, None)
+            req_msg = self._vision_wait.pop(msg.key, None)
             if req_msg is None:
-                self._vision_results[msg.rid] = (msg, frames)
+                self._vision_results[msg.key] = (msg, frames)
                 return
             self._join_vision(req_msg, msg, frames)
         elif isinstance(msg, P.HandoffOffer):
@@ -126,45 +126,42 @@ class EngineActor(Actor):
         pending, self._pending = self._pending, []
         for op, arg in pending:
             if op == "abort":
-                for rid, (api_rid, index, _) in list(self._routes.items()):
-                    if api_rid == arg.rid and (arg.index is None or arg.index == index):
+                for rid, (key, _) in list(self._routes.items()):
+                    if arg.drops(key):
                         if rid in self.engine.handoffs:
                             self._release_handoff(rid)
                         else:
                             self.engine.abort(rid)
                         self.engine.requests.pop(rid, None)
                         del self._routes[rid]
-                for rid in [r for r in self._reservations if r.partition("#")[0] == arg.rid]:
+                for rid in [r for r, (_, offer, _) in self._reservations.items() if arg.drops(offer.key)]:
                     from glmrt.engine import handoff
                     handoff.cancel(self.engine, rid)
                     del self._reservations[rid]
                 continue
             if op == "error":
                 m, why = arg
-                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=why)))
+                errors.append((m.detokenizer, P.EngineError(key=m.key, status=400, message=why)))
                 continue
             if op in ("offer", "accept", "kv", "done"):
                 errors += getattr(self, f"_pd_{op}")(arg)
                 continue
             m, mm = arg
-            s = m.sampling
             if self.engine.config.role == "prefill" and not m.decode:
-                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=500,
+                errors.append((m.detokenizer, P.EngineError(key=m.key, status=500,
                                                             message="prefill engine got a request without a decode")))
                 continue
-            params = self._params(s, n=s.n)
             try:
-                rids = self.engine.add_request(m.prompt_ids, params, rid=f"{m.rid}#{time.monotonic_ns()}",
-                                               mm_items=mm or None)
+                rids = self.engine.add_request(m.prompt_ids, m.sampling, mm_items=mm or None)
             except ContextLengthExceeded as e:
-                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e),
+                errors.append((m.detokenizer, P.EngineError(key=m.key, status=400, message=str(e),
                                                             code="context_length_exceeded")))
                 continue
             except ValueError as e:
-                errors.append((m.detokenizer, P.EngineError(rid=m.rid, status=400, message=str(e))))
+                errors.append((m.detokenizer, P.EngineError(key=m.key, status=400, message=str(e))))
                 continue
-            for i, rid in enumerate(rids):
-                self._routes[rid] = (m.rid, i, m.detokenizer)
+            for i, rid in enumerate(rids):  # one engine request per choice, in choice order
+                self._routes[rid] = (m.key.with_choice(i), m.detokenizer)
                 if m.decode:
                     self._pd[rid] = (m.decode, m.sampling, None)
         return errors
@@ -196,7 +193,7 @@ class EngineActor(Actor):
         self.engine.requests.pop(rid, None)
         if route is None:
             return []
-        return [(route[2], P.EngineError(rid=route[0], status=status, message=message))]
+        return [(route[1], P.EngineError(key=route[0].request, status=status, message=message))]
 
     def _pd_offer(self, offer: P.HandoffOffer) -> list:
         from actors.handoff import layout_mismatch
@@ -204,7 +201,7 @@ class EngineActor(Actor):
         reason = layout_mismatch(self._layout, offer.layout)
         if reason is None:
             try:
-                params = self._params(offer.sampling)
+                params = offer.sampling.replace(n=1)  # the offer is one choice of the request
                 res = handoff.reserve(self.engine, offer.rid, offer.prompt_ids, offer.first_token, params)
                 self._reservations[offer.rid] = (res, offer, time.monotonic())
                 info = None
@@ -234,8 +231,8 @@ class EngineActor(Actor):
         comps, tensors = pack(self.engine, rid, acc.reused_tokens)
         c = self.engine.counters
         c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(x.num_bytes for x in comps)
-        _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
-        detok = self._routes.get(rid, ("", 0, ""))[2]
+        _, sampling, _ = self._pd.get(rid, (None, P.SamplingParams(), None))
+        detok = self._routes.get(rid, (None, ""))[1]
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=comps,
                           sampling=sampling, detokenizer=detok, prompt_ids=list(req.prompt_ids))
         return [(acc.decode, msg, tensors)]
@@ -254,9 +251,9 @@ class EngineActor(Actor):
         # NOTE: a checksum of GPU memory costs a device-to-host copy of the bytes: opt-in
         checksum = env.kv_checksum()
         handle = self.xfer.write(peer, local, remote, checksum=checksum, transfer_id=rid)
-        _, sampling, _ = self._pd.get(rid, (None, P.SamplingMsg(), None))
+        _, sampling, _ = self._pd.get(rid, (None, P.SamplingParams(), None))
         msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=[],
-                          sampling=sampling, detokenizer=self._routes.get(rid, ("", 0, ""))[2],
+                          sampling=sampling, detokenizer=self._routes.get(rid, (None, ""))[1],
                           prompt_ids=list(req.prompt_ids), transfer_id=rid)
         self._transfers.append((handle, acc.decode, msg))
         c = self.engine.counters
@@ -280,7 +277,7 @@ class EngineActor(Actor):
                 self._wake.set()
 
     def _pd_kv(self, arg) -> list:
-        from actors.handoff import pool_tensors, regions, split_rid, unpack
+        from actors.handoff import pool_tensors, regions, unpack
         from glmrt.engine import handoff
         msg, frames = arg
         entry = self._reservations.pop(msg.rid, None)
@@ -297,16 +294,15 @@ class EngineActor(Actor):
                                                          res.slot))
         except (handoff.HandoffError, KeyError, ValueError, RuntimeError) as e:
             handoff.cancel(self.engine, msg.rid)
-            api_rid, _ = split_rid(msg.rid)
             return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=False, reason=str(e))),
-                    (offer.detokenizer, P.EngineError(rid=api_rid, status=503, message=f"handoff failed: {e}"))]
+                    (offer.detokenizer, P.EngineError(key=offer.key.request, status=503,
+                                                      message=f"handoff failed: {e}"))]
         handoff.activate(self.engine, msg.rid)
         self.engine.requests[msg.rid].cached_tokens = offer.cached_tokens
         c = self.engine.counters
         c["handoff_bytes_received"] = c.get("handoff_bytes_received", 0) + moved
         c["handoff_reused_tokens"] = c.get("handoff_reused_tokens", 0) + res.reused_tokens
-        api_rid, index = split_rid(msg.rid)
-        self._routes[msg.rid] = (api_rid, index, offer.detokenizer)
+        self._routes[msg.rid] = (offer.key, offer.detokenizer)
         return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=True))]
 
     def _pd_done(self, done: P.HandoffDone) -> list:
@@ -334,9 +330,9 @@ class EngineActor(Actor):
             req = self.engine.handoffs[o.rid]
             self._pd[o.rid] = (decode, sampling, now)
             msgs.append((decode, P.HandoffOffer(
-                rid=o.rid, prompt_ids=list(req.prompt_ids), first_token=req.output_ids[0], sampling=sampling,
-                detokenizer=self._routes[o.rid][2], prefill=self.spec.actor_id, layout=self._layout,
-                cached_tokens=req.cached_tokens,
+                rid=o.rid, key=self._routes[o.rid][0], prompt_ids=list(req.prompt_ids),
+                first_token=req.output_ids[0], sampling=sampling, detokenizer=self._routes[o.rid][1],
+                prefill=self.spec.actor_id, layout=self._layout, cached_tokens=req.cached_tokens,
                 transfer_info=self.xfer.peer_info() if self.xfer is not None else None)))
         for rid, (_, offer, t) in list(self._reservations.items()):  # a prefill that never sends the state
             if now - t > HANDOFF_TIMEOUT_S:
@@ -349,16 +345,6 @@ class EngineActor(Actor):
                 msgs += self._fail(rid, 503, f"handoff to {decode} timed out")
         return msgs
 
-    @staticmethod
-    def _params(s: P.SamplingMsg, n: int = 1):
-        from glmrt.sampling_params import SamplingParams
-        return SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos, max_tokens=s.max_tokens, min_tokens=s.min_tokens, logprobs=s.logprobs,
-            top_logprobs=s.top_logprobs, n=n)
-
     def _step(self) -> tuple[list, list]:
         errors = self._apply_pending()
         outs = self.engine.step() if self.engine.has_work() else []
@@ -366,31 +352,31 @@ class EngineActor(Actor):
         prompt_cached = self._prompt_cached
         for o in outs:
             route = self._routes.get(o.rid)
-            if route is not None and route[1] == 0 and route[0] not in prompt_cached:
+            if route is not None and route[0].choice == 0 and route[0] not in prompt_cached:
                 prompt_cached[route[0]] = o.cached_tokens
         for o in outs:
             route = self._routes.get(o.rid)
             if route is None:
                 continue
-            api_rid, index, detok = route
+            key, detok = route
             req = self.engine.requests.get(o.rid)
             top = [list(map(tuple, t)) if t else [] for t in o.new_top_logprobs] if o.new_top_logprobs else None
             handing_off = o.finish_reason == "handoff"
             finished = o.finished and not handing_off
             batches.setdefault(detok, []).append(P.TokenOut(
-                rid=api_rid, token_ids=o.new_token_ids, first_index=o.completion_tokens - len(o.new_token_ids),
-                index=index, finished=finished, finish_reason=o.finish_reason if finished else None,
+                key=key, token_ids=o.new_token_ids, first_index=o.completion_tokens - len(o.new_token_ids),
+                finished=finished, finish_reason=o.finish_reason if finished else None,
                 prompt_tokens=o.prompt_tokens,
                 completion_tokens=o.completion_tokens,
                 # n > 1: the prompt was computed once, by choice 0; report its cached count for all
-                cached_tokens=prompt_cached.get(api_rid, o.cached_tokens) if index else o.cached_tokens,
+                cached_tokens=prompt_cached.get(key.request, o.cached_tokens) if key.choice else o.cached_tokens,
                 logprobs=[x if x is not None else 0.0 for x in o.new_logprobs] if o.new_logprobs else None,
                 top_logprobs=top))
             if finished:
                 del self._routes[o.rid]
                 self._pd.pop(o.rid, None)
-                if not any(r[0] == api_rid for r in self._routes.values()):
-                    prompt_cached.pop(api_rid, None)
+                if not any(k.request == key.request for k, _ in self._routes.values()):
+                    prompt_cached.pop(key.request, None)
                 if req is not None:
                     self.engine.requests.pop(o.rid, None)
         errors += self._offers(outs)

@@ -38,13 +38,6 @@ def layout_mismatch(mine: dict, theirs: dict) -> str | None:
     return "incompatible prefill/decode pair (" + "; ".join(diffs) + ")" if diffs else None
 
 
-def split_rid(engine_rid: str) -> tuple[str, int]:
-    """Engine rid `API#N` or `API#N-i` (choice i) -> (api rid, choice index)."""
-    api, _, rest = engine_rid.partition("#")
-    _, dash, idx = rest.partition("-")
-    return api, int(idx) if dash else 0
-
-
 def pack(engine, engine_rid: str, reused_tokens: int, checksum: bool = True):
     """Prefill side: the typed components from the decode side's first missing page on."""
     pages, slot = handoff.source_pages(engine, engine_rid, reused_tokens)

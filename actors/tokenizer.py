@@ -100,11 +100,11 @@ class TokenizerActor(Actor):
                 media = []
         except (ValueError, OSError) as e:
             await self.send("api/0",
-                            P.TokenizerError(rid=m.rid, status=400, message=str(e), code="invalid_request"))
+                            P.TokenizerError(key=m.key, status=400, message=str(e), code="invalid_request"))
             return
         reasoning = m.kind == "chat" and thinking
         await self.send(m.reply_to, P.DetokenizeRequest(
-            rid=m.rid, sampling=m.sampling, prompt_tokens=len(ids), stream=m.stream, reasoning=reasoning,
+            key=m.key, sampling=m.sampling, prompt_tokens=len(ids), stream=m.stream, reasoning=reasoning,
             tools=m.tools if m.kind == "chat" else None,
             prompt_token_ids=ids if m.return_token_ids else None,
             engine=m.decode or m.engine,  # where a stop string's Abort must go (decode holds it after the first token)
@@ -119,11 +119,11 @@ class TokenizerActor(Actor):
         if mm_items and visions:
             # a vision actor runs the tower; the engine waits for its embeddings
             target = f"vision/{self.num % visions}"
-            await self.send(target, P.VisionRequest(rid=m.rid, items=mm_items, engine=m.engine,
+            await self.send(target, P.VisionRequest(key=m.key, items=mm_items, engine=m.engine,
                                                     detokenizer=m.reply_to), tensors)
             mm_items = [P.MMItem(kind=x.kind, grid_thw=x.grid_thw, num_tokens=x.num_tokens) for x in mm_items]
             tensors = []
-        await self.send(m.engine, P.EngineRequest(rid=m.rid, prompt_ids=ids, sampling=m.sampling,
+        await self.send(m.engine, P.EngineRequest(key=m.key, prompt_ids=ids, sampling=m.sampling,
                                                   detokenizer=m.reply_to, mm_items=mm_items, decode=m.decode,
                                                   arrival=m.arrival),
                         tensors)

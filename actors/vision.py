@@ -67,15 +67,15 @@ class VisionActor(Actor):
             try:
                 embeds = await loop.run_in_executor(self._executor, self._encode, msg, frames)
             except Exception as e:  # a bad item fails its request, not the actor
-                await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=[], error=f"vision failed: {e}"))
+                await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=[], error=f"vision failed: {e}"))
                 return
             if self.transport == "cuda_ipc":
                 from transport.cuda_ipc import export_cuda
-                await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=[],
+                await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=[],
                                                            cuda_ipc=[export_cuda(t) for t in embeds]))
                 return
             refs = [P.TensorRef(dtype="float32", shape=list(t.shape), frame=i) for i, t in enumerate(embeds)]
-            await self.send(msg.engine, P.VisionResult(rid=msg.rid, embeddings=refs), embeds)
+            await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=refs), embeds)
         finally:
             self.inflight -= 1
 

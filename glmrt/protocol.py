@@ -2,7 +2,7 @@
 
 Each top-level message is a tagged msgspec Struct (tag field "t", tag = class name), so one
 socket decodes the union its inbox accepts (`ENGINE_IN`, `DETOK_IN`, ... at the bottom).
-Nested payload structs (`SamplingMsg`, `MMItem`, `TensorRef`, ...) are untagged: the field
+Nested payload structs (`SamplingParams`, `MMItem`, `TensorRef`, ...) are untagged: the field
 that holds them fixes their type.
 
 NOTE: msgspec cannot decode a union that mixes array-like and map-like structs, and the
@@ -13,8 +13,9 @@ Per-token messages also skip GC tracking (`gc=False`); they never form reference
 Tensors never travel inside a message: a `TensorRef` (dtype, shape, frame) describes a raw
 buffer carried as an out-of-band frame after the msgpack header (see transport/codec.py).
 
-This module imports nothing of ours and no torch, so every actor (and the tests) can load it
-in milliseconds. `SamplingMsg` mirrors glmrt.sampling_params.SamplingParams field for field.
+This module imports no torch and nothing of ours but glmrt.sampling_params (data only), so
+every actor (and the tests) can load it in milliseconds. The sampling knobs travel as the
+engine's own `SamplingParams`, so no field is copied by hand between the api and the sampler.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+from glmrt.sampling_params import SamplingParams
 
 
 class Msg(msgspec.Struct, tag_field="t", tag=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -57,28 +60,24 @@ class TensorRef(Part):
     frame: int
 
 
-class SamplingMsg(Part):
-    """SamplingParams on the wire, plus the stop strings the detokenizer handles."""
+class RequestKey(HotPart, frozen=True):
+    """Which request a message is about: the api's response id `rid`, its prompt `prompt` (a
+    completion with a list of prompts is one engine request per prompt) and choice `choice`
+    (n > 1). Messages about a whole prompt (tokenize, engine and detokenize requests, errors)
+    carry choice 0; token and text deltas carry their choice. Inside an engine a request has
+    its own string id, mapped to its key by the engine actor, never parsed."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    max_tokens: int = 16
-    min_tokens: int = 0
-    logprobs: bool = False
-    top_logprobs: int = 0
-    n: int = 1
-    # detokenizer-only knobs (the engine ignores them)
-    stop: list[str] = []
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    rid: str
+    prompt: int = 0
+    choice: int = 0
+
+    @property
+    def request(self) -> RequestKey:
+        """The key of the whole prompt's request this choice belongs to."""
+        return self if self.choice == 0 else msgspec.structs.replace(self, choice=0)
+
+    def with_choice(self, choice: int) -> RequestKey:
+        return msgspec.structs.replace(self, choice=choice)
 
 
 class MMItem(Part):
@@ -141,9 +140,9 @@ class ActorFailed(Msg):
 class TokenizeRequest(Msg):
     """A validated OpenAI request. Addresses are address ids (e.g. "detokenizer/0")."""
 
-    rid: str
+    key: RequestKey
     kind: Literal["chat", "completion"]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     reply_to: str  # the detokenizer that will see this request's tokens
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
@@ -160,7 +159,7 @@ class TokenizeRequest(Msg):
 class TokenizerError(Msg):
     """Bad input found while tokenizing (context too long, bad image, ...): answer `status`."""
 
-    rid: str
+    key: RequestKey
     status: int
     message: str
     code: str | None = None
@@ -172,9 +171,9 @@ class TokenizerError(Msg):
 
 
 class EngineRequest(Msg):
-    rid: str
+    key: RequestKey
     prompt_ids: list[int]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     detokenizer: str
     mm_items: list[MMItem] = []
     decode: str | None = None  # PD only: where the prefill hands the request's state
@@ -185,11 +184,11 @@ class DetokenizeRequest(Msg):
     """Registers a request with its detokenizer, sent by the tokenizer before the EngineRequest.
 
     NOTE: it races the engine's first TokenOut (different senders into one PULL socket), so
-    the detokenizer buffers tokens of an unknown rid until this arrives.
+    the detokenizer buffers tokens of an unknown request until this arrives.
     """
 
-    rid: str
-    sampling: SamplingMsg
+    key: RequestKey
+    sampling: SamplingParams
     prompt_tokens: int
     stream: bool = False
     reasoning: bool = False  # parse <think>...</think> into reasoning (template opened it)
@@ -208,10 +207,9 @@ class TokenOut(HotMsg):
     """New tokens of one choice. `first_index` is token_ids[0]'s position in the output, so the
     detokenizer orders tokens that reach it out of order from a prefill and a decode engine."""
 
-    rid: str
+    key: RequestKey  # with its choice
     token_ids: list[int]
     first_index: int
-    index: int = 0  # choice index (n > 1)
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -230,7 +228,7 @@ class TokenBatch(HotMsg):
 class EngineError(Msg):
     """The engine failed a request (also forwarded detokenizer -> api)."""
 
-    rid: str
+    key: RequestKey
     status: int
     message: str
     code: str | None = None  # OpenAI error code, e.g. "context_length_exceeded"
@@ -273,8 +271,7 @@ class TokenLogprob(HotPart):
 class TextOut(HotMsg):
     """A delta of one choice: new text, reasoning and tool-call fragments since the last one."""
 
-    rid: str
-    index: int = 0
+    key: RequestKey  # with its choice
     text: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = []
@@ -296,11 +293,16 @@ class TextBatch(HotMsg):
 
 
 class Abort(Msg):
-    """Drop request `rid` (client gone), or only its choice `index` (a stop string matched in
-    that choice); unknown rids are ignored."""
+    """Drop the request `key` names, every choice of it (client gone), or with `choice_only`
+    only its choice `key.choice` (a stop string matched in that choice); unknown keys are
+    ignored."""
 
-    rid: str
-    index: int | None = None
+    key: RequestKey
+    choice_only: bool = False
+
+    def drops(self, key: RequestKey) -> bool:
+        """Whether this abort covers choice `key`."""
+        return key.request == self.key.request and (not self.choice_only or key.choice == self.key.choice)
 
 
 class EngineStatsQuery(Msg):
@@ -348,7 +350,7 @@ class KVHandoff(Msg):
     prompt_len: int
     first_token: int
     components: list[StateComponent]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     detokenizer: str
     prompt_ids: list[int] = []  # for penalties and the decode-side prefix cache
     transfer_id: str | None = None  # NIXL transfer carrying components without a tensor frame
@@ -360,9 +362,10 @@ class HandoffOffer(Msg):
     check (model, dtypes, tp, page size, pool layouts): a mismatch is refused by name."""
 
     rid: str
+    key: RequestKey  # the choice the decode will serve
     prompt_ids: list[int]
     first_token: int
-    sampling: SamplingMsg
+    sampling: SamplingParams
     detokenizer: str
     prefill: str
     layout: dict[str, Any] = {}
@@ -418,7 +421,7 @@ class VisionRequest(Msg):
     """Tokenizer -> vision actor: pixel patches (tensor frames) of a request's items; the
     embeddings go to `engine`, which holds the request until they arrive."""
 
-    rid: str
+    key: RequestKey
     items: list[MMItem]
     engine: str = ""
     detokenizer: str = ""
@@ -427,7 +430,7 @@ class VisionRequest(Msg):
 class VisionResult(Msg):
     """Embeddings of `VisionRequest.items`, one TensorRef per item, in order (or an error)."""
 
-    rid: str
+    key: RequestKey
     embeddings: list[TensorRef]
     error: str | None = None
     cuda_ipc: list[dict[str, Any]] | None = None  # feature transport cuda_ipc: handles instead of frames

@@ -1,14 +1,18 @@
 """Per-request sampling parameters: the knobs, their OpenAI/vLLM ranges, checkpoint defaults.
 
-Data only (no torch): the API actor validates these and the engine's sampler reads them.
+One type from end to end: the api builds and validates a `SamplingParams`, the wire messages
+carry it as is (it is a msgspec Struct in glmrt.protocol's positional form), and the engine's
+sampler reads the same object. Adding a knob means one field here plus its check in
+`validate`; the api reads a field of a plain type (float, int, bool, list[int]) from the
+request body by its name without further code. Data only: no torch, nothing of ours.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 # generation_config.json keys that become SamplingParams defaults (vLLM's list of sampling knobs).
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -16,9 +20,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 
 
-@dataclass
-class SamplingParams:
-    """How one request picks its tokens. `top_k` of -1 or 0 means off; `seed=None` is unseeded."""
+class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """How one request picks its tokens. `top_k` of -1 or 0 means off; `seed=None` is unseeded.
+
+    Positional on the wire (see glmrt.protocol): add new fields at the end, with a default.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -28,18 +34,26 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # read by the detokenizer only (the engine stops on token ids, never on text)
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:
         """Argmax decoding: temperature 0 or top_k 1 (no random draw, no generator consumed)."""
         return self.temperature == 0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes` applied (the engine's per-choice seeds, a decode's one choice)."""
+        return msgspec.structs.replace(self, **changes)
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise ValueError naming the first out-of-range field; return self for chaining."""
@@ -70,6 +84,8 @@ class SamplingParams:
             in_vocab = _is_int(tok) and tok >= 0 and (vocab_size is None or tok < vocab_size)
             limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
             _check(in_vocab, "stop_token_ids", f"entries must be token ids in {limit}, got {tok!r}")
+        for text in self.stop:
+            _check(isinstance(text, str) and text != "", "stop", f"entries must be non-empty strings, got {text!r}")
         return self
 
     @classmethod
@@ -83,7 +99,7 @@ class SamplingParams:
         if gen.get("do_sample") is False:
             values["temperature"] = 0.0
         values.update({k: v for k, v in overrides.items() if v is not None})
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = set(cls.__struct_fields__)
         unknown = sorted(set(values) - names)
         if unknown:
             raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}")

@@ -553,5 +553,4 @@ class Engine:
 
 
 def _replace_params(params: SamplingParams, **kw) -> SamplingParams:
-    import dataclasses
-    return dataclasses.replace(params, **kw)
+    return params.replace(**kw)

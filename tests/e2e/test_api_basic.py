@@ -1,61 +1,18 @@
 """E2E: the OpenAI surface of a default-topology deployment (tokenizer, engine, detokenizer;
-one each), started once for the module with `--context-length 1024`."""
+one each), started once for the module with `--context-length 1024`: models, chat and
+completions."""
 
 from __future__ import annotations
 
 import json
-import time
 
-import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import has_metric, libs_mapped, metric_sum
+from tests.e2e.api_cases import CONTEXT, GREEDY, TOOLS, USER, extra_field
+from tests.e2e.api_cases import client, dep, model  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
-
-CONTEXT = 1024
-USER = [{"role": "user", "content": "Tell me about the weather in Paris."}]
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-
-
-@pytest.fixture(scope="module")
-def dep(start_deployment):
-    d = start_deployment(["--context-length", str(CONTEXT)], name="api-basic")
-    yield d
-    d.stop(term_wait=5)
-
-
-@pytest.fixture(scope="module")
-def client(dep):
-    c = dep.client()
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def model(dep):
-    return dep.model_id()
-
-
-def _extra(obj, name):
-    """A field the openai types do not declare (reasoning_content, token_ids, ...)."""
-    v = getattr(obj, name, None)
-    if v is None and getattr(obj, "model_extra", None):
-        v = obj.model_extra.get(name)
-    return v
-
-
-def _error_json(raw: bytes) -> dict:
-    body = json.loads(raw)
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert {"message", "type", "param", "code"} <= set(err), err
-    assert isinstance(err["message"], str) and err["message"]
-    return err
 
 
 # ---- health and models -----------------------------------------------------------------------
@@ -70,7 +27,7 @@ def test_health_and_models(dep, client):
     ids = [m.id for m in models.data]
     assert ids == ["tiny"], ids  # served name: the checkpoint directory's name
     assert models.data[0].object == "model"
-    assert _extra(models.data[0], "max_model_len") == CONTEXT
+    assert extra_field(models.data[0], "max_model_len") == CONTEXT
 
 
 # ---- chat ----------------------------------------------------------------------------------
@@ -85,7 +42,7 @@ def test_chat_non_streamed_usage(client, model):
     ch = r.choices[0]
     assert ch.index == 0 and ch.message.role == "assistant"
     assert ch.finish_reason == "length"
-    assert ch.message.content or _extra(ch.message, "reasoning_content")
+    assert ch.message.content or extra_field(ch.message, "reasoning_content")
     u = r.usage
     assert u.completion_tokens == 12
     assert u.prompt_tokens > 0
@@ -108,8 +65,8 @@ def test_chat_streamed_equals_non_streamed(client, model):
         for ch in c.choices:
             if ch.delta.content:
                 content.append(ch.delta.content)
-            if _extra(ch.delta, "reasoning_content"):
-                reasoning.append(_extra(ch.delta, "reasoning_content"))
+            if extra_field(ch.delta, "reasoning_content"):
+                reasoning.append(extra_field(ch.delta, "reasoning_content"))
             if ch.finish_reason:
                 finish.append(ch.finish_reason)
     last = chunks[-1]
@@ -121,7 +78,7 @@ def test_chat_streamed_equals_non_streamed(client, model):
     assert finish == ["length"]
     msg = full.choices[0].message
     assert "".join(content) == (msg.content or "")
-    assert "".join(reasoning) == (_extra(msg, "reasoning_content") or "")
+    assert "".join(reasoning) == (extra_field(msg, "reasoning_content") or "")
 
 
 @pytest.mark.timeout(60)
@@ -148,11 +105,11 @@ def test_chat_thinking_off_gives_content_and_default_gives_reasoning(client, mod
                                          extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
     m = off.choices[0].message
     assert m.content, m
-    assert _extra(m, "reasoning_content") is None
+    assert extra_field(m, "reasoning_content") is None
     on = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, **GREEDY)
     m = on.choices[0].message
     assert on.choices[0].finish_reason == "length"
-    assert _extra(m, "reasoning_content"), m  # cut by length inside the think block: all reasoning
+    assert extra_field(m, "reasoning_content"), m  # cut by length inside the think block: all reasoning
     assert not m.content
 
 
@@ -160,9 +117,9 @@ def test_chat_thinking_off_gives_content_and_default_gives_reasoning(client, mod
 def test_chat_return_token_ids(client, model):
     r = client.chat.completions.create(model=model, messages=USER, max_tokens=6, temperature=0,
                                        extra_body={"ignore_eos": True, "return_token_ids": True})
-    ids = _extra(r.choices[0], "token_ids")
+    ids = extra_field(r.choices[0], "token_ids")
     assert isinstance(ids, list) and len(ids) == 6 and all(isinstance(t, int) for t in ids)
-    prompt_ids = _extra(r, "prompt_token_ids")
+    prompt_ids = extra_field(r, "prompt_token_ids")
     assert isinstance(prompt_ids, list) and len(prompt_ids) == r.usage.prompt_tokens
 
 
@@ -262,13 +219,13 @@ def test_completion_token_id_prompt_and_return_token_ids(client, model):
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == 5
     ch = r.choices[0]
-    out_ids = _extra(ch, "token_ids")
+    out_ids = extra_field(ch, "token_ids")
     assert isinstance(out_ids, list) and len(out_ids) == 5
-    assert _extra(ch, "prompt_token_ids") == ids
+    assert extra_field(ch, "prompt_token_ids") == ids
     # greedy and deterministic: the same request again gives the same tokens
     r2 = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0,
                                    extra_body={"ignore_eos": True, "return_token_ids": True})
-    assert _extra(r2.choices[0], "token_ids") == out_ids
+    assert extra_field(r2.choices[0], "token_ids") == out_ids
 
 
 @pytest.mark.timeout(60)
@@ -343,265 +300,3 @@ def test_completion_logprobs_shapes(client, model):
     # greedy: the chosen token has the best logprob of its step
     for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert tok_lp >= max(top.values()) - 1e-4
-
-
-# ---- errors --------------------------------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-def test_error_malformed_json(dep):
-    status, headers, raw = dep.post("/v1/chat/completions", b'{"messages": [', headers={})
-    assert status == 400
-    assert headers.get("Content-Type", "").startswith("application/json")
-    err = _error_json(raw)
-    assert err["type"] == "invalid_request_error"
-
-
-@pytest.mark.timeout(60)
-def test_error_bad_field_type_names_param(dep):
-    status, _, raw = dep.post("/v1/chat/completions", {"messages": USER, "temperature": "hot"})
-    assert status == 400
-    err = _error_json(raw)
-    assert err["param"] == "temperature"
-    assert "temperature" in err["message"]
-    status, _, raw = dep.post("/v1/completions", {"prompt": "x", "max_tokens": "many"})
-    assert status == 400
-    assert _error_json(raw)["param"] == "max_tokens"
-
-
-@pytest.mark.timeout(60)
-def test_error_unknown_model_404(client):
-    with pytest.raises(openai.NotFoundError) as ei:
-        client.chat.completions.create(model="no-such-model", messages=USER, max_tokens=2)
-    assert ei.value.status_code == 404
-    assert ei.value.code == "model_not_found"
-    assert ei.value.param == "model"
-
-
-@pytest.mark.timeout(60)
-def test_error_unknown_route_is_json(dep):
-    status, _, raw = dep.get("/v1/no-such-route")
-    assert status == 404
-    _error_json(raw)
-
-
-@pytest.mark.timeout(60)
-def test_error_prompt_beyond_context_completions(dep):
-    ids = [(7 * i) % 900 + 1 for i in range(CONTEXT + 50)]
-    status, headers, raw = dep.post("/v1/completions", {"prompt": ids, "max_tokens": 4})
-    assert status == 400, raw[:300]
-    assert headers.get("Content-Type", "").startswith("application/json")
-    err = _error_json(raw)
-    assert err["type"] == "invalid_request_error"
-    assert err["code"] == "context_length_exceeded", err
-
-
-@pytest.mark.timeout(60)
-def test_error_prompt_beyond_context_chat(client, model):
-    words = " ".join(f"w{i}" for i in range(CONTEXT))
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": words}], max_tokens=4)
-    assert ei.value.status_code == 400
-    assert ei.value.code == "context_length_exceeded", ei.value.body
-
-
-@pytest.mark.timeout(90)
-def test_error_body_too_large_413_json(dep):
-    big = b'{"messages": "' + b"a" * (33 * 2**20) + b'"}'
-    r = httpx.post(dep.url + "/v1/chat/completions", content=big, headers={"Content-Type": "application/json"},
-                   timeout=60)
-    assert r.status_code == 413
-    assert r.headers["content-type"].startswith("application/json")
-    assert r.json()["error"]["code"] == "request_too_large"
-
-    def chunked():  # no Content-Length: the limit is hit while reading
-        for _ in range(33):
-            yield b"a" * 2**20
-        yield b"aa"
-
-    r = httpx.post(dep.url + "/v1/completions", content=chunked(), headers={"Content-Type": "application/json"},
-                   timeout=60)
-    assert r.status_code == 413
-    assert r.headers["content-type"].startswith("application/json"), r.text[:200]
-    assert r.json()["error"]["code"] == "request_too_large"
-
-
-@pytest.mark.timeout(60)
-def test_still_serving_after_errors(dep, client, model):
-    status, _, _ = dep.get("/health")
-    assert status == 200
-    r = client.chat.completions.create(model=model, messages=USER, max_tokens=4, **GREEDY)
-    assert r.usage.completion_tokens == 4
-    r = client.completions.create(model=model, prompt="still alive", max_tokens=3, **GREEDY)
-    assert r.usage.completion_tokens == 3
-
-
-# ---- observability -------------------------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-def test_metrics_names_and_movement(dep, client, model):
-    before = dep.metrics()
-    msgs = [{"role": "user", "content": "metrics: a prompt seen twice"}]
-    for _ in range(2):
-        client.chat.completions.create(model=model, messages=msgs, max_tokens=5, **GREEDY)
-    time.sleep(1.5)  # one EngineStats period
-    after = dep.metrics()
-
-    def moved(name, **labels):
-        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
-
-    assert moved("glmrt_time_to_first_token_seconds_count") >= 2
-    assert moved("glmrt_requests_total", status="success") >= 2
-    assert moved("glmrt_prompt_tokens_total") > 0
-    assert moved("glmrt_cached_prompt_tokens_total") > 0
-    assert moved("glmrt_generation_tokens_total") >= 10
-    for state in ("free", "cached", "in_use"):
-        assert has_metric(after, "glmrt_kv_pool_tokens", state=state), state
-    for state in ("free", "checkpoint", "in_use"):
-        assert has_metric(after, "glmrt_state_pool_slots", state=state), state
-    assert has_metric(after, "glmrt_running_requests")
-    assert metric_sum(after, "glmrt_max_running_requests") > 0
-    assert metric_sum(after, "glmrt_kv_pool_tokens", state="free") > 0
-    assert metric_sum(after, "glmrt_state_pool_slots", state="free") > 0
-    info = dep.get_json("/server_info")
-    eng = next(iter(info["engines"].values()))
-    total = sum(metric_sum(after, "glmrt_kv_pool_tokens", state=s) for s in ("free", "cached", "in_use"))
-    assert total == eng["kv_pool_tokens"]
-
-
-@pytest.mark.timeout(60)
-def test_metrics_idle_pools_hold_nothing_in_use(dep, client, model):
-    """With no request running, no KV token and no state slot is 'in_use' (cache-held memory is
-    'cached' / 'checkpoint')."""
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "idle pools"}],
-                                   max_tokens=5, **GREEDY)
-    deadline = time.monotonic() + 5
-    while True:
-        m = dep.metrics()
-        if metric_sum(m, "glmrt_running_requests") == 0 and metric_sum(m, "glmrt_api_inflight_requests") == 0:
-            break
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.3)
-    time.sleep(1.2)
-    m = dep.metrics()
-    assert metric_sum(m, "glmrt_state_pool_slots", state="in_use") == 0
-    assert metric_sum(m, "glmrt_kv_pool_tokens", state="in_use") == 0, (
-        "idle engine reports KV tokens in use: "
-        f"{ {s: metric_sum(m, 'glmrt_kv_pool_tokens', state=s) for s in ('free', 'cached', 'in_use')} }")
-
-
-@pytest.mark.timeout(30)
-def test_server_info(dep):
-    info = dep.get_json("/server_info")
-    assert info["model"] == "tiny"
-    assert info["context_length"] == CONTEXT
-    assert len(info["engines"]) == 1
-    eng = next(iter(info["engines"].values()))
-    for key in ("kv_pool_tokens", "kv_pool_pages", "state_pool_slots", "max_running_requests", "page_size"):
-        assert isinstance(eng[key], (int, float)) and eng[key] > 0, (key, eng)
-    assert eng["kv_pool_tokens"] == eng["kv_pool_pages"] * eng["page_size"]
-    deadline = time.monotonic() + 5  # the gauge appears with the engine's first stats (1 s period)
-    while not has_metric(m := dep.metrics(), "glmrt_max_running_requests"):
-        assert time.monotonic() < deadline, "no glmrt_max_running_requests sample"
-        time.sleep(0.2)
-    assert eng["max_running_requests"] == metric_sum(m, "glmrt_max_running_requests")
-
-
-@pytest.mark.timeout(30)
-def test_server_info_sizes_are_integers(dep):
-    """Pool sizes and counts are JSON integers (339584, not 339584.0), before and after the
-    engine's periodic stats have been merged in."""
-    time.sleep(1.2)  # at least one EngineStats period
-    eng = next(iter(dep.get_json("/server_info")["engines"].values()))
-    keys = ("kv_pool_tokens", "kv_pool_pages", "state_pool_slots", "max_running_requests", "page_size",
-            "context_length", "pages_free", "slots_free", "running", "waiting")
-    floats = {k: eng[k] for k in keys if k in eng and not isinstance(eng[k], int)}
-    assert not floats, f"integer fields rendered as floats: {floats}"
-
-
-# ---- client disconnect ---------------------------------------------------------------------
-
-
-def _wait_idle(dep, timeout: float) -> float:
-    t0 = time.monotonic()
-    while True:
-        m = dep.metrics()
-        eng = dep.actors("engine")
-        if (metric_sum(m, "glmrt_running_requests") == 0 and metric_sum(m, "glmrt_api_inflight_requests") == 0
-                and all(a["running"] == 0 and a["waiting"] == 0 for a in eng)):
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"the request was not aborted within {timeout} s: running="
-                        f"{metric_sum(m, 'glmrt_running_requests')}, api inflight="
-                        f"{metric_sum(m, 'glmrt_api_inflight_requests')}, engines={eng}")
-        time.sleep(0.2)
-
-
-@pytest.mark.timeout(90)
-def test_client_disconnect_aborts_request(dep, client, model):
-    _wait_idle(dep, 10)
-    body = {"model": model, "messages": [{"role": "user", "content": "a very long answer please"}],
-            "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
-    got = 0
-    with httpx.Client(timeout=30) as h:
-        with h.stream("POST", dep.url + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    got += 1
-                    if got >= 2:
-                        break
-    assert got == 2
-    # it would run ~900 decode steps (tens of seconds here) if it were not aborted
-    took = _wait_idle(dep, 6)
-    assert took < 6
-    r = client.chat.completions.create(model=model, messages=USER, max_tokens=4, **GREEDY)
-    assert r.usage.completion_tokens == 4
-
-
-@pytest.mark.timeout(90)
-def test_openai_client_stream_close_aborts_request(dep, client, model):
-    _wait_idle(dep, 10)
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "long again"}],
-                                            max_tokens=900, stream=True, **GREEDY)
-    it = iter(stream)
-    next(it)
-    next(it)
-    stream.close()
-    _wait_idle(dep, 6)
-    r = client.completions.create(model=model, prompt="after the disconnect", max_tokens=3, **GREEDY)
-    assert r.usage.completion_tokens == 3
-
-
-# ---- process hygiene -----------------------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-def test_torch_only_in_engine_processes(dep):
-    r = dep.cli("status", "--json")
-    assert r.returncode == 0, r.stderr
-    actors = json.loads(r.stdout)["actors"]
-    kinds = {a["kind"] for a in actors}
-    assert kinds == {"tokenizer", "engine", "detokenizer"}, actors
-    assert not libs_mapped(dep.proc.pid), "`glmrt up` (supervisor + api) loaded torch"
-    for a in actors:
-        assert a["pid"], a
-        if a["kind"] == "engine":
-            assert libs_mapped(a["pid"]), f"engine pid {a['pid']} has no libtorch mapped"
-        else:
-            assert not libs_mapped(a["pid"]), f"{a['kind']}/{a['replica']} (pid {a['pid']}) loaded torch"
-
-
-@pytest.mark.timeout(90)
-def test_non_streamed_client_disconnect_aborts_request(dep, client, model):
-    """A non-streamed request whose client goes away (here: a client-side timeout) is aborted
-    too, not decoded to its end for nobody. Last in the module: when it fails, the orphan
-    request runs on (a few seconds) and the deployment is torn down right after."""
-    _wait_idle(dep, 10)
-    body = {"model": model, "prompt": "nobody will read this", "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(dep.url + "/v1/completions", json=body, timeout=1.0)
-    took = _wait_idle(dep, 3)  # its natural end is ~200 decode steps (several seconds) away
-    assert took < 3

@@ -40,7 +40,8 @@ async def _exchange(ctx, address, n=50):
 
     async def produce():
         for i in range(n):
-            await outbox.send(P.TokenBatch(items=[P.TokenOut(rid=f"r{i}", token_ids=[i], first_index=i)]))
+            out = P.TokenOut(key=P.RequestKey(rid=f"r{i}"), token_ids=[i], first_index=i)
+            await outbox.send(P.TokenBatch(items=[out]))
         await outbox.send(P.Shutdown())
 
     async def consume():
@@ -74,7 +75,7 @@ async def test_tcp_ephemeral_port(ctx):
     assert inbox.address.startswith("tcp://127.0.0.1:") and not inbox.address.endswith(":0")
     outbox = Outbox(ctx, inbox.address, Codec(P.ENGINE_IN))
     emb = np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32)
-    await outbox.send(P.VisionResult(rid="v", embeddings=[describe(emb, 0)]), [emb])
+    await outbox.send(P.VisionResult(key=P.RequestKey(rid="v"), embeddings=[describe(emb, 0)]), [emb])
     msg, frames = await asyncio.wait_for(inbox.recv(), 5)
     assert np.array_equal(tensor_from_frame(msg.embeddings[0], frames[0]), emb)
     outbox.close()
@@ -93,7 +94,7 @@ async def main(parent, mine):
     inbox = Inbox(ctx, mine, Codec(P.CONTROL))
     out = Outbox(ctx, parent, Codec(P.ENGINE_IN))
     emb = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB
-    await out.send(P.VisionResult(rid="mp", embeddings=[describe(emb, 0)]), [emb])
+    await out.send(P.VisionResult(key=P.RequestKey(rid="mp"), embeddings=[describe(emb, 0)]), [emb])
     msg, _ = await asyncio.wait_for(inbox.recv(), 10)  # the parent's ack: linger 0 is safe now
     assert isinstance(msg, P.Shutdown), msg
     out.close(); inbox.close(); ctx.term()
@@ -110,7 +111,7 @@ async def test_ipc_between_processes_zero_copy(ctx, run_dir):
                                                 cwd=ROOT, env=env)
     try:
         msg, frames = await asyncio.wait_for(inbox.recv(), 15)
-        assert isinstance(msg, P.VisionResult) and msg.rid == "mp"
+        assert isinstance(msg, P.VisionResult) and msg.key.rid == "mp"
         assert msg.embeddings[0] == P.TensorRef(dtype="float32", shape=[1024, 1024], frame=0)
         assert frames[0].nbytes == 4 << 20
         arr = tensor_from_frame(msg.embeddings[0], frames[0])
@@ -133,11 +134,11 @@ async def test_recv_rejects_bad_message_and_continues(ctx):
     raw = ctx.socket(zmq.PUSH)
     raw.connect(inbox.address)
     await raw.send_multipart([b"\x80\x04garbage"])
-    await raw.send_multipart(Codec(P.ENGINE_IN).encode(P.Abort(rid="ok")))
+    await raw.send_multipart(Codec(P.ENGINE_IN).encode(P.Abort(key=P.RequestKey(rid="ok"))))
     with pytest.raises(ProtocolError):
         await asyncio.wait_for(inbox.recv(), 5)
     msg, _ = await asyncio.wait_for(inbox.recv(), 5)
-    assert msg == P.Abort(rid="ok") and inbox.num_rejected == 1
+    assert msg == P.Abort(key=P.RequestKey(rid="ok")) and inbox.num_rejected == 1
     raw.close(linger=0)
     inbox.close()
 
@@ -148,13 +149,14 @@ async def test_drain_skips_bad_messages(ctx):
     raw.connect(inbox.address)
     codec = Codec(P.ENGINE_IN)
     for i in range(5):
-        await raw.send_multipart(codec.encode(P.Abort(rid=str(i))))
+        await raw.send_multipart(codec.encode(P.Abort(key=P.RequestKey(rid=str(i)))))
         if i == 2:
-            await raw.send_multipart([Codec(P.API_IN).encode(P.TextOut(rid="x"))[0]])  # not for engines
+            not_for_engines = Codec(P.API_IN).encode(P.TextOut(key=P.RequestKey(rid="x")))[0]
+            await raw.send_multipart([not_for_engines])
     first, _ = await asyncio.wait_for(inbox.recv(), 5)
     await asyncio.sleep(0.05)
     rest = await inbox.drain()
-    assert [first.rid] + [m.rid for m, _ in rest] == ["0", "1", "2", "3", "4"]
+    assert [first.key.rid] + [m.key.rid for m, _ in rest] == ["0", "1", "2", "3", "4"]
     assert inbox.num_rejected == 1 and await inbox.drain() == []
     raw.close(linger=0)
     inbox.close()
@@ -165,8 +167,8 @@ async def test_oversize_over_ipc_is_dropped(ctx, run_dir):
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.RECONNECT_IVL, 20)
     raw.connect(inbox.address)
-    small = Codec(P.API_IN).encode(P.TextOut(rid="small"))
-    await raw.send_multipart(Codec(P.API_IN).encode(P.TextOut(rid="x" * 4096)))  # > MAXMSGSIZE
+    small = Codec(P.API_IN).encode(P.TextOut(key=P.RequestKey(rid="small")))
+    await raw.send_multipart(Codec(P.API_IN).encode(P.TextOut(key=P.RequestKey(rid="x" * 4096))))  # > MAXMSGSIZE
 
     async def first_message():
         while True:  # libzmq drops the sender's connection; it reconnects and later sends arrive
@@ -177,7 +179,7 @@ async def test_oversize_over_ipc_is_dropped(ctx, run_dir):
                 pass
 
     msg, _ = await asyncio.wait_for(first_message(), 5)
-    assert msg.rid == "small"
+    assert msg.key.rid == "small"
     raw.close(linger=0)
     inbox.close()
 
@@ -186,13 +188,13 @@ async def test_peers_by_address_id(ctx):
     inboxes = {address_id("detokenizer", i): Inbox(ctx, address_for("detokenizer", i, "process"),
                                                     Codec(P.DETOK_IN)) for i in range(2)}
     peers = Peers(ctx, lambda pid: (inboxes[pid].address, inboxes[pid].codec))
-    await peers.send("detokenizer/1", P.Abort(rid="b"))
-    await peers.send("detokenizer/0", P.Abort(rid="a"))
+    await peers.send("detokenizer/1", P.Abort(key=P.RequestKey(rid="b")))
+    await peers.send("detokenizer/0", P.Abort(key=P.RequestKey(rid="a")))
     assert peers.get("detokenizer/0") is peers.get("detokenizer/0")
     with pytest.raises(TypeError):
-        await peers.send("detokenizer/0", P.TextOut(rid="wrong inbox"))
-    assert (await asyncio.wait_for(inboxes["detokenizer/0"].recv(), 5))[0].rid == "a"
-    assert (await asyncio.wait_for(inboxes["detokenizer/1"].recv(), 5))[0].rid == "b"
+        await peers.send("detokenizer/0", P.TextOut(key=P.RequestKey(rid="wrong inbox")))
+    assert (await asyncio.wait_for(inboxes["detokenizer/0"].recv(), 5))[0].key.rid == "a"
+    assert (await asyncio.wait_for(inboxes["detokenizer/1"].recv(), 5))[0].key.rid == "b"
     peers.forget("detokenizer/1")
     peers.close()
     for box in inboxes.values():

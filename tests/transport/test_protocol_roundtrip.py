@@ -1,6 +1,5 @@
 """Every protocol message round-trips through a Codec; bad input becomes a ProtocolError."""
 
-import dataclasses
 import pickle
 import subprocess
 import sys
@@ -14,15 +13,16 @@ from glmrt import protocol as P
 from glmrt.sampling_params import SamplingParams
 from transport.codec import Codec, ProtocolError, as_buffer, describe, tensor_from_frame
 
-SAMPLING = P.SamplingMsg(temperature=0.7, top_k=20, seed=3, stop_token_ids=[2], max_tokens=64,
+SAMPLING = SamplingParams(temperature=0.7, top_k=20, seed=3, stop_token_ids=[2], max_tokens=64,
                          logprobs=True, top_logprobs=2, stop=["\n\n"], include_stop_str_in_output=True)
 REF = P.TensorRef(dtype="float32", shape=[2, 3], frame=0)
 ITEM = P.MMItem(kind="image", grid_thw=[1, 4, 4], num_tokens=4, tensor=REF)
-TOKEN_OUT = P.TokenOut(rid="r1", token_ids=[5, 6], first_index=1, index=1, finished=True,
+TOKEN_OUT = P.TokenOut(key=P.RequestKey(rid="r1", choice=1), token_ids=[5, 6], first_index=1, finished=True,
                        finish_reason="stop", prompt_tokens=9, completion_tokens=3, cached_tokens=4,
                        logprobs=[-0.1, -0.2], top_logprobs=[[(5, -0.1), (7, -2.0)], [(6, -0.2)]])
 TEXT_OUT = P.TextOut(
-    rid="r1", index=0, text="hi", reasoning="hmm", token_ids=[5, 6], finished=True, finish_reason="tool_calls",
+    key=P.RequestKey(rid="r1", prompt=2), text="hi", reasoning="hmm", token_ids=[5, 6], finished=True,
+    finish_reason="tool_calls",
     tool_calls=[P.ToolCallDelta(index=0, id="call_1", name="get", arguments='{"a": 1}')],
     usage=P.Usage(prompt_tokens=9, completion_tokens=2, cached_tokens=4),
     logprobs=[P.TokenLogprob(token_id=5, token="hi", logprob=-0.1,
@@ -35,31 +35,35 @@ SAMPLES = [
     P.Shutdown(drain=False),
     P.Drained(actor="tokenizer", replica=0),
     P.ActorFailed(actor="decode", replica=2, reason="CUDA error"),
-    P.TokenizeRequest(rid="r1", kind="chat", sampling=SAMPLING, reply_to="detokenizer/0",
+    P.TokenizeRequest(key=P.RequestKey(rid="r1"), kind="chat", sampling=SAMPLING, reply_to="detokenizer/0",
                       messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}],
                       chat_template_kwargs={"enable_thinking": False}, reasoning_effort="low", stream=True,
                       return_token_ids=True, engine="engine/1", arrival=12.5),
-    P.TokenizeRequest(rid="r2", kind="completion", sampling=P.SamplingMsg(), reply_to="detokenizer/0",
+    P.TokenizeRequest(key=P.RequestKey(rid="r2"), kind="completion", sampling=SamplingParams(),
+                      reply_to="detokenizer/0",
                       prompt=[1, 2, 3]),
-    P.TokenizeRequest(rid="r3", kind="completion", sampling=P.SamplingMsg(), reply_to="d", prompt="once"),
-    P.TokenizerError(rid="r1", status=400, message="context too long", code="context_length_exceeded"),
-    P.EngineRequest(rid="r1", prompt_ids=[1, 2, 3], sampling=SAMPLING, detokenizer="detokenizer/0",
+    P.TokenizeRequest(key=P.RequestKey(rid="r3"), kind="completion", sampling=SamplingParams(), reply_to="d",
+                      prompt="once"),
+    P.TokenizerError(key=P.RequestKey(rid="r1"), status=400, message="context too long",
+                     code="context_length_exceeded"),
+    P.EngineRequest(key=P.RequestKey(rid="r1"), prompt_ids=[1, 2, 3], sampling=SAMPLING, detokenizer="detokenizer/0",
                     mm_items=[ITEM, P.MMItem(kind="video", grid_thw=[2, 4, 4], num_tokens=8)],
                     decode="decode/0", arrival=1.0),
-    P.DetokenizeRequest(rid="r1", sampling=SAMPLING, prompt_tokens=3, stream=True, reasoning=True,
+    P.DetokenizeRequest(key=P.RequestKey(rid="r1"), sampling=SAMPLING, prompt_tokens=3, stream=True, reasoning=True,
                         tools=[{"type": "function"}], prompt_token_ids=[1, 2, 3], engine="engine/0"),
     TOKEN_OUT,
-    P.TokenOut(rid="r2", token_ids=[7], first_index=0),
-    P.TokenBatch(items=[TOKEN_OUT, P.TokenOut(rid="r2", token_ids=[7], first_index=0)]),
-    P.EngineError(rid="r1", status=500, message="oom"),
+    P.TokenOut(key=P.RequestKey(rid="r2"), token_ids=[7], first_index=0),
+    P.TokenBatch(items=[TOKEN_OUT, P.TokenOut(key=P.RequestKey(rid="r2"), token_ids=[7], first_index=0)]),
+    P.EngineError(key=P.RequestKey(rid="r1"), status=500, message="oom"),
     TEXT_OUT,
-    P.TextOut(rid="r2", text="a"),
-    P.TextBatch(items=[TEXT_OUT, P.TextOut(rid="r2")]),
-    P.Abort(rid="r1"),
+    P.TextOut(key=P.RequestKey(rid="r2"), text="a"),
+    P.TextBatch(items=[TEXT_OUT, P.TextOut(key=P.RequestKey(rid="r2"))]),
+    P.Abort(key=P.RequestKey(rid="r1")),
     P.EngineStatsQuery(qid=7, reply_to="api/0"),
     P.EngineStats(actor="engine", replica=0, qid=7, kv_pages_total=100, kv_pages_free=50, running=2,
                   counters={"prompt_tokens": 10.0, "hit_rate": 0.5}),
-    P.HandoffOffer(rid="r1", prompt_ids=[1, 2, 3], first_token=9, sampling=SAMPLING, detokenizer="detokenizer/0",
+    P.HandoffOffer(rid="r1", key=P.RequestKey(rid="a", choice=1), prompt_ids=[1, 2, 3], first_token=9,
+                   sampling=SAMPLING, detokenizer="detokenizer/0",
                    prefill="prefill/0", layout={"page_size": 64}, cached_tokens=2),
     P.HandoffAccept(rid="r1", ok=True, decode="decode/1", reused_tokens=64),
     P.HandoffDone(rid="r1", ok=False, reason="timeout"),
@@ -72,8 +76,8 @@ SAMPLES = [
     P.Bootstrap(model="tiny", dtype="bfloat16", kv_dtype="bfloat16", state_dtype="float32", tp=1, page_size=64,
                 layout={"layers": [0, 1]}),
     P.BootstrapReply(ok=False, reason="page_size differs"),
-    P.VisionRequest(rid="r1", items=[ITEM]),
-    P.VisionResult(rid="r1", embeddings=[REF, P.TensorRef(dtype="bfloat16", shape=[4, 8], frame=1)]),
+    P.VisionRequest(key=P.RequestKey(rid="r1"), items=[ITEM]),
+    P.VisionResult(key=P.RequestKey(rid="r1"), embeddings=[REF, P.TensorRef(dtype="bfloat16", shape=[4, 8], frame=1)]),
 ]
 
 INBOXES = {"CONTROL": P.CONTROL, "SUPERVISOR_IN": P.SUPERVISOR_IN, "TOKENIZER_IN": P.TOKENIZER_IN,
@@ -123,32 +127,51 @@ def test_union_channel_decodes_each_kind(name):
 
 
 def test_hot_path_options():
-    for cls in (P.TokenOut, P.TokenBatch, P.TextOut, P.TextBatch, P.ToolCallDelta, P.Usage):
+    for cls in (P.TokenOut, P.TokenBatch, P.TextOut, P.TextBatch, P.ToolCallDelta, P.Usage, P.RequestKey):
         cfg = cls.__struct_config__
         assert cfg.array_like and cfg.omit_defaults and not cfg.gc, cls
     assert P.TokenOut.__struct_config__.tag_field == "t"
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(P.Abort(rid="x"))) == ["Abort", "x", None]
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(P.Abort(key=P.RequestKey(rid="x"))))
+    assert wire == ["Abort", ["x", 0, 0], False]
 
 
-def test_sampling_msg_mirrors_sampling_params():
-    msg_defaults = {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
-                    for f in msgspec.structs.fields(P.SamplingMsg)}
-    for f in dataclasses.fields(SamplingParams):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        assert f.name in msg_defaults and msg_defaults[f.name] == default, f.name
-    params = SamplingParams(**{f.name: getattr(SAMPLING, f.name) for f in dataclasses.fields(SamplingParams)})
-    params.validate()
+def test_request_key():
+    """One typed key names a request, its prompt and its choice; an Abort covers the whole
+    request or, with choice_only, one choice."""
+    whole = P.RequestKey(rid="cmpl-1", prompt=1)
+    second = whole.with_choice(2)
+    assert second == P.RequestKey(rid="cmpl-1", prompt=1, choice=2) and second.request == whole
+    assert whole.request is whole and {second: "x"}[P.RequestKey(rid="cmpl-1", prompt=1, choice=2)] == "x"
+    with pytest.raises(AttributeError):
+        second.choice = 0  # frozen: safe as a dict key
+    everything, one = P.Abort(key=whole), P.Abort(key=second, choice_only=True)
+    assert everything.drops(whole) and everything.drops(second)
+    assert one.drops(second) and not one.drops(whole) and not one.drops(second.with_choice(1))
+    assert not everything.drops(P.RequestKey(rid="cmpl-1", prompt=0))
+    assert not everything.drops(P.RequestKey(rid="cmpl-2", prompt=1))
+
+
+def test_messages_carry_the_engine_sampling_type():
+    """Every message with sampling knobs holds glmrt.sampling_params.SamplingParams itself, so
+    no hop copies the knobs field by field (and none can drop one)."""
+    holders = [cls for cls in _all_messages() if "sampling" in cls.__struct_fields__]
+    assert {c.__name__ for c in holders} >= {"TokenizeRequest", "EngineRequest", "DetokenizeRequest"}
+    for cls in holders:
+        (field,) = [f for f in msgspec.structs.fields(cls) if f.name == "sampling"]
+        assert field.type is SamplingParams, cls
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(SAMPLING), type=SamplingParams)
+    assert back == SAMPLING and back.validate() is back
 
 
 @pytest.mark.parametrize("payload", [
     msgspec.msgpack.encode(["NoSuchMessage", "r1"]),  # unknown tag
-    msgspec.msgpack.encode({"t": "Abort", "rid": "r1"}),  # map form of an array-like message
+    msgspec.msgpack.encode({"t": "Abort", "key": ["r1", 0, 0]}),  # map form of an array-like message
     msgspec.msgpack.encode(["Abort", 5]),  # wrong field type
     msgspec.msgpack.encode(["Abort"]),  # missing field
-    msgspec.msgpack.encode(["TokenizeRequest", "r", "poem", {}, "d"]),  # bad literal
+    msgspec.msgpack.encode(["TokenizeRequest", ["r", 0, 0], "poem", {}, "d"]),  # bad literal
     b"\xc1garbage\x00\xff",
     b"",
-    pickle.dumps(P.Abort(rid="r1")),
+    pickle.dumps(P.Abort(key=P.RequestKey(rid="r1"))),
     pickle.dumps({"t": "Abort", "rid": "r1"}),
 ], ids=["unknown-tag", "map", "field-type", "missing", "literal", "garbage", "empty", "pickle", "pickle-dict"])
 def test_bad_payload_is_protocol_error(payload):
@@ -163,15 +186,15 @@ def test_empty_frame_list():
 
 def test_oversize_rejected():
     codec = Codec(P.ANY_MSG, max_message_bytes=1024)
-    big = P.Abort(rid="x" * 2000)
+    big = P.Abort(key=P.RequestKey(rid="x" * 2000))
     with pytest.raises(ProtocolError, match="max_message_bytes"):
         codec.encode(big)
     with pytest.raises(ProtocolError, match="max_message_bytes"):
         codec.decode(Codec(P.ANY_MSG).encode(big))
     with pytest.raises(ProtocolError, match="max_message_bytes"):  # a tensor frame counts too
-        codec.decode([codec.encode(P.Abort(rid="x"))[0], b"\0" * 1025])
+        codec.decode([codec.encode(P.Abort(key=P.RequestKey(rid="x")))[0], b"\0" * 1025])
     with pytest.raises(ProtocolError, match="tensor frames"):
-        Codec(P.ANY_MSG, max_frames=2).decode([codec.encode(P.Abort(rid="x"))[0], b"", b"", b""])
+        Codec(P.ANY_MSG, max_frames=2).decode([codec.encode(P.Abort(key=P.RequestKey(rid="x")))[0], b"", b"", b""])
 
 
 def test_numpy_tensor_frames_zero_copy():
@@ -179,7 +202,7 @@ def test_numpy_tensor_frames_zero_copy():
     a = np.arange(24, dtype=np.float32).reshape(4, 6)
     b = np.arange(10, dtype=np.int64)
     c = np.arange(12, dtype=np.float16).reshape(3, 4).T  # non-contiguous: copied
-    msg = P.VisionResult(rid="r", embeddings=[describe(t, i) for i, t in enumerate((a, b, c))])
+    msg = P.VisionResult(key=P.RequestKey(rid="r"), embeddings=[describe(t, i) for i, t in enumerate((a, b, c))])
     frames = codec.encode(msg, [a, b, c])
     assert len(frames) == 4
     assert np.shares_memory(np.frombuffer(frames[1], np.uint8), a)  # sent without a copy
@@ -222,7 +245,7 @@ def test_torch_tensor_frames():
     a = torch.randn(4, 8).to(torch.bfloat16)
     b = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()  # non-contiguous
     c = torch.ones(3, requires_grad=True)
-    msg = P.VisionResult(rid="r", embeddings=[describe(t, i) for i, t in enumerate((a, b, c))])
+    msg = P.VisionResult(key=P.RequestKey(rid="r"), embeddings=[describe(t, i) for i, t in enumerate((a, b, c))])
     assert msg.embeddings[0].dtype == "bfloat16"
     frames = codec.encode(msg, [a, b, c])
     assert np.frombuffer(frames[1], np.uint8).ctypes.data == a.data_ptr()  # zero-copy send

@@ -1,0 +1,257 @@
+"""Non-streamed answers: usage, logprobs in OpenAI's shapes, the choice accumulator, the
+chat.completion / text_completion bodies and the model list.
+
+`finish_reason` becomes "tool_calls" when the choice made a call and stopped normally; a
+choice cut by the length limit stays "length"; reasons the client types do not know (e.g.
+"abort") are reported as "stop". Non-finite logprobs (-inf for a filtered token) are sent
+as -9999.0 (JSON has no inf).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Hashable, Iterable
+from typing import Any, Literal
+
+from glmrt.protocol import RequestKey, TextOut, TokenLogprob, ToolCallDelta, Usage
+
+LOGPROB_FLOOR = -9999.0
+_CHAT_FINISH = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+_COMPLETION_FINISH = frozenset({"stop", "length", "content_filter"})
+
+
+def new_request_id(kind: Literal["chat", "completion"] = "chat") -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+def response_index(key: RequestKey, n: int) -> int:
+    """The `index` the client sees for choice `key.choice` of prompt `key.prompt` (n choices each)."""
+    return key.prompt * n + key.choice
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class UsageTotals:
+    """Sums per-choice `Usage`s: a prompt counts once per engine request (its RequestKey), however many
+    choices it has; completion tokens add up over every choice."""
+
+    def __init__(self) -> None:
+        self._prompt: dict[Hashable, tuple[int, int]] = {}
+        self.completion_tokens = 0
+
+    def add(self, prompt: Hashable, usage: Usage) -> None:
+        p, c = self._prompt.get(prompt, (0, 0))
+        self._prompt[prompt] = (max(p, usage.prompt_tokens), max(c, usage.cached_tokens))
+        self.completion_tokens += usage.completion_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p for p, _ in self._prompt.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(c for _, c in self._prompt.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return usage_json(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else LOGPROB_FLOOR
+
+
+def _token_bytes(token: str) -> list[int]:
+    """UTF-8 bytes of a logprob token; a `bytes:\\xe4\\xbd` escape (a token that is not valid
+    UTF-8 alone, as vLLM writes it) gives the raw bytes it names."""
+    if token.startswith("bytes:"):
+        esc = token[len("bytes:"):]
+        try:
+            raw = esc.encode("latin-1").decode("unicode_escape").encode("latin-1")
+            return list(raw)
+        except (UnicodeError, ValueError):
+            pass
+    return list(token.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprob_entries(lps: Iterable[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI chat `logprobs.content` entries."""
+    return [{"token": lp.token, "logprob": _finite(lp.logprob), "bytes": _token_bytes(lp.token),
+             "top_logprobs": [{"token": t.token, "logprob": _finite(t.logprob), "bytes": _token_bytes(t.token)}
+                              for t in lp.top_logprobs]}
+            for lp in lps]
+
+
+def completion_logprobs(lps: Iterable[TokenLogprob], offset: int = 0) -> tuple[dict[str, Any], int]:
+    """OpenAI completions `logprobs` for tokens whose text starts at `offset`; returns it and
+    the offset after them (offsets add up token texts, as vLLM's do)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        tokens.append(lp.token)
+        token_lps.append(_finite(lp.logprob))
+        tops.append({t.token: _finite(t.logprob) for t in lp.top_logprobs})
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def finish_reason_for(reason: str | None, had_tools: bool, kind: str) -> str:
+    if reason is None:
+        reason = "stop"
+    if kind == "chat":
+        if had_tools and reason == "stop":
+            return "tool_calls"
+        if reason == "tool_calls" and not had_tools:  # the calls were dropped (parallel_tool_calls)
+            return "stop"
+        return reason if reason in _CHAT_FINISH else "stop"
+    return reason if reason in _COMPLETION_FINISH else "stop"
+
+
+class ChoiceState:
+    """What one choice has shown so far (shared by the accumulator and the streams)."""
+
+    __slots__ = ("started", "finished", "tool_ids", "text_offset", "usage", "parallel_tool_calls")
+
+    def __init__(self, parallel_tool_calls: bool = True) -> None:
+        self.started = False
+        self.finished = False
+        self.tool_ids: dict[int, str] = {}  # kept tool-call index -> id
+        self.text_offset = 0
+        self.usage: Usage | None = None
+        self.parallel_tool_calls = parallel_tool_calls
+
+    def keep_tool_deltas(self, deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
+        kept = []
+        for d in deltas:
+            if not self.parallel_tool_calls and d.index > 0:
+                continue
+            if d.index not in self.tool_ids:
+                self.tool_ids[d.index] = d.id or f"call_{secrets.token_hex(12)}"
+            kept.append(d)
+        return kept
+
+    @property
+    def had_tools(self) -> bool:
+        return bool(self.tool_ids)
+
+
+class ChoiceAccumulator:
+    """Folds the TextOut stream of one choice into the final, non-streamed choice."""
+
+    def __init__(self, index: int = 0, *, kind: Literal["chat", "completion"] = "chat", logprobs: bool = False,
+                 return_token_ids: bool = False, parallel_tool_calls: bool = True) -> None:
+        self.index = index
+        self.kind = kind
+        self.logprobs = logprobs
+        self.return_token_ids = return_token_ids
+        self._state = ChoiceState(parallel_tool_calls)
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}  # index -> {"id", "name", "arguments": [..]}
+        self._lps: list[TokenLogprob] = []
+        self.token_ids: list[int] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._state.finished
+
+    def add(self, out: TextOut) -> None:
+        if out.text:
+            self._text.append(out.text)
+        if out.reasoning:
+            self._reasoning.append(out.reasoning)
+        for d in self._state.keep_tool_deltas(out.tool_calls):
+            call = self._calls.setdefault(d.index, {"id": self._state.tool_ids[d.index], "name": "", "arguments": []})
+            if d.name:
+                call["name"] += d.name
+            if d.arguments:
+                call["arguments"].append(d.arguments)
+        if out.logprobs:
+            self._lps.extend(out.logprobs)
+        self.token_ids.extend(out.token_ids)
+        if out.prompt_token_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = list(out.prompt_token_ids)
+        if out.usage is not None:
+            self.usage = out.usage
+        if out.finished:
+            self._state.finished = True
+            self.finish_reason = out.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._reasoning) or None
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [{"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": "".join(c["arguments"]) or "{}"}}
+                for _, c in sorted(self._calls.items())]
+
+    def chat_choice(self) -> dict[str, Any]:
+        calls = self.tool_calls()
+        text = self.text
+        message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None,
+                                   "reasoning_content": self.reasoning}
+        if calls:
+            message["tool_calls"] = calls
+        choice: dict[str, Any] = {
+            "index": self.index, "message": message,
+            "logprobs": {"content": chat_logprob_entries(self._lps)} if self.logprobs else None,
+            "finish_reason": finish_reason_for(self.finish_reason, bool(calls), "chat"),
+        }
+        if self.return_token_ids:
+            choice["token_ids"] = list(self.token_ids)
+        return choice
+
+    def completion_choice(self) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": self.index, "text": self.text,
+            "logprobs": completion_logprobs(self._lps)[0] if self.logprobs else None,
+            "finish_reason": finish_reason_for(self.finish_reason, False, "completion"),
+        }
+        if self.return_token_ids:
+            choice["token_ids"] = list(self.token_ids)
+            choice["prompt_token_ids"] = self.prompt_token_ids
+        return choice
+
+
+def chat_completion_response(id: str, model: str, created: int, choices: list[dict[str, Any]],
+                             usage: dict[str, Any] | None, *, prompt_token_ids: list[int] | None = None
+                             ) -> dict[str, Any]:
+    resp: dict[str, Any] = {"id": id, "object": "chat.completion", "created": created, "model": model,
+                            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
+    if prompt_token_ids is not None:
+        resp["prompt_token_ids"] = prompt_token_ids
+    return resp
+
+
+def completion_response(id: str, model: str, created: int, choices: list[dict[str, Any]],
+                        usage: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage}
+
+
+
+def models_response(served_model: str | Iterable[str], created: int | None = None,
+                    max_model_len: int | None = None) -> dict[str, Any]:
+    names = [served_model] if isinstance(served_model, str) else list(served_model)
+    created = int(time.time()) if created is None else created
+    data = []
+    for name in names:
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "glmrt",
+                                 "root": names[0], "parent": None}
+        if max_model_len is not None:
+            entry["max_model_len"] = max_model_len
+        data.append(entry)
+    return {"object": "list", "data": data}

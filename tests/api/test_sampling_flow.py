@@ -1,0 +1,125 @@
+"""Every SamplingParams field, set by a client, reaches the engine's sampler unchanged.
+
+The hops are the real ones: the api parses the JSON body into SamplingParams and builds the
+TokenizeRequest; the wire codec of each inbox carries it; the tokenizer actor (on the tiny
+checkpoint's tokenizer) sends the EngineRequest and the DetokenizeRequest; the engine actor
+adds the request to a real Engine, whose Sampler is watched as it samples. The table below
+must name every field, so a new field fails here until it is set by a client and seen by the
+sampler (or, for the detokenizer's fields, seen by the detokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.base import RunSpec, codec_for
+from glmrt import protocol as P
+from glmrt.sampling_params import SamplingParams
+from glmrt.serving import openai_api as A
+from tests.api.openai_cases import MODEL, USER
+
+# a value other than the default for each field (all valid together)
+NON_DEFAULT = {
+    "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.01, "frequency_penalty": 0.25,
+    "presence_penalty": -0.5, "repetition_penalty": 1.2, "seed": 11, "stop_token_ids": [3, 4],
+    "ignore_eos": True, "max_tokens": 3, "min_tokens": 2, "logprobs": True, "top_logprobs": 2, "n": 2,
+    "stop": ["zz"], "include_stop_str_in_output": True, "skip_special_tokens": False,
+}
+
+
+def test_the_table_names_every_field():
+    defaults = SamplingParams()
+    assert set(NON_DEFAULT) == set(SamplingParams.__struct_fields__)
+    for name, value in NON_DEFAULT.items():
+        assert getattr(defaults, name) != value, name
+    SamplingParams(**NON_DEFAULT).validate()
+
+
+def _diff(seen: SamplingParams, want: SamplingParams, names) -> list[str]:
+    return [f"{n}: {getattr(seen, n)!r} != {getattr(want, n)!r}" for n in names if getattr(seen, n) != getattr(want, n)]
+
+
+def _through(codec_owner: str, msg):
+    codec = codec_for(codec_owner)
+    back, _ = codec.decode([bytes(f) for f in codec.encode(msg)])
+    return back
+
+
+def test_body_fields_parse_into_sampling_params():
+    body_fields = set(NON_DEFAULT) - A.SAMPLING_NOT_IN_BODY
+    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER,
+                                           **{k: NON_DEFAULT[k] for k in body_fields}}), MODEL)
+    params = A.to_sampling_params(req)
+    assert _diff(params, SamplingParams(**NON_DEFAULT), body_fields) == []
+    assert _diff(params, SamplingParams(), A.SAMPLING_NOT_IN_BODY) == []  # a client cannot set these
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.checkpoint.writer import write_checkpoint
+    path = tmp_path_factory.mktemp("tiny")
+    write_checkpoint(preset_config("tiny"), str(path), seed=0, dtype="float32")
+    return str(path)
+
+
+async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
+    from actors.engine import EngineActor
+    from actors.tokenizer import TokenizerActor
+    from glmrt.engine.sampler import Sampler
+
+    body_fields = set(NON_DEFAULT) - A.SAMPLING_NOT_IN_BODY
+    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER,
+                                           **{k: NON_DEFAULT[k] for k in body_fields}}), MODEL)
+    # the detokenizer's fields are not read from a body: set them where the api would hold them
+    params = A.to_sampling_params(req).replace(**{k: NON_DEFAULT[k] for k in A.SAMPLING_NOT_IN_BODY})
+    want = SamplingParams(**NON_DEFAULT)
+    assert params == want
+    (tokenize,) = A.to_tokenize_requests(req, "chatcmpl-flow", "detokenizer/0", sampling=params)
+    tokenize.engine = "engine/0"
+
+    tokenizer = TokenizerActor(RunSpec("tokenizer", 0, str(tmp_path), config={"model_path": ckpt}))
+    await tokenizer.setup()
+    sent: dict[str, list] = {}
+
+    async def capture(peer_id, msg, tensors=()):
+        sent.setdefault(peer_id, []).append(_through(peer_id, msg))
+    monkeypatch.setattr(tokenizer, "send", capture)
+    await tokenizer.handle(_through("tokenizer/0", tokenize), [])
+    (detok_req,) = sent["detokenizer/0"]
+    (engine_req,) = sent["engine/0"]
+    assert _diff(detok_req.sampling, want, NON_DEFAULT) == [], "tokenizer -> detokenizer"
+    assert _diff(engine_req.sampling, want, NON_DEFAULT) == [], "tokenizer -> engine"
+
+    seen: list[SamplingParams] = []
+    for name in ("sample", "sample_async"):
+        original = getattr(Sampler, name)
+
+        def watch(self, logits, rows, _original=original):
+            seen.extend(r.params for r in rows)
+            return _original(self, logits, rows)
+        monkeypatch.setattr(Sampler, name, watch)
+
+    engine = EngineActor(RunSpec("engine", 0, str(tmp_path),
+                                 config={"engine": {"model": ckpt, "dtype": "float32", "page_size": 8}}))
+    await engine.setup()
+    try:
+        await engine.handle(engine_req, [])
+        batches = []
+        for _ in range(20):
+            errors, out = engine._step()
+            assert errors == []
+            batches += [item for _, items in out for item in items]
+            if sum(t.finished for t in batches) == want.n:
+                break
+    finally:
+        await engine.teardown()
+    assert {t.key for t in batches} == {P.RequestKey(rid="chatcmpl-flow", choice=i) for i in range(want.n)}
+    assert seen, "the sampler never ran"
+    engine_fields = set(NON_DEFAULT) - {"seed"}  # choice i samples with seed + i
+    for p in seen:
+        assert _diff(p, want, engine_fields) == [], "engine -> sampler"
+    assert sorted({p.seed for p in seen}) == [want.seed + i for i in range(want.n)]
+    assert any(p == want for p in seen)  # choice 0 samples with the very values the client sent
