@@ -14,7 +14,10 @@ import json
 
 import pytest
 
-from actors.base import RunSpec, codec_for
+from actors.base import RunSpec, codec_for, decode_run_specs, encode_run_specs
+from glmrt.actor_config import EngineActorConfig, TokenizerActorConfig
+from glmrt.config import load_model_config
+from glmrt.engine.config import EngineConfig
 from glmrt import protocol as P
 from glmrt.sampling_params import SamplingParams
 from glmrt.serving import openai_api as A
@@ -39,6 +42,12 @@ def test_the_table_names_every_field():
 
 def _diff(seen: SamplingParams, want: SamplingParams, names) -> list[str]:
     return [f"{n}: {getattr(seen, n)!r} != {getattr(want, n)!r}" for n in names if getattr(seen, n) != getattr(want, n)]
+
+
+def _spec(kind: str, run_dir, config) -> RunSpec:
+    """The run spec as an actor process receives it: through its command-line encoding."""
+    (spec,) = decode_run_specs(encode_run_specs([RunSpec(kind, 0, str(run_dir), config=config)]))
+    return spec
 
 
 def _through(codec_owner: str, msg):
@@ -80,7 +89,8 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
     (tokenize,) = A.to_tokenize_requests(req, "chatcmpl-flow", "detokenizer/0", sampling=params)
     tokenize.engine = "engine/0"
 
-    tokenizer = TokenizerActor(RunSpec("tokenizer", 0, str(tmp_path), config={"model_path": ckpt}))
+    vocab_size = load_model_config(ckpt).text.vocab_size
+    tokenizer = TokenizerActor(_spec("tokenizer", tmp_path, TokenizerActorConfig(model_path=ckpt, vocab_size=vocab_size)))
     await tokenizer.setup()
     sent: dict[str, list] = {}
 
@@ -102,8 +112,8 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
             return _original(self, logits, rows)
         monkeypatch.setattr(Sampler, name, watch)
 
-    engine = EngineActor(RunSpec("engine", 0, str(tmp_path),
-                                 config={"engine": {"model": ckpt, "dtype": "float32", "page_size": 8}}))
+    engine = EngineActor(_spec("engine", tmp_path, EngineActorConfig(
+        engine=EngineConfig(model=ckpt, dtype="float32", page_size=8))))
     await engine.setup()
     try:
         await engine.handle(engine_req, [])
