@@ -11,6 +11,7 @@ import pytest
 from glmrt.cache.page_manager import PageManager
 from glmrt.cache.radix import RadixCache
 from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
+from glmrt.engine.config import EngineConfig
 from glmrt.engine.request import Request, Status
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from glmrt.sampling_params import SamplingParams
@@ -65,13 +66,14 @@ def work_of(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
     return [(w.req.rid, w.start, w.num, w.sample) for w in plan.work]
 
 
-def test_config_refuses_unknown_policies_and_empty_budgets():
-    with pytest.raises(ValueError):
-        SchedulerConfig(page_size=PS, max_running_requests=1, policy="random")
-    with pytest.raises(ValueError):
-        SchedulerConfig(page_size=PS, max_running_requests=1, chunked_prefill_size=0)
-    with pytest.raises(ValueError):
-        SchedulerConfig(page_size=PS, max_running_requests=1, max_prefill_tokens=0)
+def test_engine_config_refuses_unknown_policies_and_empty_budgets():
+    # the scheduler's config is built from an EngineConfig, whose declared bounds are the one check
+    with pytest.raises(ValueError, match="schedule_policy"):
+        EngineConfig(schedule_policy="random")
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        EngineConfig(chunked_prefill_size=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        EngineConfig(max_prefill_tokens=0)
 
 
 def test_fcfs_admits_in_arrival_order_within_the_running_cap():
