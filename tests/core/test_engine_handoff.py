@@ -32,14 +32,14 @@ def make(ckpt, model, **kw):
 
 
 def pd_generate(prefill, decode, prompt, params, rid):
+    source, sink = handoff.HandoffSource(prefill), handoff.HandoffSink(decode)
     prefill.add_request(prompt, params, rid=rid)
-    while rid not in prefill.handoffs:
+    while not source.holds(rid):
         prefill.step()
-    first = prefill.handoffs[rid].output_ids[0]
-    res = handoff.reserve(decode, rid, prompt, first, params)
-    moved = handoff.copy_in_process(prefill, decode, res)
-    handoff.release(prefill, rid)
-    handoff.activate(decode, rid)
+    res = sink.reserve(rid, prompt, source.parked(rid).first_token, params)
+    moved = handoff.copy_in_process(source, sink, rid)
+    source.release(rid)
+    sink.activate(rid)
     while not decode.requests[rid].finished:
         decode.step()
     prefill.check_invariants()
@@ -78,6 +78,6 @@ def test_no_room_is_refused_cleanly(ckpt, model):
     budget = 4 * lay.state_bytes_per_slot + 3 * lay.kv_bytes_per_page
     decode = make(ckpt, model, role="decode", max_mamba_cache_size=4, cache_memory_gb=budget / 2**30)
     with pytest.raises(handoff.HandoffError):
-        handoff.reserve(decode, "big", toks(60, 200), 5, greedy())
+        handoff.HandoffSink(decode).reserve("big", toks(60, 200), 5, greedy())
     decode.check_invariants()
     assert decode.pages.num_free == decode.pages.num_pages

@@ -22,14 +22,15 @@ import torch
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX on loopback (inherited by the children)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from transport import nixl_backend  # noqa: E402
-from transport.kv_transfer import (  # noqa: E402
+from glmrt import protocol as P  # noqa: E402
+from transport.kv import nixl as nixl_backend  # noqa: E402
+from transport.kv import (  # noqa: E402
     Region,
     TransferEngine,
     TransferError,
     available_backends,
     coalesce,
-    describe_component,
+    component_regions,
     make_transfer_engine,
     page_regions,
     pair_regions,
@@ -104,8 +105,9 @@ def test_slot_regions_and_errors():
         page_regions(t.transpose(0, 1), "rec", [0])
     with pytest.raises(TransferError):
         page_regions(torch.zeros(4), "flat", [0])
-    comp = describe_component("kda_recurrent", t, [3], checksum=7)
-    assert (comp.shape, comp.num_bytes, comp.dtype, comp.checksum) == ([2, 1, 4, 16, 16], 2 * slot_bytes, "float32", 7)
+    comp = P.KDARecurrent(rows=[3], num_bytes=2 * slot_bytes)
+    assert component_regions([comp], {"recurrent": t}.__getitem__) == slot_regions(t, "recurrent", 3)
+    assert region_bytes(component_regions([comp], {"recurrent": t}.__getitem__)) == comp.num_bytes
 
 
 def test_pair_regions_cuts_and_merges_on_both_sides():
