@@ -51,6 +51,8 @@ class EngineActor(Actor):
         self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
         self._vision_results: dict[str, tuple] = {}          # embeddings that came first
         self.xfer = None
+        self._xfer_peers: set[str] = set()
+        self._transfers: list = []   # (handle, decode id, KVHandoff) awaiting completion on the loop
         if cfg.role != "unified":
             self._start_handoff()
         info = dict(self.engine.info())
@@ -73,8 +75,6 @@ class EngineActor(Actor):
         self.xfer = make_transfer_engine(self._xfer_name(self.spec.actor_id), prefer=env.kv_transfer())
         for tid, t in handoff.pool_tensors(self.engine).items():
             self.xfer.register(tid, t)
-        self._xfer_peers: set[str] = set()
-        self._transfers: list = []   # (handle, decode id, KVHandoff) awaiting completion on the loop
 
     def _log(self, line: str) -> None:
         print(f"[{self.spec.actor_id}] {line}", flush=True)
