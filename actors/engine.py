@@ -51,7 +51,7 @@ class EngineActor(Actor):
         self._vision_wait: dict[str, P.EngineRequest] = {}   # waiting for a vision actor's embeddings
         self._vision_results: dict[str, tuple] = {}          # embeddings that came first
         self.xfer = None
-        self._xfer_peers: set[str] = set()
+        self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
         self._transfers: list = []   # (handle, decode id, KVHandoff) awaiting completion on the loop
         if cfg.role != "unified":
             self._start_handoff()
@@ -221,9 +221,11 @@ class EngineActor(Actor):
         return actor_id.replace("/", "-")
 
     def _connect(self, peer: str, info: bytes) -> None:
-        if peer not in self._xfer_peers:
+        """Connect to a peer's transfer engine, again when its info changed (it restarted). The
+        decode connects back to the prefill too, so it can acknowledge checksummed writes."""
+        if self._xfer_peers.get(peer) != info:
             self.xfer.connect(self._xfer_name(peer), info)
-            self._xfer_peers.add(peer)
+            self._xfer_peers[peer] = info
 
     def _release_handoff(self, rid: str) -> None:
         if self.source.holds(rid):

@@ -112,8 +112,9 @@ def test_incompatible_pair_is_refused_at_start(tmp_path, tiny_checkpoint, e2e_en
 
 @pytest.mark.timeout(240)
 def test_decode_restarted_on_another_layout_is_refused_at_run_time(start_deployment, tmp_path, tiny_checkpoint):
-    """The configs agree, so `glmrt up` starts the pair; then the decode restarts on a model
-    whose cache layout differs (its checkpoint changed under the same path). Every request is
+    """The configs agree, so `glmrt up` starts the pair. A decode restarted on the same model
+    serves again (the prefill reconnects to its new transfer engine); one restarted on a model
+    whose cache layout differs (its checkpoint changed under the same path) gets every request
     refused by name (503, the differing field), none hangs, and the prefill holds none of them."""
     import json
     import os
@@ -127,18 +128,26 @@ def test_decode_restarted_on_another_layout_is_refused_at_run_time(start_deploym
                          name="pd-relayout")
     try:
         client = d.client()
-        ok = client.completions.create(model=d.model_id(), prompt=prompts()[0], max_tokens=2, temperature=0,
-                                       extra_body={"ignore_eos": True})
-        assert ok.usage.completion_tokens == 2
+
+        def restart_decode():
+            old_pid = d.actors("decode")[0]["pid"]
+            os.kill(old_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not any(a["state"] == "ready" and a["pid"] != old_pid for a in d.actors("decode")):
+                assert time.monotonic() < deadline, f"decode did not restart: {d.actors()}"
+                time.sleep(0.5)
+
+        def served() -> int:
+            return client.completions.create(model=d.model_id(), prompt=prompts()[0], max_tokens=2, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+
+        assert served() == 2
+        restart_decode()
+        assert served() == 2  # a decode restarted on the same model
         config = json.loads((model / "config.json").read_text())
         config["text_config"]["kv_lora_rank"] //= 2
         (model / "config.json").write_text(json.dumps(config))
-        old_pid = d.actors("decode")[0]["pid"]
-        os.kill(old_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while not any(a["state"] == "ready" and a["pid"] != old_pid for a in d.actors("decode")):
-            assert time.monotonic() < deadline, f"decode did not restart: {d.actors()}"
-            time.sleep(0.5)
+        restart_decode()
         for p in prompts():
             t0 = time.monotonic()
             with pytest.raises(openai.APIStatusError) as refused:
@@ -150,7 +159,7 @@ def test_decode_restarted_on_another_layout_is_refused_at_run_time(start_deploym
             assert "incompatible prefill/decode pair" in message and "kv_lora_rank" in message, message
         time.sleep(1.5)  # engine stats are periodic
         prefill = d.get_json("/server_info")["engines"]["prefill/0"]
-        assert prefill["handoff_bytes_sent"] > 0 and prefill["handoff_transfers"] == 1  # only the first moved
+        assert prefill["handoff_bytes_sent"] > 0 and prefill["handoff_transfers"] == 2  # only the first two moved
         assert prefill["running"] == prefill["waiting"] == 0
     finally:
         d.stop(term_wait=5)
