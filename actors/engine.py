@@ -8,7 +8,6 @@ model computes; requests and aborts that arrive during a step are applied betwee
 from __future__ import annotations
 
 import asyncio
-import os
 import concurrent.futures
 import time
 from typing import Any
@@ -41,20 +40,33 @@ class EngineActor(Actor):
         self._routes: dict[str, tuple[P.RequestKey, str]] = {}  # engine rid -> (its choice's key, detok)
         self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
         self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
-        self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (Reservation, HandoffOffer)
+        self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (HandoffOffer, reserved at)
         self._vision_wait: dict[P.RequestKey, P.EngineRequest] = {}  # waiting for a vision actor's embeddings
         self._vision_results: dict[P.RequestKey, tuple] = {}        # embeddings that came first
-        from actors.handoff import layout_of, make_transfer
-        self._layout = layout_of(self.engine, os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")))
-        self.xfer = make_transfer(self.engine, self.spec.actor_id.replace("/", "-")) if cfg.role != "unified" else None
-        self._xfer_peers: set[str] = set()
+        self.xfer = None
+        self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
         self._transfers: list = []   # (handle, decode id, KVHandoff) awaiting completion on the loop
+        if cfg.role != "unified":
+            self._start_handoff()
         info = dict(self.engine.info())
-        info.update(kv_transfer="nixl" if self.xfer is not None else "frames")
+        if self.xfer is not None:
+            info.update(kv_transfer=self.xfer.backend)
         info.update(backend=self.engine.backend.name, dtype=str(self.engine.dtype).removeprefix("torch."),
                     kv_dtype=self.engine.layout.kv_dtype, state_dtype=self.engine.layout.state_dtype,
                     memory=self.engine.memory.describe())
         return info
+
+    def _start_handoff(self) -> None:
+        """Prefill/decode roles: the engine's handoff source and sink, and a transfer engine
+        (transport/kv) with its pools registered."""
+        from glmrt.engine import handoff
+        from transport.kv import make_transfer_engine
+
+        self.source, self.sink = handoff.HandoffSource(self.engine), handoff.HandoffSink(self.engine)
+        self._layout = handoff.handoff_layout(self.engine)
+        self.xfer = make_transfer_engine(self._xfer_name(self.spec.actor_id), prefer=env.kv_transfer())
+        for tid, t in handoff.pool_tensors(self.engine).items():
+            self.xfer.register(tid, t)
 
     def _log(self, line: str) -> None:
         print(f"[{self.spec.actor_id}] {line}", flush=True)
@@ -103,7 +115,7 @@ class EngineActor(Actor):
         elif isinstance(msg, P.HandoffAccept):
             self._pending.append(("accept", msg))
         elif isinstance(msg, P.KVHandoff):
-            self._pending.append(("kv", (msg, frames)))
+            self._pending.append(("kv", msg))
         elif isinstance(msg, P.HandoffDone):
             self._pending.append(("done", msg))
         self._wake.set()
@@ -128,15 +140,14 @@ class EngineActor(Actor):
             if op == "abort":
                 for rid, (key, _) in list(self._routes.items()):
                     if arg.drops(key):
-                        if rid in self.engine.handoffs:
+                        if self.xfer is not None and self.source.holds(rid):
                             self._release_handoff(rid)
                         else:
                             self.engine.abort(rid)
                         self.engine.requests.pop(rid, None)
                         del self._routes[rid]
-                for rid in [r for r, (_, offer, _) in self._reservations.items() if arg.drops(offer.key)]:
-                    from glmrt.engine import handoff
-                    handoff.cancel(self.engine, rid)
+                for rid in [r for r, (offer, _) in self._reservations.items() if arg.drops(offer.key)]:
+                    self.sink.cancel(rid)
                     del self._reservations[rid]
                 continue
             if op == "error":
@@ -181,11 +192,33 @@ class EngineActor(Actor):
               for it, f in zip(msg.mm_items, feats)]
         self._pending.append(("add", (msg, mm)))
 
-    # ---- prefill/decode handoff (actors/handoff.py has the protocol) ---------------------
+    # ---- prefill/decode handoff -------------------------------------------------------------
+    #   prefill                                   decode
+    #   first token -> detokenizer (index 0)
+    #   HandoffOffer(prompt, first token, layout) ->  layout check, sink.reserve (pages + slot)
+    #                                             <-  HandoffAccept(ok, reused_tokens, components)
+    #   xfer.write_components(source.export(...)) ->  (the rows land in the reserved pages/slot)
+    #   KVHandoff(components), once written       ->  sink.receive, sink.activate
+    #                                             <-  HandoffDone(ok)
+    #   source.release (state -> prefix cache)        decode continues at output index 1
+    # A refused offer (layout mismatch, no room) or a failed write fails that request cleanly on
+    # both sides (EngineError to the detokenizer; memory freed), never a hang. The _pd_* methods
+    # run in the step thread, so the engine package's source and sink may touch the Engine.
+
+    @staticmethod
+    def _xfer_name(actor_id: str) -> str:
+        return actor_id.replace("/", "-")
+
+    def _connect(self, peer: str, info: bytes) -> None:
+        """Connect to a peer's transfer engine, again when its info changed (it restarted). The
+        decode connects back to the prefill too, so it can acknowledge checksummed writes."""
+        if self._xfer_peers.get(peer) != info:
+            self.xfer.connect(self._xfer_name(peer), info)
+            self._xfer_peers[peer] = info
+
     def _release_handoff(self, rid: str) -> None:
-        from glmrt.engine import handoff
-        if rid in self.engine.handoffs:
-            handoff.release(self.engine, rid)
+        if self.source.holds(rid):
+            self.source.release(rid)
         self._pd.pop(rid, None)
 
     def _fail(self, rid: str, status: int, message: str) -> list:
@@ -196,68 +229,48 @@ class EngineActor(Actor):
         return [(route[1], P.EngineError(key=route[0].request, status=status, message=message))]
 
     def _pd_offer(self, offer: P.HandoffOffer) -> list:
-        from actors.handoff import layout_mismatch
         from glmrt.engine import handoff
-        reason = layout_mismatch(self._layout, offer.layout)
+        from transport.kv import TransferError
+        reason = handoff.layout_mismatch(self._layout, offer.layout)
         if reason is None:
             try:
                 params = offer.sampling.replace(n=1)  # the offer is one choice of the request
-                res = handoff.reserve(self.engine, offer.rid, offer.prompt_ids, offer.first_token, params)
-                self._reservations[offer.rid] = (res, offer, time.monotonic())
-                info = None
-                if self.xfer is not None and offer.transfer_info:
-                    if offer.prefill not in self._xfer_peers:
-                        self.xfer.connect(offer.prefill.replace("/", "-"), offer.transfer_info)
-                        self._xfer_peers.add(offer.prefill)
-                    info = self.xfer.peer_info()
-                return [(offer.prefill, P.HandoffAccept(
-                    rid=offer.rid, ok=True, decode=self.spec.actor_id, reused_tokens=res.reused_tokens,
-                    pages=res.fill_pages(self.engine.config.page_size), slot=res.slot, transfer_info=info))]
+                res = self.sink.reserve(offer.rid, offer.prompt_ids, offer.first_token, params)
             except (handoff.HandoffError, ValueError) as e:
                 reason = str(e)
-        return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=False, decode=self.spec.actor_id, reason=reason))]
+        if reason is None:
+            try:
+                self._connect(offer.prefill, offer.transfer_info)
+            except TransferError as e:
+                self.sink.cancel(offer.rid)
+                reason = f"cannot reach the prefill's transfer engine: {e}"
+        if reason is not None:
+            return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=False, decode=self.spec.actor_id,
+                                                    reason=reason))]
+        self._reservations[offer.rid] = (offer, time.monotonic())
+        return [(offer.prefill, P.HandoffAccept(
+            rid=offer.rid, ok=True, decode=self.spec.actor_id, reused_tokens=res.reused_tokens,
+            components=res.components, transfer_info=self.xfer.peer_info()))]
 
     def _pd_accept(self, acc: P.HandoffAccept) -> list:
-        from actors.handoff import pack
+        """One-sided write of the state into the decode's reserved rows; KVHandoff follows it."""
+        from transport.kv import TransferError
         rid = acc.rid
-        if rid not in self.engine.handoffs:
+        if not self.source.holds(rid):
             return []
         if not acc.ok:
             self._release_handoff(rid)
             return self._fail(rid, 503, f"decode {acc.decode} refused the request: {acc.reason}")
-        req = self.engine.handoffs[rid]
-        if self.xfer is not None and acc.transfer_info:
-            return self._write_state(rid, req, acc)
-        comps, tensors = pack(self.engine, rid, acc.reused_tokens)
-        c = self.engine.counters
-        c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(x.num_bytes for x in comps)
-        _, sampling, _ = self._pd.get(rid, (None, P.SamplingParams(), None))
-        detok = self._routes.get(rid, (None, ""))[1]
-        msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=comps,
-                          sampling=sampling, detokenizer=detok, prompt_ids=list(req.prompt_ids))
-        return [(acc.decode, msg, tensors)]
-
-    def _write_state(self, rid: str, req, acc: P.HandoffAccept) -> list:
-        """One-sided write (NIXL) of the state into the decode's reserved pages and slot."""
-        from actors.handoff import pool_tensors, regions
-        from glmrt.engine import handoff
-        peer = acc.decode.replace("/", "-")
-        if acc.decode not in self._xfer_peers:
-            self.xfer.connect(peer, acc.transfer_info)
-            self._xfer_peers.add(acc.decode)
-        src_pages, src_slot = handoff.source_pages(self.engine, rid, acc.reused_tokens)
-        local = regions(pool_tensors(self.engine).get, src_pages, src_slot)
-        remote = regions(lambda tid: self.xfer.peer_tensor(peer, tid), list(acc.pages), acc.slot)
-        # NOTE: a checksum of GPU memory costs a device-to-host copy of the bytes: opt-in
-        checksum = env.kv_checksum()
-        handle = self.xfer.write(peer, local, remote, checksum=checksum, transfer_id=rid)
-        _, sampling, _ = self._pd.get(rid, (None, P.SamplingParams(), None))
-        msg = P.KVHandoff(rid=rid, prompt_len=len(req.prompt_ids), first_token=req.output_ids[0], components=[],
-                          sampling=sampling, detokenizer=self._routes.get(rid, (None, ""))[1],
-                          prompt_ids=list(req.prompt_ids), transfer_id=rid)
-        self._transfers.append((handle, acc.decode, msg))
-        c = self.engine.counters
-        c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(r.num_bytes for r in local)
+        try:
+            self._connect(acc.decode, acc.transfer_info)
+            local = self.source.export(rid, acc.reused_tokens)
+            handle = self.xfer.write_components(self._xfer_name(acc.decode), local, acc.components,
+                                                checksum=env.kv_checksum(), transfer_id=rid)
+        except TransferError as e:
+            self._release_handoff(rid)
+            return ([(acc.decode, P.HandoffDone(rid=rid, ok=False, reason=str(e)))]
+                    + self._fail(rid, 503, f"handoff to {acc.decode} failed: {e}"))
+        self._transfers.append((handle, acc.decode, P.KVHandoff(rid=rid, components=acc.components)))
         return []
 
     async def _finish_transfers(self) -> None:
@@ -266,9 +279,7 @@ class EngineActor(Actor):
         for handle, decode, msg in pending:
             result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
             if result.ok:
-                c = self.engine.counters
-                c["handoff_transfer_seconds"] = c.get("handoff_transfer_seconds", 0.0) + result.seconds
-                c["handoff_transfers"] = c.get("handoff_transfers", 0) + 1
+                self.source.transferred(result.seconds)
                 await self.send(decode, msg)
             else:
                 self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
@@ -276,41 +287,28 @@ class EngineActor(Actor):
                 await self.send(decode, P.HandoffDone(rid=msg.rid, ok=False, reason=result.error))
                 self._wake.set()
 
-    def _pd_kv(self, arg) -> list:
-        from actors.handoff import pool_tensors, regions, unpack
+    def _pd_kv(self, msg: P.KVHandoff) -> list:
         from glmrt.engine import handoff
-        msg, frames = arg
         entry = self._reservations.pop(msg.rid, None)
         if entry is None:
             return []
-        res, offer, _ = entry
+        offer, _ = entry
         try:
-            # components in-band (frames), or already written into our pools (NIXL, transfer_id)
-            if msg.components:
-                moved = unpack(self.engine, res, msg.components, frames)
-            else:
-                pools = pool_tensors(self.engine)
-                moved = sum(r.num_bytes for r in regions(pools.get, res.fill_pages(self.engine.config.page_size),
-                                                         res.slot))
-        except (handoff.HandoffError, KeyError, ValueError, RuntimeError) as e:
-            handoff.cancel(self.engine, msg.rid)
+            self.sink.receive(msg.rid, msg.components)
+        except handoff.HandoffError as e:
+            self.sink.cancel(msg.rid)
             return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=False, reason=str(e))),
                     (offer.detokenizer, P.EngineError(key=offer.key.request, status=503,
                                                       message=f"handoff failed: {e}"))]
-        handoff.activate(self.engine, msg.rid)
-        self.engine.requests[msg.rid].cached_tokens = offer.cached_tokens
-        c = self.engine.counters
-        c["handoff_bytes_received"] = c.get("handoff_bytes_received", 0) + moved
-        c["handoff_reused_tokens"] = c.get("handoff_reused_tokens", 0) + res.reused_tokens
+        self.sink.activate(msg.rid, cached_tokens=offer.cached_tokens)
         self._routes[msg.rid] = (offer.key, offer.detokenizer)
         return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=True))]
 
     def _pd_done(self, done: P.HandoffDone) -> list:
         rid = done.rid
         if rid in self._reservations:  # decode side: the prefill's write failed
-            from glmrt.engine import handoff
-            res, offer, _ = self._reservations.pop(rid)
-            handoff.cancel(self.engine, rid)
+            del self._reservations[rid]
+            self.sink.cancel(rid)
             return []
         self._release_handoff(rid)
         if done.ok:
@@ -324,23 +322,22 @@ class EngineActor(Actor):
         msgs = []
         now = time.monotonic()
         for o in outs:
-            if o.finish_reason != "handoff" or o.rid not in self.engine.handoffs:
+            if o.finish_reason != "handoff" or not self.source.holds(o.rid):
                 continue
             decode, sampling, _ = self._pd[o.rid]
-            req = self.engine.handoffs[o.rid]
+            parked = self.source.parked(o.rid)
             self._pd[o.rid] = (decode, sampling, now)
             msgs.append((decode, P.HandoffOffer(
-                rid=o.rid, key=self._routes[o.rid][0], prompt_ids=list(req.prompt_ids),
-                first_token=req.output_ids[0], sampling=sampling, detokenizer=self._routes[o.rid][1],
-                prefill=self.spec.actor_id, layout=self._layout, cached_tokens=req.cached_tokens,
-                transfer_info=self.xfer.peer_info() if self.xfer is not None else None)))
-        for rid, (_, offer, t) in list(self._reservations.items()):  # a prefill that never sends the state
+                rid=o.rid, key=self._routes[o.rid][0], prompt_ids=parked.prompt_ids,
+                first_token=parked.first_token, sampling=sampling, detokenizer=self._routes[o.rid][1],
+                prefill=self.spec.actor_id, layout=self._layout, transfer_info=self.xfer.peer_info(),
+                cached_tokens=parked.cached_tokens)))
+        for rid, (_, t) in list(self._reservations.items()):  # a prefill that never sends the state
             if now - t > HANDOFF_TIMEOUT_S:
-                from glmrt.engine import handoff
-                handoff.cancel(self.engine, rid)
+                self.sink.cancel(rid)
                 del self._reservations[rid]
         for rid, (decode, _, t) in list(self._pd.items()):  # a decode that never answers
-            if t is not None and now - t > HANDOFF_TIMEOUT_S and rid in self.engine.handoffs:
+            if t is not None and now - t > HANDOFF_TIMEOUT_S and self.source.holds(rid):
                 self._release_handoff(rid)
                 msgs += self._fail(rid, 503, f"handoff to {decode} timed out")
         return msgs
@@ -379,7 +376,8 @@ class EngineActor(Actor):
                     prompt_cached.pop(key.request, None)
                 if req is not None:
                     self.engine.requests.pop(o.rid, None)
-        errors += self._offers(outs)
+        if self.xfer is not None:  # prefill/decode roles
+            errors += self._offers(outs)
         return errors, list(batches.items())
 
     async def background(self) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 
 DEFAULT_URL = "http://127.0.0.1:30000"
-KV_TRANSFER_MODES = ("auto", "nixl", "zmq", "frames")
+KV_TRANSFER_MODES = ("auto", "nixl", "zmq")
 
 
 def api_key() -> str | None:
@@ -53,7 +53,7 @@ def kv_checksum() -> bool:
 
 def kv_transfer() -> str:
     """GLMRT_KV_TRANSFER: how a prefill engine hands state to a decode engine: auto (NIXL when it
-    works here, else frames) | nixl | zmq | frames (in-band tensor frames). Default auto."""
+    works here, else the zmq fallback) | nixl | zmq. Default auto."""
     mode = os.environ.get("GLMRT_KV_TRANSFER") or "auto"
     if mode not in KV_TRANSFER_MODES:
         raise ValueError(f"GLMRT_KV_TRANSFER must be one of {', '.join(KV_TRANSFER_MODES)} (got {mode!r})")

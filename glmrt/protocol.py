@@ -20,7 +20,7 @@ engine's own `SamplingParams`, so no field is copied by hand between the api and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -325,41 +325,78 @@ class EngineStats(Msg):
 
 
 # ---------------------------------------------------------------------------------------------
-# prefill -> decode (designed now, used with PD disaggregation)
+# prefill -> decode handoff
 # ---------------------------------------------------------------------------------------------
 
-StateKind = Literal["mla_latent_pages", "indexer_pages", "indexer_tail", "kda_conv", "kda_recurrent"]
 
+class StateComponent(Part, tag_field="kind"):
+    """Rows of one request's state in the pool tensors `TENSORS` (each [layers, rows, ...]):
+    the pages of a paged pool, or the request's live slot of a state pool. One subclass per
+    kind, so the set grows by adding a struct; a transfer pairs two lists kind by kind, row by
+    row, and `num_bytes` (every tensor, every layer) must agree on both sides."""
 
-class StateComponent(Part):
-    """One typed piece of a request's state. `tensor` is None when it moves out of band (NIXL)."""
-
-    kind: StateKind
-    dtype: str
-    shape: list[int]
+    TENSORS: ClassVar[tuple[str, ...]] = ()
+    rows: list[int]
     num_bytes: int
-    checksum: int | None = None
-    tensor: TensorRef | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.__struct_config__.tag
 
 
-class KVHandoff(Msg):
-    """A prefilled request moving to a decode engine; the first token already went to the
-    detokenizer, so decode continues at output position 1."""
+class MLALatentPages(StateComponent, tag="mla_latent_pages"):
+    """The MLA latent (compressed KV) of full and partial prompt pages."""
 
-    rid: str
-    prompt_len: int
-    first_token: int
-    components: list[StateComponent]
-    sampling: SamplingParams
-    detokenizer: str
-    prompt_ids: list[int] = []  # for penalties and the decode-side prefix cache
-    transfer_id: str | None = None  # NIXL transfer carrying components without a tensor frame
-    arrival: float = 0.0
+    TENSORS: ClassVar[tuple[str, ...]] = ("latent",)
+
+
+class IndexerKeyPages(StateComponent, tag="indexer_pages"):
+    """The pooled DSA indexer keys of the same pages."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("pooled",)
+
+
+class IndexerTail(StateComponent, tag="indexer_tail"):
+    """The indexer's not-yet-pooled keys and gates of the prompt's last partial pool (a slot)."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("tail_k", "tail_g")
+
+
+class KDAConv(StateComponent, tag="kda_conv"):
+    """The KDA layers' short-convolution window at the prompt's end (a slot)."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("conv",)
+
+
+class KDARecurrent(StateComponent, tag="kda_recurrent"):
+    """The KDA layers' recurrent state at the prompt's end (a slot)."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("recurrent",)
+
+
+AnyStateComponent = MLALatentPages | IndexerKeyPages | IndexerTail | KDAConv | KDARecurrent
+
+
+class HandoffLayout(Part):
+    """What must be equal on both sides for one engine's state to be valid in the other's pools."""
+
+    model: str
+    dtype: str
+    kv_dtype: str
+    state_dtype: str
+    tp: int
+    page_size: int
+    num_dsa: int
+    num_indexer: int
+    num_kda: int
+    kv_lora_rank: int
+    conv_dim: int
 
 
 class HandoffOffer(Msg):
-    """Prefill -> decode: a prompt is computed; can you take it? `layout` is the bootstrap
-    check (model, dtypes, tp, page size, pool layouts): a mismatch is refused by name."""
+    """Prefill -> decode: a prompt is computed, its first token sent; can you take it? A
+    `layout` unlike the decode's is refused by name. `transfer_info` is the prefill's
+    transfer-engine peer info (transport/kv)."""
 
     rid: str
     key: RequestKey  # the choice the decode will serve
@@ -368,52 +405,43 @@ class HandoffOffer(Msg):
     sampling: SamplingParams
     detokenizer: str
     prefill: str
-    layout: dict[str, Any] = {}
+    layout: HandoffLayout
+    transfer_info: bytes
     cached_tokens: int = 0
-    arrival: float = 0.0
-    transfer_info: bytes | None = None  # the prefill's transfer-engine peer info (NIXL), if any
 
 
 class HandoffAccept(Msg):
-    """Decode -> prefill: room reserved; only pages from `reused_tokens` on are missing."""
+    """Decode -> prefill: room reserved (or refused, with the reason). Only pages from
+    `reused_tokens` on are missing; `components` are the decode rows to write them into."""
 
     rid: str
     ok: bool
-    decode: str = ""
-    reused_tokens: int = 0
+    decode: str
     reason: str | None = None
-    pages: list[int] = []             # one-sided transfers: the decode pages to fill, in order
-    slot: int = -1                    # and the state slot
-    transfer_info: bytes | None = None  # the decode's transfer-engine peer info (NIXL), if any
+    reused_tokens: int = 0
+    components: list[AnyStateComponent] = []
+    transfer_info: bytes = b""  # the decode's transfer-engine peer info
+
+
+class KVHandoff(Msg):
+    """Prefill -> decode: `components` (the accepted rows) are written into the decode's pools;
+    the request decodes on from its first token."""
+
+    rid: str
+    components: list[AnyStateComponent]
 
 
 class HandoffDone(Msg):
-    """Decode -> prefill: the state arrived (or did not); the prefill side may let go."""
+    """Decode -> prefill: the state arrived (or did not); the prefill side may let go. Also
+    prefill -> decode when the write failed, so the decode gives its reservation back."""
 
     rid: str
-    ok: bool
-    reason: str | None = None
-
-
-class Bootstrap(Msg):
-    """Prefill -> decode handshake: refuse a peer whose layout differs before any handoff."""
-
-    model: str
-    dtype: str
-    kv_dtype: str
-    state_dtype: str
-    tp: int
-    page_size: int
-    layout: dict[str, Any] = {}
-
-
-class BootstrapReply(Msg):
     ok: bool
     reason: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizer -> vision -> engine (designed now)
+# tokenizer -> vision -> engine
 # ---------------------------------------------------------------------------------------------
 
 
@@ -445,7 +473,7 @@ SUPERVISOR_IN = Ready | Heartbeat | Drained | ActorFailed
 TOKENIZER_IN = TokenizeRequest | Abort | Shutdown
 VISION_IN = VisionRequest | Abort | Shutdown
 ENGINE_IN = (
-    EngineRequest | Abort | EngineStatsQuery | KVHandoff | Bootstrap | BootstrapReply | VisionResult | Shutdown
+    EngineRequest | Abort | EngineStatsQuery | KVHandoff | VisionResult | Shutdown
     | HandoffOffer | HandoffAccept | HandoffDone
 )
 DETOK_IN = DetokenizeRequest | TokenOut | TokenBatch | EngineError | Abort | Shutdown
@@ -453,6 +481,6 @@ API_IN = TextOut | TextBatch | TokenizerError | EngineError | EngineStats | Shut
 ANY_MSG = (
     Ready | Heartbeat | Shutdown | Drained | ActorFailed | TokenizeRequest | TokenizerError | EngineRequest
     | DetokenizeRequest | TokenOut | TokenBatch | EngineError | TextOut | TextBatch | Abort | EngineStatsQuery
-    | EngineStats | KVHandoff | Bootstrap | BootstrapReply | VisionRequest | VisionResult
+    | EngineStats | KVHandoff | VisionRequest | VisionResult
     | HandoffOffer | HandoffAccept | HandoffDone
 )

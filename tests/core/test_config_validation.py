@@ -157,10 +157,10 @@ def test_env_accessors(monkeypatch):
     assert (env.kv_checksum(), env.kv_transfer(), env.sampler_kernel()) == (False, "auto", True)
     assert (env.url(), env.api_key()) == ("http://127.0.0.1:30000", None)
     monkeypatch.setenv("GLMRT_KV_CHECKSUM", "1")
-    monkeypatch.setenv("GLMRT_KV_TRANSFER", "frames")
+    monkeypatch.setenv("GLMRT_KV_TRANSFER", "zmq")
     monkeypatch.setenv("GLMRT_SAMPLER_KERNEL", "0")
     monkeypatch.setenv("GLMRT_CACHE_DIR", "/tmp/glmrt-cache")
-    assert (env.kv_checksum(), env.kv_transfer(), env.sampler_kernel()) == (True, "frames", False)
+    assert (env.kv_checksum(), env.kv_transfer(), env.sampler_kernel()) == (True, "zmq", False)
     assert env.cache_dir() == "/tmp/glmrt-cache"
     monkeypatch.setenv("GLMRT_KV_TRANSFER", "carrier-pigeon")
     with pytest.raises(ValueError, match="GLMRT_KV_TRANSFER must be one of"):
@@ -198,6 +198,6 @@ def test_a_bad_kv_transfer_mode_is_refused_before_a_pd_deployment_starts(tmp_pat
     path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n'
                     '[[actors]]\nkind = "decode"\n[[actors]]\nkind = "detokenizer"\n')
     monkeypatch.setenv("GLMRT_KV_TRANSFER", "nfs")
-    with pytest.raises(TopologyError, match="GLMRT_KV_TRANSFER must be one of auto, nixl, zmq, frames"):
+    with pytest.raises(TopologyError, match="GLMRT_KV_TRANSFER must be one of auto, nixl, zmq \(got"):
         _build([str(path)])
     _build([])   # a unified engine hands nothing over: the variable is not read

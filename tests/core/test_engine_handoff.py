@@ -32,14 +32,14 @@ def make(ckpt, model, **kw):
 
 
 def pd_generate(prefill, decode, prompt, params, rid):
+    source, sink = handoff.HandoffSource(prefill), handoff.HandoffSink(decode)
     prefill.add_request(prompt, params, rid=rid)
-    while rid not in prefill.handoffs:
+    while not source.holds(rid):
         prefill.step()
-    first = prefill.handoffs[rid].output_ids[0]
-    res = handoff.reserve(decode, rid, prompt, first, params)
-    moved = handoff.copy_in_process(prefill, decode, res)
-    handoff.release(prefill, rid)
-    handoff.activate(decode, rid)
+    res = sink.reserve(rid, prompt, source.parked(rid).first_token, params)
+    moved = handoff.copy_in_process(source, sink, rid)
+    source.release(rid)
+    sink.activate(rid)
     while not decode.requests[rid].finished:
         decode.step()
     prefill.check_invariants()
@@ -78,6 +78,52 @@ def test_no_room_is_refused_cleanly(ckpt, model):
     budget = 4 * lay.state_bytes_per_slot + 3 * lay.kv_bytes_per_page
     decode = make(ckpt, model, role="decode", max_mamba_cache_size=4, cache_memory_gb=budget / 2**30)
     with pytest.raises(handoff.HandoffError):
-        handoff.reserve(decode, "big", toks(60, 200), 5, greedy())
+        handoff.HandoffSink(decode).reserve("big", toks(60, 200), 5, greedy())
     decode.check_invariants()
     assert decode.pages.num_free == decode.pages.num_pages
+
+
+def test_sink_refuses_state_that_is_not_the_reservation_and_cancel_frees_it(ckpt, model):
+    prefill, decode = make(ckpt, model, role="prefill"), make(ckpt, model, role="decode")
+    source, sink = handoff.HandoffSource(prefill), handoff.HandoffSink(decode)
+    prompt = toks(70, 21)
+    prefill.add_request(prompt, greedy(), rid="x")
+    while not source.holds("x"):
+        prefill.step()
+    res = sink.reserve("x", prompt, source.parked("x").first_token, greedy())
+    assert [c.kind for c in res.components] == ["mla_latent_pages", "indexer_pages", "indexer_tail", "kda_conv",
+                                                "kda_recurrent"]
+    assert res.components[0].rows == res.pages == res.components[1].rows  # nothing reused: every page moves
+    shifted = [type(c)(rows=[r + 1 for r in c.rows], num_bytes=c.num_bytes) for c in res.components]
+    with pytest.raises(handoff.HandoffError, match="not the reservation"):
+        sink.receive("x", shifted)
+    with pytest.raises(handoff.HandoffError, match="kinds differ"):
+        handoff.copy_rows(handoff.pool_tensors(prefill), source.export("x", 0)[::-1],
+                          handoff.pool_tensors(decode), res.components)
+    sink.cancel("x")
+    source.release("x")
+    assert not sink.holds("x") and not source.holds("x")
+    decode.check_invariants()
+    assert decode.pages.num_free == decode.pages.num_pages and decode.slots.num_free == decode.slots.num_slots
+
+
+def test_layout_mismatch_names_every_differing_field(ckpt, model):
+    a, b = make(ckpt, model, role="prefill"), Engine(EngineConfig(model=ckpt, page_size=16, mamba_ssm_dtype="bfloat16"),
+                                                     model=model, log=lambda *a: None)
+    assert handoff.layout_mismatch(handoff.handoff_layout(a), handoff.handoff_layout(a)) is None
+    why = handoff.layout_mismatch(handoff.handoff_layout(b), handoff.handoff_layout(a))
+    assert why.startswith("incompatible prefill/decode pair")
+    assert "page_size: prefill 8 vs decode 16" in why and "state_dtype" in why and "kv_dtype" not in why
+
+
+def test_transfer_environment_is_typed_and_refuses_unknown_values(monkeypatch):
+    from glmrt import env
+    monkeypatch.delenv("GLMRT_KV_TRANSFER", raising=False)
+    monkeypatch.delenv("GLMRT_KV_CHECKSUM", raising=False)
+    assert env.kv_transfer() == "auto" and env.kv_checksum() is False
+    monkeypatch.setenv("GLMRT_KV_TRANSFER", "zmq")
+    monkeypatch.setenv("GLMRT_KV_CHECKSUM", "1")
+    assert env.kv_transfer() == "zmq" and env.kv_checksum() is True
+    monkeypatch.setenv("GLMRT_KV_TRANSFER", "frames")
+    with pytest.raises(ValueError, match="GLMRT_KV_TRANSFER"):
+        env.kv_transfer()

@@ -1,7 +1,8 @@
 """E2E: prefill/decode disaggregation by placement alone — a topology with `prefill` and
 `decode` actors instead of `engine`. The prefill computes the prompt and the first token,
-hands the typed state to the decode, which continues: the same greedy tokens as one unified
-engine. A pair with incompatible layouts refuses requests by name, never hangs."""
+hands the named state components to the decode, which continues: the same greedy tokens as one
+unified engine. A pair with incompatible layouts is refused at start when the configs show it,
+and at run time (each request, by name, never a hang) when only the loaded models do."""
 
 from __future__ import annotations
 
@@ -108,6 +109,62 @@ def test_incompatible_pair_is_refused_at_start(tmp_path, tiny_checkpoint, e2e_en
     assert r.returncode == 2 and field in r.stderr and "decode" in r.stderr
 
 
+
+@pytest.mark.timeout(240)
+def test_decode_restarted_on_another_layout_is_refused_at_run_time(start_deployment, tmp_path, tiny_checkpoint):
+    """The configs agree, so `glmrt up` starts the pair. A decode restarted on the same model
+    serves again (the prefill reconnects to its new transfer engine); one restarted on a model
+    whose cache layout differs (its checkpoint changed under the same path) gets every request
+    refused by name (503, the differing field), none hangs, and the prefill holds none of them."""
+    import json
+    import os
+    import shutil
+    import signal
+    import time
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model, ignore=shutil.ignore_patterns("*.safetensors*"))
+    d = start_deployment([topology(tmp_path, "relayout"), "--model", str(model), "--load-format", "dummy"],
+                         name="pd-relayout")
+    try:
+        client = d.client()
+
+        def restart_decode():
+            old_pid = d.actors("decode")[0]["pid"]
+            os.kill(old_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not any(a["state"] == "ready" and a["pid"] != old_pid for a in d.actors("decode")):
+                assert time.monotonic() < deadline, f"decode did not restart: {d.actors()}"
+                time.sleep(0.5)
+
+        def served() -> int:
+            return client.completions.create(model=d.model_id(), prompt=prompts()[0], max_tokens=2, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+
+        assert served() == 2
+        restart_decode()
+        assert served() == 2  # a decode restarted on the same model
+        config = json.loads((model / "config.json").read_text())
+        config["text_config"]["kv_lora_rank"] //= 2
+        (model / "config.json").write_text(json.dumps(config))
+        restart_decode()
+        for p in prompts():
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model=d.model_id(), prompt=p, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert time.monotonic() - t0 < 20
+            assert refused.value.status_code == 503
+            message = str(refused.value)
+            assert "incompatible prefill/decode pair" in message and "kv_lora_rank" in message, message
+        time.sleep(1.5)  # engine stats are periodic
+        prefill = d.get_json("/server_info")["engines"]["prefill/0"]
+        assert prefill["handoff_bytes_sent"] > 0 and prefill["handoff_transfers"] == 2  # only the first two moved
+        assert prefill["running"] == prefill["waiting"] == 0
+    finally:
+        d.stop(term_wait=5)
+
+
 EPD = """
 [engine]
 page_size = 16
@@ -166,11 +223,12 @@ def test_epd_equals_unified_for_text_and_image(start_deployment, tmp_path_factor
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["frames", "nixl"])
+@pytest.mark.parametrize("transport", ["zmq", "nixl"])
 def test_both_state_transports_serve_the_same_tokens(start_deployment, tmp_path_factory, e2e_env, unified_tokens,
                                                      transport):
     """The state moves through NIXL (one-sided writes into the decode's pools) or, where NIXL
-    does not work, in-band as tensor frames: the same tokens either way, bytes counted."""
+    does not work, through the zmq fallback (the same calls and messages, the bytes as zmq
+    frames into the same pools): the same tokens either way, bytes counted."""
     if transport == "nixl":
         pytest.importorskip("nixl_cu13")
     e2e_env["GLMRT_KV_TRANSFER"] = transport

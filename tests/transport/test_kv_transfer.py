@@ -22,14 +22,15 @@ import torch
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # keep UCX on loopback (inherited by the children)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from transport import nixl_backend  # noqa: E402
-from transport.kv_transfer import (  # noqa: E402
+from glmrt import protocol as P  # noqa: E402
+from transport.kv import nixl as nixl_backend  # noqa: E402
+from transport.kv import (  # noqa: E402
     Region,
     TransferEngine,
     TransferError,
     available_backends,
     coalesce,
-    describe_component,
+    component_regions,
     make_transfer_engine,
     page_regions,
     pair_regions,
@@ -104,8 +105,9 @@ def test_slot_regions_and_errors():
         page_regions(t.transpose(0, 1), "rec", [0])
     with pytest.raises(TransferError):
         page_regions(torch.zeros(4), "flat", [0])
-    comp = describe_component("kda_recurrent", t, [3], checksum=7)
-    assert (comp.shape, comp.num_bytes, comp.dtype, comp.checksum) == ([2, 1, 4, 16, 16], 2 * slot_bytes, "float32", 7)
+    comp = P.KDARecurrent(rows=[3], num_bytes=2 * slot_bytes)
+    assert component_regions([comp], {"recurrent": t}.__getitem__) == slot_regions(t, "recurrent", 3)
+    assert region_bytes(component_regions([comp], {"recurrent": t}.__getitem__)) == comp.num_bytes
 
 
 def test_pair_regions_cuts_and_merges_on_both_sides():
@@ -283,7 +285,11 @@ def test_pages_and_slots_land_exactly(pair):
     assert peer.ask("checksum", [(r.tensor_id, r.offset_bytes, r.num_bytes) for r in remote]) == res.checksum
     assert peer.ask("incoming", h.transfer_id) == (eng.name, res.num_bytes, res.checksum)
 
-    after = peer.ask("snapshot")
+    _assert_landed(before, peer.ask("snapshot"), pools)
+
+
+def _assert_landed(before: dict, after: dict, pools: dict) -> None:
+    """Pages 2,3,4,10 landed on 5,6,7,20 and slot 1 on slot 6 (the plan of _request_plan)."""
     for k, (shape, dt) in SHAPES.items():
         got = torch.from_numpy(after[k]).view(dt).view(shape)
         want = torch.from_numpy(before[k]).view(dt).view(shape).clone()
@@ -292,6 +298,34 @@ def test_pages_and_slots_land_exactly(pair):
         else:
             want[:, 6] = pools[k][:, 1]
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), k  # and nothing else changed
+
+
+def _components(tensor, pages: list[int], slot: int) -> list:
+    """The named components of pages `pages` and slot `slot` of the test pools (no indexer tail)."""
+    kinds = [(P.MLALatentPages, pages), (P.IndexerKeyPages, pages), (P.KDAConv, [slot]), (P.KDARecurrent, [slot])]
+    return [kind(rows=rows, num_bytes=region_bytes(component_regions([kind(rows=rows, num_bytes=0)], tensor)))
+            for kind, rows in kinds]
+
+
+def test_components_land_exactly_and_mismatches_are_refused(pair):
+    """write_components: the same rows as the region plan, through either backend; components
+    that do not describe the same state on both sides are refused before anything moves."""
+    eng, peer, pools = pair
+    before = peer.ask("snapshot")
+    local = _components(pools.__getitem__, [2, 3, 4, 10], 1)
+    remote = _components(lambda tid: eng.peer_tensor(peer.name, tid), [5, 6, 7, 20], 6)
+    h = eng.write_components(peer.name, local, remote, checksum=True)
+    assert h.num_descriptors == _request_plan(eng, peer.name, pools)[2]
+    res = asyncio.run(eng.wait(h, timeout=10.0))
+    assert res.ok, res.error
+    assert res.num_bytes == sum(c.num_bytes for c in local)
+    _assert_landed(before, peer.ask("snapshot"), pools)
+    with pytest.raises(TransferError, match="kinds differ"):
+        eng.write_components(peer.name, local, remote[::-1])
+    with pytest.raises(TransferError, match="rows"):
+        eng.write_components(peer.name, local, _components(lambda tid: eng.peer_tensor(peer.name, tid), [5], 6))
+    with pytest.raises(TransferError, match="its rows hold"):
+        eng.write_components(peer.name, [P.KDAConv(rows=[1], num_bytes=1)], [P.KDAConv(rows=[6], num_bytes=1)])
 
 
 def test_64mib_throughput(pair):

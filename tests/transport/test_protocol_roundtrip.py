@@ -16,6 +16,8 @@ from transport.codec import Codec, ProtocolError, as_buffer, describe, tensor_fr
 SAMPLING = SamplingParams(temperature=0.7, top_k=20, seed=3, stop_token_ids=[2], max_tokens=64,
                          logprobs=True, top_logprobs=2, stop=["\n\n"], include_stop_str_in_output=True)
 REF = P.TensorRef(dtype="float32", shape=[2, 3], frame=0)
+LAYOUT = P.HandoffLayout(model="tiny", dtype="bfloat16", kv_dtype="bfloat16", state_dtype="float32", tp=1,
+                         page_size=64, num_dsa=2, num_indexer=2, num_kda=2, kv_lora_rank=32, conv_dim=96)
 ITEM = P.MMItem(kind="image", grid_thw=[1, 4, 4], num_tokens=4, tensor=REF)
 TOKEN_OUT = P.TokenOut(key=P.RequestKey(rid="r1", choice=1), token_ids=[5, 6], first_index=1, finished=True,
                        finish_reason="stop", prompt_tokens=9, completion_tokens=3, cached_tokens=4,
@@ -62,20 +64,16 @@ SAMPLES = [
     P.EngineStatsQuery(qid=7, reply_to="api/0"),
     P.EngineStats(actor="engine", replica=0, qid=7, kv_pages_total=100, kv_pages_free=50, running=2,
                   counters={"prompt_tokens": 10.0, "hit_rate": 0.5}),
-    P.HandoffOffer(rid="r1", key=P.RequestKey(rid="a", choice=1), prompt_ids=[1, 2, 3], first_token=9,
-                   sampling=SAMPLING, detokenizer="detokenizer/0",
-                   prefill="prefill/0", layout={"page_size": 64}, cached_tokens=2),
-    P.HandoffAccept(rid="r1", ok=True, decode="decode/1", reused_tokens=64),
+    P.HandoffOffer(rid="r1", key=P.RequestKey(rid="a", choice=1), prompt_ids=[1, 2, 3], first_token=9, sampling=SAMPLING, detokenizer="detokenizer/0",
+                   prefill="prefill/0", layout=LAYOUT, transfer_info=b"peer", cached_tokens=2),
+    P.HandoffAccept(rid="r1", ok=True, decode="decode/1", reused_tokens=64,
+                    components=[P.MLALatentPages(rows=[4, 5], num_bytes=131072), P.KDAConv(rows=[3], num_bytes=96)],
+                    transfer_info=b"peer"),
+    P.HandoffAccept(rid="r1", ok=False, decode="decode/1", reason="page_size differs"),
     P.HandoffDone(rid="r1", ok=False, reason="timeout"),
-    P.KVHandoff(rid="r1", prompt_len=3, first_token=9, sampling=SAMPLING, detokenizer="detokenizer/0",
-                components=[P.StateComponent(kind="mla_latent_pages", dtype="bfloat16", shape=[2, 64, 512],
-                                             num_bytes=131072, checksum=12345, tensor=REF),
-                            P.StateComponent(kind="kda_recurrent", dtype="float32", shape=[4, 8],
-                                             num_bytes=128)],
-                prompt_ids=[1, 2, 3], transfer_id="x1"),
-    P.Bootstrap(model="tiny", dtype="bfloat16", kv_dtype="bfloat16", state_dtype="float32", tp=1, page_size=64,
-                layout={"layers": [0, 1]}),
-    P.BootstrapReply(ok=False, reason="page_size differs"),
+    P.KVHandoff(rid="r1", components=[P.IndexerKeyPages(rows=[4], num_bytes=512),
+                                      P.IndexerTail(rows=[3], num_bytes=64),
+                                      P.KDARecurrent(rows=[3], num_bytes=128)]),
     P.VisionRequest(key=P.RequestKey(rid="r1"), items=[ITEM]),
     P.VisionResult(key=P.RequestKey(rid="r1"), embeddings=[REF, P.TensorRef(dtype="bfloat16", shape=[4, 8], frame=1)]),
 ]

@@ -1,4 +1,4 @@
-"""NIXL implementation of the KV/state transfer (see kv_transfer.py and docs/NIXL.md).
+"""NIXL implementation of the KV/state transfer (the interface: transport/kv/__init__.py).
 
 One NIXL agent per engine, named after the engine, with the UCX backend; it lives on the
 engine's worker thread (agents in sync mode NONE are single-threaded). Pool tensors are
@@ -34,18 +34,10 @@ import msgspec
 import numpy as np
 import torch
 
-from transport.kv_transfer import (
-    Incoming,
-    PeerInfo,
-    Region,
-    TensorDesc,
-    TransferError,
-    TransferHandle,
-    WorkerEngine,
-    check_regions,
-    crc32_regions,
-    describe_tensor,
-)
+from transport.kv.handles import Incoming, TransferHandle
+from transport.kv.regions import Region
+from transport.kv.wire import PeerInfo, TensorDesc, TransferError, describe_tensor
+from transport.kv.worker import WorkerEngine, check_regions, crc32_regions
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +129,7 @@ class NixlTransferEngine(WorkerEngine):
     def __init__(self, name: str, *, enable_prog_thread: bool = False, ucx_params: dict[str, str] | None = None,
                  poll_interval_s: float = 50e-6, idle_poll_s: float = 1e-3, call_timeout: float = 30.0):
         """`enable_prog_thread`: NIXL's own progress thread (off by default: on 2 cores it made
-        notification round trips 30-40 ms and halved throughput, NIXL.md §3). `ucx_params`:
+        notification round trips 30-40 ms and halved throughput). `ucx_params`:
         UCX backend init params (e.g. {"ucx_error_handling_mode": "none"} for shm-only UCX_TLS,
         at the cost of dead-peer detection)."""
         self._prog_thread = enable_prog_thread

@@ -1,4 +1,4 @@
-"""zmq fallback of the KV/state transfer (see kv_transfer.py), for hosts without NIXL.
+"""zmq fallback of the KV/state transfer (the interface: transport/kv/__init__.py), for hosts without NIXL.
 
 Every engine binds one ROUTER (`address`, default tcp://127.0.0.1 on a free port; use an
 `ipc://` path on one host, a routable tcp address across hosts) and opens one DEALER per peer
@@ -31,19 +31,10 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transport.kv_transfer import (
-    Incoming,
-    PeerInfo,
-    Region,
-    TensorDesc,
-    TransferError,
-    TransferHandle,
-    WorkerEngine,
-    check_regions,
-    crc32_regions,
-    describe_tensor,
-    flat_bytes,
-)
+from transport.kv.handles import Incoming, TransferHandle
+from transport.kv.regions import Region
+from transport.kv.wire import PeerInfo, TensorDesc, TransferError, describe_tensor
+from transport.kv.worker import WorkerEngine, check_regions, crc32_regions, flat_bytes
 
 logger = logging.getLogger(__name__)
 
