@@ -9,7 +9,7 @@ fills the defaults and refuses an illegal request with `IllegalOption` (a
 `glmrt up` calls it before any actor starts; the engine calls it again on the hardware it
 detects, before it loads weights.
 
-The seeds' recipes pair SGLang kernel libraries (TileLang or TRT-LLM DSA, FlashInfer/TRT-LLM
+SGLang's recipes for the model pair kernel libraries (TileLang or TRT-LLM DSA, FlashInfer/TRT-LLM
 MoE runners, FlashMLA, FA4) with KV dtypes. glmrt ships none of those libraries: asking for
 one is refused with what glmrt runs instead. Only what exists in this build is accepted: the
 Triton kernels of `backends/kernels/` (DSA decode, fused MoE, KDA, norms, mHC) and the torch
@@ -21,7 +21,7 @@ so no adapter accepts them; a request naming them (`speculative_algorithm`,
 
 `quantization` is the weight format asked for (None: the checkpoint's own). FP4 formats have
 no native GEMM here: every adapter dequantises them on load; `preferred_weights` is the format
-the seeds ship for that hardware.
+SGLang's recipes ship for that hardware.
 
 This module imports no torch and no project package, so `glmrt up` (which never loads torch)
 can check a request in milliseconds.
@@ -70,7 +70,7 @@ OPTIONS = {
 
 WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4", "nvfp4")
 """bf16: unquantised (the model dtype: bf16, fp16 or fp32); fp8: e4m3 with 128x128 block scales
-(DeepSeek-V3 convention, the released checkpoint); mxfp4 / nvfp4: the seeds' MI355X / Blackwell
+(DeepSeek-V3 convention, the released checkpoint); mxfp4 / nvfp4: SGLang's MI355X / Blackwell
 checkpoints."""
 
 _FP4_ON_LOAD = "dequantised to the model dtype on load (no FP4 GEMM kernel in this build; memory as bf16)"
@@ -83,12 +83,13 @@ _ALIASES = {
                               "dflash2": "DFLASH2", "none": "none", "off": "none"},
 }
 
-# Kernel libraries the seeds (or SGLang) name and glmrt does not ship: refused for every option that
+# Kernel libraries SGLang's recipes name and glmrt does not ship: refused for every option that
 # selects kernels, on every adapter.
 NOT_SHIPPED = MappingProxyType({
-    "tilelang": "TileLang DSA kernels are not shipped with glmrt (the seeds pair them with bf16 KV on H100/H200 and "
-                "Blackwell and with fp8 KV on MI355X; TileLang DSA with fp8 KV is not a valid CUDA combination)",
-    "trtllm": "TRT-LLM DSA kernels are not shipped with glmrt (the seeds' Blackwell default, paired with fp8 KV; "
+    "tilelang": "TileLang DSA kernels are not shipped with glmrt (SGLang's recipes pair them with bf16 KV on "
+                "H100/H200 and Blackwell and with fp8 KV on MI355X; TileLang DSA with fp8 KV is not a valid CUDA "
+                "combination)",
+    "trtllm": "TRT-LLM DSA kernels are not shipped with glmrt (SGLang's Blackwell default, paired with fp8 KV; "
               "disabled on H100/H200 and not the MI355X backend)",
     "trtllm_mla": "TRT-LLM MLA kernels are not shipped with glmrt",
     "flashmla": "FlashMLA is not shipped with glmrt (glmrt's sparse MLA is its own Triton kernel)",
@@ -96,12 +97,12 @@ NOT_SHIPPED = MappingProxyType({
     "flashmla_kv": "FlashMLA is not shipped with glmrt (glmrt's sparse MLA is its own Triton kernel)",
     "cutlass_mla": "CUTLASS MLA kernels are not shipped with glmrt",
     "fa3": "FlashAttention 3 is not shipped with glmrt (GLM-5.3-Flash attention is DSA + KDA)",
-    "fa4": "FlashAttention 4 is not shipped with glmrt (in the seeds it runs only the DFlash2 draft)",
+    "fa4": "FlashAttention 4 is not shipped with glmrt (in SGLang's recipes it runs only the DFlash2 draft)",
     "flashinfer": "FlashInfer is not shipped with glmrt",
     "aiter": "AITER (ROCm kernels) is not shipped with glmrt",
     "deepgemm": "DeepGEMM is not shipped with glmrt",
     "deep_gemm": "DeepGEMM is not shipped with glmrt",
-    "flashinfer_trtllm": "FlashInfer's TRT-LLM MoE runner (the seeds' Blackwell/H200 recipes) is not shipped with "
+    "flashinfer_trtllm": "FlashInfer's TRT-LLM MoE runner (SGLang's Blackwell/H200 recipes) is not shipped with "
                          "glmrt",
     "flashinfer_cutlass": "FlashInfer's CUTLASS MoE runner is not shipped with glmrt",
     "flashinfer_mxfp4": "FlashInfer's MXFP4 MoE runner is not shipped with glmrt",
@@ -213,7 +214,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
                                                        "they read only the selected rows, where the torch path "
                                                        "expands [heads, tokens, context] scores); 'torch' is the "
                                                        "reference",
-                                "kv_cache_dtype": "cuda-h200 caches KV in bfloat16 (the default, the seeds' H100/H200 "
+                                "kv_cache_dtype": "cuda-h200 caches KV in bfloat16 (the default, SGLang's H100/H200 "
                                                   "pairing), fp8_e4m3 (legal, off by default) or the model dtype"})),
     Adapter(
         name="cuda-blackwell", hardware=("sm100",), devices="NVIDIA B200 / GB200 / B300 / GB300 (SM100, SM103)",
@@ -226,7 +227,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
         decode_graphs=True, module=".cuda_blackwell", needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,
-                                "kv_cache_dtype": "cuda-blackwell caches KV in fp8_e4m3 (the default, the seeds' "
+                                "kv_cache_dtype": "cuda-blackwell caches KV in fp8_e4m3 (the default, SGLang's "
                                                   "Blackwell pairing), bfloat16 or the model dtype"})),
     Adapter(
         name="rocm-mi355x", hardware=("gfx950",), devices="AMD Instinct MI355X (gfx950)",
@@ -239,7 +240,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
         decode_graphs=True, module=".rocm_mi355x", needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,
-                                "kv_cache_dtype": "rocm-mi355x caches KV in fp8_e4m3 (the default, the seeds' MI355X "
+                                "kv_cache_dtype": "rocm-mi355x caches KV in fp8_e4m3 (the default, SGLang's MI355X "
                                                   "recipe), bfloat16 or the model dtype"})),
 )})
 

@@ -111,13 +111,13 @@ LEGAL = [
     ("gfx950", {"kv_cache_dtype": "BF16"}, {"kv_cache_dtype": "bfloat16"}),
     ("cpu", {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e4m3"}),
     ("cpu", {"kv_cache_dtype": "float16"}, {"kv_cache_dtype": "float16"}),
-    # the seeds' flags in their SGLang spellings, where glmrt has the thing
+    # SGLang's flags in their own spellings, where glmrt has the thing
     ("sm90", {"attention_backend": "dsa", "kv_cache_dtype": "bfloat16", "moe_runner_backend": "triton",
               "quantization": "fp8"}, {"attention_backend": "dsa", "moe_runner_backend": "triton",
                                        "quantization": "fp8"}),
     ("sm90", {"dsa_decode_backend": "triton", "dsa_prefill_backend": "torch"},
      {"dsa_decode_backend": "triton", "dsa_prefill_backend": "torch"}),
-    ("sm100", {"linear_attn_backend": "triton"}, {"linear_attn_backend": "triton"}),  # the seeds' GB300 flag
+    ("sm100", {"linear_attn_backend": "triton"}, {"linear_attn_backend": "triton"}),  # SGLang's GB300 flag
     ("sm100", {"quantization": "modelopt_fp4"}, {"quantization": "nvfp4"}),
     ("gfx950", {"quantization": "mxfp4"}, {"quantization": "mxfp4"}),
     ("sm90", {"quantization": "nvfp4"}, {"quantization": "nvfp4"}),              # dequantised on load
@@ -154,7 +154,7 @@ def refused(hw, req, **kw) -> IllegalOption:
 
 REFUSED = [
     # (hardware, request, option, words of the rule, alternatives)
-    # the seeds' KV/DSA pairings name TileLang and TRT-LLM, which glmrt does not ship
+    # SGLang's KV/DSA pairings name TileLang and TRT-LLM, which glmrt does not ship
     ("sm90", {"kv_cache_dtype": "bfloat16", "dsa_prefill_backend": "tilelang", "dsa_decode_backend": "tilelang"},
      "dsa_prefill_backend", "TileLang", ("auto", "torch")),
     ("sm90", {"kv_cache_dtype": "bfloat16", "dsa_decode_backend": "tilelang"},
