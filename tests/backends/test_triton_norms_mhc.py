@@ -3,7 +3,7 @@
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is set
 before Triton is imported); with CUDA the same tests run compiled (the "cuda" parameter).
 Fresh random inputs per check, outputs NaN-poisoned first and checked fully written; bounds
-per /work/.library/device/METHOD.md: fp32 ~1e-5 relative, bf16 ~1e-2 relative.
+(tests/backends/conftest.py): fp32 ~1e-5 relative, bf16 ~1e-2 relative.
 """
 
 from __future__ import annotations
