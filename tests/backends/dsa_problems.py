@@ -28,19 +28,11 @@ def generator(seed):
 
 def decode_meta(lens, device, seed, spare_pages=3):
     """Decode batch: request r has lens[r]-1 cached tokens and one new token; pages shuffled."""
-    g = generator(seed)
-    need = [-(-n // PAGE) for n in lens]
-    num_pages = sum(need) + spare_pages
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    tables, c = [], 0
-    for n in need:
-        tables.append(perm[c:c + n])
-        c += n
-    meta = BatchMeta.build([n - 1 for n in lens], [1] * len(lens), list(range(len(lens))), tables, PAGE, device)
-    return meta, num_pages
+    return prefill_meta([(n - 1, 1) for n in lens], device, seed, spare_pages)
 
 
 def prefill_meta(reqs, device, seed, spare_pages=2):
+    """Batch of (prefix_len, seq_len) requests over shuffled pages, `spare_pages` left unused."""
     g = generator(seed)
     need = [-(-(p + n) // PAGE) for p, n in reqs]
     num_pages = sum(need) + spare_pages
