@@ -45,6 +45,15 @@ def test_registration_and_ops():
 
 
 # ---- the tiny model end to end -------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _unsplit_mhc_when_interpreted(monkeypatch):
+    """One mHC launch of 16-token programs instead of a K split sized for the H200's SMs: the
+    interpreter runs programs one by one (test_triton_norms_mhc covers the split launches)."""
+    if _INTERPRET:
+        from backends.kernels import mhc
+        monkeypatch.setattr(mhc, "_NUM_SMS_GUESS", 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_model_decode_matches_reference(device, dtype):
     """The tiny preset (3 DSA layers, H 4, R 32, kpool 4, top 4 pools) with the default cuda-h200
@@ -120,19 +129,10 @@ def _tiny_decode(device, dtype, *, prefill_kernels: bool, fla_kda: bool = False,
 
     truth = decode_logits(ReferenceOps(), torch.float32)  # same weights, bf16 ones are their rounding
     ops = h200_ops(prefill_kernels)
-    if _INTERPRET:
-        # one mHC launch of 16-token programs instead of a K split sized for the H200's SMs: the
-        # interpreter runs programs one by one (test_triton_norms_mhc covers the split launches)
-        from backends.kernels import mhc
-        mhc_sms, mhc._NUM_SMS_GUESS = mhc._NUM_SMS_GUESS, 1
     ops.fused_small_ops = fused_small_ops
     if dtype == torch.float32 and not fla_kda:  # see _check_fla_tf32
         ops.kda = functools.partial(ReferenceOps.kda, ops)
-    try:
-        got = decode_logits(ops, dtype)
-    finally:
-        if _INTERPRET:
-            mhc._NUM_SMS_GUESS = mhc_sms
+    got = decode_logits(ops, dtype)
     assert torch.isfinite(got).all()
     ref = decode_logits(ReferenceOps(), dtype) if dtype != torch.float32 else truth
     return got, truth, ref
