@@ -2,25 +2,26 @@
 
 One declarative `Adapter` per backend name (`reference`, `cuda-h200`, `cuda-blackwell`,
 `rocm-mi355x`): the hardware it runs on, the default and legal KV-cache dtypes, the weight
-formats and how each one runs, the attention / DSA / MoE kernel names it answers to, the
-CUDA-graph modes and speculative algorithms it permits. `resolve_options(hardware, requested)`
-fills the defaults and refuses an illegal request with `IllegalOption` (a
+formats and how each one runs, the attention / DSA / MoE kernel names it answers to, and
+whether it captures decode CUDA graphs. `resolve_options(hardware, requested)` fills the
+defaults and refuses an illegal request with `IllegalOption` (a
 `backends.registry.BackendError`) whose message names the rule and the alternatives.
 `glmrt up` calls it before any actor starts; the engine calls it again on the hardware it
 detects, before it loads weights.
 
-SGLang's GLM-5.3-Flash recipes pair kernel libraries (TileLang or TRT-LLM DSA, FlashInfer/TRT-LLM
+SGLang's recipes for the model pair kernel libraries (TileLang or TRT-LLM DSA, FlashInfer/TRT-LLM
 MoE runners, FlashMLA, FA4) with KV dtypes. glmrt ships none of those libraries: asking for
 one is refused with what glmrt runs instead. Only what exists in this build is accepted: the
 Triton kernels of `backends/kernels/` (DSA decode, fused MoE, KDA, norms, mHC) and the torch
 reference for the rest. `cuda-blackwell` and `rocm-mi355x` reuse those portable Triton kernels
 and have never run on their hardware; nothing here, or in their modules, claims anything about
-speed. Speculative decoding and breakable prefill CUDA graphs are not in this build yet: their
-rows say what each adapter permits, so that their flags are checked here when they land.
+speed. Legal means built: speculative decoding and breakable prefill CUDA graphs are not built,
+so no adapter accepts them; a request naming them (`speculative_algorithm`,
+`cuda_graph_backend_prefill`) is refused with what glmrt runs instead.
 
 `quantization` is the weight format asked for (None: the checkpoint's own). FP4 formats have
 no native GEMM here: every adapter dequantises them on load; `preferred_weights` is the format
-SGLang's recipe serves on that hardware.
+SGLang's recipes ship for that hardware.
 
 This module imports no torch and no project package, so `glmrt up` (which never loads torch)
 can check a request in milliseconds.
@@ -52,8 +53,8 @@ class IllegalOption(BackendError):
         super().__init__(f"{label(option)} {value!r} is refused{where}. Rule: {rule}. Alternatives{where}: {alts}.")
 
 
-# option -> its `glmrt up` flag (speculative_algorithm and cuda_graph_backend_prefill have no flag yet:
-# the features are not in this build; the keys are checked here when they land)
+# option -> its `glmrt up` flag. speculative_algorithm and cuda_graph_backend_prefill have none: nothing is
+# built behind them, and a request naming them (through the Python API) is refused with what is built.
 OPTIONS = {
     "backend": "--backend",
     "kv_cache_dtype": "--kv-cache-dtype",
@@ -63,14 +64,14 @@ OPTIONS = {
     "dsa_decode_backend": "--dsa-decode-backend",
     "moe_runner_backend": "--moe-runner-backend",
     "linear_attn_backend": "--linear-attn-backend",
-    "speculative_algorithm": "--speculative-algorithm",
-    "cuda_graph_backend_prefill": "--cuda-graph-backend-prefill",
+    "speculative_algorithm": None,
+    "cuda_graph_backend_prefill": None,
 }
 
 WEIGHT_FORMATS = ("bf16", "fp8", "mxfp4", "nvfp4")
 """bf16: unquantised (the model dtype: bf16, fp16 or fp32); fp8: e4m3 with 128x128 block scales
-(DeepSeek-V3 convention, the released checkpoint); mxfp4 / nvfp4: the MI355X / Blackwell checkpoints
-of SGLang's recipes."""
+(DeepSeek-V3 convention, the released checkpoint); mxfp4 / nvfp4: SGLang's MI355X / Blackwell
+checkpoints."""
 
 _FP4_ON_LOAD = "dequantised to the model dtype on load (no FP4 GEMM kernel in this build; memory as bf16)"
 
@@ -82,7 +83,7 @@ _ALIASES = {
                               "dflash2": "DFLASH2", "none": "none", "off": "none"},
 }
 
-# Kernel libraries SGLang's recipes (or SGLang) name and glmrt does not ship: refused for every option that
+# Kernel libraries SGLang's recipes name and glmrt does not ship: refused for every option that
 # selects kernels, on every adapter.
 NOT_SHIPPED = MappingProxyType({
     "tilelang": "TileLang DSA kernels are not shipped with glmrt (SGLang's recipes pair them with bf16 KV on "
@@ -112,6 +113,9 @@ NOT_SHIPPED = MappingProxyType({
 _KERNEL_OPTIONS = ("attention_backend", "dsa_prefill_backend", "dsa_decode_backend", "moe_runner_backend",
                    "linear_attn_backend")
 
+_NO_SPECULATIVE = ("speculative decoding is not built: glmrt decodes one token per request per step (no MTP / "
+                   "EAGLE or DFlash2 drafter)")
+
 # Values glmrt knows but does not accept anywhere, with the reason (beyond "not on this adapter").
 _NOT_BUILT = {
     ("attention_backend", "triton"): "glmrt's attention is always DSA (MLA layers) + KDA; its Triton kernels are "
@@ -122,8 +126,9 @@ _NOT_BUILT = {
     ("quantization", "bf16"): "unquantised weights need no --quantization: leave it auto (the checkpoint's format)",
     ("quantization", "bfloat16"): "unquantised weights need no --quantization: leave it auto (the checkpoint's "
                                   "format)",
-    ("speculative_algorithm", "STANDALONE"): "only the checkpoint's MTP head (EAGLE) and the DFlash2 draft are "
-                                             "planned drafters",
+    **{("speculative_algorithm", algo): _NO_SPECULATIVE for algo in ("EAGLE", "DFLASH2", "STANDALONE")},
+    ("cuda_graph_backend_prefill", "breakable"): "prefill always runs eagerly; the only CUDA graphs glmrt "
+                                                 "builds are decode graphs (glmrt.engine.cuda_graphs)",
 }
 
 
@@ -150,10 +155,6 @@ class Adapter:
     moe_runner_backends: tuple[str, ...]
     linear_attn_backends: tuple[str, ...]
     """KDA layers: the causal conv and the delta-rule recurrence."""
-    speculative: tuple[str, ...]
-    """Speculative algorithms permitted besides 'none'."""
-    prefill_graphs: tuple[str, ...]
-    """cuda_graph_backend_prefill modes permitted besides 'off'."""
     decode_graphs: bool
     module: str | None = None
     """The kernel module, imported lazily by the registry on matching hardware."""
@@ -187,14 +188,13 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
                                   "mxfp4": _FP4_ON_LOAD, "nvfp4": _FP4_ON_LOAD}),
         preferred_weights="bf16", attention_backends=("dsa",), dsa_prefill_backends=("torch",),
         dsa_decode_backends=("torch",), moe_runner_backends=("torch",), linear_attn_backends=("torch",),
-        speculative=("EAGLE", "DFLASH2"), prefill_graphs=(), decode_graphs=False,
+        decode_graphs=False,
         notes=MappingProxyType({
             "dsa_decode_backend": "the reference kernel set is torch only; Triton kernels need --backend cuda-h200, "
                                   "cuda-blackwell or rocm-mi355x on their hardware",
             "dsa_prefill_backend": "the reference kernel set is torch only",
             "moe_runner_backend": "the reference kernel set is torch only",
             "linear_attn_backend": "the reference kernel set is torch only",
-            "cuda_graph_backend_prefill": "the reference kernel set runs eagerly",
         })),
     Adapter(
         name="cuda-h200", hardware=("sm90",), devices="NVIDIA H100 / H200 (SM90)",
@@ -206,7 +206,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
                                   "fp8": _FP8_TRITON, "mxfp4": _FP4_ON_LOAD, "nvfp4": _FP4_ON_LOAD}),
         preferred_weights="fp8", attention_backends=("dsa",), dsa_prefill_backends=("triton", "torch"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
-        speculative=("EAGLE", "DFLASH2"), prefill_graphs=("breakable",), decode_graphs=True, module=".cuda_h200",
+        decode_graphs=True, module=".cuda_h200",
         needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,
                                 "dsa_prefill_backend": "DSA prefill runs on glmrt's per-token indexer + sparse-MLA "
@@ -225,8 +225,7 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
                                   "fp8": _FP8_TRITON, "nvfp4": _FP4_ON_LOAD, "mxfp4": _FP4_ON_LOAD}),
         preferred_weights="nvfp4", attention_backends=("dsa",), dsa_prefill_backends=("torch", "triton"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
-        speculative=("EAGLE", "DFLASH2"), prefill_graphs=("breakable",), decode_graphs=True,
-        module=".cuda_blackwell", needs="triton",
+        decode_graphs=True, module=".cuda_blackwell", needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,
                                 "kv_cache_dtype": "cuda-blackwell caches KV in fp8_e4m3 (the default, SGLang's "
                                                   "Blackwell pairing), bfloat16 or the model dtype"})),
@@ -239,14 +238,10 @@ ADAPTERS: Mapping[str, Adapter] = MappingProxyType({a.name: a for a in (
                                   "fp8": _FP8_TRITON, "mxfp4": _FP4_ON_LOAD, "nvfp4": _FP4_ON_LOAD}),
         preferred_weights="mxfp4", attention_backends=("dsa",), dsa_prefill_backends=("torch", "triton"),
         dsa_decode_backends=("triton",), moe_runner_backends=("triton",), linear_attn_backends=("triton",),
-        speculative=("EAGLE",), prefill_graphs=(), decode_graphs=True, module=".rocm_mi355x", needs="triton",
+        decode_graphs=True, module=".rocm_mi355x", needs="triton",
         notes=MappingProxyType({**_TRITON_NOTES,
                                 "kv_cache_dtype": "rocm-mi355x caches KV in fp8_e4m3 (the default, SGLang's MI355X "
-                                                  "recipe), bfloat16 or the model dtype",
-                                "speculative_algorithm": "DFlash2's draft runs on FA4, which SGLang's recipe "
-                                                         "disables on MI355X",
-                                "cuda_graph_backend_prefill": "breakable CUDA graphs are disabled on MI355X in "
-                                                              "SGLang's recipe"})),
+                                                  "recipe), bfloat16 or the model dtype"})),
 )})
 
 HARDWARE_ADAPTERS = tuple(a for a in ADAPTERS.values() if a.hardware)
@@ -367,9 +362,9 @@ def _legal_values(a: Adapter, option: str, model_dtype: str | None = None) -> tu
     if option == "quantization":
         return tuple(f for f in a.weights if f != "bf16")
     if option == "speculative_algorithm":
-        return ("none", *a.speculative)
+        return ("none",)
     if option == "cuda_graph_backend_prefill":
-        return ("off", *a.prefill_graphs)
+        return ("off",)
     return {"attention_backend": a.attention_backends, "dsa_prefill_backend": a.dsa_prefill_backends,
             "dsa_decode_backend": a.dsa_decode_backends, "moe_runner_backend": a.moe_runner_backends,
             "linear_attn_backend": a.linear_attn_backends}[option]
@@ -468,6 +463,5 @@ def table() -> list[dict[str, str]]:
                      "weights": ", ".join(f"{k}: {v}" for k, v in a.weights.items()),
                      "dsa": f"prefill {'/'.join(a.dsa_prefill_backends)}, decode {'/'.join(a.dsa_decode_backends)}",
                      "moe": "/".join(a.moe_runner_backends), "kda": "/".join(a.linear_attn_backends),
-                     "speculative": ", ".join(a.speculative),
-                     "prefill graphs": ", ".join(("off", *a.prefill_graphs)), "tested": a.tested})
+                     "decode graphs": "yes" if a.decode_graphs else "no", "tested": a.tested})
     return rows

@@ -3,7 +3,7 @@
 Importing a submodule imports Triton; `backends.registry` never imports this package
 eagerly. Every kernel here is tested against `backends.reference.ReferenceOps` on CPU
 through Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when one is present
-(tests/backends/test_triton_kernels.py).
+(tests/backends/test_triton_*.py).
 
   sparse_mla.sparse_mla_decode   absorbed-MLA decode over gathered latent rows (split-K)
   sparse_mla.sparse_mla          ReferenceOps.sparse_mla signature; kernel for decode batches

@@ -3,7 +3,7 @@
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is set
 before Triton is imported); with CUDA the same tests run compiled (the "cuda" parameter). Fresh
 random inputs per check (fp8 weights with 128x128 block scales, partial blocks at the edges),
-outputs NaN-poisoned first and checked fully written; bounds per /work/.library/device/METHOD.md
+outputs NaN-poisoned first and checked fully written; bounds (tests/backends/conftest.py)
 against a float64 evaluation of the same dequantised weights: fp32 ~1e-5 relative, bf16 ~1e-2.
 """
 

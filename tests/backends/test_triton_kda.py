@@ -6,8 +6,8 @@ chunk_kda after `enable_interpreted_chunk()` (interpreter fixes: tensor loop var
 autotune timing, bf16 arithmetic). With CUDA the same tests run compiled ("cuda"). The fla
 tests skip when fla-core is not installed. Every check draws fresh random inputs, poisons
 outputs with NaN, fills the slots of new requests (prefix_len 0) with NaN (they must be
-ignored), and checks that slots outside the batch keep every bit. Bounds as in
-test_triton_kernels.py: fp32 1e-5, bf16 1e-2 relative to an fp32 evaluation.
+ignored), and checks that slots outside the batch keep every bit. Bounds as for every kernel
+(tests/backends/conftest.py): fp32 1e-5, bf16 1e-2 relative to an fp32 evaluation.
 """
 
 from __future__ import annotations

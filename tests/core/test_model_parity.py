@@ -4,7 +4,8 @@ Two configs: the `tiny` preset (both indexer types, dense + MoE with group routi
 vision) and a variant with qk_nope_head_dim != v_head_dim, hc_mult 3, 3 Sinkhorn iterations,
 pad_token_id 0, the softplus KDA gate, attention biases, an active SwiGLU clamp, kpool 8 and
 a shared layer right after a full one. Prompts are longer than index_topk, so sparse
-selection really drops tokens. Tolerance: max|ours - ref| / max|ref| <= 1e-4.
+selection really drops tokens. Tolerance: max|ours - ref| / max|ref| <= 1e-4 (bf16: a median bound
+from bf16's precision, test_bfloat16_tracks_reference).
 """
 
 from __future__ import annotations
@@ -171,26 +172,40 @@ def test_sparse_selection_really_drops_tokens(pair, monkeypatch):
     assert int((last >= 0).sum()) == t.index_topk_pools  # selected pools, fewer than all
 
 
+def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """‖out − ref‖ / ‖ref‖ per position (rows of [positions, vocab] logits)."""
+    return (out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
 def test_bfloat16_tracks_reference(pair):
-    """bf16 on the same checkpoint: we must be at least as close to the fp32 reference as HF's
-    own bf16 run is (HF rounds the mHC parameters and combines streams in bf16; we keep them fp32)."""
+    """bf16 on the same checkpoint against the fp32 truth, bounded by bf16's precision, not a CPU's.
+
+    The random tiny weights amplify rounding, and the discrete choices (top-k experts, sparse pool
+    selection) flip on near-ties, so single positions move far, and which ones depends on the
+    matmul kernels the CPU picks (AVX2, AVX-512 or AMX; max error 0.6-0.8 for HF's bf16 and ours).
+    The median over 3 prompts x 75 positions is stable (~0.05 for both). Bound: four bf16 roundings
+    (2^-8 relative each, bf16's unit roundoff) of the residual stream per layer, over the layers
+    (0.094 for 6 layers). HF's bf16 run meets it too (the bound is bf16's); a structural error in
+    our bf16 path (one RMSNorm skipped: ~0.28) does not."""
     from transformers import Glm5NextForConditionalGeneration
 
     _, hf32, cfg, path = pair
     if cfg.text.vocab_size != preset_config("tiny").text.vocab_size:
         pytest.skip("one bf16 check is enough")
-    ids = prompts(cfg, 1, seed=5)
-    ref = hf_logits(hf32, ids)[0]
+    bound = 4 * cfg.text.num_hidden_layers * 2.0 ** -8
     hf16 = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16,
                                                             attn_implementation="eager").eval()
-    ref16 = hf_logits(hf16, ids)[0].float()
     ours16, _ = load_checkpoint(path, ReferenceOps(), dtype=torch.bfloat16)
-    s = DirectSession(ours16)
-    r = s.new_request()
-    out = s.step({r: ids[0]})[r].float()
-    scale = ref.abs().max()
-    ours_err, hf_err = ((out - ref).abs().max() / scale).item(), ((ref16 - ref).abs().max() / scale).item()
-    ours_agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    hf_agree = (ref16.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"bf16 vs fp32 reference: ours rel {ours_err:.3f} top-1 {ours_agree:.3f}; HF rel {hf_err:.3f} top-1 {hf_agree:.3f}")
-    assert ours_err <= max(hf_err, 0.05) and ours_agree >= min(hf_agree, 0.9)
+    ours_err, hf_err = [], []
+    for seed in (5, 6, 7):
+        ids = prompts(cfg, 1, seed=seed)
+        ref = hf_logits(hf32, ids)[0]
+        s = DirectSession(ours16)
+        r = s.new_request()
+        ours_err.append(token_errors(s.step({r: ids[0]})[r], ref))
+        hf_err.append(token_errors(hf_logits(hf16, ids)[0], ref))
+    ours_med, hf_med = torch.cat(ours_err).median().item(), torch.cat(hf_err).median().item()
+    print(f"bf16 vs fp32 truth, median per-position relative error: ours {ours_med:.4f}, HF {hf_med:.4f}, "
+          f"bound {bound:.4f}")
+    assert hf_med <= bound, f"HF's bf16 median error {hf_med:.4f} > {bound:.4f}: the bound is wrong"
+    assert ours_med <= bound, f"our bf16 median error {ours_med:.4f} > {bound:.4f} (HF's: {hf_med:.4f})"
