@@ -198,6 +198,6 @@ def test_a_bad_kv_transfer_mode_is_refused_before_a_pd_deployment_starts(tmp_pat
     path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n'
                     '[[actors]]\nkind = "decode"\n[[actors]]\nkind = "detokenizer"\n')
     monkeypatch.setenv("GLMRT_KV_TRANSFER", "nfs")
-    with pytest.raises(TopologyError, match="GLMRT_KV_TRANSFER must be one of auto, nixl, zmq \(got"):
+    with pytest.raises(TopologyError, match="GLMRT_KV_TRANSFER must be one of auto, nixl, zmq \\(got"):
         _build([str(path)])
     _build([])   # a unified engine hands nothing over: the variable is not read
