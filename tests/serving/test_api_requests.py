@@ -13,7 +13,7 @@ import pytest
 from glmrt import protocol as P
 from glmrt.sampling_params import SamplingParams
 from glmrt.serving import openai_api as A
-from tests.api.openai_cases import MODEL, TOOLS, USER, chat, chat_err, comp, comp_err
+from tests.serving.openai_cases import MODEL, TOOLS, USER, chat, chat_err, comp, comp_err
 
 
 # =============================================================================================

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from glmrt import protocol as P
 from glmrt.serving import openai_api as A
-from tests.api.openai_cases import LP, LP2, MODEL, TOOLS, USER, outs_chat
+from tests.serving.openai_cases import LP, LP2, MODEL, TOOLS, USER, outs_chat
 
 
 # =============================================================================================

@@ -21,7 +21,7 @@ from glmrt.engine.config import EngineConfig
 from glmrt import protocol as P
 from glmrt.sampling_params import SamplingParams
 from glmrt.serving import openai_api as A
-from tests.api.openai_cases import MODEL, USER
+from tests.serving.openai_cases import MODEL, USER
 
 # a value other than the default for each field (all valid together)
 NON_DEFAULT = {
