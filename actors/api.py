@@ -23,7 +23,7 @@ from actors.base import codec_for, inbox_address
 from actors.metrics import Metrics
 from glmrt import protocol as P
 from glmrt.serving import openai_api as oa
-from transport.channels import Inbox, Peers
+from transport.channels import Inbox
 
 log = logging.getLogger("glmrt.api")
 
@@ -159,11 +159,10 @@ class ApiServer:
 
     def fail_actor(self, actor_id: str) -> None:
         """An actor died: fail every request routed through it now (the client gets a 503)."""
-        kind = actor_id.split("/")[0]
         for st in list(self.inflight.values()):
             if st.done:
                 continue
-            if actor_id in (st.engine, st.tokenizer, st.detokenizer, st.decode) or kind == "detokenizer":
+            if actor_id in (st.engine, st.tokenizer, st.detokenizer, st.decode):
                 st.queue.put_nowait(oa.APIError(503, f"{actor_id} failed while serving this request; retry",
                                                 "server_error", code="actor_failed", headers={"Retry-After": "1"}))
 
@@ -190,15 +189,14 @@ class ApiServer:
     def _route(self) -> tuple[str, str, str, str | None]:
         kinds = self.sup.topo.engine_kinds
         toks = self.sup.ready("tokenizer")
-        engines = [a for k in kinds for a in self.sup.ready(k)]
         detoks = self.sup.ready("detokenizer")
         if not (toks and detoks and all(self.sup.ready(k) for k in kinds)):
             raise oa.APIError(503, "the server is not ready (actors starting or restarting); retry",
                               "server_error", code="not_ready", headers={"Retry-After": "1"})
         if len(self.inflight) >= self.max_queued:
             raise oa.overloaded(1)
-        tok = toks[next(self._rr) % len(toks)]
-        det = detoks[next(self._rr) % len(detoks)]
+        turn = next(self._rr)  # one turn per request: each kind's replicas take it in order
+        tok, det = toks[turn % len(toks)], detoks[turn % len(detoks)]
         if kinds == ("engine",):
             return tok.actor_id, self._least_loaded("engine").actor_id, det.actor_id, None
         pre, dec = self._least_loaded("prefill"), self._least_loaded("decode", "decode")

@@ -8,6 +8,7 @@ model computes; requests and aborts that arrive during a step are applied betwee
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from glmrt import protocol as P
 
 STATS_S = 1.0
 HANDOFF_TIMEOUT_S = 30.0
+EARLY_ABORT_S = 60.0  # how long an abort that came before its request is remembered
 
 
 class EngineActor(Actor):
@@ -35,8 +37,13 @@ class EngineActor(Actor):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self._log))
-        self._pending: list[tuple[str, Any]] = []
+        # NOTE: the loop appends and the step thread pops: a deque's append/popleft are atomic
+        self._pending: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = asyncio.Event()
+        # NOTE: the api aborts at the engine directly, so an abort can overtake the request it
+        # names (still at the tokenizer or the vision actor): the loop remembers whole-request
+        # aborts a while and drops such a request when it arrives
+        self._early_aborts: collections.deque[tuple[float, P.Abort]] = collections.deque()
         self._routes: dict[str, tuple[P.RequestKey, str]] = {}  # engine rid -> (its choice's key, detok)
         self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
         self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
@@ -81,6 +88,8 @@ class EngineActor(Actor):
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.EngineRequest):
+            if self._aborted_early(msg.key):
+                return
             # a draining engine still serves what was routed to it before the api stopped routing here
             mm = []
             if msg.mm_items and any(it.tensor is None for it in msg.mm_items):
@@ -100,17 +109,26 @@ class EngineActor(Actor):
                     mm.append(MMInput(it.kind, pixels, tuple(it.grid_thw), it.num_tokens))
             self._pending.append(("add", (msg, mm)))
         elif isinstance(msg, P.Abort):
+            if not msg.choice_only:
+                self._early_aborts.append((time.monotonic(), msg))
+                for key in [k for k in self._vision_wait if msg.drops(k)]:
+                    del self._vision_wait[key]
+                for key in [k for k in self._vision_results if msg.drops(k)]:
+                    del self._vision_results[key]
             self._pending.append(("abort", msg))
-        elif isinstance(msg, P.EngineStatsQuery):
-            await self.send(msg.reply_to, self._stats(msg.qid))
-            return
         elif isinstance(msg, P.VisionResult):
+            if self._aborted_early(msg.key):
+                return
             req_msg = self._vision_wait.pop(msg.key, None)
             if req_msg is None:
                 self._vision_results[msg.key] = (msg, frames)
                 return
             self._join_vision(req_msg, msg, frames)
         elif isinstance(msg, P.HandoffOffer):
+            if self._aborted_early(msg.key):  # refuse it, so the prefill lets go of the state now
+                await self.send(msg.prefill, P.HandoffAccept(rid=msg.rid, ok=False, decode=self.spec.actor_id,
+                                                             reason="the request was aborted"))
+                return
             self._pending.append(("offer", msg))
         elif isinstance(msg, P.HandoffAccept):
             self._pending.append(("accept", msg))
@@ -120,11 +138,11 @@ class EngineActor(Actor):
             self._pending.append(("done", msg))
         self._wake.set()
 
-    def _stats(self, qid: int = 0) -> P.EngineStats:
+    def _stats(self) -> P.EngineStats:
         e = self.engine
         info = e.info()
         counters = {k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and v is not None}
-        return P.EngineStats(actor=self.spec.kind, replica=self.spec.replica, qid=qid,
+        return P.EngineStats(actor=self.spec.kind, replica=self.spec.replica,
                              kv_pages_total=e.memory.num_pages, kv_pages_free=e.pages.num_free,
                              state_slots_total=e.memory.num_slots, state_slots_free=e.slots.num_free,
                              max_running_requests=e.memory.max_running_requests,
@@ -135,20 +153,10 @@ class EngineActor(Actor):
         from glmrt.engine.engine import ContextLengthExceeded
 
         errors = []
-        pending, self._pending = self._pending, []
+        pending = [self._pending.popleft() for _ in range(len(self._pending))]
         for op, arg in pending:
             if op == "abort":
-                for rid, (key, _) in list(self._routes.items()):
-                    if arg.drops(key):
-                        if self.xfer is not None and self.source.holds(rid):
-                            self._release_handoff(rid)
-                        else:
-                            self.engine.abort(rid)
-                        self.engine.requests.pop(rid, None)
-                        del self._routes[rid]
-                for rid in [r for r, (offer, _) in self._reservations.items() if arg.drops(offer.key)]:
-                    self.sink.cancel(rid)
-                    del self._reservations[rid]
+                self._abort(arg)
                 continue
             if op == "error":
                 m, why = arg
@@ -176,6 +184,29 @@ class EngineActor(Actor):
                 if m.decode:
                     self._pd[rid] = (m.decode, m.sampling, None)
         return errors
+
+    def _abort(self, abort: P.Abort) -> None:
+        """Runs in the step thread: drop the running requests, parked handoffs and reservations
+        `abort` names."""
+        for rid, (key, _) in list(self._routes.items()):
+            if abort.drops(key):
+                if self.xfer is not None and self.source.holds(rid):
+                    self._release_handoff(rid)
+                else:
+                    self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+                del self._routes[rid]
+        for rid in [r for r, (offer, _) in self._reservations.items() if abort.drops(offer.key)]:
+            self.sink.cancel(rid)
+            del self._reservations[rid]
+
+    def _aborted_early(self, key: P.RequestKey) -> bool:
+        """On the loop: whether an abort for `key` came before it (forgetting those older than
+        EARLY_ABORT_S)."""
+        now = time.monotonic()
+        while self._early_aborts and now - self._early_aborts[0][0] > EARLY_ABORT_S:
+            self._early_aborts.popleft()
+        return any(a.drops(key) for _, a in self._early_aborts)
 
     def _join_vision(self, msg: P.EngineRequest, result: P.VisionResult, frames: list) -> None:
         from glmrt.engine.mm import MMInput

@@ -126,12 +126,6 @@ class Drained(Msg):
     replica: int
 
 
-class ActorFailed(Msg):
-    actor: str
-    replica: int
-    reason: str
-
-
 # ---------------------------------------------------------------------------------------------
 # api -> tokenizer, tokenizer -> api
 # ---------------------------------------------------------------------------------------------
@@ -305,15 +299,9 @@ class Abort(Msg):
         return key.request == self.key.request and (not self.choice_only or key.choice == self.key.choice)
 
 
-class EngineStatsQuery(Msg):
-    qid: int = 0  # echoed in EngineStats to match the reply
-    reply_to: str = "api"
-
-
 class EngineStats(Msg):
     actor: str
     replica: int
-    qid: int = 0
     kv_pages_total: int = 0
     kv_pages_free: int = 0
     state_slots_total: int = 0
@@ -468,19 +456,19 @@ class VisionResult(Msg):
 # what each inbox accepts (one Codec per union)
 # ---------------------------------------------------------------------------------------------
 
-CONTROL = Ready | Heartbeat | Shutdown | Drained | ActorFailed
-SUPERVISOR_IN = Ready | Heartbeat | Drained | ActorFailed
+CONTROL = Ready | Heartbeat | Shutdown | Drained
+SUPERVISOR_IN = Ready | Heartbeat | Drained
 TOKENIZER_IN = TokenizeRequest | Abort | Shutdown
 VISION_IN = VisionRequest | Abort | Shutdown
 ENGINE_IN = (
-    EngineRequest | Abort | EngineStatsQuery | KVHandoff | VisionResult | Shutdown
+    EngineRequest | Abort | KVHandoff | VisionResult | Shutdown
     | HandoffOffer | HandoffAccept | HandoffDone
 )
 DETOK_IN = DetokenizeRequest | TokenOut | TokenBatch | EngineError | Abort | Shutdown
 API_IN = TextOut | TextBatch | TokenizerError | EngineError | EngineStats | Shutdown
 ANY_MSG = (
-    Ready | Heartbeat | Shutdown | Drained | ActorFailed | TokenizeRequest | TokenizerError | EngineRequest
-    | DetokenizeRequest | TokenOut | TokenBatch | EngineError | TextOut | TextBatch | Abort | EngineStatsQuery
+    Ready | Heartbeat | Shutdown | Drained | TokenizeRequest | TokenizerError | EngineRequest
+    | DetokenizeRequest | TokenOut | TokenBatch | EngineError | TextOut | TextBatch | Abort
     | EngineStats | KVHandoff | VisionRequest | VisionResult
     | HandoffOffer | HandoffAccept | HandoffDone
 )

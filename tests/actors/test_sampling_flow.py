@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
-from actors.base import RunSpec, codec_for, decode_run_specs, encode_run_specs
+from actors.base import codec_for
 from glmrt.actor_config import EngineActorConfig, TokenizerActorConfig
 from glmrt.config import load_model_config
 from glmrt.engine.config import EngineConfig
 from glmrt import protocol as P
 from glmrt.sampling_params import SamplingParams
 from glmrt.serving import openai_api as A
+from tests.actors.conftest import run_spec
 from tests.serving.openai_cases import MODEL, USER
 
 # a value other than the default for each field (all valid together)
@@ -44,12 +44,6 @@ def _diff(seen: SamplingParams, want: SamplingParams, names) -> list[str]:
     return [f"{n}: {getattr(seen, n)!r} != {getattr(want, n)!r}" for n in names if getattr(seen, n) != getattr(want, n)]
 
 
-def _spec(kind: str, run_dir, config) -> RunSpec:
-    """The run spec as an actor process receives it: through its command-line encoding."""
-    (spec,) = decode_run_specs(encode_run_specs([RunSpec(kind, 0, str(run_dir), config=config)]))
-    return spec
-
-
 def _through(codec_owner: str, msg):
     codec = codec_for(codec_owner)
     back, _ = codec.decode([bytes(f) for f in codec.encode(msg)])
@@ -63,15 +57,6 @@ def test_body_fields_parse_into_sampling_params():
     params = A.to_sampling_params(req)
     assert _diff(params, SamplingParams(**NON_DEFAULT), body_fields) == []
     assert _diff(params, SamplingParams(), A.SAMPLING_NOT_IN_BODY) == []  # a client cannot set these
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from glmrt.checkpoint.presets import preset_config
-    from glmrt.checkpoint.writer import write_checkpoint
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(preset_config("tiny"), str(path), seed=0, dtype="float32")
-    return str(path)
 
 
 async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
@@ -90,7 +75,7 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
     tokenize.engine = "engine/0"
 
     vocab_size = load_model_config(ckpt).text.vocab_size
-    tokenizer = TokenizerActor(_spec("tokenizer", tmp_path, TokenizerActorConfig(model_path=ckpt, vocab_size=vocab_size)))
+    tokenizer = TokenizerActor(run_spec("tokenizer", tmp_path, TokenizerActorConfig(model_path=ckpt, vocab_size=vocab_size)))
     await tokenizer.setup()
     sent: dict[str, list] = {}
 
@@ -112,7 +97,7 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
             return _original(self, logits, rows)
         monkeypatch.setattr(Sampler, name, watch)
 
-    engine = EngineActor(_spec("engine", tmp_path, EngineActorConfig(
+    engine = EngineActor(run_spec("engine", tmp_path, EngineActorConfig(
         engine=EngineConfig(model=ckpt, dtype="float32", page_size=8))))
     await engine.setup()
     try:

@@ -14,29 +14,12 @@ import torch
 
 torch.set_num_threads(1)
 
-from glmrt.checkpoint.presets import preset_config  # noqa: E402
-from glmrt.checkpoint.writer import write_checkpoint  # noqa: E402
 from glmrt.engine.config import EngineConfig  # noqa: E402
 from glmrt.engine.engine import ContextLengthExceeded, Engine  # noqa: E402
 from glmrt.sampling_params import SamplingParams  # noqa: E402
 
 MIN_MARGIN = 1e-4  # 10x the largest logit difference seen between batchings (~1e-5)
 PS = 8  # small pages: many page boundaries in short prompts
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    write_checkpoint(preset_config("tiny"), str(path), seed=0, dtype="float32")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    from backends.reference import ReferenceOps
-    from glmrt.model.loader import load_checkpoint
-    m, _ = load_checkpoint(ckpt, ReferenceOps(), dtype=torch.float32, with_mtp=False)
-    return m
 
 
 def make(ckpt, model, **kw) -> Engine:

@@ -15,7 +15,7 @@ from glmrt.engine import handoff  # noqa: E402
 from glmrt.engine.config import EngineConfig  # noqa: E402
 from glmrt.engine.engine import Engine  # noqa: E402
 from glmrt.sampling_params import SamplingParams  # noqa: E402
-from tests.engine.test_engine import assert_same, ckpt, model  # noqa: E402,F401
+from tests.engine.test_engine import assert_same  # noqa: E402
 
 
 def greedy(n=8):
