@@ -181,8 +181,8 @@ class EngineActor(Actor):
                 continue
             for i, rid in enumerate(rids):  # one engine request per choice, in choice order
                 self._routes[rid] = (m.key.with_choice(i), m.detokenizer)
-                if m.decode:
-                    self._pd[rid] = (m.decode, m.sampling, None)
+                if m.decode:  # each choice hands over its own params (choice i samples with seed + i)
+                    self._pd[rid] = (m.decode, self.engine.requests[rid].params, None)
         return errors
 
     def _abort(self, abort: P.Abort) -> None:

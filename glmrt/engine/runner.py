@@ -15,7 +15,7 @@ import torch
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
-from glmrt.engine.sampler import Sampler, SamplerRow
+from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
 
 
@@ -161,6 +161,8 @@ class ModelRunner:
         g = self._generators.get(req.rid)
         if g is None:
             g = torch.Generator(device=self.device).manual_seed(int(req.params.seed))
+            if req.output_ids and not req.params.is_greedy:  # tokens sampled by another engine
+                advance_generator(g, self.model.lm_head.out_features, len(req.output_ids))
             self._generators[req.rid] = g
         return g
 

@@ -274,6 +274,14 @@ def _top_p_drop(sorted_z: Tensor, top_p: Tensor) -> Tensor:
     return drop
 
 
+def advance_generator(generator: torch.Generator, vocab: int, num_sampled: int) -> None:
+    """Move a seeded row's generator past `num_sampled` tokens it drew elsewhere (each took V
+    exponentials, the invariant above), so a request continued by another engine (the decode
+    side of a handoff) draws on as if it had sampled them here."""
+    for _ in range(num_sampled):
+        torch.empty(vocab, device=generator.device).exponential_(generator=generator)
+
+
 def _exponentials(z: Tensor, rows: list[SamplerRow]) -> Tensor:
     """Exp(1) noise like z: one global draw for unseeded rows, V draws from each row's generator."""
     noise = torch.empty_like(z)

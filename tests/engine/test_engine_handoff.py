@@ -56,6 +56,18 @@ def test_prefill_decode_equals_unified(ckpt, model):
     assert_same(got, want)
 
 
+def test_seeded_sampling_continues_across_the_handoff(ckpt, model):
+    # the decode draws on from where the prefill's first sampled token left the seed's generator
+    unified = make(ckpt, model, disable_radix_cache=True)
+    prefill, decode = make(ckpt, model, role="prefill"), make(ckpt, model, role="decode")
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=8, ignore_eos=True)
+    prompt = toks(40, 19)
+    want = unified.generate([prompt], params)[0][0].output_ids
+    got = pd_generate(prefill, decode, prompt, params, "s")[0].output_ids
+    assert got == want
+    assert want != unified.generate([prompt], params.replace(seed=8))[0][0].output_ids  # the seed matters
+
+
 def test_decode_side_prefix_cache_receives_only_missing_pages(ckpt, model):
     prefill, decode = make(ckpt, model, role="prefill"), make(ckpt, model, role="decode")
     system = toks(50, 48)
