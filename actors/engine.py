@@ -52,7 +52,8 @@ class EngineActor(Actor):
         self._vision_results: dict[P.RequestKey, tuple] = {}        # embeddings that came first
         self.xfer = None
         self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
-        self._transfers: list = []   # (handle, decode id, KVHandoff) awaiting completion on the loop
+        self._transfers: list = []   # (handle, decode id, KVHandoff) started by the last step
+        self._transfer_tasks: set[asyncio.Task] = set()  # their completions, awaited on the loop
         if cfg.role != "unified":
             self._start_handoff()
         info = dict(self.engine.info())
@@ -79,7 +80,7 @@ class EngineActor(Actor):
         print(f"[{self.spec.actor_id}] {line}", flush=True)
 
     def busy(self) -> bool:
-        return bool(self._routes) or bool(self._pending) or bool(self._reservations)
+        return bool(self._routes or self._pending or self._reservations or self._transfer_tasks)
 
     def load(self) -> tuple[float, int, int]:
         s = self.engine.scheduler
@@ -304,19 +305,26 @@ class EngineActor(Actor):
         self._transfers.append((handle, acc.decode, P.KVHandoff(rid=rid, components=acc.components)))
         return []
 
-    async def _finish_transfers(self) -> None:
-        """On the loop: when a one-sided write completes, tell the decode (or fail the request)."""
-        pending, self._transfers = self._transfers, []
-        for handle, decode, msg in pending:
-            result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
-            if result.ok:
-                self.source.transferred(result.seconds)
-                await self.send(decode, msg)
-            else:
-                self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
-                                                            reason=f"state transfer failed: {result.error}")))
-                await self.send(decode, P.HandoffDone(rid=msg.rid, ok=False, reason=result.error))
-                self._wake.set()
+    def _watch_transfers(self) -> None:
+        """On the loop, after a step: each one-sided write started in it completes on its own
+        task, so the next steps (and other requests' tokens) never wait behind a transfer."""
+        started, self._transfers = self._transfers, []
+        for handle, decode, msg in started:
+            task = asyncio.ensure_future(self._finish_transfer(handle, decode, msg))
+            self._transfer_tasks.add(task)
+            task.add_done_callback(self._transfer_tasks.discard)
+
+    async def _finish_transfer(self, handle, decode: str, msg: P.KVHandoff) -> None:
+        """When the write completes, tell the decode (or fail the request on both sides)."""
+        result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
+        if result.ok:
+            self.source.transferred(result.seconds)
+            await self.send(decode, msg)
+        else:
+            self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
+                                                        reason=f"state transfer failed: {result.error}")))
+            await self.send(decode, P.HandoffDone(rid=msg.rid, ok=False, reason=result.error))
+            self._wake.set()
 
     def _pd_kv(self, msg: P.KVHandoff) -> list:
         from glmrt.engine import handoff
@@ -424,8 +432,7 @@ class EngineActor(Actor):
             errors, batches = await loop.run_in_executor(self._executor, self._step)
             for dest, err, *tensors in errors:
                 await self.send(dest, err, tensors[0] if tensors else ())
-            if self._transfers:
-                await self._finish_transfers()
+            self._watch_transfers()  # the step thread is idle here: _transfers is the loop's
             for dest, items in batches:
                 await self.send(dest, P.TokenBatch(items=items))
             now = time.monotonic()
@@ -434,6 +441,8 @@ class EngineActor(Actor):
                 await self.send("api/0", self._stats())
 
     async def teardown(self) -> None:
+        for task in list(getattr(self, "_transfer_tasks", ())):
+            task.cancel()
         self._executor.shutdown(wait=False)
         if getattr(self, "xfer", None) is not None:
             self.xfer.close()

@@ -5,7 +5,7 @@ One declarative `Adapter` per backend name (`reference`, `cuda-h200`, `cuda-blac
 formats and how each one runs, the attention / DSA / MoE kernel names it answers to, and
 whether it captures decode CUDA graphs. `resolve_options(hardware, requested)` fills the
 defaults and refuses an illegal request with `IllegalOption` (a
-`backends.registry.BackendError`) whose message names the rule and the alternatives.
+`BackendError`, re-exported by `backends.registry`) whose message names the rule and the alternatives.
 `glmrt up` calls it before any actor starts; the engine calls it again on the hardware it
 detects, before it loads weights.
 

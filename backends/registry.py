@@ -15,10 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from .adapters import BackendError  # noqa: F401  (defined torch-free: `glmrt up` checks options without torch)
+from .adapters import BACKEND_NAMES, BackendError  # noqa: F401  (torch-free: `glmrt up` checks options without torch)
 from .reference import ReferenceOps
-
-BACKEND_NAMES = ("reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x")
 
 
 @dataclass(frozen=True)

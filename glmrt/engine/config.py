@@ -35,7 +35,7 @@ class EngineConfig:
     """auto (safetensors) | dummy (random weights in device memory, no files)."""
     quantization: str | None = None
     """None: the checkpoint's format. fp8 with load_format='dummy' quantises the linear layers
-    (block-scaled e4m3). mxfp4 / nvfp4 are refused until the loader reads them."""
+    (block-scaled e4m3). mxfp4 / nvfp4 checkpoints load dequantised to the model dtype."""
     dtype: str = bounded("auto", choices=MODEL_DTYPES)
     """auto: bfloat16 on a GPU, float32 on the CPU."""
     device: str = "auto"
@@ -48,7 +48,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto | dsa (SGLang's spelling): GLM-5.3-Flash attention is DSA (MLA layers) + KDA."""
     dsa_prefill_backend: str = "auto"
-    """auto | torch. TileLang / TRT-LLM / FlashMLA are refused: glmrt does not ship them."""
+    """auto | triton (the CUDA/ROCm kernel sets) | torch. TileLang / TRT-LLM / FlashMLA are refused:
+    glmrt does not ship them."""
     dsa_decode_backend: str = "auto"
     """auto | triton (the CUDA/ROCm kernel sets) | torch (the reference)."""
     moe_runner_backend: str = "auto"

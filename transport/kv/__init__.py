@@ -45,8 +45,8 @@ sent may still land, so do not reuse the remote pages for another request until 
 known to be healthy again. `TransferError` is raised for programming errors (unknown tensor,
 out-of-bounds region, mismatched sizes or components, not connected, closed engine).
 
-Threading: call an engine's methods from one thread (the actor's event loop); `wait` may be
-awaited from any event loop. transport/ imports only glmrt.protocol of ours: pools come in as
+Threading: call an engine's methods from one thread at a time (the engine actor calls them from
+its step thread, never while a step runs); `wait` may be awaited from any event loop. transport/ imports only glmrt.protocol of ours: pools come in as
 plain tensors.
 """
 

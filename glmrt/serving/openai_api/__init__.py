@@ -18,8 +18,9 @@ Conventions (documented choices):
   than text, logit_bias, echo, suffix, best_of != n, functions) answer 400 instead of being
   silently dropped. A null field means "absent".
 - `max_tokens`: `max_completion_tokens` wins over `max_tokens`. When neither is set, chat
-  asks for the rest of the context (`to_sampling_params(max_model_len=...)`; the tokenizer
-  caps it at max_model_len - prompt_len) and completions use OpenAI's default of 16.
+  asks for `max_model_len` tokens (`to_sampling_params(max_model_len=...)`; the engine ends
+  the request with finish_reason "length" when the context is full) and completions use
+  OpenAI's default of 16.
 - Completions `logprobs: k` means token logprobs plus the top k (0..20); chat uses
   `logprobs: bool` + `top_logprobs: 0..20`.
 - A list of completion prompts becomes one engine request per prompt (`RequestKey.prompt`);

@@ -297,8 +297,8 @@ def to_sampling_params(req: ChatRequest | CompletionRequest, *, defaults: Mappin
 
     `defaults` is the checkpoint's generation_config.json (its temperature, top_p, top_k,
     min_p, repetition_penalty and do_sample fill what the client did not set). Without
-    max_tokens, chat asks for `max_model_len` tokens (the rest of the context once the
-    tokenizer caps it) and completions for 16.
+    max_tokens, chat asks for `max_model_len` tokens (the engine stops at the end of the
+    context, with finish_reason "length") and completions for 16.
     """
     fields = dict(req.sampling)
     if "max_tokens" not in fields:
