@@ -240,12 +240,12 @@ class Engine:
             if precomputed:  # a separate vision actor ran the tower
                 mm_state.embeds = torch.cat([it.embeds for it in mm_items]).to(self.model.device)
             key_ids = cache_key_ids(prompt, pos, mm_items)
-        parent = Request(rid, prompt, params, next(self._arrival), mm_key_ids=key_ids)
+        parent = Request(rid, prompt, params, self.next_arrival(), mm_key_ids=key_ids)
         reqs = [parent]
         for i in range(1, params.n):
             seed = None if params.seed is None else params.seed + i
             child_params = _replace_params(params, seed=seed)
-            child = Request(f"{rid}-{i}", list(prompt), child_params, next(self._arrival), fork_parent=parent,
+            child = Request(f"{rid}-{i}", list(prompt), child_params, self.next_arrival(), fork_parent=parent,
                             mm_key_ids=key_ids)
             parent.fork_children.append(child)
             reqs.append(child)
@@ -256,6 +256,18 @@ class Engine:
             self.scheduler.add(r)
         self.counters["prompt_tokens"] += len(prompt)
         return [r.rid for r in reqs]
+
+    def next_arrival(self) -> int:
+        """The arrival number of a request joining now (the admission order reads it)."""
+        return next(self._arrival)
+
+    def finish_handed_off(self, rid: str) -> None:
+        """A request parked for a handoff ends here (the decode side has its state, or it
+        failed): it finishes like any request, its pages and state going to the prefix cache."""
+        req = self.handoffs.pop(rid)
+        req.status = Status.RUNNING
+        self._finish(req, "handoff_done")
+        self.requests.pop(rid, None)
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)

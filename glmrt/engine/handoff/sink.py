@@ -50,7 +50,7 @@ class HandoffSink:
         engine.pages.retain(shared)
         pages = shared + engine.pages.allocate(need)
         slot = engine.slots.allocate(LIVE)
-        req = Request(rid, list(prompt_ids), params, next(engine._arrival), output_ids=[int(first_token)],
+        req = Request(rid, list(prompt_ids), params, engine.next_arrival(), output_ids=[int(first_token)],
                       status=Status.WAITING, slot=slot, pages=pages, num_computed=0, cached_tokens=reused,
                       admitted_once=True)
         engine.requests[rid] = req

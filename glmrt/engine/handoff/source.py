@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from glmrt import protocol as P
 from glmrt.engine.handoff.components import pool_tensors, state_components
-from glmrt.engine.request import Status
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,4 @@ class HandoffSource:
     def release(self, rid: str) -> None:
         """The decode side has the state, or the request ends here: finish it (its pages and
         state go to the prefix cache like any finished request's)."""
-        req = self.engine.handoffs.pop(rid)
-        req.status = Status.RUNNING
-        self.engine._finish(req, "handoff_done")
-        self.engine.requests.pop(rid, None)
+        self.engine.finish_handed_off(rid)
