@@ -15,15 +15,21 @@ Rules (the same for `Glm47ToolParser.parse` and the streaming `feed`/`finish`):
   (a repeated key keeps its last value; keys are whitespace-stripped; text between pairs is
   ignored). In a closed call a last value whose `</arg_value>` is missing runs to the end of
   the call. A call without pairs has arguments `{}` (vLLM drops such calls; we do not).
-- Values are typed by the tool's JSON schema (`parameters.properties[K]`, with `$ref`,
-  `anyOf`, `oneOf`, `allOf`, type lists and `enum` resolved against the parameters' `$defs` /
-  `definitions`): a parameter whose only type is `string` keeps the raw text; otherwise the
-  text is parsed as JSON and coerced to a declared type ("3" -> 3 for integer, 3.0 -> 3,
-  "True" -> true, a Python-literal or doubly encoded array/object -> the value, ...); a
-  schema that allows a string among other types gets the raw text unless the JSON value has
-  one of the other types (the inverse of the chat template, which writes strings raw); what
-  cannot be coerced is its JSON value, or the raw string when it is not JSON. Without a schema (unknown tool or parameter) the
-  value is its JSON when it parses, else the raw string.
+- Values are typed by the tool's JSON schema. The schema is resolved fully against the
+  parameters object (its `$defs` / `definitions`): the parameters' own `$ref` and the
+  properties of its `allOf`/`anyOf`/`oneOf` members, and per property `$ref`, `anyOf` and
+  `oneOf` (alternatives), `allOf` (intersected), type lists, `enum` and `const`. Then:
+  a value the schema lists as an enum/const member is that member, typed as declared
+  (`2` for `enum: [1, 2]`, "2" for `enum: ["1", "2"]`); a parameter whose only type is
+  `string` keeps the raw text; otherwise the text is parsed as JSON - also after undoing
+  backslash escapes, since GLM models write a non-string value as escaped JSON
+  (`[{\\"id\\": \\"1\\"}]` is an array, `\\"123\\"` the integer 123) - and coerced to a
+  declared type ("3" -> 3 for integer, 3.0 -> 3, "True" -> true, a Python-literal or doubly
+  encoded array/object -> the value, ...); a schema that allows a string among other types
+  gets the raw text unless the JSON value has one of the other types (the inverse of the
+  chat template, which writes strings raw); what cannot be coerced is its JSON value, or the
+  raw string when it is not JSON. Without a schema (unknown tool or parameter) the value is
+  its JSON when it parses, else the raw string.
 - A call whose NAME is empty is not a call: its text (markers included) is content.
 - Calls to tools not in `tools` are still returned; the API may reject them.
 - Each call gets an id `call_<24 hex>` and the next index (0, 1, 2, ...).
@@ -43,9 +49,9 @@ Streaming (`feed(delta) -> list[Delta]`, `finish() -> list[Delta]`):
   are buffered until `</tool_call>` and then emitted as ONE `ToolCallDelta(index,
   arguments=<the complete JSON object>)`; `finish()` closes an unterminated call the same way.
 
-Invariant, tested over every 2- and 3-way split and random splits: the concatenated
-streamed content equals `parse`'s content, and per index the streamed name and concatenated
-arguments equal `parse`'s call.
+`parse` is the fold of one `feed` and `finish`. Invariant, tested over every 2- and 3-way
+split and random splits: the concatenated streamed content equals `parse`'s content, and per
+index the streamed name and concatenated arguments equal `parse`'s call.
 """
 
 from __future__ import annotations
@@ -139,40 +145,111 @@ def _enum_type(value: Any) -> str:
     return "object"
 
 
-def schema_types(schema: Any, root: dict, _depth: int = 0) -> list[str] | None:
-    """The JSON types `schema` allows, in declaration order; None when it says nothing."""
-    if not isinstance(schema, dict) or _depth > 32:
-        return None
-    if isinstance(schema.get("$ref"), str):
-        target = _resolve_ref(schema["$ref"], root)
-        found = schema_types(target, root, _depth + 1)
-        if found is not None:
-            return found
+@dataclass(frozen=True)
+class _Alternative:
+    """One way a value may satisfy a schema: its allowed JSON types (None: any) and its
+    allowed members (None: any), both in declaration order."""
+
+    types: tuple[str, ...] | None = None
+    members: tuple[Any, ...] | None = None
+
+
+def _narrow(a: tuple[str, ...] | None, b: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Types both allow ("integer" is a "number")."""
+    if a is None or b is None:
+        return a if b is None else b
+    both = [t for t in a if t in b or (t == "integer" and "number" in b)]
+    both += [t for t in b if t == "integer" and "number" in a and t not in both]
+    return tuple(both)
+
+
+def _intersect(a: _Alternative, b: _Alternative) -> _Alternative:
+    types = _narrow(a.types, b.types)
+    members = a.members if b.members is None else (
+        b.members if a.members is None else tuple(m for m in a.members if _member_in(m, b.members)))
+    if members is not None and types is not None:
+        members = tuple(m for m in members if _enum_type(m) in types
+                        or (_enum_type(m) == "integer" and "number" in types))
+    return _Alternative(types, members)
+
+
+def _member_in(value: Any, members: tuple[Any, ...]) -> bool:
+    return any(_enum_type(m) == _enum_type(value) and m == value for m in members)
+
+
+def _local(schema: dict) -> _Alternative:
+    """The constraints `schema` states itself (`type`, `enum`, `const`)."""
     declared = schema.get("type")
+    types: tuple[str, ...] | None = None
     if isinstance(declared, str) and declared in _JSON_TYPES:
-        return [declared]
-    if isinstance(declared, list):
-        types = [t for t in declared if isinstance(t, str) and t in _JSON_TYPES]
-        if types:
-            return list(dict.fromkeys(types))
+        types = (declared,)
+    elif isinstance(declared, list):
+        listed = [t for t in declared if isinstance(t, str) and t in _JSON_TYPES]
+        types = tuple(dict.fromkeys(listed)) if listed else None
+    members: tuple[Any, ...] | None = None
+    if "const" in schema:
+        members = (schema["const"],)
+    elif isinstance(schema.get("enum"), list) and schema["enum"]:
+        members = tuple(schema["enum"])
+    return _intersect(_Alternative(types), _Alternative(None, members))
+
+
+def schema_alternatives(schema: Any, root: dict, _depth: int = 0) -> list[_Alternative]:
+    """`schema` resolved into the alternatives a value may satisfy: `$ref` (against `root`),
+    `anyOf`/`oneOf` (any one), `allOf` (all, intersected), with the schema's own `type`,
+    `enum` and `const` applied to each. [] when the schema says nothing usable."""
+    if not isinstance(schema, dict) or _depth > 32:
+        return []
+    alts = [_local(schema)]
+    parts: list[Any] = []
+    if isinstance(schema.get("$ref"), str):
+        parts.append(_resolve_ref(schema["$ref"], root))
+    if isinstance(schema.get("allOf"), list):
+        parts.extend(schema["allOf"])
+    for part in parts:
+        sub = schema_alternatives(part, root, _depth + 1)
+        if sub:
+            alts = [_intersect(a, b) for a in alts for b in sub]
     for combinator in ("anyOf", "oneOf"):
         options = schema.get(combinator)
         if isinstance(options, list):
-            types = []
-            for option in options:
-                types.extend(schema_types(option, root, _depth + 1) or [])
-            if types:
-                return list(dict.fromkeys(types))
-    if isinstance(schema.get("allOf"), list):
-        for option in schema["allOf"]:
-            types = schema_types(option, root, _depth + 1)
-            if types:
-                return types
-    if "const" in schema:
-        return [_enum_type(schema["const"])]
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return list(dict.fromkeys(_enum_type(v) for v in schema["enum"]))
-    return None
+            sub = [alt for option in options for alt in schema_alternatives(option, root, _depth + 1)]
+            if sub:
+                alts = [_intersect(a, b) for a in alts for b in sub]
+    # An alternative no value satisfies (`allOf` of disjoint types) is dropped, unless all are.
+    return [a for a in alts if a.types != () and a.members != ()] or alts
+
+
+def schema_types(schema: Any, root: dict) -> list[str] | None:
+    """The JSON types `schema` allows, in declaration order; None when it says nothing."""
+    types: list[str] = []
+    for alt in schema_alternatives(schema, root):
+        if alt.types is None and alt.members is None:
+            return None
+        declared = alt.types if alt.types is not None else tuple(_enum_type(m) for m in alt.members or ())
+        types.extend(declared)
+    return list(dict.fromkeys(types)) or None
+
+
+def schema_members(schema: Any, root: dict) -> list[Any]:
+    """The enum/const members of `schema`'s alternatives, in declaration order."""
+    return [m for a in schema_alternatives(schema, root) for m in a.members or ()]
+
+
+def schema_properties(schema: Any, root: dict, _depth: int = 0) -> dict[str, Any]:
+    """The property schemas of an object schema, through `$ref` and the members of `allOf`,
+    `anyOf` and `oneOf` (a property named twice keeps its first schema)."""
+    if not isinstance(schema, dict) or _depth > 32:
+        return {}
+    props = dict(schema["properties"]) if isinstance(schema.get("properties"), dict) else {}
+    parts: list[Any] = [_resolve_ref(schema["$ref"], root)] if isinstance(schema.get("$ref"), str) else []
+    for combinator in ("allOf", "anyOf", "oneOf"):
+        if isinstance(schema.get(combinator), list):
+            parts.extend(schema[combinator])
+    for part in parts:
+        for key, sub in schema_properties(part, root, _depth + 1).items():
+            props.setdefault(key, sub)
+    return props
 
 
 def _matches(value: Any, type_name: str) -> bool:
@@ -267,31 +344,81 @@ def _coerce(value: Any, type_name: str) -> Any:
     return _MISSING  # string: a non-string is never silently turned into one here
 
 
+def _unescaped(raw: str) -> str | None:
+    """`raw` with its backslash escapes undone, when it has escaped quotes: GLM models write
+    a non-string value as JSON inside a JSON string (`[{\\"id\\": \\"1\\"}]`, `\\"123\\"`)."""
+    if '\\"' not in raw:
+        return None
+    try:
+        return json.loads('"' + raw + '"', strict=False)
+    except ValueError:  # an unescaped quote too: undo only the escaped ones
+        return raw.replace('\\"', '"')
+
+
+def _json_values(raw: str) -> list[Any]:
+    """What `raw` means as JSON: its own value, then that of its unescaped form."""
+    values = []
+    for text in (raw, _unescaped(raw)):
+        value = _json(text) if text is not None else _MISSING
+        if value is not _MISSING:
+            values.append(value)
+    return values
+
+
+def _same(a: Any, b: Any) -> bool:
+    return _enum_type(a) == _enum_type(b) and a == b
+
+
+def _enum_member(raw: str, values: list[Any], members: list[Any]) -> Any:
+    """The member `raw` names: first one it is exactly (a string member by its text, any
+    other by its JSON value), else one it coerces to; _MISSING when none."""
+    for member in members:
+        if isinstance(member, str):
+            if member in (raw, raw.strip()) or any(v == member for v in values if isinstance(v, str)):
+                return member
+        elif any(_same(v, member) for v in values):
+            return member
+    for member in members:
+        if not isinstance(member, str):
+            for candidate in (*values, raw):
+                if _same(_coerce(candidate, _enum_type(member)), member):
+                    return member
+    return _MISSING
+
+
 def convert_value(raw: str, schema: Any = None, root: dict | None = None) -> Any:
     """Types one raw `<arg_value>` text by its JSON schema (rules in the module doc).
 
-    The inverse of the chat template, which writes a string value raw and anything else as
-    JSON: a value that parses as JSON of an allowed non-string type is that value; otherwise
-    a schema allowing strings gets the raw text; otherwise the first declared type the value
-    coerces to wins; otherwise its JSON value, or the raw text when it is not JSON.
+    An enum/const member the text names is that member. Otherwise, the inverse of the chat
+    template, which writes a string value raw and anything else as JSON: a value whose JSON
+    (or unescaped JSON) has an allowed non-string type is that value; otherwise a schema
+    allowing strings gets the raw text; otherwise the first declared type the value coerces
+    to wins; otherwise its JSON value, or the raw text when it is not JSON.
     """
-    types = schema_types(schema, root or {}) if schema is not None else None
+    root = root or {}
+    types = schema_types(schema, root) if schema is not None else None
+    if types is None:
+        parsed = _json(raw)
+        return raw if parsed is _MISSING else parsed
+    values = _json_values(raw)
+    members = schema_members(schema, root)
+    if members:
+        member = _enum_member(raw, values, members)
+        if member is not _MISSING:
+            return member
     if types == ["string"]:
         return raw
-    parsed = _json(raw)
-    if types is None:
-        return raw if parsed is _MISSING else parsed
-    if parsed is not _MISSING and any(_matches(parsed, t) for t in types if t != "string"):
-        return parsed
+    for value in values:
+        if any(_matches(value, t) for t in types if t != "string"):
+            return value
     if "string" in types:
         return raw
-    candidates = [raw] if parsed is _MISSING else [parsed, raw]
     for type_name in types:
-        for candidate in candidates:
+        for candidate in (*values, raw):
             converted = _coerce(candidate, type_name)
             if converted is not _MISSING:
                 return converted
-    return raw if parsed is _MISSING else parsed
+    return values[0] if values else raw
 
 
 # ---------------------------------------------------------------------------- call bodies
@@ -353,8 +480,7 @@ class Glm47ToolParser:
             params = fn.get("parameters")
             if isinstance(name, str):
                 params = params if isinstance(params, dict) else {}
-                props = params.get("properties")
-                self._schemas[name] = (props if isinstance(props, dict) else {}, params)
+                self._schemas[name] = (schema_properties(params, params), params)
         # streaming state
         self._text_buf = ""
         self._in_call = False
@@ -384,35 +510,12 @@ class Glm47ToolParser:
     # ------------------------------------------------------------------ whole text
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Splits a whole output into (content, calls)."""
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        while True:
-            start = text.find(TOOL_CALL_START, pos)
-            if start < 0:
-                content.append(text[pos:])
-                break
-            content.append(text[pos:start])
-            body_start = start + len(TOOL_CALL_START)
-            end = text.find(TOOL_CALL_END, body_start)
-            body = text[body_start:] if end < 0 else text[body_start:end]
-            closed = end >= 0
-            name_end = _name_end(body if not closed else body + TOOL_CALL_END)
-            name = body[:name_end].strip() if name_end >= 0 else ""
-            if name_end < 0 or not name:
-                # NAME never completed, or is empty: not a call.
-                content.append(text[start:] if not closed else text[start:end + len(TOOL_CALL_END)])
-            else:
-                calls.append(ToolCall(
-                    id=new_call_id(), index=len(calls), name=name,
-                    arguments_json=self._arguments_json(name, body[name_end:], closed),
-                    complete=closed,
-                ))
-            if not closed:
-                break
-            pos = end + len(TOOL_CALL_END)
-        return "".join(content), calls
+        """Splits a whole output into (content, calls): the fold of one `feed` and `finish`
+        on a fresh parser with this one's tools, so it cannot differ from a stream."""
+        parser = Glm47ToolParser()
+        parser._schemas = self._schemas
+        deltas = parser.feed(text) + parser.finish()
+        return "".join(d.text for d in deltas if isinstance(d, ContentDelta)), parser.calls
 
     # ------------------------------------------------------------------ streaming
 
