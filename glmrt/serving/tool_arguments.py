@@ -20,6 +20,7 @@ __all__ = ["convert_value", "schema_branches", "branch_for", "schema_types", "sc
 
 
 _JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
+_MAX_BRANCHES = 64  # alternatives or property sets one schema may expand to
 
 
 def _resolve_ref(ref: str, root: dict) -> Any:
@@ -107,7 +108,7 @@ def _local(schema: dict) -> _Alternative:
 def schema_alternatives(schema: Any, root: dict, _depth: int = 0) -> list[_Alternative]:
     """`schema` resolved into the alternatives a value may satisfy: `$ref` (against `root`),
     `anyOf`/`oneOf` (any one), `allOf` (all, intersected), with the schema's own `type`,
-    `enum` and `const` applied to each. [] when the schema says nothing usable."""
+    `enum` and `const` applied to each; [] for what is not a schema."""
     if not isinstance(schema, dict) or _depth > 32:
         return []
     alts = [_local(schema)]
@@ -116,16 +117,12 @@ def schema_alternatives(schema: Any, root: dict, _depth: int = 0) -> list[_Alter
         parts.append(_resolve_ref(schema["$ref"], root))
     if isinstance(schema.get("allOf"), list):
         parts.extend(schema["allOf"])
-    for part in parts:
-        sub = schema_alternatives(part, root, _depth + 1)
-        if sub:
-            alts = [_intersect(a, b) for a in alts for b in sub]
-    for combinator in ("anyOf", "oneOf"):
-        options = schema.get(combinator)
-        if isinstance(options, list):
-            sub = [alt for option in options for alt in schema_alternatives(option, root, _depth + 1)]
-            if sub:
-                alts = [_intersect(a, b) for a in alts for b in sub]
+    groups = [[part] for part in parts]
+    groups += [schema[c] for c in ("anyOf", "oneOf") if isinstance(schema.get(c), list)]
+    for options in groups:
+        sub = [alt for option in options for alt in schema_alternatives(option, root, _depth + 1)]
+        if sub:  # a cap keeps nested unions from multiplying without bound
+            alts = [_intersect(a, b) for a in alts for b in sub][:_MAX_BRANCHES]
     # An alternative no value satisfies (`allOf` of disjoint types) is dropped, unless all are.
     return [a for a in alts if a.types != () and a.members != ()] or alts
 
@@ -144,9 +141,6 @@ def schema_types(schema: Any, root: dict) -> list[str] | None:
 def schema_members(schema: Any, root: dict) -> list[Any]:
     """The enum/const members of `schema`'s alternatives, in declaration order."""
     return [m for a in schema_alternatives(schema, root) for m in a.members or ()]
-
-
-_MAX_BRANCHES = 64
 
 
 def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
