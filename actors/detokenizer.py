@@ -1,10 +1,9 @@
 """The detokenizer actor: token ids -> text deltas, stop strings, reasoning and tool calls.
 
-Per choice: an IncrementalDetokenizer (stop strings), then the glm45 reasoning parser (when
-the template opened a think block), then the glm47 tool parser (when the request has
-tools). Streamed requests get deltas as tokens arrive; non-streamed ones get one final
-TextOut built by the non-streaming parsers, so both shapes carry the same text, reasoning
-and calls.
+Per choice a ChoiceOutput (glmrt/serving/choice_output.py: the IncrementalDetokenizer with
+stop strings, the glm45 reasoning parser, the glm47 tool parser). Streamed requests get its
+deltas as tokens arrive; non-streamed ones get one final TextOut, the fold of the same
+deltas, so both shapes carry the same text, reasoning and calls.
 Tokens may reach it out of order (prefill and decode engines) or before the request's
 DetokenizeRequest: both are buffered. No torch in this process.
 """
@@ -40,13 +39,11 @@ _BYTES = _byte_decoder()
 
 @dataclass
 class Choice:
-    detok: Any
-    reasoning: Any
-    tools: Any
+    output: Any  # a ChoiceOutput
     next_index: int = 0
     pending: dict[int, P.TokenOut] = field(default_factory=dict)
     done: bool = False
-    raw: list[str] = field(default_factory=list)        # non-streamed: all text, parsed at the end
+    deltas: list[Any] = field(default_factory=list)  # non-streamed: OutputDeltas, folded at the end
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[P.TokenLogprob] = field(default_factory=list)
     sent_any: bool = False
@@ -124,14 +121,11 @@ class DetokenizerActor(Actor):
     def _choice(self, req: Req, index: int) -> Choice:
         ch = req.choices.get(index)
         if ch is None:
-            from glmrt.serving.detokenizer import IncrementalDetokenizer
-            from glmrt.serving.reasoning import Glm45ReasoningParser
-            from glmrt.serving.tool_parser import Glm47ToolParser
+            from glmrt.serving.choice_output import ChoiceOutput
             s = req.cfg.sampling
-            ch = Choice(IncrementalDetokenizer(self.tok, skip_special_tokens=s.skip_special_tokens, stop=s.stop,
-                                               include_stop_str_in_output=s.include_stop_str_in_output),
-                        Glm45ReasoningParser(thinking=True) if req.cfg.reasoning else None,
-                        Glm47ToolParser(req.cfg.tools) if req.cfg.tools else None)
+            ch = Choice(ChoiceOutput(self.tok, skip_special_tokens=s.skip_special_tokens, stop=s.stop,
+                                     include_stop_str_in_output=s.include_stop_str_in_output,
+                                     reasoning=req.cfg.reasoning, tools=req.cfg.tools))
             req.choices[index] = ch
         return ch
 
@@ -159,69 +153,31 @@ class DetokenizerActor(Actor):
 
     def _advance(self, req: Req, ch: Choice, it: P.TokenOut) -> P.TextOut | None:
         cfg = req.cfg
-        text = ch.detok.feed(it.token_ids)
-        reason = it.finish_reason if it.finished else None
-        if ch.detok.stopped and reason is None:
-            reason = "stop"
+        delta = ch.output.feed(it.token_ids, it.finish_reason if it.finished else None)
+        if delta.stop_string:
             self._abort_choice(cfg, it.key)
-        finished = reason is not None
-        if finished:
-            text += ch.detok.finish()
-            ch.done = True
+        finished = delta.finish_reason is not None
+        ch.done = finished
         lps = self._logprobs(it) if it.logprobs is not None else None
         usage = P.Usage(prompt_tokens=it.prompt_tokens or cfg.prompt_tokens, completion_tokens=it.completion_tokens,
                         cached_tokens=it.cached_tokens) if finished else None
         prompt_ids = None
         if cfg.prompt_token_ids is not None and not ch.sent_any and it.key.choice == 0:
             prompt_ids = list(cfg.prompt_token_ids)
+        token_ids = list(it.token_ids)
         if not cfg.stream:
-            ch.raw.append(text)
+            ch.deltas.append(delta)
             ch.token_ids += it.token_ids
             if lps:
                 ch.logprobs += lps
             if not finished:
                 return None
-            return self._final(req, ch, it.key, reason, usage, prompt_ids)
-        reasoning, content, calls = self._stream_parse(ch, text, reason if finished else None)
+            from glmrt.serving.choice_output import OutputDelta
+            delta, token_ids, lps = OutputDelta.fold(ch.deltas), ch.token_ids, ch.logprobs or None
         ch.sent_any = True
-        return P.TextOut(key=it.key, text=content, reasoning=reasoning, tool_calls=calls,
-                         token_ids=list(it.token_ids), finished=finished, finish_reason=reason, usage=usage,
+        return P.TextOut(key=it.key, text=delta.text, reasoning=delta.reasoning, tool_calls=delta.tool_calls,
+                         token_ids=token_ids, finished=finished, finish_reason=delta.finish_reason, usage=usage,
                          logprobs=lps, prompt_token_ids=prompt_ids)
-
-    def _stream_parse(self, ch: Choice, text: str, reason: str | None):
-        reasoning, content = "", text
-        if ch.reasoning is not None:
-            reasoning, content = ch.reasoning.feed(text)
-            if reason is not None:
-                r2, c2 = ch.reasoning.finish(reason)
-                reasoning, content = reasoning + r2, content + c2
-        calls: list[P.ToolCallDelta] = []
-        if ch.tools is not None:
-            deltas = ch.tools.feed(content)
-            if reason is not None:
-                deltas += ch.tools.finish()
-            content = ""
-            for d in deltas:
-                if hasattr(d, "text"):
-                    content += d.text
-                else:
-                    calls.append(P.ToolCallDelta(index=d.index, arguments=d.arguments or "", id=d.id, name=d.name))
-        return reasoning, content, calls
-
-    def _final(self, req: Req, ch: Choice, key: P.RequestKey, reason: str, usage, prompt_ids) -> P.TextOut:
-        from glmrt.serving.reasoning import parse as parse_reasoning
-        text = "".join(ch.raw)
-        reasoning = ""
-        if ch.reasoning is not None:
-            r, text = parse_reasoning(text, thinking=True, stop_reason=reason)
-            reasoning = r or ""
-        calls = []
-        if ch.tools is not None:
-            text, found = ch.tools.parse(text)
-            calls = [P.ToolCallDelta(index=c.index, arguments=c.arguments_json, id=c.id, name=c.name) for c in found]
-        return P.TextOut(key=key, text=text, reasoning=reasoning, tool_calls=calls,
-                         token_ids=ch.token_ids, finished=True, finish_reason=reason, usage=usage,
-                         logprobs=ch.logprobs or None, prompt_token_ids=prompt_ids)
 
     def _abort_choice(self, cfg: P.DetokenizeRequest, key: P.RequestKey) -> None:
         import asyncio

@@ -10,17 +10,17 @@ think block):
   it is content (a later `</think>` or `<think>` is ordinary content text).
 - A `<tool_call>` that comes before any `</think>` ends the reasoning there; the marker and
   everything after it is content (the tool parser picks the call up from the content).
-- glmrt's fix for output that ends with neither marker: when the generation stopped at the
-  length limit (`stop_reason == "length"`) the whole text is reasoning (the model was cut off
-  while thinking); for any other stop (EOS, a stop string, an abort) the whole text is
-  content and there is no reasoning (the model answered without thinking). SGLang returns
-  everything as reasoning in both cases.
+- Output that ends with neither marker: when the generation stopped at the length limit
+  (`stop_reason == "length"`) the whole text is reasoning and there is no content (the model
+  was cut off while thinking); for any other stop (EOS, a stop string, an abort) the model
+  answered without closing its thoughts, so the whole text is the answer as well as the
+  thinking: it is both `reasoning_content` and content. (SGLang returns it as reasoning only,
+  and a client showing only content shows no answer.)
 
 With thinking off (the prompt ended with `<think></think>`) everything is content, verbatim.
 
-`parse` returns `reasoning_content` as None when there is none (thinking off, the fix's
-content case, or an empty think block) and the text verbatim otherwise; content is never
-stripped here, so streaming and non-streaming agree character for character.
+`parse` returns `reasoning_content` as None when there is none (thinking off, an empty think
+block) and the text verbatim otherwise; content is never stripped here.
 
 Streaming (`Glm45ReasoningParser.feed` / `finish`):
 
@@ -28,15 +28,13 @@ Streaming (`Glm45ReasoningParser.feed` / `finish`):
   a tail that could be the start of `<think>` (at the very start), `</think>` or `<tool_call>`
   is held back until the next delta or `finish` decides it.
 - After the first `</think>`/`<tool_call>` every delta passes through as content.
-- A stream cannot take back what it sent, so the fix's content case works like this: if
-  `finish` is called with a stop other than "length" while still in reasoning mode (no
-  `</think>` and no `<tool_call>` seen), it returns the *whole* output (after a dropped
-  leading `<think>`) as one final content delta and sets `reasoning_replaced = True`; the
-  reasoning deltas sent before are void and the API says so (it documents the flag).
+- A `finish` with a stop other than "length" while still in reasoning mode (no `</think>` and
+  no `<tool_call>` seen) flushes the held tail as reasoning and returns the *whole* output
+  (after a dropped leading `<think>`) as one content delta: nothing sent before is taken back.
 
-The invariant, tested for every split of the output into deltas: with R and C the
-concatenated reasoning and content deltas (feed and finish),
-`(None if reasoning_replaced else (R or None), C) == parse(text, thinking, stop_reason)`.
+`parse` is the fold of one `feed` and `finish`, and the streamed deltas concatenate to it
+whatever the split (tested for every split): with R and C the concatenated reasoning and
+content deltas, `(R or None, C) == parse(text, thinking, stop_reason)`.
 """
 
 from __future__ import annotations
@@ -73,27 +71,17 @@ def _first_end_marker(text: str, start: int = 0) -> tuple[int, str] | None:
 
 def parse(text: str, thinking: bool = True, stop_reason: str | None = "stop") -> tuple[str | None, str]:
     """Splits a whole output into `(reasoning_content or None, content)` (see module doc)."""
-    if not thinking:
-        return None, text
-    if text.startswith(THINK_START):
-        text = text[len(THINK_START):]
-    hit = _first_end_marker(text)
-    if hit is None:
-        if stop_reason == "length":
-            return text or None, ""
-        return None, text
-    i, marker = hit
-    reasoning = text[:i]
-    content = text[i + len(THINK_END):] if marker == THINK_END else text[i:]
-    return reasoning or None, content
+    parser = Glm45ReasoningParser(thinking)
+    reasoning, content = parser.feed(text)
+    last_reasoning, last_content = parser.finish(stop_reason)
+    return (reasoning + last_reasoning) or None, content + last_content
 
 
 class Glm45ReasoningParser:
     """Streaming `glm45` reasoning parser for one generation (see module doc).
 
     `feed(delta)` and `finish(stop_reason)` return `(reasoning_delta, content_delta)`; either
-    may be "". `reasoning_replaced` is True after a `finish` that turned the whole output
-    into content (the reasoning deltas sent before are then void).
+    may be "".
     """
 
     def __init__(self, thinking: bool = True) -> None:
@@ -103,7 +91,6 @@ class Glm45ReasoningParser:
         self._buf = ""  # held-back text, not yet emitted
         self._reasoning_sent: list[str] = []
         self._finished = False
-        self.reasoning_replaced = False
 
     @property
     def in_reasoning(self) -> bool:
@@ -139,7 +126,7 @@ class Glm45ReasoningParser:
         return reasoning, ""
 
     def finish(self, stop_reason: str | None = "stop") -> tuple[str, str]:
-        """Flushes the held-back tail; applies glmrt's no-`</think>` rule (module doc)."""
+        """Flushes the held-back tail; applies the no-`</think>` rule (module doc)."""
         if self._finished:
             return "", ""
         self._finished = True
@@ -150,7 +137,7 @@ class Glm45ReasoningParser:
         if stop_reason == "length":
             self._reasoning_sent.append(buf)
             return buf, ""
-        whole = "".join(self._reasoning_sent) + buf
-        self._reasoning_sent = []
-        self.reasoning_replaced = True
-        return "", whole
+        # The answer is the thinking: the reasoning already streamed stays, and the whole
+        # text comes once more as content.
+        self._reasoning_sent.append(buf)
+        return buf, "".join(self._reasoning_sent)

@@ -15,15 +15,23 @@ Rules (the same for `Glm47ToolParser.parse` and the streaming `feed`/`finish`):
   (a repeated key keeps its last value; keys are whitespace-stripped; text between pairs is
   ignored). In a closed call a last value whose `</arg_value>` is missing runs to the end of
   the call. A call without pairs has arguments `{}` (vLLM drops such calls; we do not).
-- Values are typed by the tool's JSON schema (`parameters.properties[K]`, with `$ref`,
-  `anyOf`, `oneOf`, `allOf`, type lists and `enum` resolved against the parameters' `$defs` /
-  `definitions`): a parameter whose only type is `string` keeps the raw text; otherwise the
-  text is parsed as JSON and coerced to a declared type ("3" -> 3 for integer, 3.0 -> 3,
-  "True" -> true, a Python-literal or doubly encoded array/object -> the value, ...); a
-  schema that allows a string among other types gets the raw text unless the JSON value has
-  one of the other types (the inverse of the chat template, which writes strings raw); what
-  cannot be coerced is its JSON value, or the raw string when it is not JSON. Without a schema (unknown tool or parameter) the
-  value is its JSON when it parses, else the raw string.
+- Values are typed by the tool's JSON schema (glmrt/serving/tool_arguments.py). The schema
+  is resolved fully against the parameters object (its `$defs` / `definitions`): the
+  parameters' own `$ref` and `allOf` members add properties; a root `anyOf`/`oneOf` types the
+  call by its first branch whose enum/const properties the call's values fit (a
+  discriminator), else by all branches' properties; per property `$ref`, `anyOf` and `oneOf`
+  (alternatives), `allOf` (intersected), type lists, `enum` and `const` apply. Then:
+  a value the schema lists as an enum/const member is that member, typed as declared
+  (`2` for `enum: [1, 2]`, "2" for `enum: ["1", "2"]`); a parameter whose only type is
+  `string` keeps the raw text; otherwise the text is parsed as JSON - also after undoing
+  backslash escapes, since GLM models write a non-string value as escaped JSON
+  (`[{\\"id\\": \\"1\\"}]` is an array, `\\"123\\"` the integer 123) - and coerced to a
+  declared type ("3" -> 3 for integer, 3.0 -> 3, "True" -> true, a Python-literal or doubly
+  encoded array/object -> the value, ...); a schema that allows a string among other types
+  gets the raw text unless the JSON value has one of the other types (the inverse of the
+  chat template, which writes strings raw); what cannot be coerced is its JSON value, or the
+  raw string when it is not JSON. Without a schema (unknown tool or parameter) the value is
+  its JSON when it parses, else the raw string.
 - A call whose NAME is empty is not a call: its text (markers included) is content.
 - Calls to tools not in `tools` are still returned; the API may reject them.
 - Each call gets an id `call_<24 hex>` and the next index (0, 1, 2, ...).
@@ -43,19 +51,19 @@ Streaming (`feed(delta) -> list[Delta]`, `finish() -> list[Delta]`):
   are buffered until `</tool_call>` and then emitted as ONE `ToolCallDelta(index,
   arguments=<the complete JSON object>)`; `finish()` closes an unterminated call the same way.
 
-Invariant, tested over every 2- and 3-way split and random splits: the concatenated
-streamed content equals `parse`'s content, and per index the streamed name and concatenated
-arguments equal `parse`'s call.
+`parse` is the fold of one `feed` and `finish`. Invariant, tested over every 2- and 3-way
+split and random splits: the concatenated streamed content equals `parse`'s content, and per
+index the streamed name and concatenated arguments equal `parse`'s call.
 """
 
 from __future__ import annotations
 
-import ast
 import json
-import math
 import secrets
 from dataclasses import dataclass
 from typing import Any, Union
+
+from glmrt.serving.tool_arguments import branch_for, convert_value, schema_branches
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -99,199 +107,6 @@ class ToolCallDelta:
 
 
 Delta = Union[ContentDelta, ToolCallDelta]
-
-
-# ---------------------------------------------------------------------------- schema typing
-
-_JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
-
-
-def _resolve_ref(ref: str, root: dict) -> Any:
-    if not ref.startswith("#"):
-        return None  # remote refs are not resolved
-    node: Any = root
-    for part in ref[1:].split("/"):
-        if not part:
-            continue
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
-def _enum_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
-def schema_types(schema: Any, root: dict, _depth: int = 0) -> list[str] | None:
-    """The JSON types `schema` allows, in declaration order; None when it says nothing."""
-    if not isinstance(schema, dict) or _depth > 32:
-        return None
-    if isinstance(schema.get("$ref"), str):
-        target = _resolve_ref(schema["$ref"], root)
-        found = schema_types(target, root, _depth + 1)
-        if found is not None:
-            return found
-    declared = schema.get("type")
-    if isinstance(declared, str) and declared in _JSON_TYPES:
-        return [declared]
-    if isinstance(declared, list):
-        types = [t for t in declared if isinstance(t, str) and t in _JSON_TYPES]
-        if types:
-            return list(dict.fromkeys(types))
-    for combinator in ("anyOf", "oneOf"):
-        options = schema.get(combinator)
-        if isinstance(options, list):
-            types = []
-            for option in options:
-                types.extend(schema_types(option, root, _depth + 1) or [])
-            if types:
-                return list(dict.fromkeys(types))
-    if isinstance(schema.get("allOf"), list):
-        for option in schema["allOf"]:
-            types = schema_types(option, root, _depth + 1)
-            if types:
-                return types
-    if "const" in schema:
-        return [_enum_type(schema["const"])]
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return list(dict.fromkeys(_enum_type(v) for v in schema["enum"]))
-    return None
-
-
-def _matches(value: Any, type_name: str) -> bool:
-    if type_name == "string":
-        return isinstance(value, str)
-    if type_name == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if type_name == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if type_name == "boolean":
-        return isinstance(value, bool)
-    if type_name == "array":
-        return isinstance(value, list)
-    if type_name == "object":
-        return isinstance(value, dict)
-    return value is None  # null
-
-
-_MISSING = object()
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _json(text: str) -> Any:
-    """Strict JSON (no NaN/Infinity, which json.dumps would write back invalid), or _MISSING."""
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        return _MISSING
-
-
-def _literal(text: str) -> Any:
-    """JSON, else a Python literal (models sometimes write {'a': True}); else _MISSING."""
-    value = _json(text)
-    if value is not _MISSING:
-        return value
-    try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return _MISSING
-
-
-def _parse_number(text: str) -> int | float | None:
-    """A string as an int when it is one, else as a float, else None."""
-    text = text.strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _coerce(value: Any, type_name: str) -> Any:
-    """`value` converted to `type_name`, or _MISSING."""
-    if _matches(value, type_name):
-        return value
-    if type_name == "integer":
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            number = _parse_number(value)
-            if number is None or isinstance(number, int):
-                return _MISSING if number is None else number
-            return int(number) if number.is_integer() else _MISSING
-        return _MISSING
-    if type_name == "number":
-        if isinstance(value, str):
-            number = _parse_number(value)
-            if number is None or isinstance(number, int):
-                return _MISSING if number is None else number
-            return number if math.isfinite(number) else _MISSING
-        return _MISSING
-    if type_name == "boolean":
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        return _MISSING
-    if type_name in ("array", "object"):
-        if isinstance(value, str):
-            inner = _literal(value)
-            if inner is not _MISSING and _matches(inner, type_name):
-                return inner
-        return _MISSING
-    if type_name == "null":
-        if isinstance(value, str) and value.strip().lower() in ("null", "none"):
-            return None
-        return _MISSING
-    return _MISSING  # string: a non-string is never silently turned into one here
-
-
-def convert_value(raw: str, schema: Any = None, root: dict | None = None) -> Any:
-    """Types one raw `<arg_value>` text by its JSON schema (rules in the module doc).
-
-    The inverse of the chat template, which writes a string value raw and anything else as
-    JSON: a value that parses as JSON of an allowed non-string type is that value; otherwise
-    a schema allowing strings gets the raw text; otherwise the first declared type the value
-    coerces to wins; otherwise its JSON value, or the raw text when it is not JSON.
-    """
-    types = schema_types(schema, root or {}) if schema is not None else None
-    if types == ["string"]:
-        return raw
-    parsed = _json(raw)
-    if types is None:
-        return raw if parsed is _MISSING else parsed
-    if parsed is not _MISSING and any(_matches(parsed, t) for t in types if t != "string"):
-        return parsed
-    if "string" in types:
-        return raw
-    candidates = [raw] if parsed is _MISSING else [parsed, raw]
-    for type_name in types:
-        for candidate in candidates:
-            converted = _coerce(candidate, type_name)
-            if converted is not _MISSING:
-                return converted
-    return raw if parsed is _MISSING else parsed
 
 
 # ---------------------------------------------------------------------------- call bodies
@@ -344,7 +159,7 @@ class Glm47ToolParser:
     """
 
     def __init__(self, tools: list[dict] | None = None) -> None:
-        self._schemas: dict[str, tuple[dict, dict]] = {}
+        self._schemas: dict[str, tuple[list[dict[str, Any]], dict]] = {}  # name -> (branches, parameters)
         for tool in tools or []:
             if not isinstance(tool, dict):
                 continue
@@ -353,8 +168,7 @@ class Glm47ToolParser:
             params = fn.get("parameters")
             if isinstance(name, str):
                 params = params if isinstance(params, dict) else {}
-                props = params.get("properties")
-                self._schemas[name] = (props if isinstance(props, dict) else {}, params)
+                self._schemas[name] = (schema_branches(params, params), params)
         # streaming state
         self._text_buf = ""
         self._in_call = False
@@ -375,44 +189,23 @@ class Glm47ToolParser:
     # ------------------------------------------------------------------ shared pieces
 
     def _arguments_json(self, name: str, body_after_name: str, closed: bool) -> str:
-        props, root = self._schemas.get(name, ({}, {}))
+        branches, root = self._schemas.get(name, ([{}], {}))
+        pairs = _parse_pairs(body_after_name, closed)
+        props = branch_for(pairs, branches, root)
         args: dict[str, Any] = {}
-        for key, raw in _parse_pairs(body_after_name, closed):
+        for key, raw in pairs:
             args[key] = convert_value(raw, props.get(key), root)
         return json.dumps(args, ensure_ascii=False)
 
     # ------------------------------------------------------------------ whole text
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Splits a whole output into (content, calls)."""
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        while True:
-            start = text.find(TOOL_CALL_START, pos)
-            if start < 0:
-                content.append(text[pos:])
-                break
-            content.append(text[pos:start])
-            body_start = start + len(TOOL_CALL_START)
-            end = text.find(TOOL_CALL_END, body_start)
-            body = text[body_start:] if end < 0 else text[body_start:end]
-            closed = end >= 0
-            name_end = _name_end(body if not closed else body + TOOL_CALL_END)
-            name = body[:name_end].strip() if name_end >= 0 else ""
-            if name_end < 0 or not name:
-                # NAME never completed, or is empty: not a call.
-                content.append(text[start:] if not closed else text[start:end + len(TOOL_CALL_END)])
-            else:
-                calls.append(ToolCall(
-                    id=new_call_id(), index=len(calls), name=name,
-                    arguments_json=self._arguments_json(name, body[name_end:], closed),
-                    complete=closed,
-                ))
-            if not closed:
-                break
-            pos = end + len(TOOL_CALL_END)
-        return "".join(content), calls
+        """Splits a whole output into (content, calls): the fold of one `feed` and `finish`
+        on a fresh parser with this one's tools, so it cannot differ from a stream."""
+        parser = Glm47ToolParser()
+        parser._schemas = self._schemas
+        deltas = parser.feed(text) + parser.finish()
+        return "".join(d.text for d in deltas if isinstance(d, ContentDelta)), parser.calls
 
     # ------------------------------------------------------------------ streaming
 

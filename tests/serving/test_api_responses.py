@@ -196,6 +196,27 @@ def test_chat_stream_skips_empty_deltas_and_drops_parallel_calls():
     assert [t.id for t in ch.delta.tool_calls] == ["call_1"] and ch.finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("outs,content", [
+    ([P.TextOut(key=P.RequestKey(rid="r"), tool_calls=[P.ToolCallDelta(index=0, id="call_1", name="f")]),
+      P.TextOut(key=P.RequestKey(rid="r"), tool_calls=[P.ToolCallDelta(index=0, arguments="{}")], finished=True,
+                finish_reason="stop")], None),  # only a call: content null
+    ([P.TextOut(key=P.RequestKey(rid="r"), finished=True, finish_reason="stop")], ""),  # nothing said
+    ([P.TextOut(key=P.RequestKey(rid="r"), text="Hi"), P.TextOut(key=P.RequestKey(rid="r"), finished=True,
+                                                                 finish_reason="length")], "Hi"),
+])
+def test_chat_stream_content_sums_to_the_message_content(outs, content):
+    stream, acc, state = A.ChatStream("c", MODEL, 1), A.ChoiceAccumulator(0), ChatCompletionStreamState()
+    chunks = []
+    for out in outs:
+        acc.add(out)
+        chunks += stream.on_text(out)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    assert state.current_completion_snapshot.choices[0].message.content == content
+    assert acc.chat_choice()["message"]["content"] == content
+
+
 def test_completion_stream():
     stream = A.CompletionStream("cmpl-s", MODEL, 1, n=2, include_usage=True, logprobs=True, return_token_ids=True)
     chunks = []

@@ -39,8 +39,7 @@ def stream_reasoning(chunks, thinking=True, stop_reason="stop"):
     dr, dc = p.finish(stop_reason)
     r.append(dr)
     c.append(dc)
-    reasoning = None if p.reasoning_replaced else ("".join(r) or None)
-    return reasoning, "".join(c)
+    return "".join(r) or None, "".join(c)
 
 
 def stream_tools(chunks, tools=None):
@@ -99,9 +98,11 @@ def args_of(call):
      True, "stop", ("plan", "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>")),
     ("r</think>c<tool_call>f</tool_call>", True, "stop", ("r", "c<tool_call>f</tool_call>")),
     ("r<tool_call>f</tool_call></think>c", True, "stop", ("r", "<tool_call>f</tool_call></think>c")),
-    # glmrt's fix: no </think>, EOS -> content; length -> reasoning
-    ("Just an answer.", True, "stop", (None, "Just an answer.")),
-    ("<think>Just an answer.", True, "stop", (None, "Just an answer.")),
+    # no </think>: EOS -> the text is the answer and the thinking; length -> reasoning only
+    ("Just an answer.", True, "stop", ("Just an answer.", "Just an answer.")),
+    ("<think>Just an answer.", True, "stop", ("Just an answer.", "Just an answer.")),
+    ("<thi", True, "stop", ("<thi", "<thi")),
+    ("<think>", True, "stop", (None, "")),
     ("Still thinking", True, "length", ("Still thinking", "")),
     ("<think>Still thinking", True, "length", ("Still thinking", "")),
     ("", True, "stop", (None, "")),
@@ -125,7 +126,6 @@ def test_reasoning_streams_deltas_and_holds_back_marker_prefixes():
     assert not p.in_reasoning
     assert p.feed("</think><tool_call>") == ("", "</think><tool_call>")
     assert p.finish("stop") == ("", "")
-    assert not p.reasoning_replaced
 
 
 def test_reasoning_held_tail_is_flushed_at_finish():
@@ -137,19 +137,19 @@ def test_reasoning_held_tail_is_flushed_at_finish():
     assert p.finish("length") == ("<tool_ca", "")
 
 
-def test_reasoning_eos_without_end_marker_replaces_streamed_reasoning():
+def test_reasoning_eos_without_end_marker_keeps_streamed_reasoning_and_answers():
     p = Glm45ReasoningParser()
     sent = [p.feed("<think>Hello"), p.feed(", world</thi")]
     assert sent == [("Hello", ""), (", world", "")]
-    assert p.finish("stop") == ("", "Hello, world</thi")
-    assert p.reasoning_replaced
+    # the held tail is reasoning too, and the whole text comes once as the answer
+    assert p.finish("stop") == ("</thi", "Hello, world</thi")
+    assert p.finish("stop") == ("", "")
 
 
 def test_reasoning_thinking_off_passes_through():
     p = Glm45ReasoningParser(thinking=False)
     assert p.feed("<think>a</th") == ("", "<think>a</th")
     assert p.finish("stop") == ("", "")
-    assert not p.reasoning_replaced
 
 
 REASONING_TEXTS = [
@@ -463,7 +463,7 @@ def test_pipeline_random_splits_match_whole(case, stop):
         if isinstance(d, ToolCallDelta) and d.arguments is not None:
             args[d.index] = d.arguments
     whole_r, whole_c = parse_reasoning(text, True, stop)
-    streamed_r = None if reasoning.reasoning_replaced else ("".join(r) or None)
+    streamed_r = "".join(r) or None
     assert streamed_r == whole_r
     expected_content, expected_calls = whole_tools(whole_c, TOOLS)
     assert content == expected_content

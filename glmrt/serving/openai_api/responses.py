@@ -115,10 +115,11 @@ def finish_reason_for(reason: str | None, had_tools: bool, kind: str) -> str:
 class ChoiceState:
     """What one choice has shown so far (shared by the accumulator and the streams)."""
 
-    __slots__ = ("started", "finished", "tool_ids", "text_offset", "usage", "parallel_tool_calls")
+    __slots__ = ("started", "finished", "tool_ids", "text_offset", "usage", "parallel_tool_calls", "text_sent")
 
     def __init__(self, parallel_tool_calls: bool = True) -> None:
         self.started = False
+        self.text_sent = False
         self.finished = False
         self.tool_ids: dict[int, str] = {}  # kept tool-call index -> id
         self.text_offset = 0

@@ -1,5 +1,11 @@
 """Streamed answers: chat.completion.chunk / text_completion chunks built from TextOuts,
-and their server-sent-event framing."""
+and their server-sent-event framing.
+
+A chat stream's deltas accumulate (as the openai client's stream state sums them) to exactly
+the non-streamed message: content, reasoning_content, tool calls and finish_reason. The role
+chunk carries no content, so a choice that only calls tools sums to content null, and one
+that says nothing gets `"content": ""` on its last chunk.
+"""
 
 from __future__ import annotations
 
@@ -100,7 +106,7 @@ class ChatStream(_Stream):
         if not st.started:
             st.started = True
             first = chat_chunk(self.id, self.model, self.created,
-                               [{"index": index, "delta": {"role": "assistant", "content": ""},
+                               [{"index": index, "delta": {"role": "assistant"},
                                  "logprobs": None, "finish_reason": None}], include_usage=self.include_usage)
             if self.return_token_ids and out.prompt_token_ids is not None:
                 first["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -117,6 +123,11 @@ class ChatStream(_Stream):
                 calls.append(_tool_call_delta_json(d, st.tool_ids[d.index], first_of_call))
         if calls:
             delta["tool_calls"] = calls
+        st.text_sent = st.text_sent or bool(out.text)
+        if out.finished and not st.text_sent and not st.had_tools:
+            # The message's content is "" (null only beside tool calls), as in the
+            # non-streamed answer: the role chunk carries none, so a client's sum is exact.
+            delta["content"] = ""
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         has_lps = self.logprobs and bool(out.logprobs)
         if has_lps:
