@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # said by the subcommand that got them, in one line
+        prog = " ".join(["glmrt", args.command] + ([args.benchmark] if getattr(args, "benchmark", None) else []))
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
     return args.func(args)
 
 

@@ -44,7 +44,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--moe-dense-tp-size",), "tensor parallelism is not built yet; " + _ONE_GPU, accepts=("1",)),
     PeerFlag(("--attn-cp-size",), _CONTEXT_PARALLEL, accepts=("1",)),
     PeerFlag(("--enable-prefill-cp",), _CONTEXT_PARALLEL, takes_value=False),
-    PeerFlag(("--speculative-algorithm",), _SPECULATIVE),
+    PeerFlag(("--speculative-algorithm",), _SPECULATIVE, accepts=("none",)),
     PeerFlag(("--speculative-num-steps",), _SPECULATIVE),
     PeerFlag(("--speculative-eagle-topk",), _SPECULATIVE),
     PeerFlag(("--speculative-num-draft-tokens",), _SPECULATIVE),
@@ -54,7 +54,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--hicache-ratio",), _HICACHE),
     PeerFlag(("--hicache-storage-backend",), _HICACHE),
     PeerFlag(("--cuda-graph-backend-prefill",), "glmrt captures CUDA graphs for decode only (--cuda-graph-max-bs, "
-             "--disable-cuda-graph); prefill runs eagerly"),
+             "--disable-cuda-graph); prefill runs eagerly", accepts=("off",)),
     PeerFlag(("--encoder-only",), 'the vision encoder runs as its own actor when the topology file places one: '
              '[[actors]] kind = "vision"', takes_value=False),
     PeerFlag(("--language-only",), 'the engine leaves the vision encoder to a vision actor when the topology file '
