@@ -4,6 +4,10 @@ Flags override the file. With no file and no model it serves the embedded defaul
 a unified engine, the `tiny` random checkpoint (generated on first use into the cache
 directory), the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
 stops. This process runs the supervisor and the api actor and never imports torch.
+
+What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
+(glmrt.topology.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
+build (cli/peer_flags.py).
 """
 
 from __future__ import annotations
@@ -259,14 +263,14 @@ def run(args: argparse.Namespace) -> int:
     except (TopologyError, ValueError, TypeError) as e:
         return refuse(str(e))
     path = topo.model.path
-    if path is None:
-        path = ensure_tiny_checkpoint()
-        topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if path is not None and not os.path.exists(os.path.join(path, "config.json")):
         return refuse(f"no config.json in {path}")
     refusal = check_port_free(topo.api.host, topo.api.port)
     if refusal:
         return refuse(refusal)
+    if path is None:
+        path = ensure_tiny_checkpoint()
+        topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
     try:
         import uvloop
         return uvloop.run(serve(topo, path, args.ready_timeout))

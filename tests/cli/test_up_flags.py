@@ -98,3 +98,9 @@ def test_help_shows_the_defaults_and_the_refusals():
 def test_version():
     r = glmrt_run("--version")
     assert r.returncode == 0 and r.stdout == f"glmrt {glmrt.__version__}\n", (r.stdout, r.stderr)
+
+
+@pytest.mark.timeout(60)
+def test_model_path_is_sglangs_spelling_of_model(tmp_path):
+    line = one_line_refusal(glmrt_run("up", "--model-path", str(tmp_path)))
+    assert line == f"glmrt up: error: no config.json in {tmp_path}"
