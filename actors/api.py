@@ -42,6 +42,12 @@ class Inflight:
     done: bool = False
 
 
+def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIError:
+    """The HTTP error for an actor's error message; a context error names the route's prompt field."""
+    return oa.error_from_wire(item.status, item.message, getattr(item, "code", None),
+                              prompt_param="messages" if kind == "chat" else "prompt")
+
+
 class ApiServer:
     def __init__(self, supervisor, *, served_model: str, host: str, port: int, api_key: str | None,
                  max_request_mb: float, max_queued_requests: int, generation_config: dict, echo=print):
@@ -70,6 +76,7 @@ class ApiServer:
         app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/server_info", self.server_info)
@@ -213,7 +220,7 @@ class ApiServer:
         sampling = oa.to_sampling_params(req, defaults=self.generation_config, max_model_len=ctx)
         queue: asyncio.Queue = asyncio.Queue()
         states = []
-        for tr in oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time()):
+        for tr in oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time(), max_model_len=ctx):
             tr.engine, tr.decode = eng, dec
             st = Inflight(tr.key, queue, eng, tok, det, decode=dec)
             self.inflight[tr.key] = st
@@ -285,7 +292,7 @@ class ApiServer:
                 if isinstance(item, oa.APIError):
                     raise item
                 if isinstance(item, (P.TokenizerError, P.EngineError)):
-                    raise oa.error_from_wire(item.status, item.message, getattr(item, "code", None))
+                    raise _wire_error(item, kind)
                 index = oa.response_index(item.key, req.n)
                 acc = accs.get(index)
                 if acc is None:
@@ -335,7 +342,7 @@ class ApiServer:
         if isinstance(first, oa.APIError):
             raise first
         if isinstance(first, (P.TokenizerError, P.EngineError)):
-            raise oa.error_from_wire(first.status, first.message, getattr(first, "code", None))
+            raise _wire_error(first, kind)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         finished = 0
@@ -346,8 +353,7 @@ class ApiServer:
                 await resp.write(oa.sse_error(item))
                 break
             if isinstance(item, (P.TokenizerError, P.EngineError)):
-                await resp.write(oa.sse_error(oa.error_from_wire(item.status, item.message,
-                                                                 getattr(item, "code", None))))
+                await resp.write(oa.sse_error(_wire_error(item, kind)))
                 break
             for c in stream.on_text(item):
                 await resp.write(oa.sse(c))
@@ -369,6 +375,15 @@ class ApiServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.served_model, self.created, self.context_length()))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the model object of the served name, else OpenAI's 404."""
+        name = request.match_info["model_id"]
+        listed = oa.models_response(self.served_model, self.created, self.context_length())["data"]
+        entry = next((m for m in listed if m["id"] == name), None)
+        if entry is None:
+            raise oa.not_found_model(name)
+        return web.json_response(entry)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.sup.all_ready() and not self.sup.stopping:

@@ -1,8 +1,9 @@
 """The tokenizer actor: chat template + tokenisation, then the request goes to its engine.
 
 It registers the request with its detokenizer first (stop strings, parsers, prompt ids),
-then sends the token ids to the engine the api chose. Bad input becomes a TokenizerError
-to the api (an HTTP 400), never a dead actor. No torch in this process.
+then sends the token ids to the engine the api chose. Bad input, and an explicit max_tokens
+that does not fit in the context with the prompt, becomes a TokenizerError to the api (an
+HTTP 400), never a dead actor. No torch in this process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from actors.base import Actor
 from glmrt import protocol as P
+from glmrt.serving.openai_api.errors import max_tokens_beyond_context
 
 
 class TokenizerActor(Actor):
@@ -101,6 +103,11 @@ class TokenizerActor(Actor):
         except (ValueError, OSError) as e:
             await self.send("api/0",
                             P.TokenizerError(key=m.key, status=400, message=str(e), code="invalid_request"))
+            return
+        if m.max_model_len is not None and len(ids) + m.sampling.max_tokens > m.max_model_len:
+            message = max_tokens_beyond_context(len(ids), m.sampling.max_tokens, m.max_model_len, m.kind)
+            await self.send("api/0", P.TokenizerError(key=m.key, status=400, message=message,
+                                                      code="context_length_exceeded"))
             return
         reasoning = m.kind == "chat" and thinking
         await self.send(m.reply_to, P.DetokenizeRequest(

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 from glmrt import env
+from glmrt.actor_kinds import ENGINE_KINDS
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -44,11 +45,17 @@ def _call(args, method: str, route: str, body: dict | None = None) -> dict:
         raise SystemExit(f"error: cannot reach {args.url}: {e.reason}")
 
 
+def _status_fields(kind: str) -> tuple[str, ...]:
+    """An actor's fields in `glmrt status --json`; an engine's add its requests running and waiting
+    (queued), from its latest stats."""
+    common = ("kind", "replica", "pid", "host", "gpus", "state", "load")
+    return common + ("running", "waiting") if kind in ENGINE_KINDS else common
+
+
 def _status(args) -> int:
     out = _call(args, "GET", "/admin/status")
     if args.json:
-        print(json.dumps({"actors": [{k: a.get(k) for k in ("kind", "replica", "pid", "host", "gpus", "state", "load")}
-                                     for a in out["actors"]]}))
+        print(json.dumps({"actors": [{k: a.get(k) for k in _status_fields(a["kind"])} for a in out["actors"]]}))
         return 0
     print(f"{'kind':<12} {'replica':>7} {'pid':>8} {'state':<10} {'load':>6} {'running':>7} {'waiting':>7}  gpus")
     for a in out["actors"]:

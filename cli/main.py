@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+import glmrt
 from cli import admin, bench_offline, bench_serving, compute_mamba_ratio, make_checkpoint, up
+from cli.parsing import GlmrtParser
 
 # `glmrt bench <name>`: one module per benchmark, each with add_parser(bench_sub) and run(args).
 BENCHMARKS = [bench_offline, bench_serving]
@@ -24,8 +26,10 @@ def _add_bench_group(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glmrt", description="Serve the GLM-5.3-Flash model family.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = GlmrtParser(prog="glmrt", description="Serve the GLM-5.3-Flash model family.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"glmrt {glmrt.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)  # each subcommand's parser is a GlmrtParser
     up.add_parser(sub)
     admin.add_parsers(sub)
     make_checkpoint.add_parser(sub)
@@ -35,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # said by the subcommand that got them, in one line
+        prog = " ".join(["glmrt", args.command] + ([args.benchmark] if getattr(args, "benchmark", None) else []))
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
     return args.func(args)
 
 

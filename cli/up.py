@@ -4,6 +4,10 @@ Flags override the file. With no file and no model it serves the embedded defaul
 a unified engine, the `tiny` random checkpoint (generated on first use into the cache
 directory), the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
 stops. This process runs the supervisor and the api actor and never imports torch.
+
+What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
+(glmrt.topology.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
+build (cli/peer_flags.py).
 """
 
 from __future__ import annotations
@@ -11,17 +15,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 
+from cli.parsing import field_help, print_error, with_default
+from cli.peer_flags import add_peer_flags
 from glmrt import env
+from glmrt.devices import gpu_count
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
-from glmrt.topology import FEATURE_TRANSPORTS, TopologyError, default_topology, load_topology, validate
+from glmrt.topology import ApiSection, ModelSection, TopologyError, default_topology, load_topology, validate
 
 # Set by [model] flags, or by placement (role, load_vision), not by engine flags.
 _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
@@ -44,42 +53,47 @@ _FLAG_HELP = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a deployment (foreground)",
                        description="Start the actors of a topology (default: one host, unified engine, the tiny "
-                                   "model) and serve the OpenAI API. Flags override the topology file.")
+                                   "model) and serve the OpenAI API. Flags override the topology file, whose values "
+                                   "override the defaults shown.")
     p.add_argument("topology", nargs="?", help="topology.toml (omitted: the embedded default)")
-    p.add_argument("--model", help="checkpoint directory (HF format)")
-    p.add_argument("--served-model-name")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--model", "--model-path", help=field_help(ModelSection, "path"))
+    p.add_argument("--served-model-name", help=field_help(ModelSection, "served_model_name"))
     p.add_argument("--backend", choices=["auto", "reference", "cuda-h200", "cuda-blackwell", "rocm-mi355x"],
-                   help="kernel set (auto: cuda-h200 on SM90, cuda-blackwell on SM100, rocm-mi355x on gfx950, "
-                        "else reference)")
-    p.add_argument("--dtype", choices=MODEL_DTYPES)
-    p.add_argument("--kv-cache-dtype", help="auto | bfloat16 | fp8_e4m3 | the model dtype (auto: bfloat16 on "
-                                            "cuda-h200, fp8_e4m3 on cuda-blackwell / rocm-mi355x)")
-    p.add_argument("--load-format", choices=LOAD_FORMATS)
-    p.add_argument("--quantization", help="weight format: auto (the checkpoint's) | fp8 | mxfp4 | nvfp4; with "
-                                          "--load-format dummy, fp8 quantises the random weights")
-    p.add_argument("--api-key", default=env.api_key())
-    p.add_argument("--max-request-mb", type=float)
-    p.add_argument("--allowed-local-media-path", help="serve local image/video paths only under this directory")
-    p.add_argument("--mm-feature-transport", choices=FEATURE_TRANSPORTS,
-                   help="how a separate vision actor hands embeddings to the engine (default auto = cpu here)")
-    p.add_argument("--allow-remote-media", action="store_true", default=None,
-                   help="fetch http(s) image/video URLs (size-limited, with a timeout)")
-    p.add_argument("--tokenizer-replicas", type=int)
-    p.add_argument("--engine-replicas", type=int)
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+                   help=field_help(ModelSection, "backend", "kernel set (auto: cuda-h200 on SM90, cuda-blackwell on "
+                                                            "SM100, rocm-mi355x on gfx950, else reference)"))
+    p.add_argument("--dtype", choices=MODEL_DTYPES, help=field_help(ModelSection, "dtype"))
+    p.add_argument("--kv-cache-dtype", help=field_help(ModelSection, "kv_cache_dtype", "auto | bfloat16 | fp8_e4m3 | "
+                   "the model dtype (auto: bfloat16 on cuda-h200, fp8_e4m3 on cuda-blackwell / rocm-mi355x)"))
+    p.add_argument("--load-format", choices=LOAD_FORMATS, help=field_help(ModelSection, "load_format"))
+    p.add_argument("--quantization", help=field_help(ModelSection, "quantization", "weight format: auto (the "
+                   "checkpoint's) | fp8 | mxfp4 | nvfp4; with --load-format dummy, fp8 quantises the random weights"))
+    for name in ("host", "port", "max_request_mb", "max_queued_requests", "allowed_local_media_path",
+                 "mm_feature_transport", "allow_remote_media"):
+        _add_field_flag(p, ApiSection, name)
+    p.add_argument("--api-key", default=env.api_key(), help=field_help(ApiSection, "api_key", "Bearer key every "
+                   "route but /health requires, also set by GLMRT_API_KEY (unset: open)."))
+    p.add_argument("--tokenizer-replicas", type=int, help="tokenizer processes (default: the topology's, 1)")
+    p.add_argument("--engine-replicas", type=int, help="engine processes, one GPU each where GPUs are placed "
+                                                       "(default: the topology's, 1)")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help=with_default("seconds the actors have to become ready", 600.0))
     g = p.add_argument_group("engine flags (override [engine])")
     for f in dataclasses.fields(EngineConfig):
-        if f.name in _ENGINE_FLAG_SKIP:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            g.add_argument(flag, action="store_true", default=None, help=_FLAG_HELP.get(f.name))
-        else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            g.add_argument(flag, type=kind, default=None, help=_FLAG_HELP.get(f.name))
+        if f.name not in _ENGINE_FLAG_SKIP:
+            _add_field_flag(g, EngineConfig, f.name, _FLAG_HELP.get(f.name))
+    add_peer_flags(p)
     p.set_defaults(func=run)
+
+
+def _add_field_flag(group, cls, name: str, text: str | None = None) -> None:
+    """The flag `--name` that sets field `name` of config dataclass `cls` (unset: the file's value)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    flag, helptext = "--" + name.replace("_", "-"), field_help(cls, name, text)
+    if f.type in ("bool", bool):
+        group.add_argument(flag, action="store_true", default=None, help=helptext)
+        return
+    kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+    group.add_argument(flag, type=kind, default=None, help=helptext)
 
 
 def ensure_tiny_checkpoint() -> str:
@@ -114,7 +128,7 @@ def build_topology(args: argparse.Namespace):
         if f.name not in _ENGINE_FLAG_SKIP and v is not None:
             engine[f.name] = v
     api = topo.api
-    api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb",
+    api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb", "max_queued_requests",
                                               "allowed_local_media_path", "allow_remote_media",
                                               "mm_feature_transport")
                 if getattr(args, k, None) is not None}
@@ -131,7 +145,8 @@ def build_topology(args: argparse.Namespace):
                 raise TopologyError(f"--{flag.replace('_', '-')}: the topology runs no {kind!r} actor; set the "
                                     "replicas of its entries in the topology file")
             topo = topo.with_replicas(kind, n)
-    validate(topo, flags=True)   # the file was validated as it was read: what is new here is the flags'
+    # the file was validated as it was read: what is new here is the flags', and the machine's GPUs
+    validate(topo, num_gpus=gpu_count(), flags=True)
     configs = topo.engine_configs()
     if "prefill" in configs:
         try:
@@ -216,8 +231,28 @@ def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> 
 
 def refuse(message: str) -> int:
     """The one-line refusal of `glmrt up` (exit status 2), argparse's way."""
-    print("glmrt up: error: " + " ".join(str(message).split()), file=sys.stderr)
-    return 2
+    return print_error("glmrt up", message)
+
+
+def check_port_free(host: str, port: int) -> str | None:
+    """Bind the API's address once, as the server will (SO_REUSEADDR), so a port in use is refused
+    before any actor starts. Returns the refusal, or None."""
+    if port == 0:
+        return None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return port_refusal(host, port, e)
+    return None
+
+
+def port_refusal(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use (another glmrt or server listens there); stop it or pick --port"
+    return f"cannot listen on {host}:{port}: {e.strerror or e}; pick --host / --port"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -228,11 +263,14 @@ def run(args: argparse.Namespace) -> int:
     except (TopologyError, ValueError, TypeError) as e:
         return refuse(str(e))
     path = topo.model.path
+    if path is not None and not os.path.exists(os.path.join(path, "config.json")):
+        return refuse(f"no config.json in {path}")
+    refusal = check_port_free(topo.api.host, topo.api.port)
+    if refusal:
+        return refuse(refusal)
     if path is None:
         path = ensure_tiny_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
-    if not os.path.exists(os.path.join(path, "config.json")):
-        return refuse(f"no config.json in {path}")
     try:
         import uvloop
         return uvloop.run(serve(topo, path, args.ready_timeout))
@@ -268,9 +306,15 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        await api.start()   # before any actor: a port taken since check_port_free is refused here
+    except OSError as e:
+        await api.stop()
+        await sup.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return refuse(port_refusal(topo.api.host, topo.api.port, e))
     rc = 0
     try:
-        await api.start()
         print(f"glmrt: serving {served!r} on http://{topo.api.host}:{topo.api.port} "
               f"({', '.join(f'{a.kind} x{a.replicas}' for a in topo.actors)})", flush=True)
         await sup.start()

@@ -148,6 +148,9 @@ class TokenizeRequest(Msg):
     engine: str | None = None  # engine (or prefill) replica chosen by the api; None: tokenizer picks
     decode: str | None = None  # PD only: the decode replica the prefill hands the request to
     arrival: float = 0.0
+    # The context the prompt plus an explicit max_tokens must fit in (the tokenizer refuses the
+    # request otherwise); None: max_tokens was omitted and the engine stops at the context's end.
+    max_model_len: int | None = None
 
 
 class TokenizerError(Msg):

@@ -15,6 +15,7 @@ can hand state to each other. Unknown keys are refused while the file is read. W
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -171,12 +172,20 @@ def _take(table: dict, cls, where: str, renames: dict[str, str] | None = None) -
     return out
 
 
+def _expand_paths(kw: dict, *names: str) -> dict:
+    """`~` in a path key means the home directory, for every actor that reads the path."""
+    for name in names:
+        if isinstance(kw.get(name), str):
+            kw[name] = os.path.expanduser(kw[name])
+    return kw
+
+
 def _engine_flags(table: dict, where: str) -> dict:
     names = set(EngineConfig.field_names())
     for key in table:
         if key not in names:
             raise TopologyError(f"unknown engine flag {key!r} in {where}; known: {', '.join(sorted(names))}")
-    return dict(table)
+    return _expand_paths(dict(table), "model")
 
 
 def parse_topology(data: dict) -> Topology:
@@ -184,9 +193,9 @@ def parse_topology(data: dict) -> Topology:
     for key in data:
         if key not in known:
             raise TopologyError(f"unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
-    model = ModelSection(**_take(_table(data, "model"), ModelSection, "[model]"))
+    model = ModelSection(**_expand_paths(_take(_table(data, "model"), ModelSection, "[model]"), "path"))
     engine = _engine_flags(_table(data, "engine"), "[engine]")
-    api = ApiSection(**_take(_table(data, "api"), ApiSection, "[api]"))
+    api = ApiSection(**_expand_paths(_take(_table(data, "api"), ApiSection, "[api]"), "allowed_local_media_path"))
     actors = []
     entries = data.get("actors", [])
     if not isinstance(entries, list):
@@ -291,6 +300,9 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
             raise TopologyError(f"{a.kind}: tp={a.tp} — tensor parallelism is not available in this build; use tp = 1")
         if a.gpus and not row.uses_gpus:
             raise TopologyError(f"{a.kind} does not run a model and takes no GPUs (gpus = {list(a.gpus)})")
+        if num_gpus == 0 and a.gpus:
+            raise TopologyError(f"{a.kind}: gpus = {list(a.gpus)}, but this machine has no GPU; leave gpus out to "
+                                "run it on the CPU")
         if num_gpus is not None:
             for g in a.gpus:
                 if not 0 <= g < num_gpus:

@@ -5,6 +5,7 @@ default-topology deployment (one actor each), started once for the module with
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -76,6 +77,54 @@ def test_error_prompt_beyond_context_chat(client, model):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": words}], max_tokens=4)
     assert ei.value.status_code == 400
     assert ei.value.code == "context_length_exceeded", ei.value.body
+
+
+def _context_refusal(err, prompt_part: str, completion: int) -> int:
+    """Check OpenAI's / vLLM's shape of a max_tokens beyond the context; returns the prompt's tokens."""
+    assert err.code == "context_length_exceeded", err.body
+    m = re.fullmatch(rf"This model's maximum context length is {CONTEXT} tokens\. However, you requested (\d+) "
+                     rf"tokens \((\d+) in the {prompt_part}, {completion} in the completion\)\. Please reduce the "
+                     rf"length of the {prompt_part} or completion\.", err.body["message"])
+    assert m, err.body["message"]
+    assert int(m.group(1)) == int(m.group(2)) + completion
+    return int(m.group(2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_max_tokens_beyond_the_context_is_400(client, model, field):
+    for asked in (10**12, CONTEXT):   # far beyond, and the context itself (the prompt no longer fits)
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model=model, messages=USER, **{field: asked})
+        assert ei.value.status_code == 400 and ei.value.param == "messages"
+        prompt = _context_refusal(ei.value, "messages", asked)
+    # the largest that fits is served (the engine stops at the context's end)
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=CONTEXT - prompt, temperature=0)
+    assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens <= CONTEXT - prompt
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_max_tokens_beyond_the_context_is_400(client, model, stream):
+    ids = [5, 6, 7, 8]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=model, prompt=ids, max_tokens=CONTEXT - 3, stream=stream)
+    assert ei.value.status_code == 400 and ei.value.param == "prompt"
+    assert _context_refusal(ei.value, "prompt", CONTEXT - 3) == len(ids)
+    r = client.completions.create(model=model, prompt=ids, max_tokens=CONTEXT - len(ids), **GREEDY)
+    assert r.usage.completion_tokens == CONTEXT - len(ids)   # exactly the context: served to its end
+
+
+@pytest.mark.timeout(60)
+def test_retrieve_model_and_unknown_model_404(client, model):
+    m = client.models.retrieve(model)
+    assert m.id == model and m.object == "model" and m.owned_by == "glmrt"
+    assert m.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.models.retrieve("no-such-model")
+    assert ei.value.status_code == 404
+    assert ei.value.body == {"message": "The model `no-such-model` does not exist.", "type": "invalid_request_error",
+                             "param": "model", "code": "model_not_found"}
 
 
 @pytest.mark.timeout(90)

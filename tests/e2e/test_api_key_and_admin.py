@@ -106,7 +106,10 @@ def test_status_json(dep):
     assert set(out) == {"actors"}
     actors = out["actors"]
     for a in actors:
-        assert set(a) == {"kind", "replica", "pid", "host", "gpus", "state", "load"}, a
+        engine_fields = {"running", "waiting"} if a["kind"] == "engine" else set()
+        assert set(a) == {"kind", "replica", "pid", "host", "gpus", "state", "load"} | engine_fields, a
+        for name in engine_fields:   # an idle engine: nothing decoding, nothing queued
+            assert a[name] == 0, a
         assert isinstance(a["pid"], int) and a["pid"] > 0
         assert isinstance(a["host"], str) and a["host"]
         assert a["gpus"] == []

@@ -28,7 +28,8 @@ ACTORS = '[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "engine"\n[[actors]
 
 def _refused(args: list[str], env) -> tuple[str, str]:
     t0 = time.monotonic()
-    r = subprocess.run(glmrt_cmd() + ["up", *args, "--port", str(free_port()), "--ready-timeout", "5"],
+    port = [] if "--port" in args else ["--port", str(free_port())]
+    r = subprocess.run(glmrt_cmd() + ["up", *args, *port, "--ready-timeout", "5"],
                        cwd=str(REPO), env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     took = time.monotonic() - t0
     assert r.returncode == 2, f"status {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
@@ -78,3 +79,51 @@ def test_a_refusal_imports_no_torch_and_no_actor(e2e_env):
                        timeout=60)
     assert r.stdout.split("\n")[0] == "2 []", (r.stdout, r.stderr)
     assert r.stderr == "glmrt up: error: --cuda-graph-max-bs must be >= 1 (got 0)\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_refused_in_one_line(e2e_env, tiny_checkpoint):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(glmrt_cmd() + ["up", "--model", tiny_checkpoint, "--port", str(port)], cwd=str(REPO),
+                           env=e2e_env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == "", f"something started: {r.stdout}"   # no "serving", no "draining and stopping"
+    assert r.stderr == (f"glmrt up: error: port {port} on 127.0.0.1 is in use (another glmrt or server listens "
+                        "there); stop it or pick --port\n")
+
+
+@pytest.mark.timeout(60)
+def test_gpus_on_a_machine_without_gpu_are_refused(tmp_path, e2e_env, tiny_checkpoint):
+    from glmrt.devices import gpu_count
+
+    if gpu_count():
+        pytest.skip("this machine has GPUs")
+    path = tmp_path / "topology.toml"
+    path.write_text(ACTORS.replace('kind = "engine"\n', 'kind = "engine"\ngpus = [0]\n'))
+    line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
+    assert line == ("glmrt up: error: engine: gpus = [0], but this machine has no GPU; leave gpus out to run it on "
+                    "the CPU")
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_topology_works_as_written(tmp_path, e2e_env, tiny_checkpoint):
+    """The README's example, `~` in its [model] path included, is read and its checkpoint found: the run
+    gets as far as the checkpoint's own checks (here an explicit --quantization it refuses)."""
+    import os
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    example = re.search(r"A topology file[^\n]*\n\n```toml\n(.*?)```", readme, re.S).group(1)
+    assert 'path = "~/ckpt/tiny"' in example
+    home = tmp_path / "home"
+    (home / "ckpt").mkdir(parents=True)
+    os.symlink(tiny_checkpoint, home / "ckpt" / "tiny")
+    path = tmp_path / "topology.toml"
+    path.write_text(example)
+    line, _ = _refused([str(path), "--port", str(free_port()), "--quantization", "fp8"], {**e2e_env, "HOME": str(home)})
+    assert "the checkpoint's weights are bf16" in line, line

@@ -20,7 +20,8 @@ Conventions (documented choices):
 - `max_tokens`: `max_completion_tokens` wins over `max_tokens`. When neither is set, chat
   asks for `max_model_len` tokens (`to_sampling_params(max_model_len=...)`; the engine ends
   the request with finish_reason "length" when the context is full) and completions use
-  OpenAI's default of 16.
+  OpenAI's default of 16. An explicit value whose prompt + max_tokens exceeds the context is
+  a 400 (context_length_exceeded), as vLLM answers it, decided by the tokenizer actor.
 - Completions `logprobs: k` means token logprobs plus the top k (0..20); chat uses
   `logprobs: bool` + `top_logprobs: 0..20`.
 - A list of completion prompts becomes one engine request per prompt (`RequestKey.prompt`);

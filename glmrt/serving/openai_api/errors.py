@@ -65,14 +65,24 @@ def context_length_exceeded(n: int, limit: int, param: str | None = "messages") 
                     "invalid_request_error", param, "context_length_exceeded")
 
 
+def max_tokens_beyond_context(prompt_tokens: int, max_tokens: int, limit: int, kind: str) -> str:
+    """The refusal of a `max_tokens` that does not fit in the context with its prompt, in the shape
+    OpenAI and vLLM answer it (code context_length_exceeded)."""
+    part = "messages" if kind == "chat" else "prompt"
+    return (f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {part}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {part} or completion.")
+
+
 def internal_error(msg: str = "Internal server error.") -> APIError:
     return APIError(500, msg, "server_error", None, None)
 
 
-def error_from_wire(status: int, message: str, code: str | None = None) -> APIError:
-    """An APIError for a TokenizerError / EngineError that reached the api."""
+def error_from_wire(status: int, message: str, code: str | None = None, *, prompt_param: str = "messages") -> APIError:
+    """An APIError for a TokenizerError / EngineError that reached the api; `prompt_param` is the
+    field a context_length_exceeded names (chat: messages, completions: prompt)."""
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    param = "messages" if code == "context_length_exceeded" else None
+    param = prompt_param if code == "context_length_exceeded" else None
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return APIError(status, message, kind, param, code, headers)
 

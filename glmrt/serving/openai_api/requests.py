@@ -323,11 +323,17 @@ def to_sampling_params(req: ChatRequest | CompletionRequest, *, defaults: Mappin
 
 def to_tokenize_request(req: ChatRequest | CompletionRequest, key: RequestKey, reply_to: str, *,
                         sampling: SamplingParams | None = None, arrival: float = 0.0, engine: str | None = None,
-                        decode: str | None = None) -> TokenizeRequest:
-    """The TokenizeRequest for a chat request, or for prompt `key.prompt` of a completion."""
+                        decode: str | None = None, max_model_len: int | None = None) -> TokenizeRequest:
+    """The TokenizeRequest for a chat request, or for prompt `key.prompt` of a completion.
+
+    An explicit max_tokens carries `max_model_len`: the tokenizer, which knows the prompt's
+    length, refuses the request when prompt + max_tokens exceeds it. An omitted one carries
+    None (the engine stops at the context's end)."""
     sampling = sampling if sampling is not None else to_sampling_params(req)
+    limit = max_model_len if req.max_tokens_param is not None else None
     common = dict(key=key, sampling=sampling, reply_to=reply_to, stream=req.stream,
-                  return_token_ids=req.return_token_ids, engine=engine, decode=decode, arrival=arrival)
+                  return_token_ids=req.return_token_ids, engine=engine, decode=decode, arrival=arrival,
+                  max_model_len=limit)
     if isinstance(req, ChatRequest):
         return TokenizeRequest(kind="chat", messages=req.messages, tools=req.tools,
                                chat_template_kwargs=dict(req.chat_template_kwargs),
@@ -336,9 +342,11 @@ def to_tokenize_request(req: ChatRequest | CompletionRequest, key: RequestKey, r
 
 
 def to_tokenize_requests(req: ChatRequest | CompletionRequest, rid: str, reply_to: str, *,
-                         sampling: SamplingParams | None = None, arrival: float = 0.0) -> list[TokenizeRequest]:
+                         sampling: SamplingParams | None = None, arrival: float = 0.0,
+                         max_model_len: int | None = None) -> list[TokenizeRequest]:
     """One TokenizeRequest per engine request (one for chat, one per prompt for completions)."""
     sampling = sampling if sampling is not None else to_sampling_params(req)
     num_prompts = 1 if isinstance(req, ChatRequest) else len(req.prompts)
-    return [to_tokenize_request(req, RequestKey(rid=rid, prompt=i), reply_to, sampling=sampling, arrival=arrival)
+    return [to_tokenize_request(req, RequestKey(rid=rid, prompt=i), reply_to, sampling=sampling, arrival=arrival,
+                                max_model_len=max_model_len)
             for i in range(num_prompts)]

@@ -1,0 +1,99 @@
+"""The flags of SGLang's GLM-5.3-Flash recipes that `glmrt up` does not take as its own: one row
+each, saying what glmrt does instead.
+
+A user pastes a recipe's command line; each of these flags is refused in one line that names the
+glmrt way (`glmrt up: error: --tp-size: ...`, exit status 2) instead of argparse's bare
+"unrecognized arguments". A row may accept the values that name what glmrt already does
+(`--tool-call-parser glm47`, `--tp-size 1`). When glmrt builds one of these features, its flag
+moves out of this table into `glmrt up`'s own flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PeerFlag:
+    names: tuple[str, ...]
+    """The flag and its aliases, as SGLang spells them."""
+    instead: str
+    """What glmrt does instead: the refusal's text."""
+    takes_value: bool = True
+    """False: a switch (`--enable-dp-attention`)."""
+    accepts: tuple[str, ...] = ()
+    """Values that name what glmrt already does: accepted, the rest refused."""
+
+
+_ONE_GPU = "glmrt runs one GPU per engine (use --engine-replicas or [[actors]] replicas for data parallelism)"
+_SPECULATIVE = "speculative decoding is not built yet; glmrt decodes one token per step"
+_HICACHE = ("the hierarchical (host-memory) KV cache is not built yet; the prefix cache lives in GPU memory "
+            "(size it with --mem-fraction-static)")
+_CONTEXT_PARALLEL = ("context parallelism is not built yet; one engine prefills a prompt in chunks of "
+                     "--chunked-prefill-size tokens")
+_ONE_HOST = "multi-node serving is not built yet; glmrt runs a deployment on one host"
+
+PEER_FLAGS: tuple[PeerFlag, ...] = (
+    PeerFlag(("--tp-size", "--tp", "--tensor-parallel-size"), "tensor parallelism is not built yet; " + _ONE_GPU,
+             accepts=("1",)),
+    PeerFlag(("--ep-size", "--ep", "--expert-parallel-size"), "expert parallelism is not built yet; every engine "
+             "holds all experts on its GPU", accepts=("1",)),
+    PeerFlag(("--dp-size", "--dp", "--data-parallel-size"), "use --engine-replicas N: " + _ONE_GPU, accepts=("1",)),
+    PeerFlag(("--enable-dp-attention",), "data-parallel attention is not built yet; " + _ONE_GPU, takes_value=False),
+    PeerFlag(("--moe-dense-tp-size",), "tensor parallelism is not built yet; " + _ONE_GPU, accepts=("1",)),
+    PeerFlag(("--attn-cp-size",), _CONTEXT_PARALLEL, accepts=("1",)),
+    PeerFlag(("--enable-prefill-cp",), _CONTEXT_PARALLEL, takes_value=False),
+    PeerFlag(("--speculative-algorithm",), _SPECULATIVE, accepts=("none",)),
+    PeerFlag(("--speculative-num-steps",), _SPECULATIVE),
+    PeerFlag(("--speculative-eagle-topk",), _SPECULATIVE),
+    PeerFlag(("--speculative-num-draft-tokens",), _SPECULATIVE),
+    PeerFlag(("--speculative-draft-model-path",), _SPECULATIVE),
+    PeerFlag(("--enable-hierarchical-cache",), _HICACHE, takes_value=False),
+    PeerFlag(("--hicache-size",), _HICACHE),
+    PeerFlag(("--hicache-ratio",), _HICACHE),
+    PeerFlag(("--hicache-storage-backend",), _HICACHE),
+    PeerFlag(("--cuda-graph-backend-prefill",), "glmrt captures CUDA graphs for decode only (--cuda-graph-max-bs, "
+             "--disable-cuda-graph); prefill runs eagerly", accepts=("off",)),
+    PeerFlag(("--encoder-only",), 'the vision encoder runs as its own actor when the topology file places one: '
+             '[[actors]] kind = "vision"', takes_value=False),
+    PeerFlag(("--language-only",), 'the engine leaves the vision encoder to a vision actor when the topology file '
+             'places one: [[actors]] kind = "vision"', takes_value=False),
+    PeerFlag(("--disaggregation-mode",), 'a topology file places the prefill and decode engines of one '
+             'deployment: [[actors]] kind = "prefill" and kind = "decode"'),
+    PeerFlag(("--disaggregation-transfer-backend",), "set GLMRT_KV_TRANSFER=nixl|zmq (default auto)"),
+    PeerFlag(("--grammar-backend",), "structured output is not built yet (a response_format other than text is "
+             "answered 400)", accepts=("none",)),
+    PeerFlag(("--reasoning-parser",), "glmrt parses GLM-5.3's reasoning (the glm45 format) and no other",
+             accepts=("glm45",)),
+    PeerFlag(("--tool-call-parser",), "glmrt parses GLM-5.3's tool calls (the glm47 format) and no other",
+             accepts=("glm47",)),
+    PeerFlag(("--trust-remote-code",), "glmrt runs no code from a checkpoint (the GLM-5.3 model is built in); drop "
+             "the flag", takes_value=False),
+    PeerFlag(("--chat-template",), "glmrt renders GLM-5.3's chat template (built in); drop the flag"),
+    PeerFlag(("--nnodes",), _ONE_HOST, accepts=("1",)),
+    PeerFlag(("--node-rank",), _ONE_HOST, accepts=("0",)),
+    PeerFlag(("--dist-init-addr",), _ONE_HOST),
+)
+
+
+class _PeerAction(argparse.Action):
+    """Refuses the flag (and a value it does not accept) as it is parsed, before anything starts."""
+
+    def __init__(self, option_strings, dest, row: PeerFlag, **kw) -> None:
+        self.row = row
+        super().__init__(option_strings, dest, nargs=None if row.takes_value else 0, default=argparse.SUPPRESS,
+                         **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.row.takes_value and values in self.row.accepts:
+            return   # it names what glmrt does
+        parser.exit(2, f"{parser.prog}: error: {option_string}: {self.row.instead}\n")
+
+
+def add_peer_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("flags of SGLang's recipes (refused, saying what glmrt does instead)")
+    for row in PEER_FLAGS:
+        accepted = f"accepted: {', '.join(row.accepts)}; else refused: " if row.accepts else "refused: "
+        g.add_argument(*row.names, action=_PeerAction, row=row, metavar="VALUE" if row.takes_value else None,
+                       help=(accepted + row.instead).replace("%", "%%"))

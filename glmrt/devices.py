@@ -1,0 +1,28 @@
+"""How many GPUs this machine has, read from the device files the drivers create: no torch, no
+driver library and no child process, so `glmrt up` can check a topology's `gpus` against the
+machine before any actor starts.
+
+NVIDIA: one /dev/nvidiaN per GPU. AMD (ROCm): one KFD topology node per GPU, those with a
+non-zero gpu_id (the CPU nodes have 0). Indices are the machine's, before any
+CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES remapping, as a topology's `gpus` are.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+_NVIDIA = re.compile(r"nvidia(\d+)$")
+
+
+def gpu_count(dev: str = "/dev", kfd_nodes: str = "/sys/class/kfd/kfd/topology/nodes") -> int:
+    nvidia = [n for n in os.listdir(dev) if _NVIDIA.match(n)] if os.path.isdir(dev) else []
+    amd = 0
+    for path in glob.glob(os.path.join(kfd_nodes, "*", "gpu_id")):
+        try:
+            with open(path, encoding="ascii") as f:
+                amd += int(f.read().strip() or 0) != 0
+        except (OSError, ValueError):
+            continue
+    return len(nvidia) + amd

@@ -1,0 +1,106 @@
+"""`glmrt up`'s command line through the console script: the flags of SGLang's recipes refused in
+one line saying what glmrt does instead (cli/peer_flags.py), no prefix abbreviations, a help text
+with its default for every flag, `glmrt --version`. Nothing here starts an actor."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import pytest
+
+import glmrt
+from cli import up
+from cli.parsing import GlmrtParser
+from cli.peer_flags import PEER_FLAGS
+from tests.e2e.conftest import REPO, clean_env, glmrt_cmd
+
+
+def glmrt_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(glmrt_cmd() + list(args), cwd=str(REPO), env=clean_env(), capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+
+
+def one_line_refusal(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "", r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("glmrt up: error: "), r.stderr
+    return lines[0]
+
+
+def _refused_value(row) -> list[str]:
+    return [] if not row.takes_value else ["8" if not row.accepts or row.accepts[0].isdigit() else "other"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("row", PEER_FLAGS, ids=[row.names[0] for row in PEER_FLAGS])
+def test_a_recipe_flag_is_refused_saying_what_glmrt_does(row):
+    for name in row.names:
+        line = one_line_refusal(glmrt_run("up", name, *_refused_value(row)))
+        assert line == f"glmrt up: error: {name}: {row.instead}"
+        assert "unrecognized" not in line
+
+
+@pytest.mark.timeout(60)
+def test_values_naming_what_glmrt_does_are_accepted():
+    accepted = [arg for row in PEER_FLAGS for value in row.accepts for arg in (row.names[0], value)]
+    assert "--tool-call-parser" in accepted and "--reasoning-parser" in accepted
+    # every accepted value passes; the refusal is the bad engine value after them
+    line = one_line_refusal(glmrt_run("up", *accepted, "--page-size", "0"))
+    assert line == "glmrt up: error: --page-size must be >= 1 (got 0)"
+
+
+@pytest.mark.timeout(60)
+def test_no_prefix_abbreviations():
+    line = one_line_refusal(glmrt_run("up", "--disable-cuda"))   # not --disable-cuda-graph
+    assert line == "glmrt up: error: unrecognized arguments: --disable-cuda (see glmrt up --help)"
+    line = one_line_refusal(glmrt_run("up", "--chunked-prefill=0"))   # not --chunked-prefill-size
+    assert line == "glmrt up: error: unrecognized arguments: --chunked-prefill=0 (see glmrt up --help)"
+
+
+@pytest.mark.timeout(60)
+def test_an_unknown_flag_is_one_line():
+    line = one_line_refusal(glmrt_run("up", "--no-such-flag"))
+    assert line == "glmrt up: error: unrecognized arguments: --no-such-flag (see glmrt up --help)"
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    sub = GlmrtParser(prog="glmrt").add_subparsers()
+    up.add_parser(sub)
+    return sub.choices["up"]
+
+
+def test_every_up_flag_has_a_help_text_with_its_default():
+    peers = {name for row in PEER_FLAGS for name in row.names}
+    checked = 0
+    for action in _up_parser()._actions:
+        names = set(action.option_strings)
+        if not names or names & peers or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and "(default: " in action.help, (action.option_strings, action.help)
+        checked += 1
+    assert checked > 40
+    assert "(default: 30000)" in next(a.help for a in _up_parser()._actions if "--port" in a.option_strings)
+    assert "(default: 64)" in next(a.help for a in _up_parser()._actions if "--page-size" in a.option_strings)
+
+
+@pytest.mark.timeout(60)
+def test_help_shows_the_defaults_and_the_refusals():
+    r = glmrt_run("up", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "--port PORT TCP port of the API (0: any free port). (default: 30000)" in text
+    assert "--tp-size VALUE, --tp VALUE, --tensor-parallel-size VALUE accepted: 1; else refused: tensor" in text
+
+
+@pytest.mark.timeout(60)
+def test_version():
+    r = glmrt_run("--version")
+    assert r.returncode == 0 and r.stdout == f"glmrt {glmrt.__version__}\n", (r.stdout, r.stderr)
+
+
+@pytest.mark.timeout(60)
+def test_model_path_is_sglangs_spelling_of_model(tmp_path):
+    line = one_line_refusal(glmrt_run("up", "--model-path", str(tmp_path)))
+    assert line == f"glmrt up: error: no config.json in {tmp_path}"

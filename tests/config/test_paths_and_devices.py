@@ -1,0 +1,45 @@
+"""`~` in the topology's paths, and the GPU count `glmrt up` checks `gpus` against (read from device
+files, no torch)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from glmrt.devices import gpu_count
+from glmrt.topology import TopologyError, parse_topology, validate
+
+ACTORS = [{"kind": "tokenizer"}, {"kind": "engine", "gpus": [0]}, {"kind": "detokenizer"}]
+
+
+def test_home_in_a_path_is_expanded_where_it_is_read(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    topo = parse_topology({"model": {"path": "~/ckpt/tiny"}, "api": {"allowed_local_media_path": "~/media"},
+                           "engine": {"model": "~/other"},
+                           "actors": [{"kind": "tokenizer"}, {"kind": "engine", "engine": {"model": "~/own"}},
+                                      {"kind": "detokenizer"}]})
+    assert topo.model.path == os.path.join(str(tmp_path), "ckpt", "tiny")
+    assert topo.api.allowed_local_media_path == os.path.join(str(tmp_path), "media")
+    assert topo.engine["model"] == os.path.join(str(tmp_path), "other")
+    assert topo.engine_config(topo.actor("engine")).model == os.path.join(str(tmp_path), "own")
+
+
+def test_gpus_without_a_gpu_are_refused():
+    topo = parse_topology({"actors": ACTORS})
+    with pytest.raises(TopologyError, match=r"^engine: gpus = \[0\], but this machine has no GPU; leave gpus out"):
+        validate(topo, num_gpus=0)
+    validate(topo, num_gpus=1)
+    validate(parse_topology({}), num_gpus=0)   # nothing placed on a GPU: the engine runs on the CPU
+
+
+def test_gpu_count_reads_the_device_files(tmp_path):
+    dev, nodes = tmp_path / "dev", tmp_path / "nodes"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "null"):
+        (dev / name).write_text("")
+    for node, gpu_id in (("0", "0"), ("1", "43512"), ("2", "0")):   # the CPU nodes have gpu_id 0
+        (nodes / node).mkdir(parents=True)
+        (nodes / node / "gpu_id").write_text(gpu_id + "\n")
+    assert gpu_count(str(dev), str(nodes)) == 3
+    assert gpu_count(str(tmp_path / "none"), str(tmp_path / "none")) == 0
