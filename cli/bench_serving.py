@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time

@@ -15,7 +15,6 @@ import time
 import uuid
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
