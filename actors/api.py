@@ -260,15 +260,15 @@ class ApiServer:
             st = states[0]
             if st.first_token is not None and n_out > 1:
                 self.metrics.tpot.observe((now - st.first_token) / (n_out - 1))
-        self._log_request(states, 200, usage=usage)
 
     def _log_request(self, states: list[Inflight], status: int | str, *, usage: dict | None = None,
-                     error: str | None = None) -> None:
-        """The info line of one finished request (all its prompts), unless --disable-log-requests."""
+                     error: str | None = None, streamed: bool = True) -> None:
+        """The info line of one finished request (all its prompts), unless --disable-log-requests.
+        A non-streamed answer reaches the api whole: its first token's time is not known here."""
         if not self.log_requests:
             return
         first = states[0]
-        ttft = None if first.first_token is None else first.first_token - first.arrival
+        ttft = None if first.first_token is None or not streamed else first.first_token - first.arrival
         log.info(request_line(first.key.rid, status=status, duration=time.monotonic() - first.arrival, ttft=ttft,
                               usage=usage, finish=[r for st in states for r in st.finish_reasons], error=error))
 
@@ -337,13 +337,14 @@ class ApiServer:
                                               usage)
             status = "success"
             self._finish_metrics(states, usage, status)
+            self._log_request(states, 200, usage=usage, streamed=False)
             return web.json_response(body)
         except oa.APIError as e:
             self.metrics.requests.labels(status="error").inc()
-            self._log_request(states, e.status, error=e.code or e.type)
+            self._log_request(states, e.status, error=e.code or e.type, streamed=req.stream)
             raise
         except ConnectionResetError:
-            self._log_request(states, "aborted", error="client_disconnected")
+            self._log_request(states, "aborted", error="client_disconnected", streamed=req.stream)
             raise
         finally:
             if status != "success" or not all(st.done for st in states):
@@ -388,6 +389,7 @@ class ApiServer:
                     if u is not None:
                         await resp.write(oa.sse(u))
                     self._finish_metrics(states, stream.usage.to_json(), "success")
+                    self._log_request(states, 200, usage=stream.usage.to_json())
                     break
             item = await self._next(queue, request)
         await resp.write(oa.SSE_DONE)

@@ -135,6 +135,11 @@ class Supervisor:
         return TokenizerActorConfig(model_path=self.model_path, vocab_size=self.vocab_size, media=media,
                                     vision_replicas=vision.replicas if vision is not None else 0)
 
+    def _run_spec(self, spec: ActorSpec, replica: int, gpus: list[int]) -> RunSpec:
+        """What one actor process is handed for replica `replica` of `spec`."""
+        return RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec), gpus=gpus,
+                       log=ActorLogConfig(level=self.topo.log.log_level))
+
     async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
         return (await self._spawn_group([(spec, replica)], [existing] if existing else None))[0]
 
@@ -152,8 +157,7 @@ class Supervisor:
             self.actors[ap.actor_id] = ap
             aps.append(ap)
             gpus_all += [g for g in gpus if g not in gpus_all]
-            runs.append(RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec),
-                                gpus=gpus, log=ActorLogConfig(level=self.topo.log.log_level)))
+            runs.append(self._run_spec(spec, replica, gpus))
         if gpus_all:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus_all)
             for run in runs:
