@@ -127,3 +127,26 @@ def test_the_readme_topology_works_as_written(tmp_path, e2e_env, tiny_checkpoint
     path.write_text(example)
     line, _ = _refused([str(path), "--port", str(free_port()), "--quantization", "fp8"], {**e2e_env, "HOME": str(home)})
     assert "the checkpoint's weights are bf16" in line, line
+
+
+BAD_LOG_VALUES = [
+    ("log-level", "loud", "must be one of debug, info, warning, error"),
+    ("log-interval", "-0.5", "must be >= 0"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag, value, requirement", BAD_LOG_VALUES, ids=[f"{f}={v}" for f, v, _ in BAD_LOG_VALUES])
+def test_bad_log_flag_is_refused_in_one_line(e2e_env, tiny_checkpoint, flag, value, requirement):
+    line, _ = _refused(["--model", tiny_checkpoint, f"--{flag}", value], e2e_env)
+    assert line == f"glmrt up: error: --{flag} {requirement} (got {_shown(value)})"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag, value, requirement", BAD_LOG_VALUES, ids=[f"{f}={v}" for f, v, _ in BAD_LOG_VALUES])
+def test_bad_log_key_is_refused_in_one_line(tmp_path, e2e_env, tiny_checkpoint, flag, value, requirement):
+    key = flag.replace("-", "_")
+    path = tmp_path / "topology.toml"
+    path.write_text(f"[log]\n{key} = {value if key == 'log_interval' else repr(value)}\n" + ACTORS)
+    line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
+    assert line == f"glmrt up: error: [log] {key} {requirement} (got {_shown(value)})"
