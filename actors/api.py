@@ -52,7 +52,7 @@ def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIErro
 
 class ApiServer:
     def __init__(self, supervisor, *, served_model: str, host: str, port: int, api_key: str | None,
-                 max_request_mb: float, max_queued_requests: int, generation_config: dict, echo=print,
+                 max_request_mb: float, max_queued_requests: int, generation_config: dict,
                  log_requests: bool = True):
         self.sup = supervisor
         self.served_model = served_model
@@ -61,7 +61,6 @@ class ApiServer:
         self.max_body = int(max_request_mb * 2**20)
         self.max_queued = max_queued_requests
         self.generation_config = generation_config
-        self.echo = echo
         self.log_requests = log_requests
         ctx = supervisor.ctx
         self.inbox = Inbox(ctx, inbox_address(supervisor.run_dir, "api/0"), codec_for("api/0"))
@@ -144,7 +143,7 @@ class ApiServer:
             try:
                 msg, _ = await self.inbox.recv()
             except Exception as e:
-                log.warning("api dropped a message: %s", e)
+                log.warning("dropped a message: %s", e)
                 continue
             if isinstance(msg, P.TextBatch):
                 for item in msg.items:

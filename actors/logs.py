@@ -55,7 +55,8 @@ class _Totals:
     @classmethod
     def of(cls, stats: P.EngineStats, now: float) -> "_Totals":
         c = stats.counters
-        return cls(now, c.get("prompt_tokens", 0.0), c.get("cached_prompt_tokens", 0.0), c.get("generation_tokens", 0.0))
+        return cls(now, c.get("prompt_tokens", 0.0), c.get("cached_prompt_tokens", 0.0),
+                   c.get("generation_tokens", 0.0))
 
 
 class EngineStatsLog:
