@@ -20,12 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from actors.base import codec_for, inbox_address
+from actors.logs import request_line
 from actors.metrics import Metrics
 from glmrt import protocol as P
 from glmrt.serving import openai_api as oa
 from transport.channels import Inbox
 
-log = logging.getLogger("glmrt.api")
+log = logging.getLogger("api/0")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Inflight:
     first_token: float | None = None
     last_token: float | None = None
     done: bool = False
+    finish_reasons: list[str] = field(default_factory=list)   # one per finished choice, for its log line
 
 
 def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIError:
@@ -50,7 +52,8 @@ def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIErro
 
 class ApiServer:
     def __init__(self, supervisor, *, served_model: str, host: str, port: int, api_key: str | None,
-                 max_request_mb: float, max_queued_requests: int, generation_config: dict, echo=print):
+                 max_request_mb: float, max_queued_requests: int, generation_config: dict,
+                 log_requests: bool = True):
         self.sup = supervisor
         self.served_model = served_model
         self.host, self.port = host, port
@@ -58,7 +61,7 @@ class ApiServer:
         self.max_body = int(max_request_mb * 2**20)
         self.max_queued = max_queued_requests
         self.generation_config = generation_config
-        self.echo = echo
+        self.log_requests = log_requests
         ctx = supervisor.ctx
         self.inbox = Inbox(ctx, inbox_address(supervisor.run_dir, "api/0"), codec_for("api/0"))
         self.peers = supervisor.peers
@@ -140,7 +143,7 @@ class ApiServer:
             try:
                 msg, _ = await self.inbox.recv()
             except Exception as e:
-                log.warning("api dropped a message: %s", e)
+                log.warning("dropped a message: %s", e)
                 continue
             if isinstance(msg, P.TextBatch):
                 for item in msg.items:
@@ -162,6 +165,8 @@ class ApiServer:
             elif st.last_token is not None:
                 self.metrics.itl.observe(now - st.last_token)
             st.last_token = now
+        if isinstance(item, P.TextOut) and item.finished:
+            st.finish_reasons.append(item.finish_reason or "stop")
         st.queue.put_nowait(item)
 
     def fail_actor(self, actor_id: str) -> None:
@@ -255,6 +260,17 @@ class ApiServer:
             if st.first_token is not None and n_out > 1:
                 self.metrics.tpot.observe((now - st.first_token) / (n_out - 1))
 
+    def _log_request(self, states: list[Inflight], status: int | str, *, usage: dict | None = None,
+                     error: str | None = None, streamed: bool = True) -> None:
+        """The info line of one finished request (all its prompts), unless --disable-log-requests.
+        A non-streamed answer reaches the api whole: its first token's time is not known here."""
+        if not self.log_requests:
+            return
+        first = states[0]
+        ttft = None if first.first_token is None or not streamed else first.first_token - first.arrival
+        log.info(request_line(first.key.rid, status=status, duration=time.monotonic() - first.arrival, ttft=ttft,
+                              usage=usage, finish=[r for st in states for r in st.finish_reasons], error=error))
+
     # ---- OpenAI routes -------------------------------------------------------------------
     async def _body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body:
@@ -280,10 +296,11 @@ class ApiServer:
         status = "error"
         try:
             if req.stream:
-                resp, ok = await self._stream(request, req, kind, rid, created, queue, states, total)
-                status = "success" if ok else "error"
-                if not ok:
+                resp, error = await self._stream(request, req, kind, rid, created, queue, states, total)
+                status = "success" if error is None else "error"
+                if error is not None:
                     self.metrics.requests.labels(status="error").inc()
+                    self._log_request(states, error.status, error=error.code or error.type)
                 return resp
             accs: dict[int, oa.ChoiceAccumulator] = {}
             finished = 0
@@ -319,9 +336,14 @@ class ApiServer:
                                               usage)
             status = "success"
             self._finish_metrics(states, usage, status)
+            self._log_request(states, 200, usage=usage, streamed=False)
             return web.json_response(body)
-        except oa.APIError:
+        except oa.APIError as e:
             self.metrics.requests.labels(status="error").inc()
+            self._log_request(states, e.status, error=e.code or e.type, streamed=req.stream)
+            raise
+        except ConnectionResetError:
+            self._log_request(states, "aborted", error="client_disconnected", streamed=req.stream)
             raise
         finally:
             if status != "success" or not all(st.done for st in states):
@@ -347,13 +369,13 @@ class ApiServer:
         await resp.prepare(request)
         finished = 0
         item = first
-        ok = False
+        error = None
         while True:
-            if isinstance(item, oa.APIError):
-                await resp.write(oa.sse_error(item))
-                break
             if isinstance(item, (P.TokenizerError, P.EngineError)):
-                await resp.write(oa.sse_error(_wire_error(item, kind)))
+                item = _wire_error(item, kind)
+            if isinstance(item, oa.APIError):
+                error = item
+                await resp.write(oa.sse_error(item))
                 break
             for c in stream.on_text(item):
                 await resp.write(oa.sse(c))
@@ -366,12 +388,12 @@ class ApiServer:
                     if u is not None:
                         await resp.write(oa.sse(u))
                     self._finish_metrics(states, stream.usage.to_json(), "success")
-                    ok = True
+                    self._log_request(states, 200, usage=stream.usage.to_json())
                     break
             item = await self._next(queue, request)
         await resp.write(oa.SSE_DONE)
         await resp.write_eof()
-        return resp, ok
+        return resp, error
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.served_model, self.created, self.context_length()))

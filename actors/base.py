@@ -21,12 +21,10 @@ import zmq
 import zmq.asyncio
 
 from glmrt import protocol as P
-from glmrt.actor_config import ActorConfig
+from glmrt.actor_config import ActorConfig, ActorLogConfig
 from glmrt.actor_kinds import KINDS, kind_of
 from transport.channels import Inbox, Peers, address_for
 from transport.codec import Codec, ProtocolError
-
-log = logging.getLogger("glmrt.actor")
 
 INBOX_UNION = {"api": P.API_IN, "supervisor": P.SUPERVISOR_IN, **{k.name: k.inbox for k in KINDS}}
 HEARTBEAT_S = 0.5
@@ -44,6 +42,8 @@ class RunSpec:
     """The kind's typed config section (glmrt.actor_kinds: config_type)."""
     gpus: list[int] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)   # actor ids sharing this process
+    log: ActorLogConfig = field(default_factory=ActorLogConfig)
+    """How the process logs (one level for all the actors it runs)."""
 
     @property
     def actor_id(self) -> str:
@@ -60,6 +60,7 @@ def decode_run_specs(text: str) -> list[RunSpec]:
     specs = []
     for d in msgspec.json.decode(text)["actors"]:
         d["config"] = msgspec.convert(d["config"], kind_of(d["kind"]).config_type)
+        d["log"] = msgspec.convert(d.get("log", {}), ActorLogConfig)
         specs.append(RunSpec(**d))
     return specs
 
@@ -83,6 +84,7 @@ class Actor:
 
     def __init__(self, spec: RunSpec, ctx: zmq.asyncio.Context | None = None):
         self.spec = spec
+        self.log = logging.getLogger(spec.actor_id)   # its lines read `... INFO engine/0: ...`
         self.ctx = ctx or zmq.asyncio.Context()
         local = set(spec.colocated)
         self.peers = Peers(self.ctx, lambda pid: (local_address(pid) if pid in local
@@ -150,7 +152,7 @@ class Actor:
             try:
                 msg, frames = await self.inbox.recv()
             except ProtocolError as e:
-                log.warning("%s dropped a bad message: %s", self.spec.actor_id, e)
+                self.log.warning("dropped a bad message: %s", e)
                 continue
             self._last_msg = asyncio.get_running_loop().time()
             if isinstance(msg, P.Shutdown):
@@ -161,7 +163,7 @@ class Actor:
             try:
                 await self.handle(msg, frames)
             except Exception:  # one bad request must not kill the actor
-                log.exception("%s failed handling %s", self.spec.actor_id, type(msg).__name__)
+                self.log.exception("failed handling %s", type(msg).__name__)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from actors.base import Actor
+from actors.logs import EngineStatsLog
 from glmrt import env
 from glmrt import protocol as P
 
@@ -36,7 +37,7 @@ class EngineActor(Actor):
         cfg = self.spec.config.engine
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         loop = asyncio.get_running_loop()
-        self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self._log))
+        self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self.log.info))
         # NOTE: the loop appends and the step thread pops: a deque's append/popleft are atomic
         self._pending: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = asyncio.Event()
@@ -75,9 +76,6 @@ class EngineActor(Actor):
         self.xfer = make_transfer_engine(self._xfer_name(self.spec.actor_id), prefer=env.kv_transfer())
         for tid, t in handoff.pool_tensors(self.engine).items():
             self.xfer.register(tid, t)
-
-    def _log(self, line: str) -> None:
-        print(f"[{self.spec.actor_id}] {line}", flush=True)
 
     def busy(self) -> bool:
         return bool(self._routes or self._pending or self._reservations or self._transfer_tasks)
@@ -422,6 +420,7 @@ class EngineActor(Actor):
     async def background(self) -> None:
         loop = asyncio.get_running_loop()
         last_stats = 0.0
+        stats_log = EngineStatsLog(self.spec.config.log_interval, time.monotonic())
         while True:
             if not self._pending and not self.engine.has_work():
                 self._wake.clear()
@@ -439,6 +438,10 @@ class EngineActor(Actor):
             if now - last_stats >= STATS_S:
                 last_stats = now
                 await self.send("api/0", self._stats())
+            if stats_log.due(now):
+                line = stats_log.line(self._stats(), now)
+                if line is not None:
+                    self.log.info(line)
 
     async def teardown(self) -> None:
         for task in list(getattr(self, "_transfer_tasks", ())):

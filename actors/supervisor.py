@@ -22,13 +22,13 @@ import zmq.asyncio
 
 from actors.base import RunSpec, codec_for, encode_run_specs, inbox_address
 from glmrt import protocol as P
-from glmrt.actor_config import (ActorConfig, DetokenizerActorConfig, EngineActorConfig, MediaPolicy,
-                                TokenizerActorConfig, VisionActorConfig)
+from glmrt.actor_config import (ActorConfig, ActorLogConfig, DetokenizerActorConfig, EngineActorConfig,
+                                MediaPolicy, TokenizerActorConfig, VisionActorConfig)
 from glmrt.actor_kinds import kind_of
 from glmrt.topology import ActorSpec, Topology, validate_scale
 from transport.channels import Inbox, Peers
 
-log = logging.getLogger("glmrt.supervisor")
+log = logging.getLogger("supervisor/0")
 MAX_RESTARTS = 5           # within RESTART_WINDOW_S, then the actor is marked failed
 RESTART_WINDOW_S = 60.0
 
@@ -59,13 +59,12 @@ class ActorProc:
 
 class Supervisor:
     def __init__(self, topology: Topology, run_dir: str, model_path: str, *, vocab_size: int,
-                 on_failure: Callable[[str], None] | None = None, echo=print):
+                 on_failure: Callable[[str], None] | None = None):
         self.topo = topology
         self.run_dir = run_dir
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.on_failure = on_failure or (lambda actor_id: None)
-        self.echo = echo
         self.ctx = zmq.asyncio.Context.instance()
         self.inbox = Inbox(self.ctx, inbox_address(run_dir, "supervisor/0"), codec_for("supervisor/0"))
         self.peers = Peers(self.ctx, lambda pid: (inbox_address(run_dir, pid), codec_for(pid)))
@@ -125,7 +124,7 @@ class Supervisor:
             engine = self.topo.engine_config(spec)
             if engine.model is not None or engine.load_format != "dummy":
                 engine = engine.replace(model=self.model_path)
-            return EngineActorConfig(engine=engine)
+            return EngineActorConfig(engine=engine, log_interval=self.topo.log.log_interval)
         if spec.kind == "vision":
             return VisionActorConfig(model_path=self.model_path, dtype=self.topo.model.dtype,
                                      feature_transport=self.topo.feature_transport)
@@ -135,6 +134,11 @@ class Supervisor:
         media = MediaPolicy(self.topo.api.allowed_local_media_path, self.topo.api.allow_remote_media)
         return TokenizerActorConfig(model_path=self.model_path, vocab_size=self.vocab_size, media=media,
                                     vision_replicas=vision.replicas if vision is not None else 0)
+
+    def _run_spec(self, spec: ActorSpec, replica: int, gpus: list[int]) -> RunSpec:
+        """What one actor process is handed for replica `replica` of `spec`."""
+        return RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec), gpus=gpus,
+                       log=ActorLogConfig(level=self.topo.log.log_level))
 
     async def _spawn(self, spec: ActorSpec, replica: int, existing: ActorProc | None = None) -> ActorProc:
         return (await self._spawn_group([(spec, replica)], [existing] if existing else None))[0]
@@ -153,8 +157,7 @@ class Supervisor:
             self.actors[ap.actor_id] = ap
             aps.append(ap)
             gpus_all += [g for g in gpus if g not in gpus_all]
-            runs.append(RunSpec(kind=spec.kind, replica=replica, run_dir=self.run_dir, config=self._config(spec),
-                                gpus=gpus))
+            runs.append(self._run_spec(spec, replica, gpus))
         if gpus_all:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus_all)
             for run in runs:
@@ -185,11 +188,11 @@ class Supervisor:
             # would only repeat it. The actor's own output above says why.
             for ap in aps:
                 ap.state = "failed"
-            self.echo(f"glmrt: {names} (pid {proc.pid}) exited with status {rc} before it was ready")
+            log.error("%s (pid %d) exited with status %s before it was ready", names, proc.pid, rc)
             for ap in aps:
                 self.on_failure(ap.actor_id)
             return
-        self.echo(f"glmrt: {names} (pid {proc.pid}) exited with status {rc}; failing its requests and restarting")
+        log.warning("%s (pid %d) exited with status %s; failing its requests and restarting", names, proc.pid, rc)
         now = time.monotonic()
         for ap in aps:
             ap.state = "restarting"
@@ -199,7 +202,7 @@ class Supervisor:
         if len(aps[0].restarts) > MAX_RESTARTS:
             for ap in aps:
                 ap.state = "failed"
-            self.echo(f"glmrt: {names} failed {len(aps[0].restarts)} times in {RESTART_WINDOW_S:.0f} s; giving up")
+            log.error("%s failed %d times in %.0f s; giving up", names, len(aps[0].restarts), RESTART_WINDOW_S)
             return
         await asyncio.sleep(min(0.2 * len(aps[0].restarts), 2.0))
         if not self.stopping:
@@ -210,7 +213,7 @@ class Supervisor:
             try:
                 msg, _ = await self.inbox.recv()
             except Exception as e:  # a bad frame must not stop supervision
-                log.warning("supervisor dropped a message: %s", e)
+                log.warning("dropped a message: %s", e)
                 continue
             ap = self.actors.get(f"{getattr(msg, 'actor', '')}/{getattr(msg, 'replica', '')}")
             if ap is None:
@@ -220,7 +223,7 @@ class Supervisor:
                 if ap.state in ("starting", "restarting"):
                     ap.state = "ready"
                     ap.ever_ready = True
-                    self.echo(f"glmrt: {ap.actor_id} ready (pid {msg.pid})")
+                    log.info("%s ready (pid %d)", ap.actor_id, msg.pid)
             elif isinstance(msg, P.Heartbeat):
                 ap.load, ap.running, ap.waiting = msg.load, msg.running, msg.waiting
                 ap.last_heartbeat = time.monotonic()

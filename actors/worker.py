@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import importlib
-import logging
 import signal
 import sys
 
 from actors.base import decode_run_specs
+from actors.logs import configure_logging
 from glmrt.actor_kinds import kind_of
 
 
@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
     specs = decode_run_specs(argv[0])
-    logging.basicConfig(level=logging.INFO,
-                        format=f"[{','.join(s.actor_id for s in specs)}] %(levelname)s %(message)s")
+    configure_logging(specs[0].log.level)   # one deployment-wide level: co-located specs agree
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
 
     async def run_all() -> None:

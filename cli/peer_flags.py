@@ -74,6 +74,8 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--nnodes",), _ONE_HOST, accepts=("1",)),
     PeerFlag(("--node-rank",), _ONE_HOST, accepts=("0",)),
     PeerFlag(("--dist-init-addr",), _ONE_HOST),
+    PeerFlag(("--decode-log-interval",), "glmrt prints each engine's stats line every --log-interval seconds "
+             "(default 10; 0: off), not every N decode steps"),
 )
 
 

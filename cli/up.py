@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,12 +26,16 @@ import subprocess
 import sys
 import tempfile
 
+from actors.logs import configure_logging
 from cli.parsing import field_help, print_error, with_default
 from cli.peer_flags import add_peer_flags
 from glmrt import env
 from glmrt.devices import gpu_count
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
-from glmrt.topology import ApiSection, ModelSection, TopologyError, default_topology, load_topology, validate
+from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError, default_topology, load_topology,
+                            validate)
+
+log = logging.getLogger("glmrt")
 
 # Set by [model] flags, or by placement (role, load_vision), not by engine flags.
 _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
@@ -77,6 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                        "(default: the topology's, 1)")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help=with_default("seconds the actors have to become ready", 600.0))
+    for f in dataclasses.fields(LogSection):
+        _add_field_flag(p, LogSection, f.name)
     g = p.add_argument_group("engine flags (override [engine])")
     for f in dataclasses.fields(EngineConfig):
         if f.name not in _ENGINE_FLAG_SKIP:
@@ -103,7 +110,7 @@ def ensure_tiny_checkpoint() -> str:
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(path))
-    print(f"glmrt: generating the embedded tiny checkpoint into {path}", flush=True)
+    log.info("generating the embedded tiny checkpoint into %s", path)
     subprocess.run([sys.executable, "-m", "cli.main", "make-checkpoint", "--preset", "tiny", "--out", tmp,
                     "--dtype", "float32"], check=True, stdout=subprocess.DEVNULL)
     if os.path.exists(path):
@@ -135,7 +142,9 @@ def build_topology(args: argparse.Namespace):
     if api_over.get("allowed_local_media_path"):
         api_over["allowed_local_media_path"] = os.path.abspath(os.path.expanduser(api_over["allowed_local_media_path"]))
     api = dataclasses.replace(api, **api_over)
-    topo = dataclasses.replace(topo, model=model, engine=engine, api=api)
+    logs = dataclasses.replace(topo.log, **{f.name: getattr(args, f.name) for f in dataclasses.fields(LogSection)
+                                            if getattr(args, f.name, None) is not None})
+    topo = dataclasses.replace(topo, model=model, engine=engine, api=api, log=logs)
     for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
         n = getattr(args, flag)
         if n is not None:
@@ -268,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     refusal = check_port_free(topo.api.host, topo.api.port)
     if refusal:
         return refuse(refusal)
+    configure_logging(topo.log.log_level)
     if path is None:
         path = ensure_tiny_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
@@ -300,7 +310,7 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
                      on_failure=lambda actor_id: api_holder and api_holder[0].fail_actor(actor_id))
     api = ApiServer(sup, served_model=served, host=topo.api.host, port=topo.api.port, api_key=topo.api.api_key,
                     max_request_mb=topo.api.max_request_mb, max_queued_requests=topo.api.max_queued_requests,
-                    generation_config=gen)
+                    generation_config=gen, log_requests=not topo.log.disable_log_requests)
     api_holder.append(api)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -315,23 +325,23 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
         return refuse(port_refusal(topo.api.host, topo.api.port, e))
     rc = 0
     try:
-        print(f"glmrt: serving {served!r} on http://{topo.api.host}:{topo.api.port} "
-              f"({', '.join(f'{a.kind} x{a.replicas}' for a in topo.actors)})", flush=True)
+        log.info("serving %r on http://%s:%s (%s)", served, topo.api.host, topo.api.port,
+                 ", ".join(f"{a.kind} x{a.replicas}" for a in topo.actors))
         await sup.start()
         waiter = asyncio.create_task(api.shutdown_requested.wait())
         ready = asyncio.create_task(sup.wait_ready(ready_timeout))
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({ready, stopper, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if ready in done and not ready.result():
-            print("error: the deployment did not become ready (see the actor logs above)", file=sys.stderr)
+            log.error("the deployment did not become ready (see the actor logs above)")
             rc = 1
         elif ready in done:
-            print("glmrt: ready", flush=True)
+            log.info("ready")
             await asyncio.wait({stopper, waiter}, return_when=asyncio.FIRST_COMPLETED)
         for t in (waiter, ready, stopper):
             t.cancel()
     finally:
-        print("glmrt: draining and stopping", flush=True)
+        log.info("draining and stopping")
         sup.stopping = True
         deadline = loop.time() + 30
         while api.inflight and loop.time() < deadline:

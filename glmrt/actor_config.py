@@ -13,6 +13,14 @@ from glmrt.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
+class ActorLogConfig:
+    """How an actor process logs (the deployment's [log] section), whatever its kind."""
+
+    level: str = "info"
+    """The least severe line printed: debug | info | warning | error (validated by `glmrt up`)."""
+
+
+@dataclass(frozen=True)
 class MediaPolicy:
     """Which image/video sources the tokenizer may open."""
 
@@ -64,6 +72,8 @@ class EngineActorConfig:
 
     engine: EngineConfig
     """The engine's options, role and load_vision set by placement."""
+    log_interval: float = 10.0
+    """Seconds between the engine's stats lines, printed only when it worked since the last one (0: none)."""
     torch_threads: int = 1
     """torch CPU threads of the actor process."""
 

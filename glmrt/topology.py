@@ -3,6 +3,7 @@
     [model]     ModelSection: path, dtype, kv_cache_dtype, backend, load_format, preset, ...
     [engine]    engine flags (glmrt.engine.config.EngineConfig fields)
     [api]       ApiSection: host, port, api_key, max_request_mb, max_queued_requests, media
+    [log]       LogSection: log_level, log_interval, disable_log_requests (every process glmrt starts)
     [[actors]]  ActorSpec: kind, replicas, gpus, tp, process, engine (per-entry engine overrides)
 
 `Topology` is the root. `validate(topo)` is the pass `glmrt up` runs after the file and the flags
@@ -26,6 +27,7 @@ from glmrt.config_bounds import ConfigValueError, bounded, check_fields, flag_sp
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
 
 FEATURE_TRANSPORTS = ("cpu", "cuda_ipc", "auto")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # A prefill hands its pages and state to a decode as they lie in memory: these must agree.
 PD_LAYOUT_FIELDS = ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page_size", "load_format", "preset",
                     "quantization")
@@ -76,6 +78,18 @@ class ApiSection:
 
 
 @dataclass(frozen=True)
+class LogSection:
+    """What the processes of a deployment log (named as SGLang's and vLLM's flags are)."""
+
+    log_level: str = bounded("info", choices=LOG_LEVELS)
+    """The least severe log line every glmrt process prints: debug | info | warning | error."""
+    log_interval: float = bounded(10.0, ge=0)
+    """Seconds between an engine's stats lines, printed only when it worked since the last one (0: none)."""
+    disable_log_requests: bool = False
+    """No log line per finished request."""
+
+
+@dataclass(frozen=True)
 class ActorSpec:
     kind: str
     """One of glmrt.actor_kinds.KIND_NAMES."""
@@ -103,6 +117,8 @@ class Topology:
     them over [model] and under an entry's own engine table, and checks the result."""
     api: ApiSection = ApiSection()
     """The OpenAI API server."""
+    log: LogSection = LogSection()
+    """The log lines of every process of the deployment."""
     actors: tuple[ActorSpec, ...] = ()
     """One entry per actor kind placed (glmrt.actor_kinds)."""
 
@@ -189,13 +205,14 @@ def _engine_flags(table: dict, where: str) -> dict:
 
 
 def parse_topology(data: dict) -> Topology:
-    known = {"model", "engine", "api", "actors"}
+    known = {"model", "engine", "api", "log", "actors"}
     for key in data:
         if key not in known:
             raise TopologyError(f"unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
     model = ModelSection(**_expand_paths(_take(_table(data, "model"), ModelSection, "[model]"), "path"))
     engine = _engine_flags(_table(data, "engine"), "[engine]")
     api = ApiSection(**_expand_paths(_take(_table(data, "api"), ApiSection, "[api]"), "allowed_local_media_path"))
+    logs = LogSection(**_take(_table(data, "log"), LogSection, "[log]"))
     actors = []
     entries = data.get("actors", [])
     if not isinstance(entries, list):
@@ -219,7 +236,7 @@ def parse_topology(data: dict) -> Topology:
             raise TopologyError(f"{where}: engine must be a table of engine flags")
         kw["engine"] = _engine_flags(kw.get("engine", {}), f"{where} engine")
         actors.append(ActorSpec(**kw))
-    topo = Topology(model, engine, api, tuple(actors) if actors else default_topology().actors)
+    topo = Topology(model, engine, api, logs, tuple(actors) if actors else default_topology().actors)
     validate(topo)
     return topo
 
@@ -246,6 +263,7 @@ def validate(topo: Topology, num_gpus: int | None = None, *, flags: bool = False
     spell = flag_spelling if flags else key_spelling
     _check_section(topo.model, "" if flags else "[model] ", spell)
     _check_section(topo.api, "" if flags else "[api] ", spell)
+    _check_section(topo.log, "" if flags else "[log] ", spell)
     _check_placement(topo, num_gpus)
     configs = {}
     for spec in topo.actors:

@@ -1,9 +1,11 @@
 """What the OpenAI-surface e2e modules share: the deployment fixtures (default topology, one
-actor each, `--context-length 1024`; each module starts its own), prompts and helpers."""
+actor each, `--context-length 1024` and the module's own DEPLOY_FLAGS; each module starts its
+own), prompts and helpers."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -17,8 +19,9 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def dep(start_deployment):
-    d = start_deployment(["--context-length", str(CONTEXT)], name="api-basic")
+def dep(request, start_deployment):
+    flags = list(getattr(request.module, "DEPLOY_FLAGS", []))
+    d = start_deployment(["--context-length", str(CONTEXT), *flags], name="api-basic")
     yield d
     d.stop(term_wait=5)
 
@@ -50,3 +53,16 @@ def error_json(raw: bytes) -> dict:
     assert {"message", "type", "param", "code"} <= set(err), err
     assert isinstance(err["message"], str) and err["message"]
     return err
+
+
+def log_lines(dep, needle: str) -> list[str]:
+    """The lines of the deployment's output that contain `needle`."""
+    return [line for line in dep.output().splitlines() if needle in line]
+
+
+def wait_for_log_lines(dep, needle: str, n: int = 1, timeout: float = 5.0) -> list[str]:
+    """The lines containing `needle` once there are at least `n` of them (or after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while len(lines := log_lines(dep, needle)) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return lines

@@ -1,18 +1,22 @@
 """E2E: the OpenAI surface of a default-topology deployment (tokenizer, engine, detokenizer;
-one each), started once for the module with `--context-length 1024`: models, chat and
-completions."""
+one each), started once for the module with `--context-length 1024 --log-interval 1`: models,
+chat and completions, and the log lines of what it serves."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import openai
 import pytest
 
-from tests.e2e.api_cases import CONTEXT, GREEDY, TOOLS, USER, extra_field
+from tests.e2e.api_cases import CONTEXT, GREEDY, TOOLS, USER, extra_field, log_lines, wait_for_log_lines
 from tests.e2e.api_cases import client, dep, model  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
+DEPLOY_FLAGS = ["--log-interval", "1"]
+STATS = "INFO engine/0: running "
 
 
 # ---- health and models -----------------------------------------------------------------------
@@ -300,3 +304,60 @@ def test_completion_logprobs_shapes(client, model):
     # greedy: the chosen token has the best logprob of its step
     for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert tok_lp >= max(top.values()) - 1e-4
+
+
+# ---- logs ----------------------------------------------------------------------------------
+
+
+def _request_line(dep, rid: str) -> str:
+    lines = wait_for_log_lines(dep, f"INFO api/0: request {rid}: ")
+    assert len(lines) == 1, (rid, lines, dep.output()[-3000:])
+    return lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_request_logs_one_line_with_its_id_and_tokens(dep, client, model):
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=6, **GREEDY)
+    line = _request_line(dep, r.id)
+    u = r.usage
+    assert (f"status=200 prompt_tokens={u.prompt_tokens} cached_tokens={u.prompt_tokens_details.cached_tokens} "
+            f"output_tokens=6 duration=") in line and line.endswith(" finish=length"), line
+    assert "ttft=" not in line   # a non-streamed answer reaches the api whole
+    stream = client.completions.create(model=model, prompt="Logged once, streamed.", max_tokens=5, n=2, stream=True,
+                                       stream_options={"include_usage": True}, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    line = _request_line(dep, chunks[0].id)
+    u = chunks[-1].usage
+    assert re.search(rf"status=200 prompt_tokens={u.prompt_tokens} cached_tokens=\d+ output_tokens=10 "
+                     r"ttft=\d+\.\d{3}s duration=\d+\.\d{3}s finish=length,length$", line), line
+    before = len(log_lines(dep, "status=400"))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="x", max_tokens=CONTEXT * 4)
+    lines = wait_for_log_lines(dep, "status=400", before + 1)
+    assert len(lines) == before + 1 and lines[-1].endswith(" error=context_length_exceeded"), lines
+
+
+def _stats_lines(dep) -> list[str]:
+    return log_lines(dep, STATS)
+
+
+@pytest.mark.timeout(90)
+def test_engine_stats_line_while_serving_and_not_while_idle(dep, client, model):
+    before = len(_stats_lines(dep))
+    t0 = time.monotonic()
+    seen = None
+    stream = client.completions.create(model=model, prompt="Count the engine's lines.", max_tokens=400, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    for _ in stream:
+        if seen is None and len(_stats_lines(dep)) > before:
+            seen = time.monotonic() - t0
+    assert seen is not None and seen < 2.5, (seen, time.monotonic() - t0, dep.output()[-3000:])
+    line = _stats_lines(dep)[before]
+    assert re.search(r"running 1, queued 0, KV pool \d+\.\d%.*, state slots \d+\.\d%, gen \d+\.\d tok/s, "
+                     r"prompt \d+\.\d tok/s, cache hit rate \d+\.\d%$", line), line
+    assert float(re.search(r"gen (\S+) tok/s", line).group(1)) > 0
+    time.sleep(2.5)   # the line after the last step may still come; then the idle engine is silent
+    idle = len(_stats_lines(dep))
+    time.sleep(3.0)
+    assert len(_stats_lines(dep)) == idle, _stats_lines(dep)[idle:]

@@ -1,6 +1,6 @@
 """E2E: error answers, metrics and server info, client disconnects and process hygiene of a
 default-topology deployment (one actor each), started once for the module with
-`--context-length 1024`."""
+`--context-length 1024 --disable-log-requests`: no request logs a line."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.api_cases import CONTEXT, GREEDY, USER, error_json
+from tests.e2e.api_cases import CONTEXT, GREEDY, USER, error_json, log_lines
 from tests.e2e.api_cases import client, dep, model  # noqa: F401  (fixtures)
 from tests.e2e.conftest import has_metric, libs_mapped, metric_sum
 
 pytestmark = pytest.mark.slow
+DEPLOY_FLAGS = ["--disable-log-requests"]
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -297,6 +298,16 @@ def test_openai_client_stream_close_aborts_request(dep, client, model):
 
 
 # ---- process hygiene -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_disable_log_requests_logs_no_request_line(dep, client, model):
+    served = metric_sum(dep.metrics(), "glmrt_requests_total")
+    client.completions.create(model=model, prompt="not logged", max_tokens=3)
+    assert metric_sum(dep.metrics(), "glmrt_requests_total") > served >= 1   # the earlier tests' requests too
+    time.sleep(0.5)
+    assert log_lines(dep, "INFO supervisor/0: engine/0 ready"), dep.output()[-3000:]   # info lines are on
+    assert not log_lines(dep, "api/0: request "), log_lines(dep, "api/0: request ")[:3]
 
 
 @pytest.mark.timeout(60)

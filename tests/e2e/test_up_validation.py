@@ -1,4 +1,4 @@
-"""E2E: `glmrt up` refuses a bad engine value, given as a flag or in a topology file, in one
+"""E2E: `glmrt up` refuses a bad engine or log value, given as a flag or in a topology file, in one
 line on stderr with exit status 2, before it starts anything (it prints nothing on stdout: the
 "serving" line comes before the first actor is spawned), within a second or two."""
 
@@ -22,6 +22,8 @@ BAD_VALUES = [
     ("context-length", "0", "must be >= 1"),
     ("cuda-graph-max-bs", "0", "must be >= 1"),
     ("state-checkpoint-interval", "-8", "must be >= 0"),
+    ("log-level", "loud", "must be one of debug, info, warning, error"),
+    ("log-interval", "-0.5", "must be >= 0"),
 ]
 ACTORS = '[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "engine"\n[[actors]]\nkind = "detokenizer"\n'
 
@@ -53,9 +55,10 @@ def test_bad_topology_value_is_refused_in_one_line(tmp_path, e2e_env, tiny_check
     key = flag.replace("-", "_")
     toml_value = f'"{value}"' if not value.lstrip("-").replace(".", "").isdigit() else value
     path = tmp_path / "topology.toml"
-    path.write_text(f"[engine]\n{key} = {toml_value}\n" + ACTORS)
+    section = "log" if flag.startswith("log-") else "engine"
+    path.write_text(f"[{section}]\n{key} = {toml_value}\n" + ACTORS)
     line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
-    assert line == f"glmrt up: error: [engine] {key} {requirement} (got {_shown(value)})"
+    assert line == f"glmrt up: error: [{section}] {key} {requirement} (got {_shown(value)})"
 
 
 def _shown(value: str):
@@ -127,3 +130,4 @@ def test_the_readme_topology_works_as_written(tmp_path, e2e_env, tiny_checkpoint
     path.write_text(example)
     line, _ = _refused([str(path), "--port", str(free_port()), "--quantization", "fp8"], {**e2e_env, "HOME": str(home)})
     assert "the checkpoint's weights are bf16" in line, line
+
