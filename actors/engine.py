@@ -179,9 +179,7 @@ class EngineActor(Actor):
                 errors += getattr(self, f"_pd_{op}")(arg)
                 continue
             if op == "replay":
-                errors += self.ledger.replay(arg, [self._output_so_far(key, self.engine.requests[rid])
-                                                   for rid, (key, detok) in self._routes.items()
-                                                   if detok == arg.detokenizer and rid in self.engine.requests])
+                errors += self._replay(arg)
                 continue
             m, mm = arg
             if not self.ledger.accept(m.key, m.detokenize):
@@ -223,6 +221,12 @@ class EngineActor(Actor):
                               cached_tokens=req.cached_tokens)
         return msgspec.structs.replace(last, token_ids=ids, first_index=0, completion_tokens=len(ids),
                                        logprobs=logprobs, top_logprobs=top)
+
+    def _replay(self, want: P.ReplayRequest) -> list:
+        """Step thread, between steps: every token sent so far is out, none of the next step's."""
+        live = [self._output_so_far(key, self.engine.requests[rid]) for rid, (key, detok) in self._routes.items()
+                if detok == want.detokenizer and rid in self.engine.requests]
+        return self.ledger.replay(want, live)
 
     def _route_gone(self, key: P.RequestKey) -> None:
         """Step thread: a route of `key`'s request went; once none is left the request ended here."""

@@ -75,7 +75,8 @@ SAMPLES = [
                                       P.IndexerTail(rows=[3], num_bytes=64),
                                       P.KDARecurrent(rows=[3], num_bytes=128)]),
     P.ReplayRequest(detokenizer="detokenizer/0", progress=[
-        P.ChoiceProgress(key=P.RequestKey(rid="r1"), received=3), P.ChoiceProgress(key=P.RequestKey(rid="r1", choice=1))]),
+        P.ChoiceProgress(key=P.RequestKey(rid="r1"), received=3),
+        P.ChoiceProgress(key=P.RequestKey(rid="r1", choice=1))]),
     P.DetokenizeReplay(request=DETOKENIZE, choices=[
         P.ReplayedChoice(tokens=P.TokenOut(key=P.RequestKey(rid="r1"), token_ids=[5, 6, 7], first_index=0), received=2),
         P.ReplayedChoice(tokens=TOKEN_OUT)]),
