@@ -217,9 +217,9 @@ def _load(dep, requests: list[tuple[str, bool, int]], during=None) -> dict[str, 
 
 
 def _first_chunks_seen(dep, kind: str, timeout: float = 20.0) -> None:
-    """Wait until the engine runs requests (their first tokens are out)."""
+    """Wait until an engine (or a decode) runs requests (their first tokens are out)."""
     deadline = time.monotonic() + timeout
-    while not _actor(dep, "engine")["running"]:
+    while not any(a["running"] for a in dep.actors() if a["kind"] in ("engine", "decode")):
         assert time.monotonic() < deadline, f"no request started before killing {kind}"
         time.sleep(0.05)
     time.sleep(0.5)
