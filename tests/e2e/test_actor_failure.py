@@ -257,11 +257,9 @@ def test_tokenizer_kill_loses_no_request(dep):
         assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 0
 
 
-@pytest.mark.timeout(120)
-def test_detokenizer_kill_loses_no_request(dep):
-    """The detokenizer dies mid-stream: its restart gets each request back from the engine, and
-    every stream, plain answer and usage is what an undisturbed run gives."""
-    requests = _requests("detok", 18)
+def kill_detokenizer_mid_stream(dep, requests: list[tuple[str, bool, int]]) -> None:
+    """Run `requests` undisturbed, then again killing the detokenizer once they stream: each
+    gives the same output; the detokenizer comes back."""
     want = _load(dep, requests)
     old_pid = _pid(dep, "detokenizer")
 
@@ -270,6 +268,13 @@ def test_detokenizer_kill_loses_no_request(dep):
         os.kill(old_pid, signal.SIGKILL)
     _assert_undisturbed(_load(dep, requests, kill_mid_stream), want, "detokenizer/0")
     _wait_healthy_again(dep, old_pid, "detokenizer")
+
+
+@pytest.mark.timeout(120)
+def test_detokenizer_kill_loses_no_request(dep):
+    """The detokenizer dies mid-stream: its restart gets each request back from the engine, and
+    every stream, plain answer and usage is what an undisturbed run gives."""
+    kill_detokenizer_mid_stream(dep, _requests("detok", 18))
     client = dep.client()
     r = client.completions.create(model="tiny", prompt="detok back", max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
