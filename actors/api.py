@@ -2,8 +2,11 @@
 
 A request: validate -> pick a tokenizer (round robin) and the least-loaded engine -> send a
 TokenizeRequest -> await TextOuts from the detokenizer (this actor's inbox) -> SSE chunks or
-one JSON body. A client that goes away aborts its request everywhere; an actor that dies
-fails the requests routed through it at once (503). No torch in this process.
+one JSON body. A client that goes away aborts its request everywhere. An engine that dies
+fails the requests routed through it at once (503); a tokenizer or a detokenizer that dies
+loses none: the api re-sends the TokenizeRequests a dead tokenizer held to a live replica
+(or to the restarted one), and asks the engines to replay a restarted detokenizer's requests,
+saying how many tokens of each choice it has the text of. No torch in this process.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class Inflight:
     last_token: float | None = None
     done: bool = False
     finish_reasons: list[str] = field(default_factory=list)   # one per finished choice, for its log line
+    tokenize: P.TokenizeRequest | None = None  # sent again when its tokenizer dies
+    resend: bool = False  # its tokenizer died with no live replica: re-sent once it is back
+    received: dict[int, int] = field(default_factory=dict)  # choice -> tokens whose text came
 
 
 def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIError:
@@ -72,6 +78,7 @@ class ApiServer:
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self._recv_task: asyncio.Task | None = None
+        self._resends: set[asyncio.Task] = set()
         self.shutdown_requested = asyncio.Event()
 
     # ---- wiring --------------------------------------------------------------------------
@@ -158,6 +165,8 @@ class ApiServer:
         if st is None:
             return
         now = time.monotonic()
+        if isinstance(item, P.TextOut):
+            st.received[item.key.choice] = st.received.get(item.key.choice, 0) + len(item.token_ids)
         if isinstance(item, P.TextOut) and (item.token_ids or item.text or item.reasoning):
             if st.first_token is None:
                 st.first_token = now
@@ -170,13 +179,58 @@ class ApiServer:
         st.queue.put_nowait(item)
 
     def fail_actor(self, actor_id: str) -> None:
-        """An actor died: fail every request routed through it now (the client gets a 503)."""
-        for st in list(self.inflight.values()):
-            if st.done:
+        """An actor died. An engine's requests fail now (the client gets a 503). A tokenizer's
+        are sent to a live replica, or wait for it to restart; a restarting detokenizer's wait
+        for its replay (`actor_restarted`). Those of an actor given up on fail too."""
+        kind = actor_id.split("/")[0]
+        coming_back = self.sup.actors[actor_id].state == "restarting" if actor_id in self.sup.actors else False
+        live = self.sup.ready("tokenizer")
+        for st in [s for s in self.inflight.values() if not s.done]:
+            if actor_id not in (st.engine, st.tokenizer, st.detokenizer, st.decode):
                 continue
-            if actor_id in (st.engine, st.tokenizer, st.detokenizer, st.decode):
+            if kind == "tokenizer" and (live or coming_back):
+                if st.received:
+                    continue  # text came back: the tokenizer had sent it on
+                if live:
+                    st.tokenizer = live[next(self._rr) % len(live)].actor_id
+                    self._resend_tokenize(st)
+                else:
+                    st.resend = True
+            elif not (kind == "detokenizer" and coming_back):
                 st.queue.put_nowait(oa.APIError(503, f"{actor_id} failed while serving this request; retry",
                                                 "server_error", code="actor_failed", headers={"Retry-After": "1"}))
+
+    def actor_restarted(self, actor_id: str) -> None:
+        """A restarted actor is ready: re-send the requests that waited for it (tokenizer), or
+        ask every engine holding its requests to replay them to it (detokenizer)."""
+        kind = actor_id.split("/")[0]
+        waiting = [st for st in self.inflight.values() if not st.done]
+        if kind == "tokenizer":
+            for st in waiting:
+                if st.resend and st.tokenizer == actor_id:
+                    st.resend = False
+                    self._resend_tokenize(st)
+        elif kind == "detokenizer":
+            by_engine: dict[str, list[P.ChoiceProgress]] = {}
+            for st in waiting:
+                if st.detokenizer != actor_id:
+                    continue
+                progress = [P.ChoiceProgress(key=st.key, received=st.received.get(0, 0))]
+                progress += [P.ChoiceProgress(key=st.key.with_choice(c), received=n)
+                             for c, n in st.received.items() if c]
+                for engine in (st.engine, st.decode):  # PD: the prefill or the decode holds it
+                    if engine is not None:
+                        by_engine.setdefault(engine, []).extend(progress)
+            for engine, progress in by_engine.items():
+                self._resend_to(engine, P.ReplayRequest(detokenizer=actor_id, progress=progress))
+
+    def _resend_tokenize(self, st: Inflight) -> None:
+        self._resend_to(st.tokenizer, st.tokenize)
+
+    def _resend_to(self, dest: str, msg: P.Msg) -> None:
+        task = asyncio.get_running_loop().create_task(self.peers.send(dest, msg))
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
 
     # ---- routing -------------------------------------------------------------------------
     @staticmethod
@@ -227,7 +281,7 @@ class ApiServer:
         states = []
         for tr in oa.to_tokenize_requests(req, rid, det, sampling=sampling, arrival=time.time(), max_model_len=ctx):
             tr.engine, tr.decode = eng, dec
-            st = Inflight(tr.key, queue, eng, tok, det, decode=dec)
+            st = Inflight(tr.key, queue, eng, tok, det, decode=dec, tokenize=tr)
             self.inflight[tr.key] = st
             states.append(st)
             await self.peers.send(tok, tr)

@@ -5,7 +5,12 @@ stop strings, the glm45 reasoning parser, the glm47 tool parser). Streamed reque
 deltas as tokens arrive; non-streamed ones get one final TextOut, the fold of the same
 deltas, so both shapes carry the same text, reasoning and calls.
 Tokens may reach it out of order (prefill and decode engines) or before the request's
-DetokenizeRequest: both are buffered. No torch in this process.
+DetokenizeRequest: both are buffered; tokens it has already (a stale copy) are dropped, and
+so is a second DetokenizeRequest of a request it holds or finished a moment ago.
+A restarted detokenizer gets each request back from its engine as a DetokenizeReplay: the
+tokens the api already has the text of are fed one by one without emitting (so the parsers
+reach the state they had, chunk for chunk), the rest are emitted as usual. No torch in this
+process.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from actors.base import Actor
 from glmrt import protocol as P
 
 ORPHAN_TTL_S = 60.0
+FINISHED_TTL_S = 120.0  # a finished request's late duplicates are dropped this long
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -64,6 +72,7 @@ class DetokenizerActor(Actor):
         self.tok = Tokenizer.from_file(os.path.join(self.spec.config.model_path, "tokenizer.json"))
         self.reqs: dict[str, Req] = {}
         self.orphans: dict[str, tuple[float, list[P.TokenOut]]] = {}
+        self.finished: dict[P.RequestKey, float] = {}  # ended requests -> when
         return {}
 
     def busy(self) -> bool:
@@ -74,21 +83,28 @@ class DetokenizerActor(Actor):
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.DetokenizeRequest):
+            if msg.key in self.reqs or msg.key in self.finished:
+                return  # a re-sent request: its first registration is in force
             self.reqs[msg.key] = Req(msg)
             _, early = self.orphans.pop(msg.key, (0.0, []))
             if early:
                 await self._process(early)
+        elif isinstance(msg, P.DetokenizeReplay):
+            await self._replay(msg)
         elif isinstance(msg, P.TokenBatch):
             await self._process(msg.items)
         elif isinstance(msg, P.TokenOut):
             await self._process([msg])
         elif isinstance(msg, P.EngineError):
-            self.reqs.pop(msg.key, None)
-            self.orphans.pop(msg.key, None)
+            self._end(msg.key)
             await self.send("api/0", msg)
         elif isinstance(msg, P.Abort):
-            self.reqs.pop(msg.key.request, None)
-            self.orphans.pop(msg.key.request, None)
+            self._end(msg.key.request)
+
+    def _end(self, key: P.RequestKey) -> None:
+        self.reqs.pop(key, None)
+        self.orphans.pop(key, None)
+        self.finished[key] = time.monotonic()
 
     # ---- tokens -> text ------------------------------------------------------------------
     async def _process(self, items: list[P.TokenOut]) -> None:
@@ -97,12 +113,14 @@ class DetokenizerActor(Actor):
         for item in items:
             key = item.key.request
             req = self.reqs.get(key)
+            if req is None and key in self.finished:
+                continue  # a stale copy (sent again to this detokenizer after a restart)
             if req is None:
                 t, buf = self.orphans.setdefault(key, (now, []))
                 buf.append(item)
                 continue
             ch = self._choice(req, item.key.choice)
-            if ch.done:
+            if ch.done or item.first_index < ch.next_index:
                 continue
             ch.pending[item.first_index] = item
             while ch.next_index in ch.pending and not ch.done:
@@ -113,10 +131,38 @@ class DetokenizerActor(Actor):
                     outs.append(out)
             if all(c.done for c in req.choices.values()) and len(req.choices) >= req.cfg.sampling.n:
                 del self.reqs[key]
+                self.finished[key] = now
         for key in [k for k, (t, _) in self.orphans.items() if now - t > ORPHAN_TTL_S]:
             del self.orphans[key]
+        for key in [k for k, t in self.finished.items() if now - t > FINISHED_TTL_S]:
+            del self.finished[key]
         if outs:
             await self.send("api/0", P.TextBatch(items=outs))
+
+    async def _replay(self, msg: P.DetokenizeReplay) -> None:
+        """Rebuild a request from its engine's replay: the first `received` tokens of each choice
+        fed silently, one at a time as they first came, then the rest (and any tokens that beat
+        the replay here) processed as usual."""
+        key = msg.request.key
+        if key in self.finished:
+            return
+        req = self.reqs.setdefault(key, Req(msg.request))
+        rest = []
+        for replayed in msg.choices:
+            it, ch = replayed.tokens, self._choice(req, replayed.tokens.key.choice)
+            if req.cfg.stream:  # a non-streamed request's text reaches the api only at its end
+                for tid in it.token_ids[ch.next_index:replayed.received]:
+                    ch.output.feed([tid])
+                    ch.next_index += 1
+                    ch.sent_any = True
+            start = ch.next_index
+            if start < len(it.token_ids) or it.finished:
+                rest.append(msgspec.structs.replace(
+                    it, token_ids=it.token_ids[start:], first_index=start,
+                    logprobs=it.logprobs[start:] if it.logprobs is not None else None,
+                    top_logprobs=it.top_logprobs[start:] if it.top_logprobs is not None else None))
+        _, early = self.orphans.pop(key, (0.0, []))
+        await self._process(rest + early)
 
     def _choice(self, req: Req, index: int) -> Choice:
         ch = req.choices.get(index)

@@ -13,8 +13,11 @@ import concurrent.futures
 import time
 from typing import Any
 
+import msgspec
+
 from actors.base import Actor
 from actors.logs import EngineStatsLog
+from actors.request_ledger import RequestLedger
 from glmrt import env
 from glmrt import protocol as P
 
@@ -47,6 +50,7 @@ class EngineActor(Actor):
         self._early_aborts: collections.deque[tuple[float, P.Abort]] = collections.deque()
         self._routes: dict[str, tuple[P.RequestKey, str]] = {}  # engine rid -> (its choice's key, detok)
         self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
+        self.ledger = RequestLedger()  # step thread: duplicates dropped, outputs kept for replays
         self._pd: dict[str, tuple] = {}          # prefill: engine rid -> (decode id, sampling, offered at)
         self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (HandoffOffer, reserved at)
         self._vision_wait: dict[P.RequestKey, P.EngineRequest] = {}  # waiting for a vision actor's embeddings
@@ -135,6 +139,14 @@ class EngineActor(Actor):
             self._pending.append(("kv", msg))
         elif isinstance(msg, P.HandoffDone):
             self._pending.append(("done", msg))
+        elif isinstance(msg, P.ReplayRequest):
+            # a request still waiting for its embeddings has no tokens yet: its DetokenizeRequest
+            # (perhaps lost with the old detokenizer) is all the restarted one needs
+            wanted = {p.key.request for p in msg.progress}
+            for key, waiting in list(self._vision_wait.items()):
+                if key in wanted and waiting.detokenize is not None:
+                    await self.send(msg.detokenizer, waiting.detokenize)
+            self._pending.append(("replay", msg))
         self._wake.set()
 
     def _stats(self) -> P.EngineStats:
@@ -164,25 +176,61 @@ class EngineActor(Actor):
             if op in ("offer", "accept", "kv", "done"):
                 errors += getattr(self, f"_pd_{op}")(arg)
                 continue
+            if op == "replay":
+                errors += self._replay(arg)
+                continue
             m, mm = arg
+            if not self.ledger.accept(m.key, m.detokenize):
+                continue  # a re-sent request whose first copy reached us (its tokenizer died after sending it)
+            error = None
             if self.engine.config.role == "prefill" and not m.decode:
-                errors.append((m.detokenizer, P.EngineError(key=m.key, status=500,
-                                                            message="prefill engine got a request without a decode")))
-                continue
-            try:
-                rids = self.engine.add_request(m.prompt_ids, m.sampling, mm_items=mm or None)
-            except ContextLengthExceeded as e:
-                errors.append((m.detokenizer, P.EngineError(key=m.key, status=400, message=str(e),
-                                                            code="context_length_exceeded")))
-                continue
-            except ValueError as e:
-                errors.append((m.detokenizer, P.EngineError(key=m.key, status=400, message=str(e))))
+                error = P.EngineError(key=m.key, status=500, message="prefill engine got a request without a decode")
+            else:
+                try:
+                    rids = self.engine.add_request(m.prompt_ids, m.sampling, mm_items=mm or None)
+                except ContextLengthExceeded as e:
+                    error = P.EngineError(key=m.key, status=400, message=str(e), code="context_length_exceeded")
+                except ValueError as e:
+                    error = P.EngineError(key=m.key, status=400, message=str(e))
+            if error is not None:
+                errors.append((m.detokenizer, error))
+                self.ledger.end(m.key)
                 continue
             for i, rid in enumerate(rids):  # one engine request per choice, in choice order
                 self._routes[rid] = (m.key.with_choice(i), m.detokenizer)
                 if m.decode:  # each choice hands over its own params (choice i samples with seed + i)
                     self._pd[rid] = (m.decode, self.engine.requests[rid].params, None)
         return errors
+
+    def _output_so_far(self, key: P.RequestKey, req, last: P.TokenOut | None = None) -> P.TokenOut:
+        """Choice `key`'s output from index 0, for a detokenizer replay: the tokens sent so far
+        (not the PLACEHOLDER of a step in flight), with `last`'s finish and counts when it ended."""
+        from glmrt.engine.runner import PLACEHOLDER
+        ids = list(req.output_ids)
+        if PLACEHOLDER in ids:
+            ids = ids[:ids.index(PLACEHOLDER)]
+        logprobs = top = None
+        if req.params.logprobs:  # a decode's first logprob stayed with the prefill: 0.0 stands in
+            pad = max(0, len(ids) - len(req.logprobs))
+            logprobs = ([0.0] * pad + [x if x is not None else 0.0 for x in req.logprobs])[:len(ids)]
+            top = ([[]] * pad + [list(map(tuple, t)) if t else [] for t in req.top_logprobs])[:len(ids)]
+        if last is None:
+            last = P.TokenOut(key=key, token_ids=[], first_index=0, prompt_tokens=len(req.prompt_ids),
+                              cached_tokens=req.cached_tokens)
+        return msgspec.structs.replace(last, token_ids=ids, first_index=0, completion_tokens=len(ids),
+                                       logprobs=logprobs, top_logprobs=top)
+
+    def _replay(self, want: P.ReplayRequest) -> list:
+        """Step thread, between steps: every token sent so far is out, none of the next step's."""
+        live = [self._output_so_far(key, self.engine.requests[rid]) for rid, (key, detok) in self._routes.items()
+                if detok == want.detokenizer and rid in self.engine.requests]
+        return self.ledger.replay(want, live)
+
+    def _route_gone(self, key: P.RequestKey) -> None:
+        """Step thread: a route of `key`'s request went; once none is left the request ended here."""
+        if not any(k.request == key.request for k, _ in self._routes.values()):
+            self._prompt_cached.pop(key.request, None)
+            self.ledger.end(key.request)
 
     def _abort(self, abort: P.Abort) -> None:
         """Runs in the step thread: drop the running requests, parked handoffs and reservations
@@ -195,6 +243,7 @@ class EngineActor(Actor):
                     self.engine.abort(rid)
                 self.engine.requests.pop(rid, None)
                 del self._routes[rid]
+                self._route_gone(key)
         for rid in [r for r, (offer, _) in self._reservations.items() if abort.drops(offer.key)]:
             self.sink.cancel(rid)
             del self._reservations[rid]
@@ -256,6 +305,7 @@ class EngineActor(Actor):
         self.engine.requests.pop(rid, None)
         if route is None:
             return []
+        self._route_gone(route[0])
         return [(route[1], P.EngineError(key=route[0].request, status=status, message=message))]
 
     def _pd_offer(self, offer: P.HandoffOffer) -> list:
@@ -339,6 +389,7 @@ class EngineActor(Actor):
                                                       message=f"handoff failed: {e}"))]
         self.sink.activate(msg.rid, cached_tokens=offer.cached_tokens)
         self._routes[msg.rid] = (offer.key, offer.detokenizer)
+        self.ledger.hold(offer.key.request, offer.detokenize)
         return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=True))]
 
     def _pd_done(self, done: P.HandoffDone) -> list:
@@ -349,8 +400,10 @@ class EngineActor(Actor):
             return []
         self._release_handoff(rid)
         if done.ok:
-            self._routes.pop(rid, None)  # the decode side serves it now
+            route = self._routes.pop(rid, None)  # the decode side serves it now
             self.engine.requests.pop(rid, None)
+            if route is not None:
+                self._route_gone(route[0])
             return []
         return self._fail(rid, 503, f"handoff to decode failed: {done.reason}")
 
@@ -363,12 +416,13 @@ class EngineActor(Actor):
                 continue
             decode, sampling, _ = self._pd[o.rid]
             parked = self.source.parked(o.rid)
+            key, detok = self._routes[o.rid]
             self._pd[o.rid] = (decode, sampling, now)
             msgs.append((decode, P.HandoffOffer(
-                rid=o.rid, key=self._routes[o.rid][0], prompt_ids=parked.prompt_ids,
-                first_token=parked.first_token, sampling=sampling, detokenizer=self._routes[o.rid][1],
+                rid=o.rid, key=key, prompt_ids=parked.prompt_ids,
+                first_token=parked.first_token, sampling=sampling, detokenizer=detok,
                 prefill=self.spec.actor_id, layout=self._layout, transfer_info=self.xfer.peer_info(),
-                cached_tokens=parked.cached_tokens)))
+                cached_tokens=parked.cached_tokens, detokenize=self.ledger.detokenize.get(key.request))))
         for rid, (_, t) in list(self._reservations.items()):  # a prefill that never sends the state
             if now - t > HANDOFF_TIMEOUT_S:
                 self.sink.cancel(rid)
@@ -397,7 +451,7 @@ class EngineActor(Actor):
             top = [list(map(tuple, t)) if t else [] for t in o.new_top_logprobs] if o.new_top_logprobs else None
             handing_off = o.finish_reason == "handoff"
             finished = o.finished and not handing_off
-            batches.setdefault(detok, []).append(P.TokenOut(
+            out = P.TokenOut(
                 key=key, token_ids=o.new_token_ids, first_index=o.completion_tokens - len(o.new_token_ids),
                 finished=finished, finish_reason=o.finish_reason if finished else None,
                 prompt_tokens=o.prompt_tokens,
@@ -405,14 +459,15 @@ class EngineActor(Actor):
                 # n > 1: the prompt was computed once, by choice 0; report its cached count for all
                 cached_tokens=prompt_cached.get(key.request, o.cached_tokens) if key.choice else o.cached_tokens,
                 logprobs=[x if x is not None else 0.0 for x in o.new_logprobs] if o.new_logprobs else None,
-                top_logprobs=top))
+                top_logprobs=top)
+            batches.setdefault(detok, []).append(out)
             if finished:
                 del self._routes[o.rid]
                 self._pd.pop(o.rid, None)
-                if not any(k.request == key.request for k, _ in self._routes.values()):
-                    prompt_cached.pop(key.request, None)
                 if req is not None:
+                    self.ledger.finish_choice(self._output_so_far(key, req, out))
                     self.engine.requests.pop(o.rid, None)
+                self._route_gone(key)
         if self.xfer is not None:  # prefill/decode roles
             errors += self._offers(outs)
         return errors, list(batches.items())

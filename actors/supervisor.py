@@ -3,8 +3,10 @@
 It runs in the `glmrt up` process beside the api actor. Each actor replica is one process
 (`python -m actors.worker`), found by its address id ("engine/1"); the supervisor's inbox
 gets every Ready, Heartbeat and Drained. An actor that dies unexpectedly is reported to the
-api (which fails the requests it held at once) and restarted; `scale` adds replicas or
-retires the highest ones with a drain, so no in-flight request is lost.
+api (`on_failure`: it fails the requests an engine held, and recovers those at a tokenizer or
+a detokenizer) and restarted; its first Ready after a restart is reported too
+(`on_restarted`). `scale` adds replicas or retires the highest ones with a drain, so no
+in-flight request is lost.
 """
 
 from __future__ import annotations
@@ -59,12 +61,14 @@ class ActorProc:
 
 class Supervisor:
     def __init__(self, topology: Topology, run_dir: str, model_path: str, *, vocab_size: int,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None,
+                 on_restarted: Callable[[str], None] | None = None):
         self.topo = topology
         self.run_dir = run_dir
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.on_failure = on_failure or (lambda actor_id: None)
+        self.on_restarted = on_restarted or (lambda actor_id: None)
         self.ctx = zmq.asyncio.Context.instance()
         self.inbox = Inbox(self.ctx, inbox_address(run_dir, "supervisor/0"), codec_for("supervisor/0"))
         self.peers = Peers(self.ctx, lambda pid: (inbox_address(run_dir, pid), codec_for(pid)))
@@ -192,16 +196,16 @@ class Supervisor:
             for ap in aps:
                 self.on_failure(ap.actor_id)
             return
-        log.warning("%s (pid %d) exited with status %s; failing its requests and restarting", names, proc.pid, rc)
+        log.warning("%s (pid %d) exited with status %s; restarting", names, proc.pid, rc)
         now = time.monotonic()
         for ap in aps:
-            ap.state = "restarting"
+            ap.restarts = [t for t in ap.restarts if now - t < RESTART_WINDOW_S] + [now]
+        give_up = len(aps[0].restarts) > MAX_RESTARTS
+        for ap in aps:  # the state first: the api recovers requests only at an actor coming back
+            ap.state = "failed" if give_up else "restarting"
             self.peers.forget(ap.actor_id)
             self.on_failure(ap.actor_id)
-            ap.restarts = [t for t in ap.restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(aps[0].restarts) > MAX_RESTARTS:
-            for ap in aps:
-                ap.state = "failed"
+        if give_up:
             log.error("%s failed %d times in %.0f s; giving up", names, len(aps[0].restarts), RESTART_WINDOW_S)
             return
         await asyncio.sleep(min(0.2 * len(aps[0].restarts), 2.0))
@@ -224,6 +228,8 @@ class Supervisor:
                     ap.state = "ready"
                     ap.ever_ready = True
                     log.info("%s ready (pid %d)", ap.actor_id, msg.pid)
+                    if ap.restarts:
+                        self.on_restarted(ap.actor_id)
             elif isinstance(msg, P.Heartbeat):
                 ap.load, ap.running, ap.waiting = msg.load, msg.running, msg.waiting
                 ap.last_heartbeat = time.monotonic()

@@ -1,9 +1,11 @@
 """The tokenizer actor: chat template + tokenisation, then the request goes to its engine.
 
 It registers the request with its detokenizer first (stop strings, parsers, prompt ids),
-then sends the token ids to the engine the api chose. Bad input, and an explicit max_tokens
-that does not fit in the context with the prompt, becomes a TokenizerError to the api (an
-HTTP 400), never a dead actor. No torch in this process.
+then sends the token ids to the engine the api chose, with a copy of that registration (the
+engine re-sends it to a detokenizer that restarted). It holds nothing once a request is sent:
+the api re-sends a request whose tokenizer died, and the engine drops a second copy. Bad
+input, and an explicit max_tokens that does not fit in the context with the prompt, becomes a
+TokenizerError to the api (an HTTP 400), never a dead actor. No torch in this process.
 """
 
 from __future__ import annotations
@@ -110,12 +112,13 @@ class TokenizerActor(Actor):
                                                       code="context_length_exceeded"))
             return
         reasoning = m.kind == "chat" and thinking
-        await self.send(m.reply_to, P.DetokenizeRequest(
+        detokenize = P.DetokenizeRequest(
             key=m.key, sampling=m.sampling, prompt_tokens=len(ids), stream=m.stream, reasoning=reasoning,
             tools=m.tools if m.kind == "chat" else None,
             prompt_token_ids=ids if m.return_token_ids else None,
             engine=m.decode or m.engine,  # where a stop string's Abort must go (decode holds it after the first token)
-            arrival=m.arrival))
+            arrival=m.arrival)
+        await self.send(m.reply_to, detokenize)
         mm_items, tensors = [], []
         for k, it in enumerate(media):
             kind = "video" if hasattr(it, "timestamps") else "image"
@@ -132,5 +135,5 @@ class TokenizerActor(Actor):
             tensors = []
         await self.send(m.engine, P.EngineRequest(key=m.key, prompt_ids=ids, sampling=m.sampling,
                                                   detokenizer=m.reply_to, mm_items=mm_items, decode=m.decode,
-                                                  arrival=m.arrival),
+                                                  arrival=m.arrival, detokenize=detokenize),
                         tensors)

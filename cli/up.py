@@ -307,7 +307,8 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
     run_dir = str(make_run_dir(os.path.join(tempfile.gettempdir(), f"glmrt-{os.getpid()}")))
     api_holder: list = []
     sup = Supervisor(topo, run_dir, path, vocab_size=mc.text.vocab_size,
-                     on_failure=lambda actor_id: api_holder and api_holder[0].fail_actor(actor_id))
+                     on_failure=lambda actor_id: api_holder and api_holder[0].fail_actor(actor_id),
+                     on_restarted=lambda actor_id: api_holder and api_holder[0].actor_restarted(actor_id))
     api = ApiServer(sup, served_model=served, host=topo.api.host, port=topo.api.port, api_key=topo.api.api_key,
                     max_request_mb=topo.api.max_request_mb, max_queued_requests=topo.api.max_queued_requests,
                     generation_config=gen, log_requests=not topo.log.disable_log_requests)

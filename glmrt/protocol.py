@@ -163,18 +163,8 @@ class TokenizerError(Msg):
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizer -> engine (or prefill), tokenizer -> detokenizer
+# tokenizer -> detokenizer, tokenizer -> engine (or prefill)
 # ---------------------------------------------------------------------------------------------
-
-
-class EngineRequest(Msg):
-    key: RequestKey
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    detokenizer: str
-    mm_items: list[MMItem] = []
-    decode: str | None = None  # PD only: where the prefill hands the request's state
-    arrival: float = 0.0
 
 
 class DetokenizeRequest(Msg):
@@ -193,6 +183,20 @@ class DetokenizeRequest(Msg):
     prompt_token_ids: list[int] | None = None  # echoed to the api when return_token_ids
     engine: str | None = None  # where to send Abort when a stop string ends the request
     arrival: float = 0.0
+
+
+class EngineRequest(Msg):
+    key: RequestKey
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detokenizer: str
+    mm_items: list[MMItem] = []
+    decode: str | None = None  # PD only: where the prefill hands the request's state
+    arrival: float = 0.0
+    # NOTE: the engine keeps the request's DetokenizeRequest (the tokenizer built it): the
+    # engine alone also holds the tokens generated so far, so it alone can rebuild a restarted
+    # detokenizer's state in one message (DetokenizeReplay), racing no other sender
+    detokenize: DetokenizeRequest | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +306,49 @@ class Abort(Msg):
         return key.request == self.key.request and (not self.choice_only or key.choice == self.key.choice)
 
 
+# ---------------------------------------------------------------------------------------------
+# a restarted detokenizer: api -> engine -> detokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+class ChoiceProgress(Part):
+    """How many output tokens of choice `key` the api has received the text of."""
+
+    key: RequestKey  # with its choice
+    received: int = 0
+
+
+class ReplayRequest(Msg):
+    """Api -> every engine: `detokenizer` restarted and lost its requests' state. For each
+    request named in `progress` (its choice-0 entry is always there) the engine holding it sends
+    the restarted detokenizer a DetokenizeReplay."""
+
+    detokenizer: str
+    progress: list[ChoiceProgress] = []
+
+
+class ReplayedChoice(Part):
+    """One choice's output so far, from index 0 (`tokens.first_index` is 0); the api has the
+    text of its first `received` tokens already."""
+
+    tokens: TokenOut
+    received: int = 0
+
+
+class DetokenizeReplay(Msg):
+    """Engine -> a restarted detokenizer: a request's DetokenizeRequest and the tokens of each
+    choice generated so far (finished choices included), so the detokenizer rebuilds its
+    incremental state and emits only what the api has not received."""
+
+    request: DetokenizeRequest
+    choices: list[ReplayedChoice] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# engine -> api
+# ---------------------------------------------------------------------------------------------
+
+
 class EngineStats(Msg):
     actor: str
     replica: int
@@ -399,6 +446,7 @@ class HandoffOffer(Msg):
     layout: HandoffLayout
     transfer_info: bytes
     cached_tokens: int = 0
+    detokenize: DetokenizeRequest | None = None  # the decode keeps it for a detokenizer replay
 
 
 class HandoffAccept(Msg):
@@ -465,13 +513,13 @@ TOKENIZER_IN = TokenizeRequest | Abort | Shutdown
 VISION_IN = VisionRequest | Abort | Shutdown
 ENGINE_IN = (
     EngineRequest | Abort | KVHandoff | VisionResult | Shutdown
-    | HandoffOffer | HandoffAccept | HandoffDone
+    | HandoffOffer | HandoffAccept | HandoffDone | ReplayRequest
 )
-DETOK_IN = DetokenizeRequest | TokenOut | TokenBatch | EngineError | Abort | Shutdown
+DETOK_IN = DetokenizeRequest | TokenOut | TokenBatch | EngineError | Abort | Shutdown | DetokenizeReplay
 API_IN = TextOut | TextBatch | TokenizerError | EngineError | EngineStats | Shutdown
 ANY_MSG = (
     Ready | Heartbeat | Shutdown | Drained | TokenizeRequest | TokenizerError | EngineRequest
     | DetokenizeRequest | TokenOut | TokenBatch | EngineError | TextOut | TextBatch | Abort
     | EngineStats | KVHandoff | VisionRequest | VisionResult
-    | HandoffOffer | HandoffAccept | HandoffDone
+    | HandoffOffer | HandoffAccept | HandoffDone | ReplayRequest | DetokenizeReplay
 )

@@ -1,5 +1,7 @@
 """The api's routing on a real Supervisor's actor table (no processes started): each kind's
-ready replicas take requests in turn, and a dead actor fails only the requests routed through it."""
+ready replicas take requests in turn; a dead engine fails only the requests routed through it,
+a dead tokenizer's requests go to a live replica (or wait for the restarted one), and a
+restarted detokenizer's requests are replayed to it by their engines."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from actors.api import ApiServer, Inflight
 from actors.supervisor import ActorProc, Supervisor
 from glmrt import protocol as P
+from glmrt.sampling_params import SamplingParams
 from glmrt.topology import parse_topology
 
 
@@ -35,12 +38,72 @@ def test_every_replica_takes_its_turn(api):
     assert [r[2] for r in routes] == ["detokenizer/0", "detokenizer/1", "detokenizer/0", "detokenizer/1"]
 
 
-async def test_a_dead_detokenizer_fails_only_its_own_requests(api):
+def _inflight(api, rid: str, tokenizer: str, detok: str, queue: asyncio.Queue) -> Inflight:
+    key = P.RequestKey(rid=rid)
+    tokenize = P.TokenizeRequest(key=key, kind="completion", sampling=SamplingParams(), reply_to=detok, prompt="x")
+    st = api.inflight[key] = Inflight(key, queue, "engine/0", tokenizer, detok, tokenize=tokenize)
+    return st
+
+
+@pytest.fixture
+def sent(api, monkeypatch):
+    out: list[tuple[str, P.Msg]] = []
+
+    async def capture(dest, msg, tensors=()):
+        out.append((dest, msg))
+    monkeypatch.setattr(api.peers, "send", capture)
+    return out
+
+
+async def test_a_detokenizer_given_up_on_fails_only_its_own_requests(api):
     queue: asyncio.Queue = asyncio.Queue()
     for i, detok in enumerate(("detokenizer/0", "detokenizer/1")):
-        key = P.RequestKey(rid=f"r{i}")
-        api.inflight[key] = Inflight(key, queue, "engine/0", "tokenizer/0", detok)
+        _inflight(api, f"r{i}", "tokenizer/0", detok, queue)
+    api.sup.actors["detokenizer/1"].state = "failed"
     api.fail_actor("detokenizer/1")
     assert queue.qsize() == 1 and "detokenizer/1 failed" in str(queue.get_nowait())
     api.fail_actor("engine/0")
     assert queue.qsize() == 2
+
+
+async def test_a_restarted_detokenizer_gets_its_requests_replayed(api, sent):
+    queue: asyncio.Queue = asyncio.Queue()
+    mine = _inflight(api, "mine", "tokenizer/0", "detokenizer/1", queue)
+    _inflight(api, "other", "tokenizer/0", "detokenizer/0", queue)
+    api._deliver(P.TextOut(key=P.RequestKey(rid="mine", choice=1), text="ab", token_ids=[3, 4]))
+    api._deliver(P.TextOut(key=P.RequestKey(rid="mine", choice=1), token_ids=[5]))
+    api.sup.actors["detokenizer/1"].state = "restarting"
+    api.fail_actor("detokenizer/1")
+    assert queue.qsize() == 2 and not any(isinstance(queue.get_nowait(), Exception) for _ in range(2))
+    api.actor_restarted("detokenizer/1")
+    await asyncio.sleep(0)
+    (dest, replay), = sent
+    assert dest == "engine/0" and replay.detokenizer == "detokenizer/1"
+    assert [(p.key, p.received) for p in replay.progress] == [(mine.key, 0), (mine.key.with_choice(1), 3)]
+
+
+async def test_a_dead_tokenizers_requests_go_to_a_live_replica(api, sent):
+    queue: asyncio.Queue = asyncio.Queue()
+    waiting = _inflight(api, "waiting", "tokenizer/1", "detokenizer/0", queue)
+    streaming = _inflight(api, "streaming", "tokenizer/1", "detokenizer/0", queue)
+    api._deliver(P.TextOut(key=streaming.key, text="a", token_ids=[3]))  # it was sent on already
+    _inflight(api, "elsewhere", "tokenizer/0", "detokenizer/0", queue)
+    api.sup.actors["tokenizer/1"].state = "restarting"
+    api.fail_actor("tokenizer/1")
+    await asyncio.sleep(0)
+    assert sent == [("tokenizer/0", waiting.tokenize)] and waiting.tokenizer == "tokenizer/0"
+    assert queue.qsize() == 1  # the TextOut only: nothing failed
+
+
+async def test_with_no_live_tokenizer_the_requests_wait_for_the_restarted_one(api, sent):
+    queue: asyncio.Queue = asyncio.Queue()
+    st = _inflight(api, "r", "tokenizer/0", "detokenizer/0", queue)
+    for i in (0, 1):
+        api.sup.actors[f"tokenizer/{i}"].state = "restarting"
+    api.fail_actor("tokenizer/0")
+    await asyncio.sleep(0)
+    assert sent == [] and queue.empty()
+    api.sup.actors["tokenizer/0"].state = "ready"
+    api.actor_restarted("tokenizer/0")
+    await asyncio.sleep(0)
+    assert sent == [("tokenizer/0", st.tokenize)]

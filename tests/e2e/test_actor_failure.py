@@ -1,6 +1,7 @@
-"""E2E: actor processes killed with SIGKILL under a default-topology deployment. Requests in
-flight fail fast (an error, not a hang), the supervisor restarts the actor, /health comes back
-and new requests succeed."""
+"""E2E: actor processes killed with SIGKILL under a deployment with two tokenizer replicas. A
+dead engine's requests fail fast (an error, not a hang); a dead tokenizer's or detokenizer's
+requests complete with exactly the greedy output of an undisturbed run, streamed without a gap
+or a repeat. The supervisor restarts the actor, /health comes back and new requests succeed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -22,23 +24,28 @@ LONG = 3000  # decode steps: minutes on this machine, so only a failure ends the
 
 @pytest.fixture(scope="module")
 def dep(start_deployment):
-    d = start_deployment([], name="actor-failure")
+    d = start_deployment(["--tokenizer-replicas", "2"], name="actor-failure")
     yield d
     d.stop(term_wait=5)
 
 
-def _pid(dep, kind: str) -> int:
-    (a,) = dep.actors(kind)
+def _actor(dep, kind: str, replica: int = 0) -> dict:
+    (a,) = [a for a in dep.actors(kind) if a["replica"] == replica]
+    return a
+
+
+def _pid(dep, kind: str, replica: int = 0) -> int:
+    a = _actor(dep, kind, replica)
     assert a["state"] == "ready", a
     return a["pid"]
 
 
-def _wait_healthy_again(dep, old_pid: int, kind: str, timeout: float = 90.0) -> dict:
+def _wait_healthy_again(dep, old_pid: int, kind: str, timeout: float = 90.0, replica: int = 0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert dep.alive(), dep.output()[-5000:]
         if http("GET", dep.url + "/health", timeout=5)[0] == 200:
-            (a,) = dep.actors(kind)
+            a = _actor(dep, kind, replica)
             if a["state"] == "ready" and a["pid"] != old_pid:
                 return a
         time.sleep(0.2)
@@ -172,11 +179,77 @@ def test_failed_requests_are_counted_as_errors(dep):
     assert after["error"] - before["error"] == 4, (before, after)
 
 
+SHORT = 40  # decode steps of the requests that must complete across a kill
+
+
+def _greedy(client, name: str, stream: bool, max_tokens: int) -> tuple[str, list[int] | None, str]:
+    """One greedy request's (text, streamed token ids, finish reason); a streamed one's text and
+    token ids are the sum of its chunks, so a gap or a repeated delta changes them."""
+    body = dict(model="tiny", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True,
+                                                                               "return_token_ids": True})
+    if not stream:
+        r = client.completions.create(prompt=f"{name}: tell me everything", **body)
+        return r.choices[0].text, None, r.choices[0].finish_reason
+    text, ids, reason = [], [], None
+    for c in client.chat.completions.create(messages=[{"role": "user", "content": f"{name}: talk"}], stream=True,
+                                            **body):
+        if c.choices:
+            ch = c.choices[0]
+            text.append(ch.delta.content or "")
+            ids += (ch.model_extra or {}).get("token_ids") or []
+            reason = ch.finish_reason or reason
+    return "".join(text), ids, reason
+
+
+def _load(dep, requests: list[tuple[str, bool, int]], during=None) -> dict[str, tuple]:
+    """Run `requests` (name, streamed, max_tokens) at once; `during()` runs while they do, and
+    some of them are still running when it returns (so it disturbed them)."""
+    client = dep.client(timeout=60)
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            futures = {name: pool.submit(_greedy, client, name, stream, n) for name, stream, n in requests}
+            if during is not None:
+                during()
+                assert not all(f.done() for f in futures.values()), "every request ended before the kill"
+            return {name: f.result(timeout=60) for name, f in futures.items()}
+    finally:
+        client.close()
+
+
+def _first_chunks_seen(dep, kind: str, timeout: float = 20.0) -> None:
+    """Wait until an engine (or a decode) runs requests (their first tokens are out)."""
+    deadline = time.monotonic() + timeout
+    while not any(a["running"] for a in dep.actors() if a["kind"] in ("engine", "decode")):
+        assert time.monotonic() < deadline, f"no request started before killing {kind}"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def _requests(tag: str, n: int) -> list[tuple[str, bool, int]]:
+    """n greedy requests, two of three streamed, of lengths around SHORT (some end early)."""
+    return [(f"{tag}{i}", i % 3 != 2, SHORT // 2 + (i * 7) % SHORT) for i in range(n)]
+
+
+def _assert_undisturbed(got: dict, want: dict, kind: str) -> None:
+    for name, result in want.items():
+        assert got[name] == result, f"{name} after killing {kind}: {got[name]!r} != undisturbed {result!r}"
+
+
 @pytest.mark.timeout(120)
-def test_tokenizer_kill_recovers(dep):
-    old_pid, _ = _kill_and_check_inflight(dep, "tokenizer", streams=2, plain=0)
-    _wait_healthy_again(dep, old_pid, "tokenizer")
-    _wait_engine_idle(dep)  # the failed requests were aborted in the engine too
+def test_tokenizer_kill_loses_no_request(dep):
+    """tokenizer/1 dies holding requests (stopped first, so they sit in its inbox): the api sends
+    them to tokenizer/0, which serves them with the rest; the engine runs each once."""
+    requests = _requests("tok", 18)
+    want = _load(dep, requests)
+    old_pid = _pid(dep, "tokenizer", 1)
+
+    def kill_holding_requests():
+        os.kill(old_pid, signal.SIGSTOP)
+        time.sleep(1.0)  # half of the requests are routed to it by now, the rest run
+        os.kill(old_pid, signal.SIGKILL)
+    _assert_undisturbed(_load(dep, requests, kill_holding_requests), want, "tokenizer/1")
+    _wait_healthy_again(dep, old_pid, "tokenizer", replica=1)
+    _wait_engine_idle(dep)  # no request left running twice
     client = dep.client()
     for i in range(3):
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"tok {i}"}],
@@ -184,12 +257,26 @@ def test_tokenizer_kill_recovers(dep):
         assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 0
 
 
-@pytest.mark.timeout(120)
-def test_detokenizer_kill_recovers(dep):
-    old_pid, _ = _kill_and_check_inflight(dep, "detokenizer", streams=2, plain=1)
+def kill_detokenizer_mid_stream(dep, requests: list[tuple[str, bool, int]]) -> None:
+    """Run `requests` undisturbed, then again killing the detokenizer once they stream: each
+    gives the same output; the detokenizer comes back."""
+    want = _load(dep, requests)
+    old_pid = _pid(dep, "detokenizer")
+
+    def kill_mid_stream():
+        _first_chunks_seen(dep, "detokenizer")
+        os.kill(old_pid, signal.SIGKILL)
+    _assert_undisturbed(_load(dep, requests, kill_mid_stream), want, "detokenizer/0")
     _wait_healthy_again(dep, old_pid, "detokenizer")
+
+
+@pytest.mark.timeout(120)
+def test_detokenizer_kill_loses_no_request(dep):
+    """The detokenizer dies mid-stream: its restart gets each request back from the engine, and
+    every stream, plain answer and usage is what an undisturbed run gives."""
+    kill_detokenizer_mid_stream(dep, _requests("detok", 18))
     client = dep.client()
     r = client.completions.create(model="tiny", prompt="detok back", max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
-    _wait_engine_idle(dep)  # the engine carried on: its long requests were aborted, not left running
+    _wait_engine_idle(dep)

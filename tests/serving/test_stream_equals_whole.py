@@ -165,7 +165,7 @@ def _token_outs(case: Case, key: P.RequestKey) -> list[P.TokenOut]:
 def detokenize(case: Case, stream: bool) -> list[P.TextOut]:
     """The TextOuts the real DetokenizerActor sends the api for this case."""
     actor = DetokenizerActor.__new__(DetokenizerActor)
-    actor.tok, actor.reqs, actor.orphans = tokenizer(), {}, {}
+    actor.tok, actor.reqs, actor.orphans, actor.finished = tokenizer(), {}, {}, {}
     sent: list[P.TextOut] = []
 
     async def send(to: str, msg: Any) -> None:

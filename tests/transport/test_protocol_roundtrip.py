@@ -30,6 +30,9 @@ TEXT_OUT = P.TextOut(
     logprobs=[P.TokenLogprob(token_id=5, token="hi", logprob=-0.1,
                              top_logprobs=[P.TopLogprob(token_id=5, token="hi", logprob=-0.1)])],
     prompt_token_ids=[1, 2, 3])
+DETOKENIZE = P.DetokenizeRequest(key=P.RequestKey(rid="r1"), sampling=SAMPLING, prompt_tokens=3, stream=True,
+                                 reasoning=True, tools=[{"type": "function"}], prompt_token_ids=[1, 2, 3],
+                                 engine="engine/0")
 
 SAMPLES = [
     P.Ready(actor="engine", replica=0, pid=123, host="h", gpus=[0, 1], info={"kv_pages": 10, "backend": "ref"}),
@@ -49,9 +52,8 @@ SAMPLES = [
                      code="context_length_exceeded"),
     P.EngineRequest(key=P.RequestKey(rid="r1"), prompt_ids=[1, 2, 3], sampling=SAMPLING, detokenizer="detokenizer/0",
                     mm_items=[ITEM, P.MMItem(kind="video", grid_thw=[2, 4, 4], num_tokens=8)],
-                    decode="decode/0", arrival=1.0),
-    P.DetokenizeRequest(key=P.RequestKey(rid="r1"), sampling=SAMPLING, prompt_tokens=3, stream=True, reasoning=True,
-                        tools=[{"type": "function"}], prompt_token_ids=[1, 2, 3], engine="engine/0"),
+                    decode="decode/0", arrival=1.0, detokenize=DETOKENIZE),
+    DETOKENIZE,
     TOKEN_OUT,
     P.TokenOut(key=P.RequestKey(rid="r2"), token_ids=[7], first_index=0),
     P.TokenBatch(items=[TOKEN_OUT, P.TokenOut(key=P.RequestKey(rid="r2"), token_ids=[7], first_index=0)]),
@@ -63,7 +65,7 @@ SAMPLES = [
     P.EngineStats(actor="engine", replica=0, kv_pages_total=100, kv_pages_free=50, running=2,
                   counters={"prompt_tokens": 10.0, "hit_rate": 0.5}),
     P.HandoffOffer(rid="r1", key=P.RequestKey(rid="a", choice=1), prompt_ids=[1, 2, 3], first_token=9, sampling=SAMPLING, detokenizer="detokenizer/0",
-                   prefill="prefill/0", layout=LAYOUT, transfer_info=b"peer", cached_tokens=2),
+                   prefill="prefill/0", layout=LAYOUT, transfer_info=b"peer", cached_tokens=2, detokenize=DETOKENIZE),
     P.HandoffAccept(rid="r1", ok=True, decode="decode/1", reused_tokens=64,
                     components=[P.MLALatentPages(rows=[4, 5], num_bytes=131072), P.KDAConv(rows=[3], num_bytes=96)],
                     transfer_info=b"peer"),
@@ -72,6 +74,12 @@ SAMPLES = [
     P.KVHandoff(rid="r1", components=[P.IndexerKeyPages(rows=[4], num_bytes=512),
                                       P.IndexerTail(rows=[3], num_bytes=64),
                                       P.KDARecurrent(rows=[3], num_bytes=128)]),
+    P.ReplayRequest(detokenizer="detokenizer/0", progress=[
+        P.ChoiceProgress(key=P.RequestKey(rid="r1"), received=3),
+        P.ChoiceProgress(key=P.RequestKey(rid="r1", choice=1))]),
+    P.DetokenizeReplay(request=DETOKENIZE, choices=[
+        P.ReplayedChoice(tokens=P.TokenOut(key=P.RequestKey(rid="r1"), token_ids=[5, 6, 7], first_index=0), received=2),
+        P.ReplayedChoice(tokens=TOKEN_OUT)]),
     P.VisionRequest(key=P.RequestKey(rid="r1"), items=[ITEM]),
     P.VisionResult(key=P.RequestKey(rid="r1"), embeddings=[REF, P.TensorRef(dtype="bfloat16", shape=[4, 8], frame=1)]),
 ]
