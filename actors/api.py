@@ -284,7 +284,11 @@ class ApiServer:
             st = Inflight(tr.key, queue, eng, tok, det, decode=dec, tokenize=tr)
             self.inflight[tr.key] = st
             states.append(st)
-            await self.peers.send(tok, tr)
+            try:
+                await self.peers.send(tok, tr)
+            except BaseException:  # cancelled or failed mid-way: nothing of this request stays queued
+                await self._abort(states)
+                raise
         return states
 
     async def _abort(self, states: list[Inflight]) -> None:

@@ -73,6 +73,7 @@ class DetokenizerActor(Actor):
         self.reqs: dict[str, Req] = {}
         self.orphans: dict[str, tuple[float, list[P.TokenOut]]] = {}
         self.finished: dict[P.RequestKey, float] = {}  # ended requests -> when
+        self._sends: set = set()  # stop-string aborts in flight (a task nobody holds may be collected)
         return {}
 
     def busy(self) -> bool:
@@ -96,6 +97,8 @@ class DetokenizerActor(Actor):
         elif isinstance(msg, P.TokenOut):
             await self._process([msg])
         elif isinstance(msg, P.EngineError):
+            if msg.key in self.finished:  # a late error (e.g. a refused handoff) after the answer
+                return
             self._end(msg.key)
             await self.send("api/0", msg)
         elif isinstance(msg, P.Abort):
@@ -229,4 +232,6 @@ class DetokenizerActor(Actor):
         import asyncio
         if cfg.engine:
             msg = P.Abort(key=key, choice_only=cfg.sampling.n > 1)
-            asyncio.get_running_loop().create_task(self.send(cfg.engine, msg))
+            task = asyncio.get_running_loop().create_task(self.send(cfg.engine, msg))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)

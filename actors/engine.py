@@ -23,7 +23,8 @@ from glmrt import protocol as P
 
 STATS_S = 1.0
 HANDOFF_TIMEOUT_S = 30.0
-EARLY_ABORT_S = 60.0  # how long an abort that came before its request is remembered
+EARLY_ABORT_S = 60.0
+VISION_TIMEOUT_S = 60.0  # a request whose embeddings take longer (a vision actor died) fails  # how long an abort that came before its request is remembered
 
 
 class EngineActor(Actor):
@@ -47,7 +48,7 @@ class EngineActor(Actor):
         # NOTE: the api aborts at the engine directly, so an abort can overtake the request it
         # names (still at the tokenizer or the vision actor): the loop remembers whole-request
         # aborts a while and drops such a request when it arrives
-        self._early_aborts: collections.deque[tuple[float, P.Abort]] = collections.deque()
+        self._early_aborts: dict[P.RequestKey, float] = {}  # whole request -> when its abort came
         self._routes: dict[str, tuple[P.RequestKey, str]] = {}  # engine rid -> (its choice's key, detok)
         self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
         self.ledger = RequestLedger()  # step thread: duplicates dropped, outputs kept for replays
@@ -55,6 +56,7 @@ class EngineActor(Actor):
         self._reservations: dict[str, tuple] = {}  # decode: engine rid -> (HandoffOffer, reserved at)
         self._vision_wait: dict[P.RequestKey, P.EngineRequest] = {}  # waiting for a vision actor's embeddings
         self._vision_results: dict[P.RequestKey, tuple] = {}        # embeddings that came first
+        self._vision_since: dict[P.RequestKey, float] = {}          # when either of those began
         self.xfer = None
         self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
         self._transfers: list = []   # (handle, decode id, KVHandoff) started by the last step
@@ -100,7 +102,9 @@ class EngineActor(Actor):
                 early = self._vision_results.pop(msg.key, None)
                 if early is None:
                     self._vision_wait[msg.key] = msg
+                    self._vision_since.setdefault(msg.key, time.monotonic())
                     return
+                self._vision_since.pop(msg.key, None)
                 self._join_vision(msg, *early)
                 self._wake.set()
                 return
@@ -113,11 +117,10 @@ class EngineActor(Actor):
             self._pending.append(("add", (msg, mm)))
         elif isinstance(msg, P.Abort):
             if not msg.choice_only:
-                self._early_aborts.append((time.monotonic(), msg))
-                for key in [k for k in self._vision_wait if msg.drops(k)]:
-                    del self._vision_wait[key]
-                for key in [k for k in self._vision_results if msg.drops(k)]:
-                    del self._vision_results[key]
+                self._early_aborts.pop(msg.key.request, None)  # re-inserted last: keeps time order
+                self._early_aborts[msg.key.request] = time.monotonic()
+                for key in [k for k in self._vision_since if msg.drops(k)]:
+                    self._vision_forget(key)
             self._pending.append(("abort", msg))
         elif isinstance(msg, P.VisionResult):
             if self._aborted_early(msg.key):
@@ -125,7 +128,9 @@ class EngineActor(Actor):
             req_msg = self._vision_wait.pop(msg.key, None)
             if req_msg is None:
                 self._vision_results[msg.key] = (msg, frames)
+                self._vision_since.setdefault(msg.key, time.monotonic())
                 return
+            self._vision_since.pop(msg.key, None)
             self._join_vision(req_msg, msg, frames)
         elif isinstance(msg, P.HandoffOffer):
             if self._aborted_early(msg.key):  # refuse it, so the prefill lets go of the state now
@@ -149,6 +154,21 @@ class EngineActor(Actor):
             self._pending.append(("replay", msg))
         self._wake.set()
 
+    def _vision_forget(self, key: P.RequestKey) -> P.EngineRequest | None:
+        """On the loop: drop what is held for `key`'s embeddings; the request, if it was waiting."""
+        self._vision_since.pop(key, None)
+        self._vision_results.pop(key, None)
+        return self._vision_wait.pop(key, None)
+
+    async def _expire_vision(self, now: float) -> None:
+        """A vision actor that died (or never answers) must not hold a request forever."""
+        for key in [k for k, t in self._vision_since.items() if now - t > VISION_TIMEOUT_S]:
+            waiting = self._vision_forget(key)
+            if waiting is not None:
+                await self.send(waiting.detokenizer, P.EngineError(
+                    key=key, status=503, message="the vision encoder did not return this request's embeddings "
+                                                 f"within {VISION_TIMEOUT_S:.0f} s; retry"))
+
     def _stats(self) -> P.EngineStats:
         e = self.engine
         info = e.info()
@@ -168,6 +188,9 @@ class EngineActor(Actor):
         for op, arg in pending:
             if op == "abort":
                 self._abort(arg)
+                continue
+            if op == "transferred":
+                self.source.transferred(arg)
                 continue
             if op == "error":
                 m, why = arg
@@ -243,6 +266,7 @@ class EngineActor(Actor):
                     self.engine.abort(rid)
                 self.engine.requests.pop(rid, None)
                 del self._routes[rid]
+                self._pd.pop(rid, None)
                 self._route_gone(key)
         for rid in [r for r, (offer, _) in self._reservations.items() if abort.drops(offer.key)]:
             self.sink.cancel(rid)
@@ -252,9 +276,12 @@ class EngineActor(Actor):
         """On the loop: whether an abort for `key` came before it (forgetting those older than
         EARLY_ABORT_S)."""
         now = time.monotonic()
-        while self._early_aborts and now - self._early_aborts[0][0] > EARLY_ABORT_S:
-            self._early_aborts.popleft()
-        return any(a.drops(key) for _, a in self._early_aborts)
+        while self._early_aborts:  # oldest first: insertion order is time order
+            oldest, t = next(iter(self._early_aborts.items()))
+            if now - t <= EARLY_ABORT_S:
+                break
+            del self._early_aborts[oldest]
+        return key.request in self._early_aborts
 
     def _join_vision(self, msg: P.EngineRequest, result: P.VisionResult, frames: list) -> None:
         from glmrt.engine.mm import MMInput
@@ -366,7 +393,7 @@ class EngineActor(Actor):
         """When the write completes, tell the decode (or fail the request on both sides)."""
         result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
         if result.ok:
-            self.source.transferred(result.seconds)
+            self._pending.append(("transferred", result.seconds))  # the step thread counts it
             await self.send(decode, msg)
         else:
             self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
@@ -493,6 +520,7 @@ class EngineActor(Actor):
             if now - last_stats >= STATS_S:
                 last_stats = now
                 await self.send("api/0", self._stats())
+                await self._expire_vision(now)
             if stats_log.due(now):
                 line = stats_log.line(self._stats(), now)
                 if line is not None:

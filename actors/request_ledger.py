@@ -35,6 +35,7 @@ class RequestLedger:
 
     def hold(self, key: P.RequestKey, detokenize: P.DetokenizeRequest | None) -> None:
         """Remember a request that arrived by handoff (a decode's choices come one at a time)."""
+        self._expire()
         self.detokenize.setdefault(key, detokenize)
 
     def finish_choice(self, out: P.TokenOut) -> None:
@@ -43,6 +44,7 @@ class RequestLedger:
 
     def end(self, key: P.RequestKey) -> None:
         """Request `key` holds nothing here any more: forget it after `keep_s`."""
+        self._expire()
         self._ended.append((time.monotonic(), key))
 
     def _expire(self) -> None:

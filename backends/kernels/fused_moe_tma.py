@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - older Triton: fused_moe keeps its poin
     TensorDescriptor = None
 
 # Tiles for 16K tokens: the pointer GEMMs' measured best (fused_moe_configs.CONFIGS' last row) as a start;
-# not yet timed here on an H200 (bench.moe_h200 --tma-sweep times the alternatives).
+# untimed on an H200 (bench.moe_h200 --tma-sweep times the alternatives).
 CONFIG = dict(BLOCK_M=128, A_TMA=True,
               gate_up=dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
               down=dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4))

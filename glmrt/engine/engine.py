@@ -497,7 +497,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         if reason == "handoff":
             # keep the pages and the live slot until the decode side has the state
-            # (glmrt.engine.handoff); the scheduler no longer runs it
+            # (glmrt.engine.handoff); the scheduler stops running it
             self.scheduler.running.remove(req)
             req.finish_reason = reason
             self.handoffs[req.rid] = req

@@ -71,8 +71,6 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, *, ratio: float = 0.9,
     reason = None
     if wanted > bound:
         reason = (f"{slots} state slots / (1 live + {checkpoint_headroom} checkpoint headroom per request) = {bound}")
-    elif max_running_requests is None:
-        reason = None
     return MemoryPlan(budget_bytes, int(pages * per_page), int(slots * per_slot), int(pages), int(slots),
                       layout.page_size, min(wanted, bound), reason)
 
