@@ -1,7 +1,10 @@
-"""The engine actor drops a request whose abort overtook it (the api aborts at the engine
-directly, while the request may still be one hop back at the tokenizer), and serves the rest."""
+"""Requests the engine actor holds before they run: one whose abort overtook it is dropped (the
+api aborts at the engine directly, while the request may still be one hop back at the tokenizer)
+and the rest are served; one whose embeddings never come from a vision actor fails."""
 
 from __future__ import annotations
+
+import time
 
 from glmrt import protocol as P
 from glmrt.actor_config import EngineActorConfig
@@ -44,5 +47,34 @@ async def test_an_abort_that_overtakes_its_request_drops_it(ckpt, tmp_path):
         await engine.handle(_request("later"), [])
         assert {t.key.rid for t in await _run(engine)} == {"later"}
         assert not engine._routes and not engine.busy()
+    finally:
+        await engine.teardown()
+
+
+async def test_a_request_whose_embeddings_never_come_fails(ckpt, tmp_path, monkeypatch):
+    import actors.engine as engine_actor
+    from actors.engine import EngineActor
+
+    engine = EngineActor(run_spec("engine", tmp_path, EngineActorConfig(
+        engine=EngineConfig(model=ckpt, dtype="float32", page_size=8))))
+    await engine.setup()
+    sent = []
+
+    async def capture(peer_id, msg, tensors=()):
+        sent.append((peer_id, msg))
+    monkeypatch.setattr(engine, "send", capture)
+    try:
+        item = P.MMItem(kind="image", grid_thw=[1, 2, 2], num_tokens=1)  # no pixels: a vision actor has them
+        waiting = _request("img")
+        waiting.mm_items = [item]
+        await engine.handle(waiting, [])
+        await engine._expire_vision(time.monotonic())
+        assert sent == []  # still within the timeout
+        monkeypatch.setattr(engine_actor, "VISION_TIMEOUT_S", 0.0)
+        await engine._expire_vision(time.monotonic() + 1.0)
+        ((peer, err),) = sent
+        assert peer == "detokenizer/0" and isinstance(err, P.EngineError) and err.status == 503
+        assert err.key == P.RequestKey(rid="img") and "embeddings" in err.message
+        assert not engine._vision_wait and not engine._vision_since
     finally:
         await engine.teardown()
