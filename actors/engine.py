@@ -517,12 +517,14 @@ class EngineActor(Actor):
             for dest, items in batches:
                 await self.send(dest, P.TokenBatch(items=items))
             now = time.monotonic()
+            stats = None
             if now - last_stats >= STATS_S:
                 last_stats = now
-                await self.send("api/0", self._stats())
+                stats = self._stats()
+                await self.send("api/0", stats)
                 await self._expire_vision(now)
             if stats_log.due(now):
-                line = stats_log.line(self._stats(), now)
+                line = stats_log.line(stats or self._stats(), now)
                 if line is not None:
                     self.log.info(line)
 

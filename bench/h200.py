@@ -11,8 +11,8 @@ import sys
 
 
 def write_out(name: str, obj) -> str | None:
-    """Write `obj` as JSON to $OUT/name when OUT is set (the device tool brings $OUT back) ->
-    the path written, or None."""
+    """Write `obj` as JSON to $OUT/name when OUT is set (the folder a run's results are collected
+    from) -> the path written, or None."""
     import json
 
     out = os.environ.get("OUT")
