@@ -226,8 +226,8 @@ def check_parallel_shapes(topo, model_config) -> str | None:
                      else ("moe_intermediate_size", text.moe_intermediate_size, a.tp))
         for name, total, parts in sizes:
             if total % parts:
-                flag = "--ep-size" if name == "n_routed_experts" else "--tp-size"
-                return (f"{a.kind}: {flag} {parts} does not divide the model's {name} ({total}); pick a size "
+                size = "ep (--ep-size)" if name == "n_routed_experts" else "tp (--tp-size)"
+                return (f"{a.kind}: {size} = {parts} does not divide the model's {name} ({total}); pick a size "
                         f"that divides it")
     return None
 
