@@ -125,7 +125,7 @@ class Supervisor:
     def _gpus(self, spec: ActorSpec, replica: int) -> list[int]:
         if not spec.gpus:
             return []
-        if len(spec.gpus) == spec.replicas * spec.tp:
+        if spec.tp > 1 or len(spec.gpus) == spec.replicas:  # replica i: its tp GPUs of the list, in turn
             return list(spec.gpus[replica * spec.tp:(replica + 1) * spec.tp])
         return [spec.gpus[replica % len(spec.gpus)]]
 

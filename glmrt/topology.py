@@ -420,4 +420,7 @@ def validate_scale(topo: Topology, kind: str, n: int) -> str:
     if spec.process:
         raise ValueError(f"{name} shares process {spec.process!r} with other actors; co-located actors "
                          "are not scaled one kind at a time")
+    if spec.tp > 1 and spec.gpus and n * spec.tp > len(spec.gpus):
+        raise ValueError(f"{name}: {n} replicas x tp {spec.tp} need {n * spec.tp} GPUs, one per rank; its entry "
+                         f"lists {len(spec.gpus)} (gpus = {list(spec.gpus)})")
     return name

@@ -74,6 +74,16 @@ def test_tp_ranks_are_placed_on_gpus():
     assert place_parallel_engines(bare, 0).actor("engine").gpus == ()   # the CPU: no GPUs to place
 
 
+def test_scaling_an_engine_of_several_ranks_needs_their_gpus():
+    from glmrt.topology import validate_scale
+
+    t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "gpus": [0, 1, 2, 3],
+                                    "replicas": 2}, {"kind": "detokenizer"}]})
+    assert validate_scale(t, "engine", 1) == "engine"
+    with pytest.raises(ValueError, match=r"3 replicas x tp 2 need 6 GPUs, one per rank; its entry lists 4"):
+        validate_scale(t, "engine", 3)
+
+
 def test_gpu_that_does_not_exist():
     t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "gpus": [3]}, {"kind": "detokenizer"}]})
     with pytest.raises(TopologyError, match="gpu 3 does not exist"):
