@@ -61,6 +61,8 @@ class RankGroup:
         self.log = log
         self.stopping = False
         self.procs: list[subprocess.Popen] = []
+        if engine.device.startswith("cuda:"):  # each rank sees its one GPU only, as cuda:0
+            engine = engine.replace(device="cuda")
         for rank in range(1, tp_size):
             spec = RankSpec(actor_id=actor_id, rank=rank, tp_size=tp_size, ep_size=ep_size, rendezvous=rendezvous,
                             engine=engine, parent_pid=os.getpid(), log_level=log_level, torch_threads=torch_threads)

@@ -105,3 +105,19 @@ def test_two_ranks_serve_what_one_rank_serves(ckpt, two_ranks):
         for (_, lp2), (_, lp1) in zip(two, one):
             if lp1:
                 assert max(abs(a - b) for a, b in zip(lp2, lp1)) <= 1e-5 * max(abs(x) for x in lp1), mode
+
+
+def test_one_rank_makes_no_collective_call(ckpt, model, monkeypatch):
+    import torch.distributed as dist
+
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.engine import Engine
+
+    def refuse(*a, **kw):
+        raise AssertionError("a one-rank engine called a collective")
+
+    for name in ("broadcast", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        monkeypatch.setattr(dist, name, refuse)
+    engine = Engine(EngineConfig(model=ckpt, page_size=PS), model=model, log=lambda *a: None)
+    assert engine.runner.link is None
+    assert len(_serve(engine, overlap=True)) == 3 * 2 + 2 * 2 + 1
