@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import os
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ from glmrt import env
 from glmrt import protocol as P
 
 STATS_S = 1.0
+STOP_RANKS_S = 5.0  # an engine's other ranks have this long to leave after it stops
 HANDOFF_TIMEOUT_S = 30.0
 EARLY_ABORT_S = 60.0
 VISION_TIMEOUT_S = 60.0  # a request whose embeddings take longer (a vision actor died) fails  # how long an abort that came before its request is remembered
@@ -41,7 +43,11 @@ class EngineActor(Actor):
         cfg = self.spec.config.engine
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         loop = asyncio.get_running_loop()
-        self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self.log.info))
+        self.ranks = None
+        if self.spec.config.tp > 1:
+            self.engine = await loop.run_in_executor(self._executor, self._start_ranks())
+        else:
+            self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self.log.info))
         # NOTE: the loop appends and the step thread pops: a deque's append/popleft are atomic
         self._pending: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = asyncio.Event()
@@ -64,12 +70,53 @@ class EngineActor(Actor):
         if cfg.role != "unified":
             self._start_handoff()
         info = dict(self.engine.info())
+        info.update(tp_size=self.spec.config.tp, ep_size=self.spec.config.ep,
+                    ranks=self.ranks.ranks() if self.ranks is not None else
+                    [{"rank": 0, "pid": os.getpid(), "device": self._device_name()}])
         if self.xfer is not None:
             info.update(kv_transfer=self.xfer.backend)
         info.update(backend=self.engine.backend.name, dtype=str(self.engine.dtype).removeprefix("torch."),
                     kv_dtype=self.engine.layout.kv_dtype, state_dtype=self.engine.layout.state_dtype,
                     memory=self.engine.memory.describe())
         return info
+
+    def _start_ranks(self):
+        """Start ranks 1..tp-1 (from this, the main thread) -> what builds rank 0's Engine in the
+        step thread, once they have joined its group."""
+        import torch
+
+        from actors.engine_rank import RankGroup
+        from glmrt.engine.engine import Engine
+        from glmrt.engine.ranks import join_group, rendezvous_path
+
+        c, spec = self.spec.config, self.spec
+        rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
+        self.ranks = RankGroup(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level,
+                               c.torch_threads, self.log)
+        self.log.info("tp %d, ep %d: ranks %s", c.tp, c.ep,
+                      ", ".join(f"{r['rank']} (pid {r['pid']}, {r['device']})" for r in self.ranks.ranks()))
+
+        def build():
+            device = c.engine.resolved_device()
+            if device.startswith("cuda"):
+                torch.cuda.set_device(spec.gpus[0] if spec.gpus else 0)  # the step thread's own current device
+            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device)
+            return Engine(c.engine, log=self.log.info, parallel=parallel, link=link)
+        return build
+
+    def _device_name(self) -> str:
+        """A one-rank engine's device as the machine numbers it ("cuda:3"), or "cpu"."""
+        from actors.engine_rank import device_names
+        return device_names(1, self.spec.gpus)[0] if self.spec.gpus else str(self.engine.model.device)
+
+    def _stop_ranks(self) -> None:
+        """Step thread, as the engine ends: the other ranks leave their loop and exit."""
+        try:
+            self.engine.runner.stop_followers()
+        finally:
+            self.ranks.wait_stopped()
+            from glmrt.engine.ranks import leave_group
+            leave_group()
 
     def _start_handoff(self) -> None:
         """Prefill/decode roles: the engine's handoff source and sink, and a transfer engine
@@ -531,6 +578,13 @@ class EngineActor(Actor):
     async def teardown(self) -> None:
         for task in list(getattr(self, "_transfer_tasks", ())):
             task.cancel()
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.stopping = True
+            try:  # after the step in flight (one step thread): the ranks are between steps then
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, self._stop_ranks),
+                                       timeout=2 * STOP_RANKS_S)
+            except Exception:
+                self.ranks.kill()
         self._executor.shutdown(wait=False)
         if getattr(self, "xfer", None) is not None:
             self.xfer.close()

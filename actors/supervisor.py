@@ -87,10 +87,17 @@ class Supervisor:
 
     def status(self) -> list[dict[str, Any]]:
         import socket
-        return [{"kind": a.kind, "replica": a.replica, "pid": a.pid, "host": socket.gethostname(), "gpus": a.gpus,
-                 "state": a.state, "load": round(a.load, 4), "running": a.running, "waiting": a.waiting,
-                 "restarts": len(a.restarts)}
-                for a in sorted(self.actors.values(), key=lambda x: (x.kind, x.replica)) if a.state != "retired"]
+        out = []
+        for a in sorted(self.actors.values(), key=lambda x: (x.kind, x.replica)):
+            if a.state == "retired":
+                continue
+            row = {"kind": a.kind, "replica": a.replica, "pid": a.pid, "host": socket.gethostname(), "gpus": a.gpus,
+                   "state": a.state, "load": round(a.load, 4), "running": a.running, "waiting": a.waiting,
+                   "restarts": len(a.restarts)}
+            if kind_of(a.kind).engine_role is not None:  # its ranks, once its Ready said where they run
+                row.update(tp=a.info.get("tp_size"), ep=a.info.get("ep_size"), ranks=a.info.get("ranks", []))
+            out.append(row)
+        return out
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,7 +125,7 @@ class Supervisor:
     def _gpus(self, spec: ActorSpec, replica: int) -> list[int]:
         if not spec.gpus:
             return []
-        if len(spec.gpus) == spec.replicas * spec.tp:
+        if spec.tp > 1 or len(spec.gpus) == spec.replicas:  # replica i: its tp GPUs of the list, in turn
             return list(spec.gpus[replica * spec.tp:(replica + 1) * spec.tp])
         return [spec.gpus[replica % len(spec.gpus)]]
 
@@ -128,7 +135,7 @@ class Supervisor:
             engine = self.topo.engine_config(spec)
             if engine.model is not None or engine.load_format != "dummy":
                 engine = engine.replace(model=self.model_path)
-            return EngineActorConfig(engine=engine, log_interval=self.topo.log.log_interval)
+            return EngineActorConfig(engine=engine, log_interval=self.topo.log.log_interval, tp=spec.tp, ep=spec.ep)
         if spec.kind == "vision":
             return VisionActorConfig(model_path=self.model_path, dtype=self.topo.model.dtype,
                                      feature_transport=self.topo.feature_transport)
@@ -283,7 +290,23 @@ class Supervisor:
                     p.send_signal(signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        for a in self.actors.values():  # an engine's other ranks die with it; kill any left anyway
+            for r in a.info.get("ranks", [])[1:]:
+                _kill_if_alive(r.get("pid"), a.pid)
         for t in self._tasks:
             t.cancel()
         self.inbox.close()
         self.peers.close()
+
+
+def _kill_if_alive(pid: int | None, parent: int | None) -> None:
+    """SIGKILL `pid` if it is still a child of engine process `parent` (or orphaned to init)."""
+    if not pid:
+        return
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        if ppid in (parent, 1):
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError, IndexError):
+        pass

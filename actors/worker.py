@@ -17,7 +17,8 @@ from actors.logs import configure_logging
 from glmrt.actor_kinds import kind_of
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that started it ends."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -33,7 +34,7 @@ def actor_class(kind: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent()
     specs = decode_run_specs(argv[0])
     configure_logging(specs[0].log.level)   # one deployment-wide level: co-located specs agree
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop

@@ -84,7 +84,11 @@ def _check_graph_logits(engine, prompts) -> dict:
     work = [Work(r, r.num_computed, 1, True) for r in reqs]
     st = engine.cache.state
     snap = [t.clone() for t in (st.conv, st.recurrent, st.tail_k, st.tail_g)]
-    eager = runner._forward(work).float().clone()
+    from glmrt.engine.ranks import ForwardInputs
+    eager = runner.run(ForwardInputs(ids=[r.token_slice(w.start, w.start + 1)[0] for r, w in zip(reqs, work)],
+                                     prefix_lens=[w.start for w in work], seq_lens=[1] * len(work),
+                                     slot_ids=[r.slot for r in reqs], page_tables=[r.pages for r in reqs],
+                                     logits_rows=list(range(len(work))))).float().clone()
     for t, s in zip((st.conv, st.recurrent, st.tail_k, st.tail_g), snap):
         t.copy_(s)
     key = runner.graph_key(work)

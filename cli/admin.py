@@ -13,7 +13,7 @@ from glmrt.actor_kinds import ENGINE_KINDS
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    for name, helptext in (("status", "show every actor, its placement, state and load"),
+    for name, helptext in (("status", "show every actor, its placement, state and load (and each engine's ranks)"),
                            ("scale", "set the replica count of an actor kind: glmrt scale engine=2"),
                            ("down", "drain and stop a deployment")):
         p = sub.add_parser(name, help=helptext)
@@ -47,9 +47,17 @@ def _call(args, method: str, route: str, body: dict | None = None) -> dict:
 
 def _status_fields(kind: str) -> tuple[str, ...]:
     """An actor's fields in `glmrt status --json`; an engine's add its requests running and waiting
-    (queued), from its latest stats."""
+    (queued), from its latest stats, its tp / ep sizes and its ranks (each one's pid and device)."""
     common = ("kind", "replica", "pid", "host", "gpus", "state", "load")
-    return common + ("running", "waiting") if kind in ENGINE_KINDS else common
+    return common + ("running", "waiting", "tp", "ep", "ranks") if kind in ENGINE_KINDS else common
+
+
+def _ranks_line(a: dict) -> str | None:
+    """An engine's ranks under its row: "tp 2, ep 1; rank 0: pid 41 on cuda:0, rank 1: ..."."""
+    if a["kind"] not in ENGINE_KINDS or not a.get("ranks"):
+        return None
+    ranks = ", ".join(f"rank {r['rank']}: pid {r['pid']} on {r['device']}" for r in a["ranks"])
+    return f"{'':<12} tp {a.get('tp')}, ep {a.get('ep')}; {ranks}"
 
 
 def _status(args) -> int:
@@ -61,6 +69,9 @@ def _status(args) -> int:
     for a in out["actors"]:
         print(f"{a['kind']:<12} {a['replica']:>7} {a['pid'] or '-':>8} {a['state']:<10} {a['load']:>6.2f} "
               f"{a.get('running', 0):>7} {a.get('waiting', 0):>7}  {a['gpus'] or '-'}")
+        line = _ranks_line(a)
+        if line:
+            print(line)
     return 0
 
 

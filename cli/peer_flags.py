@@ -4,7 +4,7 @@ each, saying what glmrt does instead.
 A user pastes a recipe's command line; each of these flags is refused in one line that names the
 glmrt way (`glmrt up: error: --tp-size: ...`, exit status 2) instead of argparse's bare
 "unrecognized arguments". A row may accept the values that name what glmrt already does
-(`--tool-call-parser glm47`, `--tp-size 1`). When glmrt builds one of these features, its flag
+(`--tool-call-parser glm47`, `--nnodes 1`). When glmrt builds one of these features, its flag
 moves out of this table into `glmrt up`'s own flags.
 """
 
@@ -26,7 +26,8 @@ class PeerFlag:
     """Values that name what glmrt already does: accepted, the rest refused."""
 
 
-_ONE_GPU = "glmrt runs one GPU per engine (use --engine-replicas or [[actors]] replicas for data parallelism)"
+_DP_ATTENTION = ("data-parallel attention is not built yet; an engine of --tp-size N splits attention heads over "
+                 "its N ranks, and --dp-size N runs N engine replicas")
 _SPECULATIVE = "speculative decoding is not built yet; glmrt decodes one token per step"
 _HICACHE = ("the hierarchical (host-memory) KV cache is not built yet; the prefix cache lives in GPU memory "
             "(size it with --mem-fraction-static)")
@@ -35,13 +36,9 @@ _CONTEXT_PARALLEL = ("context parallelism is not built yet; one engine prefills 
 _ONE_HOST = "multi-node serving is not built yet; glmrt runs a deployment on one host"
 
 PEER_FLAGS: tuple[PeerFlag, ...] = (
-    PeerFlag(("--tp-size", "--tp", "--tensor-parallel-size"), "tensor parallelism is not built yet; " + _ONE_GPU,
-             accepts=("1",)),
-    PeerFlag(("--ep-size", "--ep", "--expert-parallel-size"), "expert parallelism is not built yet; every engine "
-             "holds all experts on its GPU", accepts=("1",)),
-    PeerFlag(("--dp-size", "--dp", "--data-parallel-size"), "use --engine-replicas N: " + _ONE_GPU, accepts=("1",)),
-    PeerFlag(("--enable-dp-attention",), "data-parallel attention is not built yet; " + _ONE_GPU, takes_value=False),
-    PeerFlag(("--moe-dense-tp-size",), "tensor parallelism is not built yet; " + _ONE_GPU, accepts=("1",)),
+    PeerFlag(("--enable-dp-attention",), _DP_ATTENTION, takes_value=False),
+    PeerFlag(("--moe-dense-tp-size",), "glmrt splits the dense layers over the engine's --tp-size ranks like the "
+             "rest of the model; drop the flag"),
     PeerFlag(("--attn-cp-size",), _CONTEXT_PARALLEL, accepts=("1",)),
     PeerFlag(("--enable-prefill-cp",), _CONTEXT_PARALLEL, takes_value=False),
     PeerFlag(("--speculative-algorithm",), _SPECULATIVE, accepts=("none",)),

@@ -31,9 +31,10 @@ from cli.parsing import field_help, print_error, with_default
 from cli.peer_flags import add_peer_flags
 from glmrt import env
 from glmrt.devices import gpu_count
+from glmrt.actor_kinds import ENGINE_KINDS
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
-from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError, default_topology, load_topology,
-                            validate)
+from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError, default_topology,
+                            load_topology, place_parallel_engines, validate)
 
 log = logging.getLogger("glmrt")
 
@@ -80,6 +81,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer-replicas", type=int, help="tokenizer processes (default: the topology's, 1)")
     p.add_argument("--engine-replicas", type=int, help="engine processes, one GPU each where GPUs are placed "
                                                        "(default: the topology's, 1)")
+    p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", type=int, dest="tp_size",
+                   help=with_default("tensor-parallel degree: ranks of each engine, one process and one GPU "
+                                     "each", "the topology's tp, 1"))
+    p.add_argument("--ep-size", "--ep", "--expert-parallel-size", type=int, dest="ep_size",
+                   help=with_default("expert-parallel degree of each engine: 1 (every rank holds every expert, "
+                                     "split by intermediate size) or --tp-size (each rank holds 1/tp of the "
+                                     "experts)", "the topology's ep, 1"))
+    p.add_argument("--dp-size", "--dp", "--data-parallel-size", type=int, dest="dp_size",
+                   help=with_default("engine replicas (data parallelism: each serves its own requests; the same "
+                                     "as --engine-replicas)", "the topology's, 1"))
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help=with_default("seconds the actors have to become ready", 600.0))
     for f in dataclasses.fields(LogSection):
@@ -145,6 +156,7 @@ def build_topology(args: argparse.Namespace):
     logs = dataclasses.replace(topo.log, **{f.name: getattr(args, f.name) for f in dataclasses.fields(LogSection)
                                             if getattr(args, f.name, None) is not None})
     topo = dataclasses.replace(topo, model=model, engine=engine, api=api, log=logs)
+    topo = _apply_parallel_flags(topo, args)
     for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
         n = getattr(args, flag)
         if n is not None:
@@ -155,7 +167,9 @@ def build_topology(args: argparse.Namespace):
                                     "replicas of its entries in the topology file")
             topo = topo.with_replicas(kind, n)
     # the file was validated as it was read: what is new here is the flags', and the machine's GPUs
-    validate(topo, num_gpus=gpu_count(), flags=True)
+    num_gpus = gpu_count()
+    validate(topo, num_gpus=num_gpus, flags=True)
+    topo = place_parallel_engines(topo, num_gpus or 0)
     configs = topo.engine_configs()
     if "prefill" in configs:
         try:
@@ -171,6 +185,51 @@ def build_topology(args: argparse.Namespace):
                                 f"({options['prefill'].backend}), decode {kv['decode']} ({options['decode'].backend}); "
                                 "set --kv-cache-dtype")
     return topo
+
+
+def _apply_parallel_flags(topo, args: argparse.Namespace):
+    """--tp-size / --ep-size set every engine entry's tp / ep; --dp-size its replicas (as
+    --engine-replicas does). Values the flags alone make impossible are refused in their spelling."""
+    tp, ep, dp = args.tp_size, args.ep_size, args.dp_size
+    for flag, n in (("--tp-size", tp), ("--ep-size", ep), ("--dp-size", dp)):
+        if n is not None and n < 1:
+            raise TopologyError(f"{flag} must be >= 1 (got {n})")
+    if ep is not None:
+        tp_now = tp if tp is not None else max((a.tp for a in topo.actors if a.kind in ENGINE_KINDS), default=1)
+        if ep not in (1, tp_now):
+            raise TopologyError(f"--ep-size {ep} must be 1 or --tp-size ({tp_now})")
+    if dp is not None:
+        if topo.actor("engine") is None:
+            raise TopologyError("--dp-size: the topology runs no 'engine' actor; set the replicas of its entries "
+                                "in the topology file")
+        if args.engine_replicas is not None and args.engine_replicas != dp:
+            raise TopologyError(f"--dp-size {dp} and --engine-replicas {args.engine_replicas} disagree; give one")
+        args.engine_replicas = dp
+    over = {k: v for k, v in (("tp", tp), ("ep", ep)) if v is not None}
+    if not over:
+        return topo
+    actors = tuple(dataclasses.replace(a, **over) if a.kind in ENGINE_KINDS else a for a in topo.actors)
+    return dataclasses.replace(topo, actors=actors)
+
+
+def check_parallel_shapes(topo, model_config) -> str | None:
+    """The model sizes each engine's tp / ep must divide (its ranks hold equal shares of the
+    attention heads, the vocabulary, the MLP widths and the experts). Returns the refusal, or None."""
+    text = model_config.text
+    for a in topo.actors:
+        if a.kind not in ENGINE_KINDS or a.tp == 1:
+            continue
+        sizes = [("num_attention_heads", text.num_attention_heads, a.tp),
+                 ("linear_num_heads", text.linear_num_heads, a.tp), ("vocab_size", text.vocab_size, a.tp),
+                 ("intermediate_size", text.intermediate_size, a.tp)]
+        sizes.append(("n_routed_experts", text.n_routed_experts, a.ep) if a.ep > 1
+                     else ("moe_intermediate_size", text.moe_intermediate_size, a.tp))
+        for name, total, parts in sizes:
+            if total % parts:
+                size = "ep (--ep-size)" if name == "n_routed_experts" else "tp (--tp-size)"
+                return (f"{a.kind}: {size} = {parts} does not divide the model's {name} ({total}); pick a size "
+                        f"that divides it")
+    return None
 
 
 def check_backend_options(configs: dict[str, EngineConfig], probe=None) -> dict:
@@ -298,7 +357,8 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
         mc = load_model_config(path)
     except ConfigError as e:
         return refuse(str(e))
-    refusal = check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
+    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
+               or check_parallel_shapes(topo, mc))
     if refusal:
         return refuse(refusal)
     gen_path = os.path.join(path, "generation_config.json")

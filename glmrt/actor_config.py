@@ -76,6 +76,10 @@ class EngineActorConfig:
     """Seconds between the engine's stats lines, printed only when it worked since the last one (0: none)."""
     torch_threads: int = 1
     """torch CPU threads of the actor process."""
+    tp: int = 1
+    """Ranks of the engine: the actor is rank 0 and starts the others (actors.engine_rank)."""
+    ep: int = 1
+    """Expert-parallel degree (1 or tp)."""
 
 
 ActorConfig = TokenizerActorConfig | DetokenizerActorConfig | VisionActorConfig | EngineActorConfig

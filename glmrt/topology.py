@@ -4,7 +4,7 @@
     [engine]    engine flags (glmrt.engine.config.EngineConfig fields)
     [api]       ApiSection: host, port, api_key, max_request_mb, max_queued_requests, media
     [log]       LogSection: log_level, log_interval, disable_log_requests (every process glmrt starts)
-    [[actors]]  ActorSpec: kind, replicas, gpus, tp, process, engine (per-entry engine overrides)
+    [[actors]]  ActorSpec: kind, replicas, gpus, tp, ep, process, engine (per-entry engine overrides)
 
 `Topology` is the root. `validate(topo)` is the pass `glmrt up` runs after the file and the flags
 are merged and before any actor starts: it checks every section's fields against their declared
@@ -96,9 +96,13 @@ class ActorSpec:
     replicas: int = 1
     """Processes of this kind (bounds: the kind's min_replicas)."""
     gpus: tuple[int, ...] = ()
-    """GPUs the replicas are placed on (one each in turn, or replicas x tp of them)."""
+    """GPUs the replicas are placed on: one each in turn (tp = 1), or replicas x tp of them, tp
+    consecutive ones per replica (empty on a GPU machine: the first replicas x tp GPUs)."""
     tp: int = 1
-    """Tensor-parallel degree (only 1 in this build)."""
+    """Tensor-parallel degree of an engine: ranks (processes, one GPU each) per replica."""
+    ep: int = 1
+    """Expert-parallel degree of an engine: 1 (every rank holds every expert, split by
+    intermediate size) or tp (each rank holds 1/tp of the experts)."""
     process: str | None = None
     """Entries sharing a process name run in one process (one replica each)."""
     engine: dict[str, Any] = field(default_factory=dict)
@@ -306,16 +310,13 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
             raise TopologyError(f"actor kind {k!r} is listed {kinds.count(k)} times; use one entry with replicas")
     for a in topo.actors:
         row = kind_of(a.kind)
-        for name in ("replicas", "tp"):
+        for name in ("replicas", "tp", "ep"):
             if isinstance(getattr(a, name), bool) or not isinstance(getattr(a, name), int):
                 raise TopologyError(f"{a.kind}: {name} must be an integer, got {getattr(a, name)!r}")
         if a.replicas < row.min_replicas:
             extra = " (leave the entry out to run the tower in the engine)" if a.kind == "vision" else ""
             raise TopologyError(f"{a.kind}: replicas must be >= {row.min_replicas}, got {a.replicas}{extra}")
-        if a.tp < 1:
-            raise TopologyError(f"{a.kind}: tp must be >= 1, got {a.tp}")
-        if a.tp > 1:
-            raise TopologyError(f"{a.kind}: tp={a.tp} — tensor parallelism is not available in this build; use tp = 1")
+        _check_parallel(a, num_gpus)
         if a.gpus and not row.uses_gpus:
             raise TopologyError(f"{a.kind} does not run a model and takes no GPUs (gpus = {list(a.gpus)})")
         if num_gpus == 0 and a.gpus:
@@ -327,8 +328,8 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
                     raise TopologyError(f"{a.kind}: gpu {g} does not exist (this machine has {num_gpus} GPUs)")
         if a.process is not None and a.replicas != 1:
             raise TopologyError(f"{a.kind}: process = {a.process!r} co-locates one replica; replicas must be 1")
-        if a.gpus and a.replicas > 1 and len(a.gpus) not in (1, a.replicas * a.tp):
-            raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} cannot be placed on gpus {list(a.gpus)}")
+        if a.gpus and a.tp == 1 and a.replicas > 1 and len(a.gpus) not in (1, a.replicas):
+            raise TopologyError(f"{a.kind}: {a.replicas} replicas cannot be placed on gpus {list(a.gpus)}")
     has_engine = "engine" in kinds
     has_pd = "prefill" in kinds or "decode" in kinds
     if has_engine and has_pd:
@@ -351,6 +352,55 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
             raise TopologyError(f"the topology has no {needed!r} actor")
 
 
+def _check_parallel(a: ActorSpec, num_gpus: int | None) -> None:
+    """An entry's tp / ep and the GPUs its ranks need: replicas x tp of them, one per rank."""
+    if a.tp < 1:
+        raise TopologyError(f"{a.kind}: tp must be >= 1, got {a.tp}")
+    if a.ep < 1:
+        raise TopologyError(f"{a.kind}: ep must be >= 1, got {a.ep}")
+    if a.tp == 1 and a.ep == 1:
+        return
+    if kind_of(a.kind).engine_role is None:
+        raise TopologyError(f"{a.kind} does not run a model: tp and ep are set on engine, prefill or decode entries")
+    if a.ep not in (1, a.tp):
+        raise TopologyError(f"{a.kind}: ep = {a.ep} must be 1 or tp ({a.tp}): experts are either split by "
+                            "intermediate size on every rank or spread whole over the tp ranks")
+    if a.kind != "engine":
+        raise TopologyError(f"{a.kind}: tp = {a.tp} — a prefill or decode engine of several ranks cannot hand its "
+                            "state over yet; run prefill and decode with tp = 1, or one engine with tp")
+    if a.process is not None:
+        raise TopologyError(f"{a.kind}: process = {a.process!r} co-locates actors in one process; an engine of "
+                            f"tp {a.tp} runs {a.tp} processes")
+    need = a.replicas * a.tp
+    if a.gpus and len(a.gpus) != need:
+        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} gpus, one per rank; "
+                            f"got gpus = {list(a.gpus)}")
+    if a.gpus and len(set(a.gpus)) != len(a.gpus):
+        raise TopologyError(f"{a.kind}: gpus = {list(a.gpus)} lists a GPU twice; each rank needs its own")
+    if num_gpus and not a.gpus and need > num_gpus:
+        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} GPUs, one per rank; "
+                            f"this machine has {num_gpus}")
+
+
+def place_parallel_engines(topo: Topology, num_gpus: int) -> Topology:
+    """On a GPU machine, an engine entry of tp > 1 without `gpus` gets the next replicas x tp
+    GPUs not listed by another entry (validate() checked that the machine has that many)."""
+    if not num_gpus:
+        return topo
+    taken = {g for a in topo.actors for g in a.gpus}
+    actors = []
+    for a in topo.actors:
+        if a.tp > 1 and not a.gpus:
+            free = [g for g in range(num_gpus) if g not in taken][:a.replicas * a.tp]
+            if len(free) < a.replicas * a.tp:
+                raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {a.replicas * a.tp} GPUs "
+                                    f"that no other entry lists; this machine has {num_gpus}")
+            taken.update(free)
+            a = dataclasses.replace(a, gpus=tuple(free))
+        actors.append(a)
+    return dataclasses.replace(topo, actors=tuple(actors))
+
+
 def check_scale_request(kind: str, n: int) -> str:
     """What `glmrt scale KIND=N` may ask of any deployment; returns the canonical kind."""
     name = canonical_kind(kind)
@@ -370,4 +420,7 @@ def validate_scale(topo: Topology, kind: str, n: int) -> str:
     if spec.process:
         raise ValueError(f"{name} shares process {spec.process!r} with other actors; co-located actors "
                          "are not scaled one kind at a time")
+    if spec.tp > 1 and spec.gpus and n * spec.tp > len(spec.gpus):
+        raise ValueError(f"{name}: {n} replicas x tp {spec.tp} need {n * spec.tp} GPUs, one per rank; its entry "
+                         f"lists {len(spec.gpus)} (gpus = {list(spec.gpus)})")
     return name

@@ -119,13 +119,19 @@ class DecodeGraphs:
             logits, _ = self.model(ids, meta, self.cache, logits_indices=idx)
         self.graphs[(bs, pages)] = (graph, logits)
 
+    def warmup_keys(self, upto_tokens: int = 4096) -> list[tuple[int, int]]:
+        """Every batch bucket at the context buckets up to `upto_tokens`, largest first (later
+        captures reuse its pool)."""
+        keys = [(bs, p) for bs in self.bs_buckets for p in self.page_buckets
+                if p * self.page_size <= max(upto_tokens, self.page_buckets[0] * self.page_size)]
+        return sorted(keys, reverse=True)
+
     def warmup(self, keys: list[tuple[int, int]] | None = None, *, upto_tokens: int = 4096) -> int:
-        """Capture ahead of traffic (a first-use capture stalls every running request):
-        by default every batch bucket at the context buckets up to `upto_tokens`."""
-        if keys is None:
-            keys = [(bs, p) for bs in self.bs_buckets for p in self.page_buckets
-                    if p * self.page_size <= max(upto_tokens, self.page_buckets[0] * self.page_size)]
-        for bs, pages in sorted(keys, reverse=True):  # largest first: later ones reuse its pool
+        """Capture ahead of traffic (a first-use capture stalls every running request): `keys`
+        in their order (every rank of an engine captures the same ones in the same order), by
+        default warmup_keys(upto_tokens)."""
+        keys = self.warmup_keys(upto_tokens) if keys is None else [tuple(k) for k in keys]
+        for bs, pages in keys:
             self.capture(bs, pages)
         return len(keys)
 

@@ -31,9 +31,11 @@ from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
 from glmrt.engine import compile_watch
 from glmrt.engine.config import EngineConfig
 from glmrt.engine.memory import MemoryPlan, plan_memory
+from glmrt.engine.ranks import PlanLink
 from glmrt.engine.request import Request, Status
 from glmrt.engine.runner import PLACEHOLDER, ModelRunner
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
+from glmrt.parallel import Parallel
 from glmrt.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,10 +81,17 @@ class Completion:
     top_logprobs: list
 
 
-class Engine:
-    def __init__(self, config: EngineConfig, *, log=print, model=None):
+class ModelRank:
+    """What every rank of an engine builds alike: the kernel set, the model (its shard of it),
+    the pools and the runner (with its decode graphs). Rank 0 builds an `Engine` on top; the
+    other ranks of an engine of several run `follow()` (glmrt.engine.ranks)."""
+
+    def __init__(self, config: EngineConfig, *, log=print, model=None, parallel: Parallel | None = None,
+                 link: PlanLink | None = None):
         self.config = config
         self.log = log
+        self.parallel = parallel or Parallel.single()
+        self.link = link
         from backends.adapters import resolve_options
         from backends.registry import detect_hardware, get_backend
 
@@ -107,8 +116,11 @@ class Engine:
         kv_dtype = self.options.kv_cache_dtype
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
                                               state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+        budget = self._cache_budget(device)
+        if link is not None:  # every rank sizes its pools alike: the smallest budget of any rank
+            budget = link.agree_min(budget)
         self.memory: MemoryPlan = plan_memory(
-            self.layout, self._cache_budget(device), ratio=config.mamba_full_memory_ratio,
+            self.layout, budget, ratio=config.mamba_full_memory_ratio,
             max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
         # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
         # allocated past the ones the managers hand out.
@@ -118,6 +130,57 @@ class Engine:
         self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
                                          page_size=config.page_size, kv_dtype=kv_dtype,
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+        self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
+        self.context_length = min(config.context_length or text.max_position_embeddings,
+                                  self.memory.kv_tokens)
+        self.device_name, self.dtype_name, self.kv_dtype = device, dtype_name, kv_dtype
+        if graphs:
+            max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
+            self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
+                                      pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+
+    def _load_model(self, device: str):
+        from glmrt.model.loader import load_checkpoint, load_dummy
+
+        cfg = self.config
+        if cfg.load_format == "dummy":
+            from glmrt.checkpoint.presets import preset_config
+            from glmrt.config import load_model_config
+            mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
+            return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
+                              seed=cfg.seed, with_mtp=False, with_vision=cfg.load_vision, parallel=self.parallel)
+        if not cfg.model:
+            raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
+        model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
+                                   device=device, with_mtp=False, with_vision=cfg.load_vision,
+                                   parallel=self.parallel)
+        return model
+
+    def _read_generation_config(self) -> dict:
+        if self.config.model:
+            path = os.path.join(os.path.expanduser(self.config.model), "generation_config.json")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    return json.load(f)
+        return {}
+
+    def _cache_budget(self, device: str) -> int:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # blocks the allocator caches but nobody uses count as free
+            free, _total = torch.cuda.mem_get_info()
+            return int(free * self.config.mem_fraction_static)
+        return int(self.config.cache_memory_gb * 2**30)
+
+    def follow(self) -> None:
+        """A rank other than 0: run the steps rank 0 publishes until the engine stops."""
+        self.runner.follow()
+
+
+class Engine(ModelRank):
+    def __init__(self, config: EngineConfig, *, log=print, model=None, parallel: Parallel | None = None,
+                 link: PlanLink | None = None):
+        super().__init__(config, log=log, model=model, parallel=parallel, link=link)
+        device, dtype_name, kv_dtype = self.device_name, self.dtype_name, self.kv_dtype
         self.pages = PageManager(self.memory.num_pages)
         self.slots = SlotManager(self.memory.num_slots)
         self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache)
@@ -126,17 +189,10 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
             policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
             self.pages, self.slots, self.tree)
-        self.runner = ModelRunner(self.model, self.cache, self.eos_ids)
-        self.context_length = min(config.context_length or text.max_position_embeddings,
-                                  self.memory.kv_tokens)
-        if graphs:
-            max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
-            self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
-                                      pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
-            if config.cuda_graph_warmup_tokens > 0:
-                t0 = time.perf_counter()
-                n = self.runner.graphs.warmup(upto_tokens=config.cuda_graph_warmup_tokens)
-                self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
+        if self.runner.graphs is not None and config.cuda_graph_warmup_tokens > 0:
+            t0 = time.perf_counter()
+            n = self.runner.capture_graphs(config.cuda_graph_warmup_tokens)
+            self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
         if device.startswith("cuda"):
             compile_watch.install()  # names the kernels behind a slow step in the log
             if not config.skip_server_warmup:
@@ -172,37 +228,6 @@ class Engine:
         except Exception as e:  # an optimisation only: serve without it, and say why
             self.log(f"prefill warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}")
             torch.cuda.empty_cache()
-    def _load_model(self, device: str):
-        from glmrt.model.loader import load_checkpoint, load_dummy
-
-        cfg = self.config
-        if cfg.load_format == "dummy":
-            from glmrt.checkpoint.presets import preset_config
-            from glmrt.config import load_model_config
-            mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
-            return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
-                              seed=cfg.seed, with_mtp=False, with_vision=cfg.load_vision)
-        if not cfg.model:
-            raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
-        model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
-                                   device=device, with_mtp=False, with_vision=cfg.load_vision)
-        return model
-
-    def _read_generation_config(self) -> dict:
-        if self.config.model:
-            path = os.path.join(os.path.expanduser(self.config.model), "generation_config.json")
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    return json.load(f)
-        return {}
-
-    def _cache_budget(self, device: str) -> int:
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()  # blocks the allocator caches but nobody uses count as free
-            free, _total = torch.cuda.mem_get_info()
-            return int(free * self.config.mem_fraction_static)
-        return int(self.config.cache_memory_gb * 2**30)
-
     # ---- the public API ------------------------------------------------------------------
     def default_params(self, **overrides) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)

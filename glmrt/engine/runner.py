@@ -4,6 +4,11 @@ Order inside one step: restores (checkpoint -> live slot, partial page copies) -
 one forward over every work item (a flat varlen batch) -> saves and forks (state and
 partial page copies, taken from the state the forward just produced) -> sampling of every
 request whose last uncomputed token was computed, plus each n>1 child from its parent's row.
+
+A plan is first turned into `ForwardInputs` (glmrt.engine.ranks: host values only), which
+`run` executes: the copies, the forward (eager or a decode graph), the copies after. On an
+engine of several ranks rank 0 builds them and `run` publishes them before executing; the
+other ranks execute what they receive with the same `run` (`follow`). Sampling is rank 0's.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import torch
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
+from glmrt.engine.ranks import ForwardInputs, PlanLink, StateCopy
 from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
+from glmrt.parallel import Parallel
 
 
 # Token counts warm_prefill runs (up to the chunked-prefill size): both sides of each fused-MoE
@@ -47,11 +54,14 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: ModelCache, eos_ids: list[int]):
+    def __init__(self, model, cache: ModelCache, eos_ids: list[int], *, parallel: Parallel | None = None,
+                 link: PlanLink | None = None):
         self.model = model
         self.cache = cache
         self.device = model.device
         self.eos_ids = list(eos_ids)
+        self.parallel = parallel or Parallel.single()
+        self.link = link if self.parallel.active else None  # None: one rank, nothing is published
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
@@ -92,12 +102,13 @@ class ModelRunner:
 
         ran = []
 
+        rng = torch.Generator().manual_seed(0)
+
         def forward(prefix, seq, slot_ids, tables):
-            meta = BatchMeta.build(prefix, seq, slot_ids, tables, ps, self.device)
-            ids = torch.randint(10, 1000, (sum(seq),), device=self.device)
-            last = torch.tensor([e - 1 for e in meta.cu_seqlens[1:]], device=self.device)
-            with torch.no_grad():
-                self.model(ids, meta, self.cache, logits_indices=last)
+            ids = torch.randint(10, 1000, (sum(seq),), generator=rng).tolist()
+            ends = torch.tensor(seq).cumsum(0)
+            self.run(ForwardInputs(ids=ids, prefix_lens=prefix, seq_lens=seq, slot_ids=slot_ids,
+                                   page_tables=tables, logits_rows=(ends - 1).tolist()))
             ran.append(sum(seq))
 
         try:
@@ -135,6 +146,13 @@ class ModelRunner:
         from glmrt.engine.cuda_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self.model, self.cache, max_bs=max_bs, max_pages=max_pages,
                                    pad_slot=pad_slot, pad_page=pad_page)
+
+    def capture_graphs(self, upto_tokens: int) -> int:
+        """Capture the decode graphs ahead of traffic, on every rank in one order (their
+        collectives are captured with them) -> how many."""
+        keys = self.graphs.warmup_keys(upto_tokens)
+        self.run(ForwardInputs(op="capture", graphs=keys))
+        return len(keys)
 
     def graph_key(self, work) -> tuple[int, int] | None:
         """The graph that can run this batch: decode only (one sampled token each, no images)."""
@@ -180,21 +198,96 @@ class ModelRunner:
         st.positions = st.positions.to(self.device)
         return st.embeds
 
-    def _input_embeds(self, work, ids: torch.Tensor) -> torch.Tensor | None:
+    def _vision_rows(self, work) -> tuple[list[int], torch.Tensor | None]:
+        """Rank 0: the flat-batch rows whose input embedding is a vision feature, and those
+        features (the tower runs here, once per request; kept across retractions)."""
         if not any(w.req.rid in self.mm for w in work):
-            return None
-        embeds = self.model.model.embed(ids).clone()
-        offset = 0
+            return [], None
+        rows, feats, offset = [], [], 0
         for w in work:
             st = self.mm.get(w.req.rid)
             if st is not None and w.start < len(w.req.prompt_ids):
-                feats = st.embeds if st.embeds is not None else self._encode(st)
-                st.positions = st.positions.to(feats.device)
+                embeds = st.embeds if st.embeds is not None else self._encode(st)
+                st.positions = st.positions.to(embeds.device)
                 inside = ((st.positions >= w.start) & (st.positions < w.start + w.num)).nonzero().flatten()
                 if inside.numel():
-                    embeds[offset + st.positions[inside] - w.start] = feats[inside].to(embeds.dtype)
+                    rows += (offset + st.positions[inside] - w.start).tolist()
+                    feats.append(embeds[inside])
             offset += w.num
+        return rows, (torch.cat(feats) if feats else None)
+
+    def _input_embeds(self, step: ForwardInputs, ids: torch.Tensor, feats: torch.Tensor | None):
+        """The token embeddings with the vision features of `step.embed_rows` in place (rank 0's
+        features, broadcast to the other ranks)."""
+        if not step.embed_rows:
+            return None
+        embeds = self.model.model.embed(ids).clone()
+        if self.parallel.active:
+            if self.parallel.rank != 0:
+                feats = torch.empty((len(step.embed_rows), embeds.shape[-1]), dtype=embeds.dtype, device=embeds.device)
+            feats = self.parallel.broadcast(feats.to(embeds.dtype).contiguous())
+        rows = torch.tensor(step.embed_rows, dtype=torch.long, device=embeds.device)
+        embeds[rows] = feats.to(embeds.dtype)
         return embeds
+
+    # ---- one step's inputs, on every rank ----------------------------------------------------
+    @torch.no_grad()
+    def run(self, step: ForwardInputs, feats: torch.Tensor | None = None,
+            prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Execute `step` (after publishing it, on rank 0 of several) -> the logits of its
+        `logits_rows` (None for a command). `feats`: rank 0's vision features of
+        `step.embed_rows`; `prev_tokens`: the previous shared tokens `step.src_rows` index."""
+        if self.link is not None and self.parallel.rank == 0:
+            self.link.publish(step)
+        if step.op == "capture":
+            self.graphs.warmup(step.graphs)
+            return None
+        for c in step.before:
+            self._copy(c)
+        if step.graph is not None:
+            logits = self.graphs.run(step.graph, step.ids, step.prefix_lens, step.slot_ids, step.page_tables,
+                                     src_rows=step.src_rows, prev_tokens=prev_tokens)
+        else:
+            meta = BatchMeta.build(step.prefix_lens, step.seq_lens, step.slot_ids, step.page_tables,
+                                   self.cache.page_size, self.device)
+            ids = torch.tensor(step.ids, dtype=torch.long)
+            idx = torch.tensor(step.logits_rows, dtype=torch.long)
+            ids, idx = host_to_device(self.device, ids, idx)  # one non-blocking copy, no host wait
+            if step.src_rows is not None and prev_tokens is not None:
+                src = torch.tensor(step.src_rows, dtype=torch.long, device=self.device)
+                ids = torch.where(src >= 0, prev_tokens.to(torch.long)[src.clamp(min=0)], ids)
+            logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(step, ids, feats),
+                                   logits_indices=idx)
+        for c in step.after:
+            self._copy(c)
+        return logits
+
+    def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Rank 0's sampled tokens [n] (int64, on the device) on every rank, in stream order."""
+        if self.parallel.rank != 0:
+            tokens = torch.empty(n, dtype=torch.long, device=self.device)
+        return self.parallel.broadcast(tokens)
+
+    def follow(self) -> None:
+        """A rank other than 0: run each step rank 0 publishes, until it says stop."""
+        prev = None
+        while True:
+            step = self.link.receive()
+            if step.op == "stop":
+                return
+            self.run(step, prev_tokens=prev)
+            if step.share_tokens:
+                prev = self.share_tokens(None, len(step.slot_ids))
+
+    def stop_followers(self) -> None:
+        """Rank 0, when the engine ends: the other ranks leave their `follow` loop."""
+        if self.link is not None:
+            self.link.publish(ForwardInputs(op="stop"))
+
+    def _copy(self, c: StateCopy) -> None:
+        self.copy_state(c.src_slot, c.dst_slot)
+        if c.src_page is not None:
+            self.copy_page(c.src_page, c.dst_page)
 
     # ---- the overlapped decode step -------------------------------------------------------
     def async_key(self, plan: StepPlan) -> tuple[int, int] | tuple[()] | None:
@@ -225,63 +318,48 @@ class ModelRunner:
             else:
                 src.append(-1)
                 ids.append(tok)
-        if key:
-            logits = self.graphs.run(key, ids, [w.start for w in work], [w.req.slot for w in work],
-                                     [w.req.pages for w in work], src_rows=src,
-                                     prev_tokens=prev.tokens if prev is not None else None)
-        else:  # eager_async
-            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            if prev is not None:
-                src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-                ids_t = torch.where(src_t >= 0, prev.tokens.to(torch.long)[src_t.clamp(min=0)], ids_t)
-            meta = BatchMeta.build([w.start for w in work], [1] * len(work), [w.req.slot for w in work],
-                                   [w.req.pages for w in work], self.cache.page_size, self.device)
-            logits, _ = self.model(ids_t, meta, self.cache,
-                                   logits_indices=torch.arange(len(work), device=self.device))
+        n = len(work)
+        step = ForwardInputs(ids=ids, prefix_lens=[w.start for w in work], seq_lens=[1] * n,
+                             slot_ids=[w.req.slot for w in work], page_tables=[w.req.pages for w in work],
+                             logits_rows=list(range(n)), src_rows=src if prev is not None else None,
+                             graph=key or None, share_tokens=self.link is not None)
+        logits = self.run(step, prev_tokens=prev.tokens if prev is not None else None)
         reqs = [w.req for w in work]
         rows_in = [SamplerRow(r.params, r.prompt_ids, r.output_ids, self.generator(r), self.eos_ids) for r in reqs]
         tokens = self.sampler.sample_async(logits, rows_in)
+        if step.share_tokens:  # the other ranks feed them to the next step's inputs
+            tokens = self.share_tokens(tokens.to(torch.long), n)
         return InFlight(plan, reqs, tokens, {id(r): i for i, r in enumerate(reqs)})
 
     # ---- the step ------------------------------------------------------------------------
-    @torch.no_grad()
-    def execute(self, plan: StepPlan) -> list[StepOutput]:
-        for r in plan.restores:
-            self.copy_state(r.src_slot, r.dst_slot)
-            if r.src_page is not None:
-                self.copy_page(r.src_page, r.dst_page)
+    def forward_inputs(self, plan: StepPlan) -> tuple[ForwardInputs, torch.Tensor | None]:
+        """What every rank runs for a synchronous plan, and rank 0's vision features for it."""
         work = plan.work
+        restores = [StateCopy(r.src_slot, r.dst_slot, r.src_page, r.dst_page) for r in plan.restores]
+        after = ([StateCopy(s.src_slot, s.dst_slot, s.src_page, s.dst_page) for s in plan.saves]
+                 + [StateCopy(f.parent.slot, f.dst_slot, f.src_page, f.dst_page) for f in plan.forks])
+        common = dict(prefix_lens=[w.start for w in work], seq_lens=[w.num for w in work],
+                      slot_ids=[w.req.slot for w in work], page_tables=[w.req.pages for w in work],
+                      before=restores, after=after)
         key = self.graph_key(work)
         if key is not None:
-            logits = self.graphs.run(key, [w.req.token_slice(w.start, w.start + 1)[0] for w in work],
-                                     [w.start for w in work], [w.req.slot for w in work],
-                                     [w.req.pages for w in work])
-        else:
-            logits = self._forward(work)
-        return self._after_forward(plan, work, logits)
+            return ForwardInputs(ids=[w.req.token_slice(w.start, w.start + 1)[0] for w in work], graph=key,
+                                 **common), None
+        ids = [t for w in work for t in w.req.token_slice(w.start, w.start + w.num)]
+        ends = torch.tensor([w.num for w in work]).cumsum(0).tolist()
+        rows, feats = self._vision_rows(work)
+        return ForwardInputs(ids=ids, logits_rows=[ends[i] - 1 for i, w in enumerate(work) if w.sample],
+                             embed_rows=rows, **common), feats
 
-    def _forward(self, work) -> torch.Tensor:
-        meta = BatchMeta.build([w.start for w in work], [w.num for w in work], [w.req.slot for w in work],
-                               [w.req.pages for w in work], self.cache.page_size, self.device)
-        ids = torch.tensor([t for w in work for t in w.req.token_slice(w.start, w.start + w.num)], dtype=torch.long)
-        rows = [i for i, w in enumerate(work) if w.sample]
-        ends = meta.cu_seqlens
-        idx = torch.tensor([ends[i + 1] - 1 for i in rows], dtype=torch.long)
-        ids, idx = host_to_device(self.device, ids, idx)  # one non-blocking copy, no host wait
-        logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(work, ids),
-                               logits_indices=idx)
-        return logits
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> list[StepOutput]:
+        step, feats = self.forward_inputs(plan)
+        logits = self.run(step, feats)
+        return self._sample(plan, logits)
 
-    def _after_forward(self, plan: StepPlan, work, logits: torch.Tensor) -> list[StepOutput]:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[StepOutput]:
+        work = plan.work
         rows = [i for i, w in enumerate(work) if w.sample]
-        for s in plan.saves:
-            self.copy_state(s.src_slot, s.dst_slot)
-            if s.src_page is not None:
-                self.copy_page(s.src_page, s.dst_page)
-        for f in plan.forks:
-            self.copy_state(f.parent.slot, f.dst_slot)
-            if f.src_page is not None:
-                self.copy_page(f.src_page, f.dst_page)
         sampled = [work[i].req for i in rows]
         row_of = {id(r): k for k, r in enumerate(sampled)}
         extra = [f.child for f in plan.forks if id(f.parent) in row_of]

@@ -50,7 +50,7 @@ def _fp8_capable(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def build_model(config: ModelConfig, ops, dtype: torch.dtype, device: torch.device | str, *,
                 fp8_modules: Iterable[str] = (), fp8_block: tuple[int, int] = (128, 128),
-                with_vision: bool = True, with_mtp: bool = True) -> Glm5NextForCausalLM:
+                with_vision: bool = True, with_mtp: bool = True, parallel=None) -> Glm5NextForCausalLM:
     """An uninitialised model on `device` (contents are garbage until loaded or randomised)."""
     with torch.device("meta"):  # everything, fp8 conversions included: materialize() places meta tensors
         model = Glm5NextForCausalLM(config, ops, dtype, with_vision=with_vision, with_mtp=with_mtp)
@@ -152,7 +152,7 @@ def _dequantize_packed(scheme: str, group: _Packed, tensors: dict[str, torch.Ten
 
 def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", with_vision: bool = True, with_mtp: bool = True,
-                    progress: bool | None = None) -> tuple[Glm5NextForCausalLM, LoadReport]:
+                    progress: bool | None = None, parallel=None) -> tuple[Glm5NextForCausalLM, LoadReport]:
     """Load a HF-format GLM-5.3-Flash checkpoint directory, strictly.
 
     Every parameter must be filled by the checkpoint and every checkpoint tensor must land
@@ -293,7 +293,7 @@ def init_random(model: Glm5NextForCausalLM, seed: int = 0) -> Glm5NextForCausalL
 
 def load_dummy(config: ModelConfig, ops, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
                quantization: str | None = None, seed: int = 0, with_vision: bool = True,
-               with_mtp: bool = True) -> Glm5NextForCausalLM:
+               with_mtp: bool = True, parallel=None) -> Glm5NextForCausalLM:
     """`--load-format dummy`: random weights built directly in device memory, no files."""
     fp8: list[str] = []
     block = (128, 128)

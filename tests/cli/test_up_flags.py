@@ -91,7 +91,33 @@ def test_help_shows_the_defaults_and_the_refusals():
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "--port PORT TCP port of the API (0: any free port). (default: 30000)" in text
-    assert "--tp-size VALUE, --tp VALUE, --tensor-parallel-size VALUE accepted: 1; else refused: tensor" in text
+    assert "--tp-size TP_SIZE, --tp TP_SIZE, --tensor-parallel-size TP_SIZE tensor-parallel degree" in text
+    assert "--enable-dp-attention refused: data-parallel attention is not built yet" in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, message", [
+    (["--tp-size", "2", "--ep-size", "3"], "--ep-size 3 must be 1 or --tp-size (2)"),
+    (["--ep-size", "2"], "--ep-size 2 must be 1 or --tp-size (1)"),
+    (["--tp", "0"], "--tp-size must be >= 1 (got 0)"),
+    (["--expert-parallel-size", "0"], "--ep-size must be >= 1 (got 0)"),
+    (["--dp-size", "0"], "--dp-size must be >= 1 (got 0)"),
+    (["--dp-size", "2", "--engine-replicas", "3"], "--dp-size 2 and --engine-replicas 3 disagree; give one"),
+    (["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-dp-attention"],
+     "--enable-dp-attention: data-parallel attention is not built yet; an engine of --tp-size N splits attention "
+     "heads over its N ranks, and --dp-size N runs N engine replicas"),
+], ids=["ep-not-tp", "ep-without-tp", "tp-0", "ep-0", "dp-0", "dp-and-replicas", "dp-attention"])
+def test_bad_parallel_sizes_are_one_line(flags, message):
+    assert one_line_refusal(glmrt_run("up", *flags)) == f"glmrt up: error: {message}"
+
+
+@pytest.mark.timeout(60)
+def test_a_prefill_decode_pair_of_several_ranks_is_one_line(tmp_path):
+    path = tmp_path / "pd.toml"
+    path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"\n'
+                    '[[actors]]\nkind = "detokenizer"\n')
+    line = one_line_refusal(glmrt_run("up", str(path), "--tp-size", "2"))
+    assert line.startswith("glmrt up: error: prefill: tp = 2 — a prefill or decode engine of several ranks"), line
 
 
 @pytest.mark.timeout(60)

@@ -35,7 +35,19 @@ def test_full_file_parses_with_overrides():
     ({"actors": [{"kind": "tokenizer"}, {"kind": "prefill"}, {"kind": "detokenizer"}]}, "'decode' actor is missing"),
     ({"actors": [{"kind": "tokenizer"}, {"kind": "engine"}, {"kind": "prefill"}, {"kind": "decode"},
                  {"kind": "detokenizer"}]}, "not both"),
-    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2}, {"kind": "detokenizer"}]}, "tp"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 0}, {"kind": "detokenizer"}]}, "tp must be >= 1"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "ep": 3}, {"kind": "detokenizer"}]},
+     r"engine: ep = 3 must be 1 or tp \(2\)"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "ep": 2}, {"kind": "detokenizer"}]},
+     r"ep = 2 must be 1 or tp \(1\)"),
+    ({"actors": [{"kind": "tokenizer", "tp": 2}, {"kind": "engine"}, {"kind": "detokenizer"}]},
+     "tokenizer does not run a model"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "replicas": 2, "gpus": [0, 1, 2]},
+                 {"kind": "detokenizer"}]}, r"2 replicas x tp 2 need 4 gpus, one per rank; got gpus = \[0, 1, 2\]"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "gpus": [1, 1]}, {"kind": "detokenizer"}]},
+     "lists a GPU twice"),
+    ({"actors": [{"kind": "tokenizer"}, {"kind": "prefill", "tp": 2}, {"kind": "decode"}, {"kind": "detokenizer"}]},
+     "prefill: tp = 2"),
     ({"actors": [{"kind": "tokenizer"}, {"kind": "detokenizer"}]}, "engine"),
     ({"actors": [{"kind": "tokenizer", "gpus": [0]}, {"kind": "engine"}, {"kind": "detokenizer"}]}, "GPUs"),
     ({"actors": [{"kind": "engine"}, {"kind": "engine"}, {"kind": "tokenizer"}, {"kind": "detokenizer"}]},
@@ -44,6 +56,32 @@ def test_full_file_parses_with_overrides():
 def test_refusals_name_the_problem(data, needle):
     with pytest.raises(TopologyError, match=needle):
         parse_topology(data)
+
+
+def test_tp_ranks_are_placed_on_gpus():
+    from glmrt.topology import place_parallel_engines
+
+    t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "ep": 2, "replicas": 2,
+                                                                 "gpus": [4, 5, 6, 7]}, {"kind": "detokenizer"}]})
+    assert (t.actor("engine").tp, t.actor("engine").ep) == (2, 2)
+    validate(t, num_gpus=8)
+    with pytest.raises(TopologyError, match="gpu 4 does not exist"):
+        validate(t, num_gpus=4)
+    bare = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 4}, {"kind": "detokenizer"}]})
+    with pytest.raises(TopologyError, match="1 replicas x tp 4 need 4 GPUs, one per rank; this machine has 2"):
+        validate(bare, num_gpus=2)
+    assert place_parallel_engines(bare, 4).actor("engine").gpus == (0, 1, 2, 3)
+    assert place_parallel_engines(bare, 0).actor("engine").gpus == ()   # the CPU: no GPUs to place
+
+
+def test_scaling_an_engine_of_several_ranks_needs_their_gpus():
+    from glmrt.topology import validate_scale
+
+    t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "gpus": [0, 1, 2, 3],
+                                    "replicas": 2}, {"kind": "detokenizer"}]})
+    assert validate_scale(t, "engine", 1) == "engine"
+    with pytest.raises(ValueError, match=r"3 replicas x tp 2 need 6 GPUs, one per rank; its entry lists 4"):
+        validate_scale(t, "engine", 3)
 
 
 def test_gpu_that_does_not_exist():

@@ -201,3 +201,31 @@ def test_a_bad_kv_transfer_mode_is_refused_before_a_pd_deployment_starts(tmp_pat
     with pytest.raises(TopologyError, match="GLMRT_KV_TRANSFER must be one of auto, nixl, zmq \\(got"):
         _build([str(path)])
     _build([])   # a unified engine hands nothing over: the variable is not read
+
+
+def test_parallel_flags_set_every_engine_entry():
+    topo = _build(["--tp-size", "2", "--ep-size", "2", "--dp-size", "3"])
+    engine = topo.actor("engine")
+    assert (engine.tp, engine.ep, engine.replicas) == (2, 2, 3)
+    assert topo.actor("tokenizer").tp == 1
+    assert _build(["--tp", "2"]).actor("engine").ep == 1
+    assert _build(["--dp", "2", "--engine-replicas", "2"]).actor("engine").replicas == 2
+
+
+def test_dp_size_needs_an_engine_entry(tmp_path):
+    path = tmp_path / "topology.toml"
+    path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n'
+                    '[[actors]]\nkind = "decode"\n[[actors]]\nkind = "detokenizer"\n')
+    with pytest.raises(TopologyError, match="--dp-size: the topology runs no 'engine' actor"):
+        _build([str(path), "--dp-size", "2"])
+
+
+def test_sizes_the_model_does_not_divide_are_refused():
+    from cli.up import check_parallel_shapes
+    from glmrt.checkpoint.presets import preset_config
+
+    tiny = preset_config("tiny")   # 4 heads, 8 experts, moe_intermediate_size 32
+    assert check_parallel_shapes(_build(["--tp-size", "4", "--ep-size", "4"]), tiny) is None
+    assert check_parallel_shapes(_build(["--tp-size", "3"]), tiny) == (
+        "engine: tp (--tp-size) = 3 does not divide the model's num_attention_heads (4); pick a size that divides it")
+    assert "num_attention_heads (4)" in check_parallel_shapes(_build(["--tp-size", "8", "--ep-size", "8"]), tiny)

@@ -106,10 +106,11 @@ def test_status_json(dep):
     assert set(out) == {"actors"}
     actors = out["actors"]
     for a in actors:
-        engine_fields = {"running", "waiting"} if a["kind"] == "engine" else set()
+        engine_fields = {"running", "waiting", "tp", "ep", "ranks"} if a["kind"] == "engine" else set()
         assert set(a) == {"kind", "replica", "pid", "host", "gpus", "state", "load"} | engine_fields, a
-        for name in engine_fields:   # an idle engine: nothing decoding, nothing queued
-            assert a[name] == 0, a
+        if a["kind"] == "engine":   # an idle engine of one rank: nothing decoding, nothing queued
+            assert (a["running"], a["waiting"], a["tp"], a["ep"]) == (0, 0, 1, 1), a
+            assert a["ranks"] == [{"rank": 0, "pid": a["pid"], "device": "cpu"}], a
         assert isinstance(a["pid"], int) and a["pid"] > 0
         assert isinstance(a["host"], str) and a["host"]
         assert a["gpus"] == []

@@ -111,15 +111,25 @@ BAD = {
         [[actors]]
         kind = "detokenizer"
         """, ["prefill"]),
-    "tp-2": ("""
+    "ep-3": ("""
         [[actors]]
         kind = "tokenizer"
         [[actors]]
         kind = "engine"
         tp = 2
+        ep = 3
         [[actors]]
         kind = "detokenizer"
-        """, ["tp"]),
+        """, ["ep = 3", "tp (2)"]),
+    "tp-3-heads": ("""
+        [[actors]]
+        kind = "tokenizer"
+        [[actors]]
+        kind = "engine"
+        tp = 3
+        [[actors]]
+        kind = "detokenizer"
+        """, ["tp (--tp-size) = 3", "num_attention_heads (4)"]),
     "no-engine": ("""
         [[actors]]
         kind = "tokenizer"
