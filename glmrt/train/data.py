@@ -8,6 +8,7 @@ tokens only: the next token (main head) and the token after it (the MTP layer).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,33 @@ def make_batch(tok: Tokenizer, chats: list[Chat], max_len: int) -> Batch:
     return Batch(ids_t, labels, mtp, sum(len(ids) for ids, _ in rows))
 
 
-def batch_at(tok: Tokenizer, seed: int, step: int, batch_size: int, max_len: int) -> Batch:
-    """Batch `step` of the corpus of `seed`: the same chats for the same (seed, step)."""
-    return make_batch(tok, chat_stream(seed, step * batch_size, batch_size), max_len)
+class BatchStream:
+    """The training batches of the corpus of `seed`, by step: the same chats for the same step.
+
+    Chats are drawn `window` batches at a time, sorted by length and cut into batches (in an
+    order shuffled by the seed), so a batch pads to little more than its own chats' lengths.
+    Chats longer than `max_len` tokens are left out.
+    """
+
+    def __init__(self, tok: Tokenizer, seed: int, batch_size: int, max_len: int, window: int = 8):
+        self.tok, self.seed, self.batch_size, self.max_len, self.window = tok, seed, batch_size, max_len, window
+        self._cached: tuple[int, list[list[Chat]]] | None = None
+
+    def _window(self, w: int) -> list[list[Chat]]:
+        if self._cached is None or self._cached[0] != w:
+            n = self.window * self.batch_size
+            chats = chat_stream(self.seed, w * n, n)
+            lens = [sum(len(e.ids) for e in self.tok.encode_batch([t for t, _ in c.segments], add_special_tokens=False))
+                    for c in chats]
+            order = sorted((i for i in range(n) if lens[i] <= self.max_len), key=lambda i: lens[i])
+            groups = [[chats[i] for i in order[b * len(order) // self.window:(b + 1) * len(order) // self.window]]
+                      for b in range(self.window)]
+            random.Random(f"{self.seed}:window:{w}").shuffle(groups)
+            self._cached = (w, groups)
+        return self._cached[1]
+
+    def batch(self, step: int) -> Batch:
+        chats = self._window(step // self.window)[step % self.window]
+        if not chats:
+            raise ValueError(f"no chat of step {step} fits in {self.max_len} tokens")
+        return make_batch(self.tok, chats, self.max_len)

@@ -28,7 +28,7 @@ from glmrt.model.glm5_next import Glm5NextForCausalLM
 from glmrt.model.loader import init_random
 from glmrt.model.mla_dsa import Indexer
 from glmrt.model.moe import Router
-from glmrt.train.data import IGNORE, Batch, batch_at, make_batch
+from glmrt.train.data import IGNORE, Batch, BatchStream, make_batch
 from glmrt.train.ops import DenseBatch, TrainingCache, TrainingOps, indexer_kl
 
 
@@ -205,8 +205,9 @@ def train(cfg: TrainConfig, tok, *, progress: bool = True, on_step=None) -> tupl
         bar = tqdm(total=cfg.steps, desc="training", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
     records = None
+    stream = BatchStream(tok, cfg.seed, cfg.batch_size, cfg.max_len)
     for step in range(cfg.steps):
-        batch = batch_at(tok, cfg.seed, step, cfg.batch_size, cfg.max_len).to(device)
+        batch = stream.batch(step).to(device)
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
         ops.dense_attention = step < cfg.dense_steps
