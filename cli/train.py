@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-problems", type=int, default=500,
                    help="held-out problems scored (greedy exact match) at the end, and in held_out.jsonl")
     p.add_argument("--eval-every", type=int, default=0, help="also score them every N steps (0: only at the end)")
+    p.add_argument("--kda", choices=["auto", "fla", "reference"], default="auto",
+                   help="KDA kernel: fla-core's chunk_kda (auto: on CUDA when installed) or the reference chunked form")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -64,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         return _refuse("--device cuda: no CUDA device is available")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.kda == "fla":
+        import importlib.util
+        if importlib.util.find_spec("fla") is None:
+            return _refuse("--kda fla: fla-core is not installed")
 
     from glmrt.train.data import train_tokenizer
     from glmrt.train.output import plot_losses, save_checkpoint, write_held_out, write_summary
@@ -72,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     dense = args.dense_steps if args.dense_steps is not None else args.steps // 15
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=min(100, max(1, args.steps // 20)), dense_steps=dense, seed=args.seed,
-                      device=str(dev), eval_every=args.eval_every, eval_problems=args.eval_problems)
+                      device=str(dev), eval_every=args.eval_every, eval_problems=args.eval_problems, kda=args.kda)
     out = os.path.abspath(os.path.expanduser(args.out))
     os.makedirs(out, exist_ok=True)
     from glmrt.checkpoint.presets import preset_config

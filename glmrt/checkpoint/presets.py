@@ -45,21 +45,21 @@ def _tiny() -> dict:
 
 
 def _tiny_trained() -> dict:
-    """The shape of the model `glmrt train` trains: every layer kind at ~1.4M parameters (under
+    """The shape of the model `glmrt train` trains: every layer kind at ~1.35M parameters (under
     3 MB in bf16, the MTP layer included), heads, experts and vocab even for TP2, no vision."""
     vocab = 1024
     text_ids, top = _ids(vocab)
     text = {
-        "vocab_size": vocab, "hidden_size": 96, "intermediate_size": 160, "moe_intermediate_size": 48,
+        "vocab_size": vocab, "hidden_size": 96, "intermediate_size": 128, "moe_intermediate_size": 48,
         "num_hidden_layers": 6,
         "layer_types": [KDA, DSA, DSA, KDA, KDA, DSA],
         "indexer_types": ["full", "full", "shared", "full", "full", "full"],
         "mlp_layer_types": ["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
         "num_attention_heads": 4, "num_key_value_heads": 4,
-        "q_lora_rank": 48, "kv_lora_rank": 48, "qk_nope_head_dim": 24, "qk_rope_head_dim": 0, "v_head_dim": 24,
+        "q_lora_rank": 32, "kv_lora_rank": 48, "qk_nope_head_dim": 24, "qk_rope_head_dim": 0, "v_head_dim": 24,
         "index_n_heads": 4, "index_head_dim": 16, "index_topk": 32, "index_kpool": 4,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
-        "linear_num_heads": 4, "linear_head_dim": 24, "linear_conv_kernel_dim": 4,
+        "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
         "num_nextn_predict_layers": 1, **text_ids,
     }
     return {"text_config": text, **top}

@@ -51,6 +51,7 @@ class TrainConfig:
     device: str = "cpu"
     eval_every: int = 0            # 0: only at the end
     eval_problems: int = 200
+    kda: str = "auto"              # "fla" (fla-core's chunk_kda), "reference", or "auto" (fla on CUDA if installed)
 
 
 @dataclass
@@ -191,7 +192,9 @@ def train(cfg: TrainConfig, tok, *, progress: bool = True, on_step=None) -> tupl
     config = preset_config(cfg.preset)
     if tok.get_vocab_size() != config.text.vocab_size:
         raise ValueError(f"the tokenizer has {tok.get_vocab_size()} ids, the {cfg.preset} model {config.text.vocab_size}")
-    ops = TrainingOps()
+    if cfg.kda not in ("auto", "fla", "reference"):
+        raise ValueError(f"kda must be auto, fla or reference, got {cfg.kda!r}")
+    ops = TrainingOps(use_fla=None if cfg.kda == "auto" else cfg.kda == "fla")
     model = build_model(config, ops, device, cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
