@@ -66,7 +66,7 @@ class IndexerTerm:
 @dataclass
 class Records:
     indexer: list[IndexerTerm] = field(default_factory=list)
-    routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (gate weight, ids [n, k])
+    routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (gate weight, picks [E])
 
 
 class TrainingOps(ReferenceOps):
@@ -78,6 +78,7 @@ class TrainingOps(ReferenceOps):
         self.kda_chunk = kda_chunk
         self._use_fla = use_fla
         self._chunk_kda = None
+        self._valid: torch.Tensor | None = None
 
     def reset(self) -> Records:
         done, self.records = self.records, Records()
@@ -197,8 +198,7 @@ class TrainingOps(ReferenceOps):
                   append_expert=None):
         weights, ids = super().moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
                                          append_expert=append_expert)
-        valid = getattr(self, "_valid", None)
-        self.records.routes.append((gate_w, ids.detach()[valid] if valid is not None else ids.detach()))
+        self.records.routes.append((gate_w, expert_counts(ids.detach(), gate_w.shape[0], self._valid)))
         return weights, ids
 
     def moe_experts(self, x, ids, weights, w_gate, w_up, w_down, limit, scales=None, block=(128, 128), *,
@@ -217,6 +217,16 @@ class TrainingOps(ReferenceOps):
 
     def set_valid(self, valid: torch.Tensor | None) -> None:
         self._valid = valid
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """[E] float: how often each expert was picked by the real tokens (a scatter, not bincount
+    or boolean indexing: neither waits for the GPU)."""
+    w = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    if valid is not None:
+        w = w * valid[:, None].float()
+    counts = torch.zeros(num_experts + 1, dtype=torch.float32, device=ids.device)  # +1: an appended shared id
+    return counts.scatter_add_(0, ids.reshape(-1).clamp(max=num_experts), w.reshape(-1))[:num_experts]
 
 
 def _eligible(t: int, p: int, kpool: int, device) -> torch.Tensor:
@@ -248,7 +258,6 @@ def indexer_kl(terms: list[IndexerTerm]) -> torch.Tensor | None:
         logp = torch.log_softmax(term.logits.float(), dim=-1)
         tgt = term.target
         kl = torch.where(tgt > 0, tgt * (torch.log(tgt.clamp_min(1e-12)) - logp), 0.0).sum(-1)
-        rows = term.rows
-        if rows.any():
-            losses.append(kl[rows].mean())
+        rows = term.rows.float()  # a masked mean: no host sync on how many rows there are
+        losses.append((kl * rows).sum() / rows.sum().clamp_min(1.0))
     return torch.stack(losses).mean() if losses else None

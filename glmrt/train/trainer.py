@@ -32,6 +32,9 @@ from glmrt.train.data import IGNORE, Batch, BatchStream, make_batch
 from glmrt.train.ops import DenseBatch, TrainingCache, TrainingOps, indexer_kl
 
 
+SYNC_EVERY = 10  # steps between reads of the losses (each read waits for the device)
+
+
 @dataclass
 class TrainConfig:
     steps: int = 3000
@@ -61,7 +64,7 @@ class StepStats:
     lm: float
     mtp: float
     indexer: float
-    seconds: float
+    seconds: float  # since the start, when the step's losses were read
 
 
 @dataclass
@@ -130,20 +133,15 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 def _update_router_bias(model, records, rate: float) -> None:
     routers = {id(m.weight): m for m in model.modules() if isinstance(m, Router)}
     with torch.no_grad():
-        for gate_w, ids in records.routes:
-            router = routers[id(gate_w)]
-            e = router.e_score_correction_bias.shape[0]
-            load = torch.bincount(ids.reshape(-1), minlength=e)[:e].float()
-            router.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+        for gate_w, load in records.routes:
+            routers[id(gate_w)].e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
 
 
 def expert_load(model, records) -> dict[str, list[float]]:
     """Per router, each expert's share of the picks over the mean share (1.0 = balanced)."""
     names = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, Router)}
     out = {}
-    for gate_w, ids in records.routes:
-        e = gate_w.shape[0]
-        load = torch.bincount(ids.reshape(-1), minlength=e)[:e].float()
+    for gate_w, load in records.routes:
         out[names[id(gate_w)]] = [round(x, 3) for x in (load / load.mean().clamp_min(1e-9)).tolist()]
     return out
 
@@ -183,7 +181,7 @@ def _autocast(device):
     return torch.autocast("cpu", enabled=False)
 
 
-def train(cfg: TrainConfig, tok, *, progress: bool = True, on_step=None) -> tuple[Glm5NextForCausalLM, TrainResult]:
+def train(cfg: TrainConfig, tok, *, progress: bool = True) -> tuple[Glm5NextForCausalLM, TrainResult]:
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -208,6 +206,7 @@ def train(cfg: TrainConfig, tok, *, progress: bool = True, on_step=None) -> tupl
         bar = tqdm(total=cfg.steps, desc="training", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
     records = None
+    pending: list[tuple[int, torch.Tensor]] = []
     stream = BatchStream(tok, cfg.seed, cfg.batch_size, cfg.max_len)
     for step in range(cfg.steps):
         batch = stream.batch(step).to(device)
@@ -223,20 +222,23 @@ def train(cfg: TrainConfig, tok, *, progress: bool = True, on_step=None) -> tupl
         opt.step()
         records = ops.reset()
         _update_router_bias(model, records, cfg.bias_rate)
-        vals = {k: float(v.detach()) for k, v in parts.items()}
-        stats = StepStats(step, float(loss.detach()), vals["lm"], vals["mtp"], vals["indexer"], time.perf_counter() - start)
-        result.history.append(stats)
-        if bar is not None:
-            bar.set_postfix(loss=f"{stats.loss:.3f}", lm=f"{stats.lm:.3f}", mtp=f"{stats.mtp:.3f}",
-                            idx=f"{stats.indexer:.3f}", refresh=False)
-            bar.update(1)
+        pending.append((step, torch.stack([loss.detach(), parts["lm"].detach(), parts["mtp"].detach(),
+                                           parts["indexer"].detach()])))
         last = step == cfg.steps - 1
+        if len(pending) == SYNC_EVERY or last:  # read the losses back in blocks: one host wait per block
+            now = time.perf_counter() - start
+            for s, values in zip((p[0] for p in pending), torch.stack([p[1] for p in pending]).tolist()):
+                result.history.append(StepStats(s, *values, now))
+            if bar is not None:
+                h = result.history[-1]
+                bar.set_postfix(loss=f"{h.loss:.3f}", lm=f"{h.lm:.3f}", mtp=f"{h.mtp:.3f}", idx=f"{h.indexer:.3f}",
+                                refresh=False)
+                bar.update(len(pending))
+            pending = []
         if cfg.eval_problems and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
             result.evals.append((step + 1, held_out_accuracy(model, ops, tok, cfg.eval_problems, cfg.seed, device)))
             if bar is not None:
                 bar.write(f"step {step + 1}: held-out exact accuracy {result.evals[-1][1]:.3f}")
-        if on_step is not None:
-            on_step(stats)
     if bar is not None:
         bar.close()
     result.seconds = time.perf_counter() - start
