@@ -54,7 +54,16 @@ def plot_losses(result: TrainResult, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label in (("loss", "total"), ("lm", "next token"), ("mtp", "MTP (next-next token)"),
                        ("indexer", "indexer KL")):
-        ax.plot(steps, [getattr(h, key) for h in result.history], label=label, linewidth=1)
+        raw = [getattr(h, key) for h in result.history]
+        line, = ax.plot(steps, raw, linewidth=0.6, alpha=0.35 if len(raw) > 100 else 1.0)
+        if len(raw) > 100:  # the batch-to-batch noise hides the trend: draw a running mean over it
+            smooth, acc = [], raw[0]
+            for x in raw:
+                acc = 0.95 * acc + 0.05 * x
+                smooth.append(acc)
+            ax.plot(steps, smooth, color=line.get_color(), linewidth=1.4, label=label)
+        else:
+            line.set_label(label)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
