@@ -30,9 +30,17 @@ def test_loss_falls_and_routing_and_indexer_train(tok):
     assert last < 0.6 * first, (first, last)
     assert res.history[-1].mtp < res.history[0].mtp
     assert all(h.indexer > 0 for h in res.history)
-    biases = [m.e_score_correction_bias for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.train.ops import TrainingOps
+    from glmrt.train.trainer import build_model
+    fresh = dict(build_model(preset_config("tiny-trained"), TrainingOps(), torch.device("cpu"), 0).named_parameters())
+    biases = {n: p for n, p in model.named_parameters() if n.endswith("e_score_correction_bias")}
     assert len(biases) == 5  # four MoE layers and the MTP layer's
-    assert res.expert_load and all(len(v) == 8 for v in res.expert_load.values())
+    for n, p in biases.items():  # the balancing update moved every router's bias, by at most its step
+        step = (p - fresh[n]).abs()
+        assert step.max() > 0 and step.max() <= 50 * 1e-3 + 1e-6, n
+    assert set(res.expert_load) == {n.rsplit(".", 1)[0] for n in biases}
+    assert all(len(v) == 8 for v in res.expert_load.values())
 
 
 def test_same_seed_gives_bitwise_the_same_weights(tok):
