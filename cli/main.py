@@ -10,7 +10,7 @@ import argparse
 import sys
 
 import glmrt
-from cli import admin, bench_offline, bench_serving, compute_mamba_ratio, make_checkpoint, up
+from cli import admin, bench_offline, bench_serving, compute_mamba_ratio, eval as eval_cli, make_checkpoint, train, up
 from cli.parsing import GlmrtParser
 
 # `glmrt bench <name>`: one module per benchmark, each with add_parser(bench_sub) and run(args).
@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     admin.add_parsers(sub)
     make_checkpoint.add_parser(sub)
     compute_mamba_ratio.add_parser(sub)
+    train.add_parser(sub)
+    eval_cli.add_parser(sub)
     _add_bench_group(sub)
     return parser
 

@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "make-checkpoint", help="write a random-weight GLM-5.3-Flash checkpoint in HF format",
         description="Write config.json, safetensors weights, generation_config.json and a real tokenizer "
                     "for a preset shape with random weights, or print its sizes with --meta.")
-    p.add_argument("--preset", required=True, help="tiny | flash-4l | flash")
+    p.add_argument("--preset", required=True, help="tiny | tiny-trained | flash-4l | flash")
     p.add_argument("--out", help="output directory (required unless --meta)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "fp8", "mxfp4", "nvfp4"],

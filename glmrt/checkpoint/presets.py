@@ -1,7 +1,8 @@
-"""Named model shapes for random-weight checkpoints: `tiny`, `flash-4l`, `flash`.
+"""Named model shapes for random-weight checkpoints: `tiny`, `tiny-trained`, `flash-4l`, `flash`.
 
 `tiny` is the CPU test model (seconds to build; every feature on: both attention and
-indexer types, dense + MoE with group routing, mHC, MTP, vision). `flash-4l` has the full
+indexer types, dense + MoE with group routing, mHC, MTP, vision). `tiny-trained` is the shape
+`glmrt train` trains (glmrt/train/). `flash-4l` has the full
 layer widths with 4 layers (3 KDA + 1 DSA, all MoE; the GPU benchmark model). `flash` is
 the full 45-layer GLM-5.3-Flash.
 """
@@ -43,6 +44,27 @@ def _tiny() -> dict:
     return {"text_config": text, "vision_config": vision, **top}
 
 
+def _tiny_trained() -> dict:
+    """The shape of the model `glmrt train` trains: every layer kind at ~1.35M parameters (under
+    3 MB in bf16, the MTP layer included), heads, experts and vocab even for TP2, no vision."""
+    vocab = 1024
+    text_ids, top = _ids(vocab)
+    text = {
+        "vocab_size": vocab, "hidden_size": 96, "intermediate_size": 128, "moe_intermediate_size": 48,
+        "num_hidden_layers": 6,
+        "layer_types": [KDA, DSA, DSA, KDA, KDA, DSA],
+        "indexer_types": ["full", "full", "shared", "full", "full", "full"],
+        "mlp_layer_types": ["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 32, "kv_lora_rank": 48, "qk_nope_head_dim": 24, "qk_rope_head_dim": 0, "v_head_dim": 24,
+        "index_n_heads": 4, "index_head_dim": 16, "index_topk": 32, "index_kpool": 4,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4,
+        "num_nextn_predict_layers": 1, **text_ids,
+    }
+    return {"text_config": text, **top}
+
+
 def _flash(layers: int | None) -> dict:
     text_ids, top = _ids(FULL_VOCAB)
     text: dict = {"vocab_size": FULL_VOCAB, **text_ids}
@@ -58,7 +80,7 @@ def _flash(layers: int | None) -> dict:
     return {"text_config": text, "vision_config": vision, **top}
 
 
-PRESETS = {"tiny": lambda: _tiny(), "flash-4l": lambda: _flash(4), "flash": lambda: _flash(None)}
+PRESETS = {"tiny": lambda: _tiny(), "tiny-trained": lambda: _tiny_trained(), "flash-4l": lambda: _flash(4), "flash": lambda: _flash(None)}
 LARGE_PRESETS = ("flash-4l", "flash")
 
 

@@ -9,6 +9,8 @@ as tokenizer.json. Real checkpoints bring their own tokenizer; the special ids a
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     *(f"<|reserved_special_token_{k}|>" for k in range(24)),
 )
 assert len(SPECIAL_TOKENS) == NUM_SPECIAL_TOKENS
+_SPECIAL_SPLIT = re.compile("|".join(re.escape(t) for t in sorted(SPECIAL_TOKENS, key=len, reverse=True)))
 
 # NOTE: fillers pad the regular vocabulary when the corpus yields fewer merges than the
 # vocab needs. The space makes them unreachable: after byte-level pre-tokenisation no piece
@@ -173,10 +176,18 @@ def token_id_config(vocab_size: int) -> dict[str, Any]:
     }
 
 
-def _train_bpe(num_regular: int) -> dict[str, Any]:
+def _pre_tokenizer(split_digits: bool, use_regex: bool = True):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    if not split_digits:
+        return byte_level
+    # every digit its own piece, so numbers are read and written digit by digit
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+
+
+def _train_bpe(num_regular: int, lines: Iterable[str] | None, split_digits: bool) -> dict[str, Any]:
     """Trains a byte-level BPE of at most `num_regular` tokens; returns its model JSON."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = _pre_tokenizer(split_digits)
     trainer = trainers.BpeTrainer(
         vocab_size=num_regular,
         min_frequency=2,  # a merge seen once is noise; fillers take its place
@@ -184,18 +195,23 @@ def _train_bpe(num_regular: int) -> dict[str, Any]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    if lines is None:
+        lines = _CORPUS.splitlines(keepends=True)
+    else:  # the special tokens are atomic: no merge may claim (part of) one
+        lines = [piece for line in lines for piece in _SPECIAL_SPLIT.split(line) if piece]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     return json.loads(tokenizer.to_str())["model"]
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
+def build_tokenizer(vocab_size: int, lines: Iterable[str] | None = None, *, split_digits: bool = False) -> Tokenizer:
     """Builds the byte-level BPE tokenizer for a vocabulary of exactly `vocab_size` ids.
 
     Regular tokens take ids 0..vocab_size-61 (trained merges, then unused fillers); the 60
-    special tokens take the top ids at their fixed offsets. Deterministic, in memory.
+    special tokens take the top ids at their fixed offsets. Deterministic, in memory. `lines`:
+    the training text (default: the built-in corpus); `split_digits`: one token per digit.
     """
     num_regular = _check_vocab_size(vocab_size)
-    model = _train_bpe(num_regular)
+    model = _train_bpe(num_regular, lines, split_digits)
     vocab: dict[str, int] = model["vocab"]
     if sorted(vocab.values()) != list(range(len(vocab))) or len(vocab) > num_regular:
         raise RuntimeError("BPE trainer returned a vocabulary with holes or too many ids")
@@ -206,7 +222,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     bpe = models.BPE(vocab=vocab, merges=[tuple(m) for m in model["merges"]])
 
     tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = _pre_tokenizer(split_digits)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
@@ -220,14 +236,15 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int) -> dict[str, Any]:
+def write_tokenizer(out_dir: str | Path, vocab_size: int, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json to `out_dir`.
 
-    The files load with transformers' AutoTokenizer. Returns `token_id_config(vocab_size)`.
+    The files load with transformers' AutoTokenizer. `tokenizer`: the one to write (default:
+    `build_tokenizer(vocab_size)`). Returns `token_id_config(vocab_size)`.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    (tokenizer or build_tokenizer(vocab_size)).save(str(out / "tokenizer.json"))
 
     def added(content: str) -> dict[str, Any]:
         return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,

@@ -163,8 +163,13 @@ def generation_config(config: ModelConfig) -> dict:
 
 def write_checkpoint(config: ModelConfig, out_dir: str, *, seed: int = 0, dtype: str = "bfloat16",
                      shard_bytes: int = 4 << 30, layout: str = "nested", tokenizer: bool = True,
-                     progress: bool = True) -> dict:
-    """Write config.json, weights, generation_config.json and the tokenizer. -> summary."""
+                     progress: bool = True, values=None, tokenizer_object=None,
+                     generation: dict | None = None) -> dict:
+    """Write config.json, weights, generation_config.json and the tokenizer. -> summary.
+
+    `values(spec) -> tensor`: the weights to write (a trained model's; default: random ones of
+    `seed`); `tokenizer_object`: the tokenizer to ship (default: the built-in one);
+    `generation`: generation_config.json's contents (default: `generation_config(config)`)."""
     from safetensors.torch import save_file
 
     specs = tensor_specs(config, dtype)
@@ -189,7 +194,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str, *, seed: int = 0, dtype:
 
     weight_map_keys: list[list[str]] = [[]]
     for spec in specs:
-        value = random_tensor(spec.name, spec.shape, text, seed)
+        value = random_tensor(spec.name, spec.shape, text, seed) if values is None else values(spec)
         out: dict[str, torch.Tensor] = {}
         if spec.fp8:
             q, s = quantize_block_fp8(value, (128, 128))
@@ -231,10 +236,10 @@ def write_checkpoint(config: ModelConfig, out_dir: str, *, seed: int = 0, dtype:
         with open(os.path.join(out_dir, "hf_quant_config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_quant, f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump(generation_config(config), f, indent=2)
+        json.dump(generation or generation_config(config), f, indent=2)
     if tokenizer:
         from glmrt.checkpoint.tokenizer import write_tokenizer
-        write_tokenizer(out_dir, text.vocab_size)
+        write_tokenizer(out_dir, text.vocab_size, tokenizer_object)
     return {"path": out_dir, "tensors": len(specs), "bytes": total, "shards": n}
 
 

@@ -41,6 +41,10 @@ class MTPLayer(nn.Module):
     @torch.no_grad()
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:
         """next_embeds [N, D] (embedding of token t+1), hidden [N, D] -> draft hidden [N, D] (normed)."""
+        return self.draft(next_embeds, hidden, meta, cache)
+
+    def draft(self, next_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:
+        """`forward` where autograd may record it (training: glmrt/train/)."""
         self.ops.begin_forward(next_embeds.shape[0])
         z = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
         a, _ = self.self_attn(self.input_layernorm(z), meta, cache, None)

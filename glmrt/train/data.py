@@ -1,0 +1,98 @@
+"""Tokenizer and batches for training: the corpus's chats as token ids with loss masks.
+
+The tokenizer is a byte-level BPE trained on the corpus itself (digits split into single
+tokens), with the GLM-5.3 special tokens at their fixed ids (glmrt/checkpoint/tokenizer.py).
+A batch holds B chats right-padded to one length; the loss is taken on the model's own output
+tokens only: the next token (main head) and the token after it (the MTP layer).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from glmrt.checkpoint.tokenizer import build_tokenizer, special_token_ids
+from glmrt.train.corpus import Chat, chat_stream, tokenizer_text
+
+IGNORE = -100
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+    return build_tokenizer(vocab_size, tokenizer_text(seed), split_digits=True)
+
+
+def encode_chat(tok: Tokenizer, chat: Chat) -> tuple[list[int], list[bool]]:
+    """Token ids of the chat and, per token, whether it is the model's output. Segments start or
+    end at special tokens, so encoding them one by one gives the ids of the whole text."""
+    ids: list[int] = []
+    target: list[bool] = []
+    for enc, (_, is_out) in zip(tok.encode_batch([t for t, _ in chat.segments], add_special_tokens=False),
+                                chat.segments):
+        ids += enc.ids
+        target += [is_out] * len(enc.ids)
+    return ids, target
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor   # [B, T]
+    labels: torch.Tensor      # [B, T] token t+1 where it is an output token, else IGNORE
+    mtp_labels: torch.Tensor  # [B, T] token t+2 where it is an output token, else IGNORE
+    num_tokens: int           # real (unpadded) tokens
+
+    def to(self, device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.mtp_labels.to(device), self.num_tokens)
+
+
+def make_batch(tok: Tokenizer, chats: list[Chat], max_len: int) -> Batch:
+    pad = special_token_ids(tok.get_vocab_size())["<|endoftext|>"]
+    rows = [encode_chat(tok, c) for c in chats]
+    too_long = [len(ids) for ids, _ in rows if len(ids) > max_len]
+    if too_long:
+        raise ValueError(f"a chat of {max(too_long)} tokens exceeds the training length {max_len}")
+    width = max(len(ids) for ids, _ in rows)
+    ids_t = torch.full((len(rows), width), pad, dtype=torch.long)
+    out_t = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, (ids, target) in enumerate(rows):
+        ids_t[r, : len(ids)] = torch.tensor(ids)
+        out_t[r, : len(ids)] = torch.tensor(target)
+    labels = torch.full_like(ids_t, IGNORE)
+    labels[:, :-1] = torch.where(out_t[:, 1:], ids_t[:, 1:], IGNORE)
+    mtp = torch.full_like(ids_t, IGNORE)
+    mtp[:, :-2] = torch.where(out_t[:, 2:], ids_t[:, 2:], IGNORE)
+    return Batch(ids_t, labels, mtp, sum(len(ids) for ids, _ in rows))
+
+
+class BatchStream:
+    """The training batches of the corpus of `seed`, by step: the same chats for the same step.
+
+    Chats are drawn `window` batches at a time, sorted by length and cut into batches (in an
+    order shuffled by the seed), so a batch pads to little more than its own chats' lengths.
+    Chats longer than `max_len` tokens are left out.
+    """
+
+    def __init__(self, tok: Tokenizer, seed: int, batch_size: int, max_len: int, window: int = 8):
+        self.tok, self.seed, self.batch_size, self.max_len, self.window = tok, seed, batch_size, max_len, window
+        self._cached: tuple[int, list[list[Chat]]] | None = None
+
+    def _window(self, w: int) -> list[list[Chat]]:
+        if self._cached is None or self._cached[0] != w:
+            n = self.window * self.batch_size
+            chats = chat_stream(self.seed, w * n, n)
+            lens = [sum(len(e.ids) for e in self.tok.encode_batch([t for t, _ in c.segments], add_special_tokens=False))
+                    for c in chats]
+            order = sorted((i for i in range(n) if lens[i] <= self.max_len), key=lambda i: lens[i])
+            groups = [[chats[i] for i in order[b * len(order) // self.window:(b + 1) * len(order) // self.window]]
+                      for b in range(self.window)]
+            random.Random(f"{self.seed}:window:{w}").shuffle(groups)
+            self._cached = (w, groups)
+        return self._cached[1]
+
+    def batch(self, step: int) -> Batch:
+        chats = self._window(step // self.window)[step % self.window]
+        if not chats:
+            raise ValueError(f"no chat of step {step} fits in {self.max_len} tokens")
+        return make_batch(self.tok, chats, self.max_len)
