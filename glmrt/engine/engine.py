@@ -105,8 +105,10 @@ class Engine:
         if config.fp8_activations != "auto":  # auto: the kernel set's own (ReferenceOps.fp8_activations)
             self.backend.ops.fp8_activations = config.fp8_activations
         kv_dtype = self.options.kv_cache_dtype
+        tp_size = self.model.parallel.tp_size  # the pools of this rank's shard (KDA state per rank)
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
-                                              state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+                                              state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
+                                              tp_size=tp_size)
         self.memory: MemoryPlan = plan_memory(
             self.layout, self._cache_budget(device), ratio=config.mamba_full_memory_ratio,
             max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
@@ -117,7 +119,8 @@ class Engine:
         spare = 1 if graphs else 0
         self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
                                          page_size=config.page_size, kv_dtype=kv_dtype,
-                                         state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+                                         state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
+                                         tp_size=tp_size)
         self.pages = PageManager(self.memory.num_pages)
         self.slots = SlotManager(self.memory.num_slots)
         self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache)
