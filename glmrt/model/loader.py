@@ -297,14 +297,14 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
                 del parts
             else:
                 sl = handles[file].get_slice(key)
+                if sl.get_dtype() == "U8" and dst.is_floating_point():
+                    raise CheckpointError(f"{key}: uint8 (packed FP4?) weight, but config.json's quantization_config "
+                                          f"declares no MXFP4/NVFP4 format")
                 full = tuple(split.full_shape(tuple(dst.shape)) if split is not None else dst.shape)
                 if tuple(sl.get_shape()) != full:
                     raise CheckpointError(f"{key}: shape {tuple(sl.get_shape())} in checkpoint, {full} expected")
                 t = sl[_slice_index(len(full), split, split.dim)] if split is not None else handles[file].get_tensor(key)
                 nbytes = t.numel() * t.element_size()
-                if t.dtype == torch.uint8 and dst.is_floating_point():
-                    raise CheckpointError(f"{key}: uint8 (packed FP4?) weight, but config.json's quantization_config "
-                                          f"declares no MXFP4/NVFP4 format")
                 if t.is_floating_point() and t.element_size() == 1 and dst.element_size() != 1:
                     raise CheckpointError(f"{key}: {t.dtype} weight without its weight_scale_inv tensor")
             dst.copy_(t.to(device=dst.device))

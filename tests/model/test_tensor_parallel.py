@@ -1,9 +1,9 @@
 """Tensor and expert parallelism: the sharded model computes what the whole model computes.
 
 Two gloo rank processes (started once for the module, tests/model/tp_ranks.py) run the tiny
-model in fp32 at TP2 and at TP2+EP2, from a checkpoint written by our writer, from an FP8
-checkpoint, from random weights and from a checkpoint written by transformers'
-`save_pretrained`; this process runs the same steps at TP1. Greedy tokens (a mixed prefill of
+model in fp32 at TP2 and at TP2+EP2, from a checkpoint written by our writer, from FP8,
+NVFP4 and MXFP4 checkpoints, from random weights (16-bit and FP8) and from a checkpoint
+written by transformers' `save_pretrained`; this process runs the same steps at TP1. Greedy tokens (a mixed prefill of
 three prompts, then batched decode) must be identical and max|Δlogit| / max|logit| <= 1e-5,
 on both ranks (each returns the full logits); the transformers checkpoint must also give
 transformers' own greedy tokens. Each rank must hold exactly its shard: 1/2 of every sharded
@@ -80,6 +80,8 @@ def _jobs(root) -> dict[str, dict]:
         "tp2": {**base, "checkpoint": str(root / "f32")},
         "tp2ep2": {**base, "checkpoint": str(root / "f32"), "ep_size": WORLD},
         "fp8": {**base, "checkpoint": str(root / "fp8")},
+        "nvfp4": {**base, "checkpoint": str(root / "nvfp4")},
+        "mxfp4_ep2": {**base, "checkpoint": str(root / "mxfp4"), "ep_size": WORLD},
         "dummy_ep2_bias": {**base, "preset": "tiny", "seed": 11, "ep_size": WORLD, "attention_bias": True},
         "dummy_fp8": {**base, "preset": "tiny", "seed": 12, "quantization": "fp8"},
         "hf": {**base, "checkpoint": str(root / "hf"), "mtp": False},
@@ -109,7 +111,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     tiny = preset_config("tiny")
     write_checkpoint(tiny, str(root / "f32"), seed=3, dtype="float32", tokenizer=False, progress=False)
-    write_checkpoint(tiny, str(root / "fp8"), seed=4, dtype="fp8", tokenizer=False, progress=False)
+    for seed, fmt in enumerate(("fp8", "nvfp4", "mxfp4"), start=4):
+        write_checkpoint(tiny, str(root / fmt), seed=seed, dtype=fmt, tokenizer=False, progress=False)
     hf = _hf_checkpoint(root / "hf")
     jobs = _jobs(root)
     for name, job in jobs.items():
@@ -146,7 +149,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("job", ["tp2", "tp2ep2", "fp8", "dummy_ep2_bias", "dummy_fp8", "hf"])
+@pytest.mark.parametrize("job", ["tp2", "tp2ep2", "fp8", "nvfp4", "mxfp4_ep2", "dummy_ep2_bias", "dummy_fp8", "hf"])
 def test_sharded_model_matches_the_whole_model(runs, job):
     whole, ranks, _, _ = runs[job]
     logits = [k for k in whole if k.startswith(("prefill.", "decode.", "mtp"))]
