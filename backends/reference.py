@@ -140,7 +140,7 @@ class ReferenceOps:
         projection f [N, H*d]: with a lower bound lb·sigmoid(exp(A_log)·(f + dt_bias)), else
         -exp(A_log)·softplus(f + dt_bias)."""
         f = f.float() + dt_bias.float()
-        f = f.view(f.shape[0], num_heads, -1)
+        f = f.view(f.shape[0], num_heads, f.shape[-1] // num_heads)
         rate = a_log.float().exp()[:, None]
         if lower_bound is not None:
             return lower_bound * torch.sigmoid(rate * f)

@@ -73,5 +73,5 @@ class KDAAttention(nn.Module):
         beta = torch.sigmoid(b)  # model dtype, as the reference computes it
         o = self.ops.kda(q, k, v, self.forget_gate(f_a), beta, cache.recurrent(self.layer), meta)
         gate = self.g_b_proj(g_a).view(shape)
-        o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, -1)
+        o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

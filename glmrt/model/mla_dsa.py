@@ -93,4 +93,4 @@ class DSAAttention(nn.Module):
         w_kc, w_vc = w[:, : self.nope_dim], w[:, self.nope_dim:]
         o = self.ops.sparse_mla(q, cache.latent(self.layer), w_kc, w_vc, sel, meta, self.kpool, self.scale,
                                 self.with_tail)
-        return self.o_proj(o.reshape(n, -1)), sel
+        return self.o_proj(o.reshape(n, self.num_heads * self.v_head_dim)), sel

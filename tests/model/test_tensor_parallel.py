@@ -153,6 +153,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_sharded_model_matches_the_whole_model(runs, job):
     whole, ranks, _, _ = runs[job]
     logits = [k for k in whole if k.startswith(("prefill.", "decode.", "mtp"))]
+    vocab = whole["prefill.0"].shape[-1]
+    assert all(part["empty"].shape == (0, vocab) for part in ranks)
     assert any(k.startswith("decode.") for k in logits)
     assert ("mtp" in logits) == (job != "hf")
     worst = 0.0

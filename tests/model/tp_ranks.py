@@ -30,11 +30,13 @@ def prompts(vocab: int, seed: int = 7) -> list[list[int]]:
 
 
 def greedy_run(model, vocab: int) -> dict[str, torch.Tensor]:
-    """Every logit of the prefill step and of each decode step, and the greedy tokens."""
+    """Every logit of the prefill step and of each decode step, and the greedy tokens (with a
+    step of no tokens between prefill and decode)."""
     session = DirectSession(model, max_requests=len(PROMPT_LENS), max_tokens=128)
     rids = [session.new_request() for _ in PROMPT_LENS]
     out = session.step(dict(zip(rids, prompts(vocab))))
     result = {f"prefill.{i}": out[r] for i, r in enumerate(rids)}
+    result["empty"] = empty_step(model, session)  # a step of no tokens still takes every collective
     tokens = [[int(out[r][-1].argmax())] for r in rids]
     for step in range(DECODE_STEPS):
         out = session.step({r: [tokens[i][-1]] for i, r in enumerate(rids)})
@@ -43,6 +45,18 @@ def greedy_run(model, vocab: int) -> dict[str, torch.Tensor]:
             tokens[i].append(int(out[r][0].argmax()))
     result["tokens"] = torch.tensor(tokens)
     return result
+
+
+@torch.no_grad()
+def empty_step(model, session: DirectSession) -> torch.Tensor:
+    """A forward (target and, if present, draft) of 0 tokens -> its [0, V] logits."""
+    meta = BatchMeta.build([], [], [], [], session.page_size, model.device)
+    none = torch.empty(0, dtype=torch.long, device=model.device)
+    logits, hidden = model(none, meta, session.cache)
+    if model.mtp is not None:
+        draft = model.mtp(model.model.embed(none), hidden, meta, session.cache)
+        logits = torch.cat([logits, model.compute_logits(draft)])
+    return logits
 
 
 @torch.no_grad()
