@@ -286,7 +286,8 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
                 parts = {}
                 for role, (f, k) in group.parts.items():
                     index = _packed_part_slice(role, split, dst.dim())
-                    parts[role] = (handles[f].get_slice(k)[index] if index else handles[f].get_tensor(k)).to(dst.device)
+                    t = handles[f].get_slice(k)[index] if index else handles[f].get_tensor(k)
+                    parts[role] = t.to(dst.device)
                 nbytes = sum(t.numel() * t.element_size() for t in parts.values())
                 # a split of the input dim (ROW layers) cuts the dequantised rows: FP4 packs two
                 # values a byte and shares a scale along it, which a shard need not align with
@@ -303,7 +304,10 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
                 full = tuple(split.full_shape(tuple(dst.shape)) if split is not None else dst.shape)
                 if tuple(sl.get_shape()) != full:
                     raise CheckpointError(f"{key}: shape {tuple(sl.get_shape())} in checkpoint, {full} expected")
-                t = sl[_slice_index(len(full), split, split.dim)] if split is not None else handles[file].get_tensor(key)
+                if split is not None:  # this rank's rows or columns only, read from the file
+                    t = sl[_slice_index(len(full), split, split.dim)]
+                else:
+                    t = handles[file].get_tensor(key)
                 nbytes = t.numel() * t.element_size()
                 if t.is_floating_point() and t.element_size() == 1 and dst.element_size() != 1:
                     raise CheckpointError(f"{key}: {t.dtype} weight without its weight_scale_inv tensor")
