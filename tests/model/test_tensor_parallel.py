@@ -78,6 +78,7 @@ def _jobs(root) -> dict[str, dict]:
     base = {"mtp": True, "ep_size": 1}
     return {
         "tp2": {**base, "checkpoint": str(root / "f32")},
+        "tp2_shared_slot": {**base, "checkpoint": str(root / "f32"), "fuse_shared_experts": True},
         "tp2ep2": {**base, "checkpoint": str(root / "f32"), "ep_size": WORLD},
         "fp8": {**base, "checkpoint": str(root / "fp8")},
         "nvfp4": {**base, "checkpoint": str(root / "nvfp4")},
@@ -149,7 +150,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("job", ["tp2", "tp2ep2", "fp8", "nvfp4", "mxfp4_ep2", "dummy_ep2_bias", "dummy_fp8", "hf"])
+@pytest.mark.parametrize("job", ["tp2", "tp2_shared_slot", "tp2ep2", "fp8", "nvfp4", "mxfp4_ep2", "dummy_ep2_bias", "dummy_fp8", "hf"])
 def test_sharded_model_matches_the_whole_model(runs, job):
     whole, ranks, _, _ = runs[job]
     logits = [k for k in whole if k.startswith(("prefill.", "decode.", "mtp"))]
@@ -157,6 +158,9 @@ def test_sharded_model_matches_the_whole_model(runs, job):
     assert all(part["empty"].shape == (0, vocab) for part in ranks)
     assert any(k.startswith("decode.") for k in logits)
     assert ("mtp" in logits) == (job != "hf")
+    moe_layers = sum(map(preset_config("tiny").text.is_moe, range(6))) + 1  # and the MTP layer's
+    assert whole["shared_slots"].item() == (moe_layers if "slot" in job else 0)
+    assert all(torch.equal(part["shared_slots"], whole["shared_slots"]) for part in ranks)
     worst = 0.0
     for rank, part in enumerate(ranks):
         assert torch.equal(part["tokens"], whole["tokens"]), (job, rank, part["tokens"], whole["tokens"])

@@ -78,6 +78,9 @@ def load(job: dict, parallel):
     from glmrt.model.loader import load_checkpoint, load_dummy
 
     ops = ReferenceOps()
+    # the shared expert seated among the routed ones (glmrt.model.moe.SharedExpertSlot), as the
+    # cuda-h200 kernel set runs it: per rank it is one more expert of the rank's I slice
+    ops.fuse_shared_experts = job.get("fuse_shared_experts", False)
     if "checkpoint" in job:
         model, report = load_checkpoint(job["checkpoint"], ops, dtype=torch.float32, with_mtp=job["mtp"],
                                         parallel=parallel)
@@ -101,6 +104,8 @@ def run_job(job: dict, parallel) -> tuple[dict[str, torch.Tensor], list[str]]:
     params = dict(model.named_parameters())
     result["param_bytes"] = torch.tensor([params[n].numel() * params[n].element_size() for n in names])
     result["read_bytes"] = torch.tensor([read_bytes])
+    result["shared_slots"] = torch.tensor(sum(getattr(getattr(m, "shared_slot", None), "fused", False)
+                                              for m in model.modules()))
     return result, names
 
 
