@@ -81,6 +81,7 @@ def _jobs(root) -> dict[str, dict]:
         "tp2_shared_slot": {**base, "checkpoint": str(root / "f32"), "fuse_shared_experts": True},
         "tp2ep2": {**base, "checkpoint": str(root / "f32"), "ep_size": WORLD},
         "fp8": {**base, "checkpoint": str(root / "fp8")},
+        "fp8_ep2": {**base, "checkpoint": str(root / "fp8"), "ep_size": WORLD},
         "nvfp4": {**base, "checkpoint": str(root / "nvfp4")},
         "mxfp4_ep2": {**base, "checkpoint": str(root / "mxfp4"), "ep_size": WORLD},
         "dummy_ep2_bias": {**base, "preset": "tiny", "seed": 11, "ep_size": WORLD, "attention_bias": True},
@@ -150,7 +151,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("job", ["tp2", "tp2_shared_slot", "tp2ep2", "fp8", "nvfp4", "mxfp4_ep2", "dummy_ep2_bias", "dummy_fp8", "hf"])
+@pytest.mark.parametrize("job", ["tp2", "tp2_shared_slot", "tp2ep2", "fp8", "fp8_ep2", "nvfp4", "mxfp4_ep2", "dummy_ep2_bias", "dummy_fp8", "hf"])
 def test_sharded_model_matches_the_whole_model(runs, job):
     whole, ranks, _, _ = runs[job]
     logits = [k for k in whole if k.startswith(("prefill.", "decode.", "mtp"))]
