@@ -286,7 +286,14 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
                 parts = {}
                 for role, (f, k) in group.parts.items():
                     index = _packed_part_slice(role, split, dst.dim())
-                    t = handles[f].get_slice(k)[index] if index else handles[f].get_tensor(k)
+                    if index:
+                        sl = handles[f].get_slice(k)
+                        if sl.get_shape()[split.dim] != split.full:  # the full rows, before taking ours
+                            raise CheckpointError(f"{k}: {sl.get_shape()[split.dim]} rows in checkpoint, "
+                                                  f"{split.full} expected")
+                        t = sl[index]
+                    else:
+                        t = handles[f].get_tensor(k)
                     parts[role] = t.to(dst.device)
                 nbytes = sum(t.numel() * t.element_size() for t in parts.values())
                 # a split of the input dim (ROW layers) cuts the dequantised rows: FP4 packs two
