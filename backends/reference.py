@@ -140,7 +140,7 @@ class ReferenceOps:
         projection f [N, H*d]: with a lower bound lb·sigmoid(exp(A_log)·(f + dt_bias)), else
         -exp(A_log)·softplus(f + dt_bias)."""
         f = f.float() + dt_bias.float()
-        f = f.view(f.shape[0], num_heads, -1)
+        f = f.view(f.shape[0], num_heads, f.shape[-1] // num_heads)
         rate = a_log.float().exp()[:, None]
         if lower_bound is not None:
             return lower_bound * torch.sigmoid(rate * f)
@@ -217,7 +217,8 @@ class ReferenceOps:
                     w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None,
                     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                     block: tuple[int, int] = (128, 128), *, defer_sum: bool = False) -> torch.Tensor:
-        """Routed experts: sum_k weights[:, k] * expert_{ids[:, k]}(x). Stacked [E, out, in] weights.
+        """Routed experts: sum_k weights[:, k] * expert_{ids[:, k]}(x). Stacked [E, out, in] weights;
+        picks of ids outside [0, E) (another rank's experts under expert parallelism) add nothing.
         `defer_sum`: the caller also takes MoEPartials (its consumer is mhc_post); the reference
         sums here anyway."""
         out = torch.zeros_like(x)
@@ -233,6 +234,8 @@ class ReferenceOps:
             return F.linear(a, w.to(x.dtype))
 
         for e in torch.unique(ids.flatten()).tolist():
+            if not 0 <= e < w_gate.shape[0]:  # another rank's expert (expert parallelism): dropped
+                continue
             tok, kpos = torch.nonzero(ids == e, as_tuple=True)
             xe = x[tok]
             h = self.swiglu(proj(xe, 0, e), proj(xe, 1, e), limit)

@@ -15,10 +15,52 @@ here (2.13) spell the flat-tensor gather/scatter differently (`*_into_tensor`/`*
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which part of a full (checkpoint-shaped) tensor this rank holds: indices
+    [start, start + size) of dim `dim`, whose full extent is `full`. A layer records one per
+    sharded parameter (glmrt.model.layers `splits`); the loader and the random initialiser cut
+    the full tensor by it, so the model is defined once and sharded by this property alone."""
+
+    dim: int
+    start: int
+    size: int
+    full: int
+
+    @property
+    def whole(self) -> bool:
+        """The whole tensor (a group of one rank)."""
+        return self.size == self.full
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor `t` (a view)."""
+        if t.shape[self.dim] != self.full:
+            raise ValueError(f"dim {self.dim} of a {tuple(t.shape)} tensor is not the full {self.full}")
+        return t.narrow(self.dim, self.start, self.size)
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.full if i == self.dim else n for i, n in enumerate(local))
+
+    def scale_split(self, block: int, what: str) -> "Split":
+        """The split of an FP8 weight's block scales (one per `block` indices of this dim) that
+        goes with this weight split. The rank's rows must start on a block boundary, or lie in
+        one block (a small shard that shares its block's scale with its neighbours); else its
+        local block index would not be the checkpoint's and the scales would be misread."""
+        full_blocks = math.ceil(self.full / block)
+        if self.start % block == 0:
+            return Split(self.dim, self.start // block, math.ceil(self.size / block), full_blocks)
+        if self.start // block == (self.start + self.size - 1) // block:
+            return Split(self.dim, self.start // block, 1, full_blocks)
+        raise ValueError(f"{what}: this rank's indices [{self.start}, {self.start + self.size}) of dim {self.dim} "
+                         f"split a {block}-wide FP8 scale block; choose a tensor-parallel size whose shards "
+                         f"are whole blocks")
 
 
 @dataclass(frozen=True)
@@ -59,6 +101,11 @@ class Parallel:
             raise ValueError(f"{what} ({total}) is not divisible by {parts} ranks")
         size = total // parts
         return index * size, size
+
+    def split(self, total: int, what: str, dim: int, parts: int | None = None) -> Split:
+        """`shard` as a Split of dim `dim` of a tensor whose full extent there is `total`."""
+        start, size = self.shard(total, what, parts)
+        return Split(dim, start, size, total)
 
     # ---- collectives (the identity at TP 1) -------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,8 @@ tensor-core tiles with a grouped launch order so that the blocks of one expert s
 tiles in L2). A config may also ask for SWAP_AB (the transposed product accᵀ = W·xᵀ, the weight
 tile as the MMA's A operand).
 
-Expert ids outside [0, E) (e.g. -1) are dropped: the pair contributes nothing (the reference
-has no such notion; the model never produces them).
+Expert ids outside [0, E) (e.g. -1) are dropped: the pair contributes nothing, as in the
+reference (expert parallelism marks another rank's experts -1: glmrt.model.moe.TokenDispatcher).
 """
 
 from __future__ import annotations

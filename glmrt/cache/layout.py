@@ -24,9 +24,9 @@ class CacheLayout:
     index_head_dim: int
     kpool: int
     page_size: int
-    conv_dim: int                # 3 * linear_qkv_dim
+    conv_dim: int                # 3 * linear_qkv_dim (of this rank's heads)
     conv_width: int              # K - 1 kept inputs
-    kda_heads: int
+    kda_heads: int               # this rank's KDA heads
     kda_dk: int
     kda_dv: int
     kv_dtype: str = "bfloat16"
@@ -36,13 +36,19 @@ class CacheLayout:
     @classmethod
     def from_config(cls, text: TextConfig, *, page_size: int = 64, kv_dtype: str = "bfloat16",
                     state_dtype: str = "float32", model_dtype: str = "bfloat16",
-                    with_mtp: bool = False) -> "CacheLayout":
+                    with_mtp: bool = False, tp_size: int = 1) -> "CacheLayout":
+        """The pools of one rank of a `tp_size` group: KDA is split by head (its conv channels
+        and recurrent state per rank are 1 / tp_size of the model's), while the MLA latent and
+        the indexer's keys are replicated, so every rank pays for them in full."""
         if page_size % text.index_kpool:
             raise ValueError(f"page_size ({page_size}) must be a multiple of index_kpool ({text.index_kpool})")
+        if tp_size < 1 or text.linear_num_heads % tp_size:
+            raise ValueError(f"linear_num_heads ({text.linear_num_heads}) is not divisible by {tp_size} ranks")
         extra = 1 if with_mtp else 0
+        heads = text.linear_num_heads // tp_size
         return cls(len(text.dsa_layers) + extra, len(text.indexer_layers) + extra, len(text.kda_layers),
                    text.kv_lora_rank, text.index_head_dim, text.index_kpool, page_size,
-                   3 * text.linear_qkv_dim, text.linear_conv_kernel_dim - 1, text.linear_num_heads,
+                   3 * heads * text.linear_head_dim, text.linear_conv_kernel_dim - 1, heads,
                    text.linear_head_dim, text.linear_head_dim, kv_dtype, state_dtype, model_dtype)
 
     @property

@@ -81,9 +81,10 @@ class ModelCache:
     @classmethod
     def allocate(cls, text: TextConfig, num_pages: int, num_slots: int, device: torch.device | str, *,
                  page_size: int = 64, kv_dtype: str = "bfloat16", state_dtype: str = "float32",
-                 model_dtype: str = "bfloat16", with_mtp: bool = False) -> "ModelCache":
+                 model_dtype: str = "bfloat16", with_mtp: bool = False, tp_size: int = 1) -> "ModelCache":
+        """Pools for one rank of a `tp_size` group (CacheLayout.from_config: KDA state per rank)."""
         layout = CacheLayout.from_config(text, page_size=page_size, kv_dtype=kv_dtype, state_dtype=state_dtype,
-                                         model_dtype=model_dtype, with_mtp=with_mtp)
+                                         model_dtype=model_dtype, with_mtp=with_mtp, tp_size=tp_size)
         return cls(text, KVPool(layout, num_pages, device), StatePool(layout, num_slots, device), with_mtp)
 
     def latent(self, layer: int) -> torch.Tensor:

@@ -114,8 +114,10 @@ class ModelRank:
         if config.fp8_activations != "auto":  # auto: the kernel set's own (ReferenceOps.fp8_activations)
             self.backend.ops.fp8_activations = config.fp8_activations
         kv_dtype = self.options.kv_cache_dtype
+        tp_size = self.model.parallel.tp_size  # the pools of this rank's shard (KDA state per rank)
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
-                                              state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+                                              state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
+                                              tp_size=tp_size)
         budget = self._cache_budget(device)
         if link is not None:  # every rank sizes its pools alike: the smallest budget of any rank
             budget = link.agree_min(budget)
@@ -129,7 +131,8 @@ class ModelRank:
         spare = 1 if graphs else 0
         self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
                                          page_size=config.page_size, kv_dtype=kv_dtype,
-                                         state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
+                                         state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
+                                         tp_size=tp_size)
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)

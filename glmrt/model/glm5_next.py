@@ -6,6 +6,12 @@ Serving-shaped: one flat batch of tokens from many requests (no padding), descri
 `BatchMeta`, reading and writing per-request caches through a `ModelCache`. Attention is
 KDA or DSA per `layer_types`, the FFN dense or MoE per `mlp_layer_types`. A "shared" DSA
 layer reuses the selection of the DSA layer right before it.
+
+Built with a `Parallel` of several ranks, each rank holds its shard of every layer (see the
+layer modules) and the mHC streams whole; the embedding and the LM head are split by vocab
+(the lookup masks other ranks' ids and all-reduces; the head's logits are all-gathered, so
+every rank returns the full logits). Every rank runs every collective of a step in the same
+order, whatever its batch: a step of 0 tokens still takes part (with empty tensors).
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ from torch import nn
 
 from glmrt.config import ModelConfig, TextConfig
 from glmrt.model.kda import KDAAttention
-from glmrt.model.layers import Linear, RMSNorm, SwiGLUMLP, WeightOnly, _param
+from glmrt.model.layers import COLUMN, Linear, RMSNorm, SwiGLUMLP, WeightOnly, _param
 from glmrt.model.mla_dsa import DSAAttention
 from glmrt.model.moe import MoE
+from glmrt.parallel import Parallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype):
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype, parallel: Parallel | None = None):
         super().__init__()
         self.ops, self.layer, self.cfg = ops, layer, cfg
         self.is_dsa = cfg.is_dsa(layer)
@@ -37,11 +44,12 @@ class DecoderLayer(nn.Module):
         self.hc_ffn_base = _param(mix, dtype=torch.float32)
         self.hc_ffn_scale = _param(3, dtype=torch.float32)
         if self.is_dsa:
-            self.self_attn = DSAAttention(cfg, layer, ops, dtype, has_indexer=cfg.has_indexer(layer))
+            self.self_attn = DSAAttention(cfg, layer, ops, dtype, has_indexer=cfg.has_indexer(layer),
+                                          parallel=parallel)
         else:
-            self.self_attn = KDAAttention(cfg, layer, ops, dtype)
-        self.mlp = MoE(cfg, ops, dtype) if cfg.is_moe(layer) else \
-            SwiGLUMLP(ops, d, cfg.intermediate_size, cfg.swiglu_limit, dtype=dtype)
+            self.self_attn = KDAAttention(cfg, layer, ops, dtype, parallel)
+        self.mlp = MoE(cfg, ops, dtype, parallel) if cfg.is_moe(layer) else \
+            SwiGLUMLP(ops, d, cfg.intermediate_size, cfg.swiglu_limit, dtype=dtype, parallel=parallel)
 
     def _hc_pre(self, streams, fn, base, scale):
         c = self.cfg
@@ -64,15 +72,25 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype):
+    def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype, parallel: Parallel | None = None):
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.embed_tokens = WeightOnly(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, dtype) for i in range(cfg.num_hidden_layers))
+        self.parallel = parallel or Parallel.single()
+        vocab = self.parallel.split(cfg.vocab_size, "vocab_size", 0)
+        self.embed_tokens = WeightOnly(cfg.vocab_size, cfg.hidden_size, dtype=dtype, split=vocab)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, dtype, parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens.weight[input_ids]
+        w = self.embed_tokens.weight
+        if not self.parallel.active:
+            return w[input_ids]
+        # vocab-parallel: this rank's rows for its ids, zeros for the others', summed over ranks
+        local = input_ids - self.embed_tokens.splits["weight"].start
+        mine = (local >= 0) & (local < w.shape[0])
+        out = w[torch.where(mine, local, 0)] * mine.unsqueeze(-1).to(w.dtype)
+        return self.parallel.all_reduce(out)
 
     def forward(self, embeds: torch.Tensor, meta, cache) -> torch.Tensor:
         """embeds [N, D] -> final normed hidden states [N, D] (the lm_head input)."""
@@ -88,12 +106,14 @@ class Glm5NextForCausalLM(nn.Module):
     """Text model + LM head, with the optional vision tower and MTP draft layer beside it."""
 
     def __init__(self, config: ModelConfig, ops, dtype: torch.dtype = torch.bfloat16, *,
-                 with_vision: bool = True, with_mtp: bool = True):
+                 with_vision: bool = True, with_mtp: bool = True, parallel: Parallel | None = None):
         super().__init__()
         self.config, self.ops, self.dtype = config, ops, dtype
+        self.parallel = parallel or Parallel.single()
         t = config.text
-        self.model = TextModel(t, ops, dtype)
-        self.lm_head = Linear(ops, t.hidden_size, t.vocab_size, dtype=dtype)
+        self.model = TextModel(t, ops, dtype, self.parallel)
+        self.lm_head = Linear(ops, t.hidden_size, t.vocab_size, dtype=dtype, parallel=self.parallel,
+                              style=COLUMN, name="vocab_size")
         self.visual = None
         if with_vision and config.vision is not None:
             from glmrt.model.vision import VisionTower
@@ -101,16 +121,19 @@ class Glm5NextForCausalLM(nn.Module):
         self.mtp = None
         if with_mtp and t.num_nextn_predict_layers > 0:
             from glmrt.model.mtp import MTPLayer
-            self.mtp = MTPLayer(t, ops, dtype)
+            self.mtp = MTPLayer(t, ops, dtype, self.parallel)
 
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits on every rank (each rank's vocab slice, all-gathered)."""
         if self.config.text.tie_word_embeddings:
-            return self.ops.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = self.ops.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return self.parallel.all_gather(logits, dim=-1)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None, meta, cache, *, input_embeds: torch.Tensor | None = None,

@@ -2,6 +2,11 @@
 
 Per request the layer reads and writes two request-local states in the state pool: the last
 K-1 pre-conv q/k/v inputs and the [H, dk, dv] recurrent state (docs/MODEL.md §4, §8.2).
+
+Over several ranks the layer is split by head: each rank holds H / tp heads of q, k, v, the
+forget gate (f_b_proj, dt_bias, A_log), beta (b_proj) and the output gate (g_b_proj), their
+conv channels and state; the low-rank f_a / g_a projections and o_norm (per head_dim) are
+whole on every rank, and o_proj is ROW-parallel (one all-reduce per layer).
 """
 
 from __future__ import annotations
@@ -10,33 +15,41 @@ import torch
 from torch import nn
 
 from glmrt.config import TextConfig
-from glmrt.model.layers import Linear, LinearGroup, StackedWeights, WeightOnly, _param, join_columns
+from glmrt.model.layers import COLUMN, ROW, Linear, LinearGroup, StackedWeights, WeightOnly, _param, join_columns
+from glmrt.parallel import Parallel
 
 
 class KDAAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype):
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype, parallel: Parallel | None = None):
         super().__init__()
+        p = parallel or Parallel.single()
         self.ops, self.layer = ops, layer
-        d, hd, k = cfg.hidden_size, cfg.linear_qkv_dim, cfg.linear_conv_kernel_dim
-        self.num_heads, self.head_dim = cfg.linear_num_heads, cfg.linear_head_dim
+        d, k = cfg.hidden_size, cfg.linear_conv_kernel_dim
+        self.head_dim = cfg.linear_head_dim
+        heads = p.split(cfg.linear_num_heads, "linear_num_heads", 0)  # this rank's heads
+        self.num_heads = heads.size
+        hd = cfg.linear_qkv_dim  # full; the layers below hold this rank's heads of it
+        channels = p.split(hd, "linear_num_heads", 0)
         self.lower_bound = cfg.linear_lower_bound
         self.eps = cfg.rms_norm_eps
-        self.q_proj = Linear(ops, d, hd, dtype=dtype)
-        self.k_proj = Linear(ops, d, hd, dtype=dtype)
-        self.v_proj = Linear(ops, d, hd, dtype=dtype)
+        col = dict(dtype=dtype, parallel=p, style=COLUMN, name="linear_num_heads")
+        self.q_proj = Linear(ops, d, hd, **col)
+        self.k_proj = Linear(ops, d, hd, **col)
+        self.v_proj = Linear(ops, d, hd, **col)
         # NOTE: conv kernels, A_log and dt_bias stay fp32 whatever the model dtype (as HF keeps them).
-        self.q_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32)
-        self.k_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32)
-        self.v_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32)
+        self.q_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32, split=channels)
+        self.k_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32, split=channels)
+        self.v_conv1d = WeightOnly(hd, 1, k, dtype=torch.float32, split=channels)
         self.f_a_proj = Linear(ops, d, self.head_dim, dtype=dtype)
-        self.f_b_proj = Linear(ops, self.head_dim, hd, dtype=dtype)
-        self.dt_bias = _param(hd, dtype=torch.float32)
-        self.A_log = _param(self.num_heads, dtype=torch.float32)
-        self.b_proj = Linear(ops, d, self.num_heads, dtype=dtype)
+        self.f_b_proj = Linear(ops, self.head_dim, hd, **col)
+        self.dt_bias = _param(channels.size, dtype=torch.float32)
+        self.A_log = _param(heads.size, dtype=torch.float32)
+        self.splits = {"dt_bias": channels, "A_log": heads}
+        self.b_proj = Linear(ops, d, cfg.linear_num_heads, **col)
         self.g_a_proj = Linear(ops, d, self.head_dim, dtype=dtype)
-        self.g_b_proj = Linear(ops, self.head_dim, hd, dtype=dtype)
+        self.g_b_proj = Linear(ops, self.head_dim, hd, **col)
         self.o_norm = WeightOnly(self.head_dim, dtype=dtype)
-        self.o_proj = Linear(ops, hd, d, dtype=dtype)
+        self.o_proj = Linear(ops, hd, d, dtype=dtype, parallel=p, style=ROW, name="linear_num_heads")
         # every projection of the layer input, one GEMV once fused (q, k, v first: `mixed`)
         self.in_proj = LinearGroup(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
         self.conv_weights = StackedWeights(self.q_conv1d, self.k_conv1d, self.v_conv1d)
@@ -60,5 +73,5 @@ class KDAAttention(nn.Module):
         beta = torch.sigmoid(b)  # model dtype, as the reference computes it
         o = self.ops.kda(q, k, v, self.forget_gate(f_a), beta, cache.recurrent(self.layer), meta)
         gate = self.g_b_proj(g_a).view(shape)
-        o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, -1)
+        o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

@@ -4,6 +4,12 @@ Each block owns its weights under the checkpoint's own names (`weight`, `bias`,
 `weight_scale_inv`) and computes through the backend's ops, so the model never branches on
 hardware. Weights are created on whatever device is current (`meta` while building, then
 materialised by the loader or the random initialiser).
+
+Tensor parallelism is a property of these blocks, not a second model: a block built with a
+`Parallel` holds only its rank's part of each sharded parameter and records, in `splits`
+(parameter attribute -> glmrt.parallel.Split), where that part sits in the full checkpoint
+tensor. The loader and the random initialiser read `splits` (`param_split`) to cut every full
+tensor the same way; FP8 block scales follow their weight's split (Split.scale_split).
 """
 
 from __future__ import annotations
@@ -13,7 +19,26 @@ import math
 import torch
 from torch import nn
 
+from glmrt.parallel import Parallel, Split
+
 FP8 = torch.float8_e4m3fn
+COLUMN, ROW = "column", "row"  # a Linear's parallel style: output features split, or input features
+
+
+def param_split(module: nn.Module, attr: str) -> Split | None:
+    """Where `module.<attr>` sits in its full tensor (None: replicated, the whole tensor).
+    An FP8 weight's `weight_scale_inv` follows the weight's split, by blocks."""
+    splits = getattr(module, "splits", None) or {}
+    if attr != "weight_scale_inv":
+        s = splits.get(attr)
+        return None if s is None or s.whole else s
+    w = splits.get("weight")
+    if w is None or w.whole:
+        return None
+    lead = module.weight.dim() - 2  # [E, out, in] stacks: dim 0 (experts) is not blocked
+    if w.dim < lead:
+        return w
+    return w.scale_split(module.block[w.dim - lead], f"{type(module).__name__} weight")
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -21,12 +46,34 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b); W may be FP8 e4m3 with per-block `weight_scale_inv` (see `to_fp8`)."""
+    """y = x W^T (+ b); W may be FP8 e4m3 with per-block `weight_scale_inv` (see `to_fp8`).
+
+    `style` shards it over `parallel`'s ranks (in/out_features are then this rank's):
+    COLUMN holds a slice of the output features (and of the bias): its output is this rank's
+    slice. ROW holds a slice of the input features, reads this rank's slice of the input, and
+    its products are partial sums: `reduce` all-reduces them here; else the caller sums this
+    output with others of its kind first and all-reduces once (the MoE: routed + shared). A
+    ROW bias is whole on every rank and added by rank 0 only, so it is counted once in the sum.
+    """
 
     def __init__(self, ops, in_features: int, out_features: int, *, bias: bool = False,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, parallel: Parallel | None = None,
+                 style: str | None = None, reduce: bool = True, name: str = "linear"):
         super().__init__()
         self.ops = ops
+        self.parallel = parallel or Parallel.single()
+        self.style, self.reduce = style, reduce
+        self.splits: dict[str, Split] = {}
+        if style == COLUMN:
+            self.splits["weight"] = self.parallel.split(out_features, f"{name} output features", 0)
+            if bias:
+                self.splits["bias"] = self.parallel.split(out_features, f"{name} output features", 0)
+            out_features = self.splits["weight"].size
+        elif style == ROW:
+            self.splits["weight"] = self.parallel.split(in_features, f"{name} input features", 1)
+            in_features = self.splits["weight"].size
+        elif style is not None:
+            raise ValueError(f"unknown Linear style {style!r}")
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
@@ -63,8 +110,17 @@ class Linear(nn.Module):
             return kept[1]
         return self.weight.to(dtype)
 
+    @property
+    def partial(self) -> bool:
+        """Its output is this rank's partial sum (a ROW layer on more than one rank)."""
+        return self.style == ROW and self.parallel.active
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, self.weight_scale_inv, self.block)
+        if not self.partial:
+            return self.ops.linear(x, self.weight, self.bias, self.weight_scale_inv, self.block)
+        bias = self.bias if self.parallel.rank == 0 else None
+        y = self.ops.linear(x, self.weight, bias, self.weight_scale_inv, self.block)
+        return self.parallel.all_reduce(y) if self.reduce else y
 
 
 def forget_derived(model: nn.Module) -> None:
@@ -212,10 +268,17 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 class StackedLinear(nn.Module):
-    """E expert matrices stored as one [E, out, in] tensor (FP8-capable like Linear)."""
+    """E expert matrices stored as one [E, out, in] tensor (FP8-capable like Linear).
+    `split` (of the full [E, out, in] tensor: dim 0 = experts, 1 = out, 2 = in) shards it."""
 
-    def __init__(self, num: int, in_features: int, out_features: int, *, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, num: int, in_features: int, out_features: int, *, dtype: torch.dtype = torch.bfloat16,
+                 split: Split | None = None):
         super().__init__()
+        self.splits: dict[str, Split] = {}
+        if split is not None:
+            self.splits["weight"] = split
+            num, out_features, in_features = (split.size if split.dim == i else n
+                                              for i, n in enumerate((num, out_features, in_features)))
         self.num, self.in_features, self.out_features = num, in_features, out_features
         self.weight = _param(num, out_features, in_features, dtype=dtype)
         self.weight_scale_inv: nn.Parameter | None = None
@@ -254,22 +317,32 @@ class LayerNorm(nn.Module):
 
 
 class WeightOnly(nn.Module):
-    """A module that only carries `weight` (conv kernels, embeddings), named as in checkpoints."""
+    """A module that only carries `weight` (conv kernels, embeddings), named as in checkpoints;
+    `split` (of the full `shape`) shards it."""
 
-    def __init__(self, *shape: int, dtype: torch.dtype):
+    def __init__(self, *shape: int, dtype: torch.dtype, split: Split | None = None):
         super().__init__()
+        self.splits: dict[str, Split] = {}
+        if split is not None:
+            self.splits["weight"] = split
+            shape = tuple(split.size if i == split.dim else n for i, n in enumerate(shape))
         self.weight = _param(*shape, dtype=dtype)
 
 
 class SwiGLUMLP(nn.Module):
-    """Dense or shared-expert MLP: down(silu(clamp(gate)) * clamp(up))."""
+    """Dense or shared-expert MLP: down(silu(clamp(gate)) * clamp(up)); over several ranks
+    split by intermediate size (gate/up COLUMN, down ROW). `reduce=False` leaves down's
+    partial sums to the caller (the MoE sums the shared expert with the routed ones first)."""
 
-    def __init__(self, ops, hidden: int, inter: int, limit: float | None, *, dtype: torch.dtype):
+    def __init__(self, ops, hidden: int, inter: int, limit: float | None, *, dtype: torch.dtype,
+                 parallel: Parallel | None = None, reduce: bool = True):
         super().__init__()
         self.ops, self.limit = ops, limit
-        self.gate_proj = Linear(ops, hidden, inter, dtype=dtype)
-        self.up_proj = Linear(ops, hidden, inter, dtype=dtype)
-        self.down_proj = Linear(ops, inter, hidden, dtype=dtype)
+        col = dict(dtype=dtype, parallel=parallel, style=COLUMN, name="MLP intermediate_size")
+        self.gate_proj = Linear(ops, hidden, inter, **col)
+        self.up_proj = Linear(ops, hidden, inter, **col)
+        self.down_proj = Linear(ops, inter, hidden, dtype=dtype, parallel=parallel, style=ROW, reduce=reduce,
+                                name="MLP intermediate_size")
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
         self.weight_groups = (self.gate_up,)
 

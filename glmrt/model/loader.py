@@ -9,6 +9,11 @@ glmrt/checkpoint/fp4.py) have no native path in our kernels yet: each packed wei
 with its scales and dequantised into its model-dtype parameter, one weight at a time. Which
 linear layers are packed is read off the checkpoint itself (a uint8 `X.weight` with its
 scales), as for FP8, so the ignore list is honoured whatever it names.
+
+Over several ranks (a `Parallel`), each rank builds only its shard of the model and reads only
+its part of each checkpoint tensor (`safe_open(...).get_slice`), as the layers' `splits` say
+(glmrt.model.layers.param_split); FP8 block scales are cut with their weights, and under
+expert parallelism the other ranks' experts are never read.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch
 from glmrt.checkpoint import fp4
 from glmrt.config import ModelConfig, QuantConfig, load_model_config
 from glmrt.model.glm5_next import Glm5NextForCausalLM
-from glmrt.model.layers import Linear, StackedLinear, forget_derived, fuse_weight_groups, materialize
+from glmrt.model.layers import Linear, StackedLinear, forget_derived, fuse_weight_groups, materialize, param_split
 from glmrt.model.weights import SKIP, Target, quantize_block_fp8, random_tensor, to_internal
+from glmrt.parallel import Parallel, Split
 
 # Linear layers that stay in the model dtype under `--quantization fp8` (and that real FP8
 # checkpoints list in their ignore list): embeddings/head, router, indexer weights.
@@ -39,8 +45,19 @@ class CheckpointError(ValueError):
 @dataclass
 class LoadReport:
     num_tensors: int
-    num_bytes: int
+    num_bytes: int  # of the checkpoint's files
     skipped: list[str]
+    read_bytes: int = 0  # of the tensor data this rank read (its shard and the replicated tensors)
+
+
+def param_splits(model: torch.nn.Module) -> dict[str, Split | None]:
+    """Parameter name -> where it sits in its full checkpoint tensor (None: whole)."""
+    modules = dict(model.named_modules())
+    out = {}
+    for name, _ in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        out[name] = param_split(modules[owner], attr)
+    return out
 
 
 def _fp8_capable(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -50,15 +67,19 @@ def _fp8_capable(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def build_model(config: ModelConfig, ops, dtype: torch.dtype, device: torch.device | str, *,
                 fp8_modules: Iterable[str] = (), fp8_block: tuple[int, int] = (128, 128),
-                with_vision: bool = True, with_mtp: bool = True, parallel=None) -> Glm5NextForCausalLM:
-    """An uninitialised model on `device` (contents are garbage until loaded or randomised)."""
+                with_vision: bool = True, with_mtp: bool = True,
+                parallel: Parallel | None = None) -> Glm5NextForCausalLM:
+    """An uninitialised model on `device` (contents are garbage until loaded or randomised):
+    this rank's shard of it when `parallel` spans several ranks."""
     with torch.device("meta"):  # everything, fp8 conversions included: materialize() places meta tensors
-        model = Glm5NextForCausalLM(config, ops, dtype, with_vision=with_vision, with_mtp=with_mtp)
+        model = Glm5NextForCausalLM(config, ops, dtype, with_vision=with_vision, with_mtp=with_mtp,
+                                    parallel=parallel)
         capable = _fp8_capable(model)
         for name in fp8_modules:
             if name not in capable:
                 raise CheckpointError(f"FP8 scales given for {name!r}, which is not a linear layer of this model")
             capable[name].to_fp8(fp8_block)
+        param_splits(model)  # an FP8 scale block split between ranks is refused here, before allocating
     fuse_weight_groups(model, device)  # the grouped projections' shared tensors, members seated in them
     return materialize(model, device).eval()
 
@@ -150,14 +171,31 @@ def _dequantize_packed(scheme: str, group: _Packed, tensors: dict[str, torch.Ten
     return fp4.dequantize_nvfp4(w, s, tensors["weight_scale_2"], dtype)
 
 
+def _slice_index(ndim: int, split: Split | None, dim: int) -> tuple:
+    idx = [slice(None)] * ndim
+    if split is not None:
+        idx[dim] = slice(split.start, split.start + split.size)
+    return tuple(idx)
+
+
+def _packed_part_slice(role: str, split: Split | None, ndim: int) -> tuple:
+    """The index of this rank's rows of a packed FP4 tensor (the weight and its group scales
+    share rows; the per-tensor scales are whole); () for the whole tensor."""
+    if split is None or split.dim == ndim - 1 or role in ("weight_scale_2", "input_scale"):
+        return ()
+    return _slice_index(ndim, split, split.dim)
+
+
 def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.bfloat16,
                     device: torch.device | str = "cpu", with_vision: bool = True, with_mtp: bool = True,
-                    progress: bool | None = None, parallel=None) -> tuple[Glm5NextForCausalLM, LoadReport]:
+                    progress: bool | None = None,
+                    parallel: Parallel | None = None) -> tuple[Glm5NextForCausalLM, LoadReport]:
     """Load a HF-format GLM-5.3-Flash checkpoint directory, strictly.
 
     Every parameter must be filled by the checkpoint and every checkpoint tensor must land
     somewhere (the MTP layer and vision tower may be skipped on request); otherwise
-    CheckpointError lists the names. MXFP4 / NVFP4 weights are dequantised to `dtype`.
+    CheckpointError lists the names. MXFP4 / NVFP4 weights are dequantised to `dtype`. Over
+    several ranks each rank builds and reads only its shard (`LoadReport.read_bytes`).
     """
     from safetensors import safe_open
 
@@ -193,8 +231,9 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
     fp8 = sorted({t.param[: -len(".weight_scale_inv")] for _, _, t in plan if t.param.endswith(".weight_scale_inv")})
     block = config.quantization.weight_block_size if config.quantization else (128, 128)
     model = build_model(config, ops, dtype, device, fp8_modules=fp8, fp8_block=block,
-                        with_vision=with_vision, with_mtp=with_mtp)
+                        with_vision=with_vision, with_mtp=with_mtp, parallel=parallel)
     params = dict(model.named_parameters())
+    splits = param_splits(model)
     unexpected += [key for _, key, t in plan if t.param not in params]
     for key, group in list(packed.items()):
         if group.target.param not in params:
@@ -226,30 +265,62 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
     work = sorted([(file, key, tgt, None) for file, key, tgt in plan]
                   + [(g.parts["weight"][0], g.parts["weight"][1], g.target, g) for g in packed.values()],
                   key=lambda x: files.index(x[0]))
+    read_bytes = 0
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in files}
         for file, key, tgt, group in work:
             dst = params[tgt.param].data
-            if tgt.expert is not None:
-                dst = dst[tgt.expert]
+            split = splits[tgt.param]
+            expert = tgt.expert
+            if expert is not None:  # one expert's [out, in] of a stacked [E, out, in] parameter
+                if split is not None and split.dim == 0:  # expert parallelism: this rank's experts only
+                    if not split.start <= expert < split.start + split.size:
+                        continue
+                    expert -= split.start
+                    split = None
+                elif split is not None:  # each expert's slice of I: the same split, one dim lower
+                    split = Split(split.dim - 1, split.start, split.size, split.full)
+                dst = dst[expert]
             if group is not None:
                 # dequantised where the parameter lives: 4x less to copy, and fast on a GPU
-                parts = {role: handles[f].get_tensor(k).to(dst.device) for role, (f, k) in group.parts.items()}
+                parts = {}
+                for role, (f, k) in group.parts.items():
+                    index = _packed_part_slice(role, split, dst.dim())
+                    if index:
+                        sl = handles[f].get_slice(k)
+                        if sl.get_shape()[split.dim] != split.full:  # the full rows, before taking ours
+                            raise CheckpointError(f"{k}: {sl.get_shape()[split.dim]} rows in checkpoint, "
+                                                  f"{split.full} expected")
+                        t = sl[index]
+                    else:
+                        t = handles[f].get_tensor(k)
+                    parts[role] = t.to(dst.device)
                 nbytes = sum(t.numel() * t.element_size() for t in parts.values())
-                t = _dequantize_packed(fp4_scheme, group, parts, tuple(dst.shape), dst.dtype)
+                # a split of the input dim (ROW layers) cuts the dequantised rows: FP4 packs two
+                # values a byte and shares a scale along it, which a shard need not align with
+                cols = split is not None and split.dim == dst.dim() - 1
+                shape = split.full_shape(tuple(dst.shape)) if cols else tuple(dst.shape)
+                t = _dequantize_packed(fp4_scheme, group, parts, shape, dst.dtype)
+                t = split.take(t) if cols else t
                 del parts
             else:
-                t = handles[file].get_tensor(key)
-                nbytes = t.numel() * t.element_size()
-                if t.dtype == torch.uint8 and dst.is_floating_point():
+                sl = handles[file].get_slice(key)
+                if sl.get_dtype() == "U8" and dst.is_floating_point():
                     raise CheckpointError(f"{key}: uint8 (packed FP4?) weight, but config.json's quantization_config "
                                           f"declares no MXFP4/NVFP4 format")
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise CheckpointError(f"{key}: shape {tuple(t.shape)} in checkpoint, {tuple(dst.shape)} expected")
+                full = tuple(split.full_shape(tuple(dst.shape)) if split is not None else dst.shape)
+                if tuple(sl.get_shape()) != full:
+                    raise CheckpointError(f"{key}: shape {tuple(sl.get_shape())} in checkpoint, {full} expected")
+                if split is not None:  # this rank's rows or columns only, read from the file
+                    t = sl[_slice_index(len(full), split, split.dim)]
+                else:
+                    t = handles[file].get_tensor(key)
+                nbytes = t.numel() * t.element_size()
                 if t.is_floating_point() and t.element_size() == 1 and dst.element_size() != 1:
                     raise CheckpointError(f"{key}: {t.dtype} weight without its weight_scale_inv tensor")
             dst.copy_(t.to(device=dst.device))
-            filled[tgt.param].add(tgt.expert)
+            filled[tgt.param].add(expert)
+            read_bytes += nbytes
             if bar:
                 bar.update(nbytes)
     if bar:
@@ -266,35 +337,43 @@ def load_checkpoint(path: str | os.PathLike, ops, *, dtype: torch.dtype = torch.
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint: {_summarise(missing)}")
     forget_derived(model)
-    return model, LoadReport(len(plan) + sum(len(g.parts) for g in packed.values()), total_bytes, skipped)
+    return model, LoadReport(len(plan) + sum(len(g.parts) for g in packed.values()), total_bytes, skipped,
+                             read_bytes)
 
 
 def init_random(model: Glm5NextForCausalLM, seed: int = 0) -> Glm5NextForCausalLM:
     """Fill every parameter with `random_tensor` values, in place, on the model's device.
 
-    FP8 layers get random values quantised per block (their scales included).
+    FP8 layers get random values quantised per block (their scales included). A rank's shard
+    gets its part of the full random tensor (made by name, then cut as the loader cuts a
+    checkpoint tensor, after quantising): every rank holds a shard of the same model.
     """
     text = model.config.text
     modules = dict(model.named_modules())
+    splits = param_splits(model)
     for name, p in model.named_parameters():
         if name.endswith(".weight_scale_inv"):
             continue
         owner = modules[name.rsplit(".", 1)[0]] if "." in name else None
+        split = splits[name]
+        shape = split.full_shape(tuple(p.shape)) if split is not None else tuple(p.shape)
+        value = random_tensor(name, shape, text, seed, device=p.device)
         if isinstance(owner, (Linear, StackedLinear)) and owner.is_fp8:
-            value = random_tensor(name, tuple(p.shape), text, seed, device=p.device)
             q, s = quantize_block_fp8(value, owner.block)
-            p.data.copy_(q)
-            owner.weight_scale_inv.data.copy_(s)
+            scale_split = splits[name[: -len("weight")] + "weight_scale_inv"]
+            p.data.copy_(split.take(q) if split is not None else q)
+            owner.weight_scale_inv.data.copy_(scale_split.take(s) if scale_split is not None else s)
         else:
-            p.data.copy_(random_tensor(name, tuple(p.shape), text, seed, device=p.device))
+            p.data.copy_(split.take(value) if split is not None else value)
     forget_derived(model)
     return model
 
 
 def load_dummy(config: ModelConfig, ops, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
                quantization: str | None = None, seed: int = 0, with_vision: bool = True,
-               with_mtp: bool = True, parallel=None) -> Glm5NextForCausalLM:
-    """`--load-format dummy`: random weights built directly in device memory, no files."""
+               with_mtp: bool = True, parallel: Parallel | None = None) -> Glm5NextForCausalLM:
+    """`--load-format dummy`: random weights built directly in device memory, no files (this
+    rank's shard of the same random model on every rank)."""
     fp8: list[str] = []
     block = (128, 128)
     if quantization == "fp8":
@@ -305,7 +384,7 @@ def load_dummy(config: ModelConfig, ops, *, dtype: torch.dtype = torch.bfloat16,
     elif quantization is not None:
         raise ValueError(f"--quantization {quantization!r} is not supported (choose fp8)")
     model = build_model(config, ops, dtype, device, fp8_modules=fp8, fp8_block=block,
-                        with_vision=with_vision, with_mtp=with_mtp)
+                        with_vision=with_vision, with_mtp=with_mtp, parallel=parallel)
     return init_random(model, seed)
 
 

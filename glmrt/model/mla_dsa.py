@@ -3,6 +3,10 @@
 Only the latent `c = kv_a_layernorm(kv_a_proj(x))` is cached per token (never per-head K/V);
 a full indexer layer also caches one pooled key per completed k-pool and keeps the tail of
 the incomplete pool in the request's state slot (docs/MODEL.md §3, §8.1).
+
+Over several ranks the queries (q_b_proj), the latent's up-projection (kv_b_proj) and
+o_proj (ROW-parallel: one all-reduce per layer) are split by head; q_a / kv_a, their norms,
+the latent cache and the whole indexer are replicated (each rank computes them in full).
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import torch
 from torch import nn
 
 from glmrt.config import TextConfig
-from glmrt.model.layers import LayerNorm, Linear, LinearGroup, RMSNorm, _param
+from glmrt.model.layers import COLUMN, ROW, LayerNorm, Linear, LinearGroup, RMSNorm, _param
+from glmrt.parallel import Parallel
 
 
 class Indexer(nn.Module):
@@ -42,11 +47,14 @@ class Indexer(nn.Module):
 
 
 class DSAAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype, *, has_indexer: bool):
+    def __init__(self, cfg: TextConfig, layer: int, ops, dtype: torch.dtype, *, has_indexer: bool,
+                 parallel: Parallel | None = None):
         super().__init__()
+        p = parallel or Parallel.single()
         self.ops, self.layer = ops, layer
-        d, h = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads, self.kv_lora_rank = h, cfg.kv_lora_rank
+        d, h = cfg.hidden_size, cfg.num_attention_heads  # h: the full head count (checkpoint shapes)
+        self.num_heads = p.split(h, "num_attention_heads", 0).size  # this rank's heads
+        self.kv_lora_rank = cfg.kv_lora_rank
         self.qk_head_dim, self.v_head_dim = cfg.qk_head_dim, cfg.v_head_dim
         self.nope_dim = cfg.qk_nope_head_dim
         self.kpool = cfg.index_kpool
@@ -55,11 +63,13 @@ class DSAAttention(nn.Module):
         bias = cfg.attention_bias
         self.q_a_proj = Linear(ops, d, cfg.q_lora_rank, bias=bias, dtype=dtype)
         self.q_a_layernorm = RMSNorm(ops, cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-        self.q_b_proj = Linear(ops, cfg.q_lora_rank, h * self.qk_head_dim, dtype=dtype)
+        col = dict(dtype=dtype, parallel=p, style=COLUMN, name="num_attention_heads")
+        self.q_b_proj = Linear(ops, cfg.q_lora_rank, h * self.qk_head_dim, **col)
         self.kv_a_proj_with_mqa = Linear(ops, d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(ops, cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(ops, cfg.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), dtype=dtype)
-        self.o_proj = Linear(ops, h * self.v_head_dim, d, bias=bias, dtype=dtype)
+        self.kv_b_proj = Linear(ops, cfg.kv_lora_rank, h * (self.nope_dim + self.v_head_dim), **col)
+        self.o_proj = Linear(ops, h * self.v_head_dim, d, bias=bias, dtype=dtype, parallel=p, style=ROW,
+                             name="num_attention_heads")
         self.indexer = Indexer(cfg, layer, ops, dtype) if has_indexer else None
         self.in_proj = LinearGroup(self.q_a_proj, self.kv_a_proj_with_mqa)  # one GEMV of x once fused
         self.weight_groups = (self.in_proj,)
@@ -83,4 +93,4 @@ class DSAAttention(nn.Module):
         w_kc, w_vc = w[:, : self.nope_dim], w[:, self.nope_dim:]
         o = self.ops.sparse_mla(q, cache.latent(self.layer), w_kc, w_vc, sel, meta, self.kpool, self.scale,
                                 self.with_tail)
-        return self.o_proj(o.reshape(n, -1)), sel
+        return self.o_proj(o.reshape(n, self.num_heads * self.v_head_dim)), sel

@@ -16,6 +16,7 @@ from glmrt.config import TextConfig
 from glmrt.model.layers import Linear, RMSNorm
 from glmrt.model.mla_dsa import DSAAttention
 from glmrt.model.moe import MoE
+from glmrt.parallel import Parallel
 
 
 class SharedHead(nn.Module):
@@ -25,7 +26,7 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype):
+    def __init__(self, cfg: TextConfig, ops, dtype: torch.dtype, parallel: Parallel | None = None):
         super().__init__()
         self.ops, self.layer = ops, cfg.num_hidden_layers
         d = cfg.hidden_size
@@ -35,8 +36,9 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(ops, cfg, dtype)
         self.input_layernorm = RMSNorm(ops, d, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(ops, d, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = DSAAttention(cfg, self.layer, ops, dtype, has_indexer=True)
-        self.mlp = MoE(cfg, ops, dtype)
+        # sharded as the target's layers are; eh_proj and the norms are replicated
+        self.self_attn = DSAAttention(cfg, self.layer, ops, dtype, has_indexer=True, parallel=parallel)
+        self.mlp = MoE(cfg, ops, dtype, parallel)
 
     @torch.no_grad()
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:

@@ -29,7 +29,8 @@ class DirectSession:
         with_mtp = model.mtp is not None
         self.cache = ModelCache.allocate(text, num_pages, max_requests, model.device, page_size=page_size,
                                          kv_dtype=kv_dtype or dtype_name, state_dtype=state_dtype,
-                                         model_dtype=dtype_name, with_mtp=with_mtp)
+                                         model_dtype=dtype_name, with_mtp=with_mtp,
+                                         tp_size=model.parallel.tp_size)
         order = list(range(num_pages))
         if shuffle_pages:
             random.Random(seed).shuffle(order)
