@@ -26,6 +26,7 @@ import torch.distributed as dist
 from glmrt.parallel import Parallel
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a rank loads its weights before the first collective
+LEAVE_TIMEOUT = datetime.timedelta(seconds=5)  # how long a leaving rank waits for the others
 
 
 class StateCopy(msgspec.Struct, array_like=True):
@@ -110,10 +111,25 @@ def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: s
                             world_size=tp_size, timeout=GROUP_TIMEOUT, **kw)
     world = dist.group.WORLD
     host = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if cuda else world
+    global _host_group
+    _host_group = host
     parallel = Parallel(rank=rank, tp_size=tp_size, ep_size=ep_size, group=world)
     return parallel, PlanLink(parallel, host)
 
 
+_host_group = None
+
+
 def leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the group together: ranks that tear gloo down while a peer still sends on it can
+    abort in gloo's threads ("terminate called without an active exception"), so wait (a few
+    seconds at most: a dead peer must not hold the exit) until every rank is leaving."""
+    global _host_group
+    if not dist.is_initialized():
+        return
+    try:
+        dist.monitored_barrier(group=_host_group, timeout=LEAVE_TIMEOUT)
+    except RuntimeError:
+        pass  # a rank is gone already: leave anyway
+    _host_group = None
+    dist.destroy_process_group()
