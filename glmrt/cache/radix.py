@@ -13,7 +13,10 @@ past the anchor and a private copy of the partial page holding their latent / po
 
 A hit resumes at the deepest checkpoint at or before the match: the request takes the
 shared pages of [0, A), a fresh page filled from the checkpoint's partial page, and a copy of
-the checkpoint's state in its own live slot. The tree holds one page reference per page it
+the checkpoint's state in its own live slot. A checkpoint saved where a prompt ended, by the
+step that sampled from it, also keeps that position's final hidden state (`has_output`): a
+prompt equal to its L tokens is a *full hit* that computes nothing and samples its first
+token from the kept state. The tree holds one page reference per page it
 stores; requests hold their own. No tensors here: copies are returned to the caller as
 instructions.
 """
@@ -36,6 +39,7 @@ class Checkpoint:
     node: "Node"
     last_use: int = 0
     pins: int = 0                   # planned restores not yet executed: not evictable
+    has_output: bool = False        # the slot keeps the final hidden state of position L - 1
 
 
 @dataclass(eq=False)
@@ -70,15 +74,17 @@ class RadixCache:
         self.num_cached_pages = 0
 
     # ---- lookup --------------------------------------------------------------------------
-    def match(self, tokens: list[int], limit: int) -> Match:
-        """Deepest usable checkpoint for a request whose first `limit` tokens may be skipped."""
+    def match(self, tokens: list[int], limit: int, full: bool = False) -> Match:
+        """Deepest usable checkpoint for a request whose first `limit` tokens may be skipped;
+        `full`: also one covering all of `tokens` that kept its output (a full hit)."""
         m = Match()
         if not self.enabled:
             return m
         ps = self.page_size
         node, pos, path_pages = self.root, 0, []
         now = next(self._clock)
-        best = self._best_checkpoint(node, tokens, pos, limit)
+        whole = len(tokens) if full else None
+        best = self._best_checkpoint(node, tokens, pos, limit, whole)
         if best:
             m.checkpoint, m.pages = best, []
         while True:
@@ -95,7 +101,7 @@ class RadixCache:
                 m.common = pos + n + self._token_common(child.tokens[n:], tokens[pos + n:])
                 break
             node, pos = child, pos + n
-            cand = self._best_checkpoint(node, tokens, pos, limit)
+            cand = self._best_checkpoint(node, tokens, pos, limit, whole)
             if cand and (m.checkpoint is None or cand.position > m.checkpoint.position):
                 m.checkpoint, m.pages = cand, list(path_pages)
         if m.checkpoint is not None:
@@ -124,10 +130,14 @@ class RadixCache:
             node, pos = child, pos + n
         return pages, pos
 
-    def _best_checkpoint(self, node: Node, tokens: list[int], pos: int, limit: int) -> Checkpoint | None:
+    def _best_checkpoint(self, node: Node, tokens: list[int], pos: int, limit: int,
+                         whole: int | None = None) -> Checkpoint | None:
+        """Deepest checkpoint of `node` on the path of `tokens` at or before `limit`, or at
+        `whole` (the prompt's length) when it kept its output."""
         best = None
         for c in node.checkpoints:
-            if c.position <= limit and tuple(tokens[pos:c.position]) == c.extra:
+            usable = c.position <= limit or (c.position == whole and c.has_output)
+            if usable and tuple(tokens[pos:c.position]) == c.extra:
                 if best is None or c.position > best.position:
                     best = c
         return best
@@ -218,24 +228,31 @@ class RadixCache:
             node, pos = child, pos + n
         return node
 
-    def add_checkpoint(self, tokens: list[int], position: int, slot: int, partial_page: int | None) -> Checkpoint | None:
+    def add_checkpoint(self, tokens: list[int], position: int, slot: int, partial_page: int | None,
+                       has_output: bool = False) -> Checkpoint | None:
         """Register a saved state at `position` (its pages [0, A) must already be inserted).
 
         Returns None (caller frees the slot and page) when the path is not cached or an
-        identical checkpoint already exists.
+        identical checkpoint already exists. An identical one without the kept output that
+        no restore has pinned is replaced by one with it (a full hit needs the output).
         """
         if not self.enabled:
             return None
         aligned = position // self.page_size * self.page_size
         node = self._anchor(tokens, aligned)
         extra = tuple(tokens[aligned:position])
-        if node is None or any(c.position == position and c.extra == extra for c in node.checkpoints):
+        if node is None:
             return None
-        c = Checkpoint(position, extra, slot, partial_page, node, last_use=next(self._clock))
+        same = next((c for c in node.checkpoints if c.position == position and c.extra == extra), None)
+        if same is not None:
+            if not has_output or same.has_output or same.pins:
+                return None
+            self._drop(same)
+        c = Checkpoint(position, extra, slot, partial_page, node, last_use=next(self._clock), has_output=has_output)
         node.checkpoints.append(c)
         return c
 
-    def has_checkpoint(self, tokens: list[int], position: int) -> bool:
+    def has_checkpoint(self, tokens: list[int], position: int, with_output: bool = False) -> bool:
         aligned = position // self.page_size * self.page_size
         node, pos = self.root, 0
         while pos < aligned:
@@ -244,7 +261,8 @@ class RadixCache:
                 return False
             node, pos = child, child.end
         extra = tuple(tokens[aligned:position])
-        return any(c.position == position and c.extra == extra for c in node.checkpoints)
+        return any(c.position == position and c.extra == extra and (c.has_output or not with_output)
+                   for c in node.checkpoints)
 
     # ---- eviction ------------------------------------------------------------------------
     def evictable(self):

@@ -352,7 +352,7 @@ class Engine:
             if not req.finished and req.finishing is None:
                 self._cache_pages(req, force=id(req) in saving)  # a save needs its anchor path in the tree
         for s in plan.saves:
-            if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page) is None:
+            if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page, s.with_output) is None:
                 self.slots.free(s.dst_slot)
                 if s.dst_page is not None:
                     self.pages.release([s.dst_page])

@@ -1,9 +1,11 @@
 """The model runner: executes a StepPlan on the model and its pools, then samples.
 
 Order inside one step: restores (checkpoint -> live slot, partial page copies) ->
-one forward over every work item (a flat varlen batch) -> saves and forks (state and
-partial page copies, taken from the state the forward just produced) -> sampling of every
-request whose last uncomputed token was computed, plus each n>1 child from its parent's row.
+one forward over every work item that computes tokens (a flat varlen batch) -> saves and
+forks (state and partial page copies, taken from the state the forward just produced; a
+prompt-end save also keeps the prompt's last final hidden state) -> sampling of every request
+whose last uncomputed token was computed, plus each n>1 child from its parent's row. A full
+hit (a work item of 0 tokens) samples from the hidden state its restore brought into its slot.
 """
 
 from __future__ import annotations
@@ -250,17 +252,22 @@ class ModelRunner:
             self.copy_state(r.src_slot, r.dst_slot)
             if r.src_page is not None:
                 self.copy_page(r.src_page, r.dst_page)
-        work = plan.work
-        key = self.graph_key(work)
+        work = [w for w in plan.work if w.num > 0]
+        keep = any(s.with_output for s in plan.saves)  # the final hidden states are needed
+        key = self.graph_key(work) if not keep and len(work) == len(plan.work) else None
+        hidden = None
         if key is not None:
             logits = self.graphs.run(key, [w.req.token_slice(w.start, w.start + 1)[0] for w in work],
                                      [w.start for w in work], [w.req.slot for w in work],
                                      [w.req.pages for w in work])
+        elif work:
+            logits, hidden = self._forward(work)
         else:
-            logits = self._forward(work)
-        return self._after_forward(plan, work, logits)
+            logits = None
+        return self._after_forward(plan, work, logits, hidden)
 
-    def _forward(self, work) -> torch.Tensor:
+    def _forward(self, work) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits of the sampled rows, final hidden states of the sampled rows)."""
         meta = BatchMeta.build([w.start for w in work], [w.num for w in work], [w.req.slot for w in work],
                                [w.req.pages for w in work], self.cache.page_size, self.device)
         ids = torch.tensor([t for w in work for t in w.req.token_slice(w.start, w.start + w.num)], dtype=torch.long)
@@ -268,11 +275,35 @@ class ModelRunner:
         ends = meta.cu_seqlens
         idx = torch.tensor([ends[i + 1] - 1 for i in rows], dtype=torch.long)
         ids, idx = host_to_device(self.device, ids, idx)  # one non-blocking copy, no host wait
-        logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(work, ids),
-                               logits_indices=idx)
-        return logits
+        logits, hidden = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(work, ids),
+                                    logits_indices=idx)
+        return logits, hidden[idx]
 
-    def _after_forward(self, plan: StepPlan, work, logits: torch.Tensor) -> list[StepOutput]:
+    def _sampled_logits(self, plan: StepPlan, work, logits, hidden):
+        """Logits of every sampled work item of the plan, in plan order: the forward's rows, and
+        each full hit's from the hidden state kept in its slot (lm_head only). A prompt end's
+        save keeps its row's hidden state: written into the live slot, which the save copies."""
+        computed = {id(w.req): k for k, w in enumerate(w for w in work if w.sample)}
+        last = self.cache.state.last_hidden[0]
+        for s in plan.saves:
+            if s.with_output:
+                last[s.src_slot] = hidden[computed[id(s.req)]].to(last.dtype)
+        hits = [w.req.slot for w in plan.work if w.sample and w.num == 0]
+        if not hits:
+            return logits
+        kept = self.model.compute_logits(last[hits])
+        if logits is None:
+            return kept
+        order, k_hit = [], len(computed)
+        for w in plan.work:
+            if w.sample:
+                order.append(computed[id(w.req)] if w.num else k_hit)
+                k_hit += 0 if w.num else 1
+        return torch.cat([logits, kept])[torch.tensor(order, device=logits.device)]
+
+    def _after_forward(self, plan: StepPlan, work, logits, hidden) -> list[StepOutput]:
+        logits = self._sampled_logits(plan, work, logits, hidden)
+        work = plan.work
         rows = [i for i, w in enumerate(work) if w.sample]
         for s in plan.saves:
             self.copy_state(s.src_slot, s.dst_slot)

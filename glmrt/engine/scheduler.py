@@ -12,7 +12,9 @@ One step, in order:
   2. waiting requests are admitted by policy (FCFS, or LPM: longest cached prefix first)
      while the prefill token budget, pages, slots and max_running_requests allow.
 Chunks end at checkpoint positions (prompt end, divergence point, every
-`state_checkpoint_interval` tokens) so the state there can be saved.
+`state_checkpoint_interval` tokens) so the state there can be saved. A new prompt equal to a
+prompt-end checkpoint that kept its output is a full hit: a work item of 0 tokens that only
+samples (from the restored last-position hidden state).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class SchedulerConfig:
 class Work:
     req: Request
     start: int          # == req.num_computed when planned
-    num: int
+    num: int            # 0: a full hit, sampled from the restored checkpoint's kept hidden state
     sample: bool        # the step computes the request's last uncomputed token -> sample one
 
 
@@ -66,6 +68,7 @@ class Save:
     dst_slot: int
     src_page: int | None
     dst_page: int | None
+    with_output: bool = False   # a prompt end sampled in this step: keep its last hidden state too
 
 
 @dataclass
@@ -255,7 +258,7 @@ class Scheduler:
         slot = self._grab_slot()
         if slot is None:
             return False
-        m = self.tree.match(req.key_ids, req.num_tokens - 1)
+        m = self.tree.match(req.key_ids, req.num_tokens - 1, full=not req.output_ids)
         ckpt = m.checkpoint
         if ckpt is not None:
             ckpt.pins += 1  # not evictable until the restore ran
@@ -304,7 +307,9 @@ class Scheduler:
         k = self.cfg.state_checkpoint_interval
         if k > 0:
             marks.update(range((start // k + 1) * k, min(prompt_end, req.num_tokens), k))
-        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(req.key_ids, p))
+        # the prompt end is saved again when its checkpoint lacks the output a full hit needs
+        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(
+            req.key_ids, p, with_output=p == prompt_end and not req.output_ids))
         return self._chunk(req, budget)
 
     def _plan_saves_and_forks(self, plan: StepPlan) -> None:
@@ -316,7 +321,8 @@ class Scheduler:
                 slot, page = self._slot_and_partial_page(CHECKPOINT, end)
                 if slot is not None:
                     src = req.pages[end // ps] if end % ps else None
-                    plan.saves.append(Save(req, end, req.slot, slot, src, page))
+                    output = w.sample and w.num > 0 and end == len(req.prompt_ids) and not req.output_ids
+                    plan.saves.append(Save(req, end, req.slot, slot, src, page, output))
             if w.sample and req.fork_children and end == len(req.prompt_ids):
                 for child in list(req.fork_children):
                     self._plan_fork(plan, req, child)
