@@ -80,9 +80,13 @@ class EngineConfig:
     """Most prompt tokens of all requests together in one step."""
     schedule_policy: str = bounded("fcfs", choices=("fcfs", "lpm"))
     """fcfs | lpm (longest cached prefix first)."""
-    state_checkpoint_interval: int = bounded(0, ge=0)
-    """Save KDA state into the prefix cache every N prompt tokens (0 = only at prompt end,
-    request end and divergence points)."""
+    state_checkpoint_interval: int = bounded(8192, ge=0)
+    """Save KDA state into the prefix cache every N prompt tokens, besides the prompt end, the
+    request end and divergence points (0: only those). A prompt diverging inside a cached prefix
+    resumes at the nearest checkpoint before it, so N bounds the prefill recomputed there; each
+    checkpoint is a state slot (141 MiB at full size, the KV of ~13K tokens), evicted first when
+    memory is short. The default is the chunk size: a checkpoint per full chunk, no chunk split
+    (docs/MODEL.md §8.4)."""
     disable_radix_cache: bool = False
     """Reuse no prompt prefix between requests."""
     page_size: int = bounded(64, ge=1)

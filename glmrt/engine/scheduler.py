@@ -34,7 +34,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 16384
     policy: str = "fcfs"                     # fcfs | lpm
-    state_checkpoint_interval: int = 0       # 0 = off
+    state_checkpoint_interval: int = 0       # 0 = off (EngineConfig's default is 8192)
     # NOTE: built from an EngineConfig, whose declared bounds these values already meet
 
 
