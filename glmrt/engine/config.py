@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from glmrt.config_bounds import bounded, check_fields
+from glmrt.config_bounds import ConfigValueError, bounded, check_fields
 
 
 ENGINE_ROLES = ("unified", "prefill", "decode")
@@ -89,6 +89,16 @@ class EngineConfig:
     (docs/MODEL.md §8.4)."""
     disable_radix_cache: bool = False
     """Reuse no prompt prefix between requests."""
+    enable_hierarchical_cache: bool = False
+    """A host-memory tier behind the prefix cache: nodes evicted from the device pools move to
+    the host while it has room, and a hit on one loads it back (glmrt/cache/host_tier.py)."""
+    hicache_ratio: float = bounded(2.0, gt=0)
+    """Host tier size as a multiple of the device cache pools (KV + state) in bytes."""
+    hicache_size: float = bounded(0.0, ge=0)
+    """Host tier size in GB (0: use hicache_ratio; when both are given, the size wins)."""
+    hicache_write_policy: str = bounded("write_through", choices=("write_through", "write_back"))
+    """write_through: copy what the prefix cache holds to the host at once (a later eviction
+    costs no copy) | write_back: copy only on eviction."""
     page_size: int = bounded(64, ge=1)
     """Tokens per KV page (a prefix is shared in whole pages)."""
     seed: int = 0
@@ -116,6 +126,14 @@ class EngineConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigValueError("enable_hierarchical_cache", True, "needs the prefix cache, which "
+                                   "disable_radix_cache turns off")
+        if not self.enable_hierarchical_cache:
+            for name, default in (("hicache_ratio", 2.0), ("hicache_size", 0.0),
+                                  ("hicache_write_policy", "write_through")):
+                if getattr(self, name) != default:
+                    raise ConfigValueError(name, getattr(self, name), "is set only with enable_hierarchical_cache")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -120,7 +120,8 @@ class Engine:
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name)
         self.pages = PageManager(self.memory.num_pages)
         self.slots = SlotManager(self.memory.num_slots)
-        self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache)
+        self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache,
+                               host=self._host_tier(config) if config.enable_hierarchical_cache else None)
         self.scheduler = Scheduler(SchedulerConfig(
             page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
@@ -187,6 +188,25 @@ class Engine:
         model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
                                    device=device, with_mtp=False, with_vision=cfg.load_vision)
         return model
+
+    def _host_tier(self, config: EngineConfig):
+        """The host tier: --hicache-size GB, else --hicache-ratio x the device pools' bytes; refused
+        when it does not fit in the host's available memory."""
+        from glmrt.cache.host_pool import HostPool, host_rows, mem_available_bytes, pool_tensors
+        from glmrt.cache.host_tier import HostTier
+
+        device = self.cache.kv.nbytes + self.cache.state.nbytes
+        want = int(config.hicache_size * 1e9) if config.hicache_size > 0 else int(config.hicache_ratio * device)
+        free = mem_available_bytes()
+        if want > free:
+            raise ValueError(f"the host tier needs {want / 2**30:.2f} GiB of host memory and {free / 2**30:.2f} GiB "
+                             f"is available: lower --hicache-size or --hicache-ratio")
+        pools = pool_tensors(self.cache)
+        pages, slots = host_rows(pools, want)
+        tier = HostTier(HostPool(pools, pages, slots), config.hicache_write_policy)
+        self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB, {pages} pages, {slots} slots, "
+                 f"{config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
+        return tier
 
     def _read_generation_config(self) -> dict:
         if self.config.model:

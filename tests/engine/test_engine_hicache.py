@@ -1,0 +1,135 @@
+"""The host tier behind the prefix cache, at the engine level (tiny model, CPU pools).
+
+A device pool so small that every conversation's prefix is evicted between its turns: with
+the tier on, later turns hit what moved to the host, and every greedy token equals a server
+with the cache disabled; the same when every hit is forced through the host; aborts and
+retractions while loads are planned leave no page or slot held on either tier.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from glmrt.config_bounds import ConfigValueError  # noqa: E402
+from glmrt.engine.config import EngineConfig  # noqa: E402
+from glmrt.sampling_params import SamplingParams  # noqa: E402
+from tests.engine.test_engine import assert_same, greedy, make, toks  # noqa: E402
+
+
+def tight(ckpt, model, slots=6, pages=14, **kw):
+    lay = make(ckpt, model, disable_radix_cache=True).layout
+    budget = slots * lay.state_bytes_per_slot + pages * lay.kv_bytes_per_page
+    return make(ckpt, model, max_mamba_cache_size=slots, cache_memory_gb=budget / 2**30, **kw)
+
+
+def conversations(n=4, turns=3, first=30, turn=9):
+    return [[toks(2000 + 10 * c, first)] + [toks(2001 + 10 * c + k, turn) for k in range(turns - 1)]
+            for c in range(n)]
+
+
+def serve(engine, convs, out=6, between=None):
+    """Turn k of every conversation, then turn k + 1: each turn's prompt is the previous prompt,
+    its answer and the new message. Returns the completions in order."""
+    prompts = [[] for _ in convs]
+    done = []
+    for k in range(len(convs[0])):
+        for i, conv in enumerate(convs):
+            prompts[i] = prompts[i] + conv[k]
+            c = engine.generate([prompts[i]], greedy(out))[0][0]
+            engine.check_invariants()
+            prompts[i] = prompts[i] + c.output_ids
+            done.append(c)
+            if between is not None:
+                between(engine)
+    return done
+
+
+@pytest.fixture(scope="module")
+def cold(ckpt, model):
+    return serve(make(ckpt, model, disable_radix_cache=True), conversations())
+
+
+def test_multi_turn_hits_the_host_tier_with_the_cold_tokens(ckpt, model, cold):
+    off = tight(ckpt, model)
+    serve(off, conversations())
+    assert off.counters["cached_prompt_tokens"] == 0 or off.counters["cached_prompt_tokens"] < 50
+    for policy in ("write_through", "write_back"):
+        e = tight(ckpt, model, enable_hierarchical_cache=True, hicache_ratio=8.0, hicache_write_policy=policy)
+        got = serve(e, conversations())
+        assert_same(got, cold)
+        info = e.info()
+        assert info["host_hit_tokens"] > 0 and info["host_load_bytes"] > 0 and info["host_store_bytes"] > 0
+        later = got[len(conversations()):]  # turns 2 and 3: their prefix went to the host and back
+        assert all(c.cached_tokens > 0 for c in later)
+        assert e.counters["cached_prompt_tokens"] > 3 * off.counters["cached_prompt_tokens"]
+
+
+def test_every_hit_forced_through_the_host(ckpt, model, cold):
+    def offload_all(engine):
+        engine.tree.evict(need_pages=engine.pages.num_pages, need_slots=engine.slots.num_slots)
+        assert engine.tree.num_cached_pages == 0 and engine.slots.num_checkpoint == 0
+
+    e = make(ckpt, model, enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy="write_back")
+    got = serve(e, conversations(), between=offload_all)
+    assert_same(got, cold)
+    n = len(conversations())
+    for c in got[n:]:
+        assert c.cached_tokens > 0
+    # an exact repeat whose checkpoint is only on the host: still a full hit, the same tokens
+    again = e.generate([got[0].prompt_ids], greedy(6))[0][0]
+    assert again.cached_tokens == len(got[0].prompt_ids)
+    assert_same([again], [cold[0]])
+    assert e.info()["host_hit_tokens"] >= sum(c.cached_tokens for c in got[n:])
+
+
+def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
+    e = tight(ckpt, model, slots=8, pages=12, enable_hierarchical_cache=True, hicache_ratio=6.0,
+              chunked_prefill_size=16, max_prefill_tokens=40)
+    rng = random.Random(1)
+    shared = [toks(3000 + i, 28) for i in range(4)]
+    live: list[str] = []
+    for i in range(100):
+        for _ in range(rng.randrange(0, 4)):
+            prompt = rng.choice(shared)[: rng.randrange(8, 29)] + toks(3100 + i, rng.randrange(0, 6))
+            live += e.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 10),
+                                                         ignore_eos=True, n=rng.choice([1, 1, 2])))
+        if live and rng.random() < 0.3:
+            e.abort(live.pop(rng.randrange(len(live))))
+        if rng.random() < 0.2:  # push the cache to the host, so admissions load
+            e.tree.evict(need_pages=e.pages.num_pages, need_slots=e.slots.num_slots)
+        e.step()
+        e.check_invariants()
+        for rid in [r for r in live if e.requests[r].finished]:
+            live.remove(rid)
+        for rid in [r for r, q in e.requests.items() if q.finished]:
+            del e.requests[rid]
+    while e.has_work():
+        e.step()
+    info = e.info()
+    assert info["host_loads"] > 0 and e.counters["retractions"] > 0 and e.counters["aborted"] > 0
+    e.flush_cache()
+    e.check_invariants()
+    host = e.tree.host
+    assert e.pages.num_free == e.pages.num_pages and e.slots.num_free == e.slots.num_slots
+    assert host.pages.num_free == host.pages.num_pages and host.slots.num_free == host.slots.num_slots
+
+
+def test_host_tier_flags_are_checked():
+    with pytest.raises(ConfigValueError, match="hicache_size is set only with enable_hierarchical_cache"):
+        EngineConfig(hicache_size=4)
+    with pytest.raises(ConfigValueError, match="enable_hierarchical_cache needs the prefix cache"):
+        EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
+    with pytest.raises(ConfigValueError, match="hicache_write_policy"):
+        EngineConfig(enable_hierarchical_cache=True, hicache_write_policy="write_sometimes")
+
+
+def test_a_host_tier_larger_than_free_host_memory_is_refused(ckpt, model):
+    from glmrt.cache.host_pool import mem_available_bytes
+    too_big = 4 * mem_available_bytes() / 1e9
+    with pytest.raises(ValueError, match=r"the host tier needs .* GiB of host memory and .* GiB is available"):
+        make(ckpt, model, enable_hierarchical_cache=True, hicache_size=too_big)
