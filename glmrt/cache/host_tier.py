@@ -28,7 +28,7 @@ WRITE_POLICIES = ("write_through", "write_back")
 
 
 class HostTier:
-    def __init__(self, pool: HostPool, write_policy: str = "write_through"):
+    def __init__(self, pool: HostPool, write_policy: str = "write_through", disk=None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
         self.pool = pool
@@ -36,6 +36,9 @@ class HostTier:
         self.pages = PageManager(pool.num_pages)
         self.slots = SlotManager(pool.num_slots)
         self.tree = None  # the RadixCache this tier serves (set by it)
+        self.disk = disk  # glmrt.cache.disk_tier.DiskTier: where what leaves the host goes, or None
+        if disk is not None:
+            disk.host = self
         self.counters = {"host_load_bytes": 0, "host_store_bytes": 0, "host_loads": 0, "host_stores": 0,
                          "host_hit_tokens": 0, "host_dropped_nodes": 0}
 
@@ -69,11 +72,15 @@ class HostTier:
                 if v.pages:
                     self._free_node_copy(v)
                 else:
+                    if self.disk is not None:
+                        self.disk.spill_node(v)
                     self.tree._drop(v)
                     self.counters["host_dropped_nodes"] += 1
             elif v.slot is not None:            # a checkpoint also on the device
                 self._free_checkpoint_copy(v)
             else:
+                if self.disk is not None:
+                    self.disk.spill_checkpoint(v)
                 self.tree._drop(v)
         return True
 
@@ -181,10 +188,18 @@ class HostTier:
         return self.pool.ready(ticket)
 
     # ---- accounting ----------------------------------------------------------------------
+    def prefetch(self, tokens: list[int], limit: int, full: bool, resume: int) -> bool:
+        """Pull a deeper checkpoint of this prompt from the disk tier into the host tier."""
+        return self.disk is not None and self.disk.prefetch(self.tree, tokens, limit, full, resume)
+
     def stats(self) -> dict[str, int]:
-        return {"host_pages_total": self.pages.num_pages, "host_pages_used": self.pages.num_used,
-                "host_slots_total": self.slots.num_slots, "host_slots_used": self.slots.num_checkpoint,
-                "host_pool_bytes": self.pool.nbytes, **self.counters}
+        out = {"host_pages_total": self.pages.num_pages, "host_pages_used": self.pages.num_used,
+               "host_slots_total": self.slots.num_slots, "host_slots_used": self.slots.num_checkpoint,
+               "host_pool_bytes": self.pool.nbytes, **self.counters}
+        if self.disk is not None:
+            out.update(self.disk.counters, **self.disk.store.counters, disk_used_bytes=self.disk.store.used_bytes,
+                       disk_capacity_bytes=self.disk.store.capacity_bytes)
+        return out
 
     def check(self) -> None:
         """Host rows held == host rows the tree's nodes and checkpoints name."""

@@ -99,6 +99,11 @@ class EngineConfig:
     hicache_write_policy: str = bounded("write_through", choices=("write_through", "write_back"))
     """write_through: copy what the prefix cache holds to the host at once (a later eviction
     costs no copy) | write_back: copy only on eviction."""
+    hicache_storage_dir: str | None = None
+    """A third tier on local disk under this directory: what the host tier drops is written
+    there, and a later prompt with that prefix reads it back (glmrt/cache/disk_tier.py)."""
+    hicache_storage_size: float = bounded(16.0, gt=0)
+    """The disk tier's size in GB (least recently used files are removed past it)."""
     page_size: int = bounded(64, ge=1)
     """Tokens per KV page (a prefix is shared in whole pages)."""
     seed: int = 0
@@ -131,9 +136,12 @@ class EngineConfig:
                                    "disable_radix_cache turns off")
         if not self.enable_hierarchical_cache:
             for name, default in (("hicache_ratio", 2.0), ("hicache_size", 0.0),
-                                  ("hicache_write_policy", "write_through")):
+                                  ("hicache_write_policy", "write_through"), ("hicache_storage_dir", None)):
                 if getattr(self, name) != default:
                     raise ConfigValueError(name, getattr(self, name), "is set only with enable_hierarchical_cache")
+        if self.hicache_storage_dir is None and self.hicache_storage_size != 16.0:
+            raise ConfigValueError("hicache_storage_size", self.hicache_storage_size,
+                                   "is set only with hicache_storage_dir")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

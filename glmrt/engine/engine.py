@@ -203,7 +203,16 @@ class Engine:
                              f"is available: lower --hicache-size or --hicache-ratio")
         pools = pool_tensors(self.cache)
         pages, slots = host_rows(pools, want)
-        tier = HostTier(HostPool(pools, pages, slots), config.hicache_write_policy)
+        disk = None
+        if config.hicache_storage_dir is not None:
+            from glmrt.cache.disk_tier import DiskTier
+            from glmrt.cache.node_store import LocalDiskStore
+            # the weights (checkpoint path, or the random weights' preset and seed) and the rows' layout
+            weights = (os.path.realpath(os.path.expanduser(config.model)) if config.model else config.preset or "tiny")
+            salt = f"{weights}|{config.load_format}|{config.seed}|{config.quantization}|{self.layout}"
+            disk = DiskTier(LocalDiskStore(config.hicache_storage_dir, int(config.hicache_storage_size * 1e9)),
+                            salt, config.page_size)
+        tier = HostTier(HostPool(pools, pages, slots), config.hicache_write_policy, disk)
         self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB, {pages} pages, {slots} slots, "
                  f"{config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
         return tier

@@ -271,6 +271,9 @@ class Scheduler:
         if slot is None:
             return False
         m = self.tree.match(req.key_ids, req.num_tokens - 1, full=not req.output_ids)
+        host = self.tree.host
+        if host is not None and host.prefetch(req.key_ids, req.num_tokens - 1, not req.output_ids, m.resume):
+            m = self.tree.match(req.key_ids, req.num_tokens - 1, full=not req.output_ids)  # the disk's deeper one
         ckpt = m.checkpoint
         if ckpt is not None:
             ckpt.pins += 1  # not evictable until the restore ran

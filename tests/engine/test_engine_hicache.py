@@ -133,3 +133,29 @@ def test_a_host_tier_larger_than_free_host_memory_is_refused(ckpt, model):
     too_big = 4 * mem_available_bytes() / 1e9
     with pytest.raises(ValueError, match=r"the host tier needs .* GiB of host memory and .* GiB is available"):
         make(ckpt, model, enable_hierarchical_cache=True, hicache_size=too_big)
+
+
+def test_what_leaves_the_host_is_found_on_disk(ckpt, model, cold, tmp_path):
+    """A host tier of a few rows: each conversation's prefix goes device -> host -> disk between
+    its turns, and comes back from the disk, with the cold tokens; a new engine on the same
+    directory finds the files of the first one."""
+    def offload_all(engine):
+        engine.tree.evict(need_pages=engine.pages.num_pages, need_slots=engine.slots.num_slots)
+        host = engine.tree.host
+        host.make_room(host.pages.num_pages, host.slots.num_slots)  # everything on to the disk
+        assert host.pages.num_used == 0 and host.slots.num_checkpoint == 0
+
+    kw = dict(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_write_policy="write_back",
+              hicache_storage_dir=str(tmp_path / "l3"), hicache_storage_size=0.05)
+    e = make(ckpt, model, **kw)
+    got = serve(e, conversations(), between=offload_all)
+    assert_same(got, cold)
+    info = e.info()
+    assert info["disk_hits"] > 0 and info["disk_spilled_pages"] > 0 and info["disk_used_bytes"] > 0
+    n = len(conversations())
+    assert all(c.cached_tokens > 0 for c in got[n:])
+    fresh = make(ckpt, model, **kw)  # an empty tree over the files left behind
+    again = fresh.generate([got[-1].prompt_ids], greedy(6))[0][0]
+    assert again.cached_tokens == len(got[-1].prompt_ids)
+    assert_same([again], [cold[-1]])
+    fresh.check_invariants()
