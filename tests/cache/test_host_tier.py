@@ -147,3 +147,25 @@ def test_dropped_host_nodes_come_back_from_disk(tmp_path):
     got, _ = tree.load_path(m.nodes, lambda n: tree.pages.allocate(n))
     assert [float(pools["latent"][0, p, 0, 0]) for p in got] == [1000 + p for p in pages]
     tree.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory and copy streams need CUDA")
+def test_cuda_copies_run_on_their_own_stream_into_pinned_memory():
+    pools = {n: (t + torch.arange(t.shape[1]).view(1, -1, *([1] * (t.dim() - 2)))).cuda()
+             for n, t in device_pools().items()}
+    pool = HostPool(pools, 8, 4)
+    assert pool.stream is not None and all(t.is_pinned() for t in pool.tensors.values())
+    ticket = pool.store([(3, 5), (4, 6), (9, 0)], [(2, 3), (5, 1)])   # runs and single rows
+    pool.synchronize()
+    assert pool.ready(ticket)
+    assert float(pool.tensors["latent"][6, 0, 0, 0]) == 4 and float(pool.tensors["latent"][0, 0, 0, 0]) == 9
+    assert float(pool.tensors["recurrent"][1].flatten()[0]) == 5
+    for t in pools.values():
+        t.zero_()
+    ticket = pool.load([(5, 10), (6, 11), (0, 2)], [(3, 0)])
+    pool.fence()                                 # the compute stream now waits for the load
+    got = pools["latent"][0, [10, 11, 2], 0, 0].tolist()
+    assert got == [3, 4, 9] and float(pools["conv"][1, 0].flatten()[0]) == 2
+    pool.synchronize()
+    assert pool.ready(ticket)

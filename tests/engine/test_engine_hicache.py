@@ -159,3 +159,25 @@ def test_what_leaves_the_host_is_found_on_disk(ckpt, model, cold, tmp_path):
     assert again.cached_tokens == len(got[-1].prompt_ids)
     assert_same([again], [cold[-1]])
     fresh.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host tier's copy stream needs CUDA")
+def test_on_cuda_every_hit_through_pinned_host_memory(ckpt):
+    from glmrt.engine.engine import Engine
+
+    def on_gpu(**kw):
+        return Engine(EngineConfig(model=ckpt, page_size=8, device="cuda", backend="reference", dtype="float32",
+                                   disable_cuda_graph=True, skip_server_warmup=True, **kw), log=lambda *a: None)
+
+    def offload_all(engine):
+        engine.tree.evict(need_pages=engine.pages.num_pages, need_slots=engine.slots.num_slots)
+
+    want = serve(on_gpu(disable_radix_cache=True), conversations())
+    e = on_gpu(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy="write_back")
+    pool = e.tree.host.pool
+    assert pool.stream is not None and pool.tensors["latent"].is_pinned()
+    got = serve(e, conversations(), between=offload_all)
+    assert_same(got, want)
+    assert all(c.cached_tokens > 0 for c in got[len(conversations()):])
+    assert e.info()["host_hit_tokens"] > 0
