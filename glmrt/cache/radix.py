@@ -154,14 +154,15 @@ class RadixCache:
         if not self.enabled:
             return [], 0
         ps = self.page_size
-        node, pos, pages = self.root, 0, []
+        node, pos, pages, path = self.root, 0, [], []
         now = next(self._clock)
         while pos + ps <= limit:
             child = node.children.get(tuple(tokens[pos:pos + ps]))
             if child is None:
                 break
-            if not child.pages:  # on the host only: load it back, or stop here
-                if waits is None or self.load_path([child], grab) is None:
+            path.append(child)
+            if not child.pages:  # on the host only: load it back (its path pinned meanwhile), or stop
+                if waits is None or self.load_path(path, grab) is None:
                     break
                 waits.append(child.load)
             n = min(self._edge_match(child, tokens, pos), (limit - pos) // ps * ps)

@@ -181,3 +181,32 @@ def test_on_cuda_every_hit_through_pinned_host_memory(ckpt):
     assert_same(got, want)
     assert all(c.cached_tokens > 0 for c in got[len(conversations()):])
     assert e.info()["host_hit_tokens"] > 0
+
+
+def test_pd_with_the_tier_on_both_sides(ckpt, model, cold):
+    """Prefill and decode engines with host tiers, both pushed to the host between requests:
+    the prefill resumes from host checkpoints, the decode side reuses KV pages loaded from its
+    host tier (receiving only the rest), and the tokens are the cold ones."""
+    from tests.engine.test_engine_handoff import pd_generate
+
+    kw = dict(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy="write_back")
+    prefill, decode = make(ckpt, model, role="prefill", **kw), make(ckpt, model, role="decode", **kw)
+    convs = conversations()
+    prompts = [[] for _ in convs]
+    got = []
+    for k in range(len(convs[0])):
+        for i, conv in enumerate(convs):
+            prompts[i] = prompts[i] + conv[k]
+            done, res, _ = pd_generate(prefill, decode, prompts[i], greedy(6), f"c{i}t{k}")
+            got.append((done, res.reused_tokens))
+            prompts[i] = prompts[i] + done.output_ids
+            for e in (prefill, decode):
+                e.tree.evict(need_pages=e.pages.num_pages, need_slots=e.slots.num_slots)
+    assert_same([d for d, _ in got], cold)
+    n = len(convs)
+    assert all(reused > 0 for _, reused in got[n:])
+    assert prefill.info()["host_hit_tokens"] > 0 and decode.info()["host_hit_tokens"] > 0
+    for e in (prefill, decode):
+        e.flush_cache()
+        e.check_invariants()
+        assert e.tree.host.pages.num_used == 0 and e.pages.num_free == e.pages.num_pages
