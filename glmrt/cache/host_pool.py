@@ -35,15 +35,6 @@ def row_bytes(pools: dict[str, torch.Tensor], names: tuple[str, ...]) -> int:
     return sum(t.shape[0] * math.prod(t.shape[2:]) * t.element_size() for t in (pools[n] for n in names))
 
 
-def mem_available_bytes() -> int:
-    """The kernel's estimate of memory available to new allocations (/proc/meminfo MemAvailable)."""
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
-
-
 def host_rows(device_pools: dict[str, torch.Tensor], budget_bytes: int) -> tuple[int, int]:
     """(pages, slots) of a host tier of `budget_bytes`, split between pages and slots as the
     device pools are."""

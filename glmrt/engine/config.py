@@ -138,10 +138,10 @@ class EngineConfig:
             for name, default in (("hicache_ratio", 2.0), ("hicache_size", 0.0),
                                   ("hicache_write_policy", "write_through"), ("hicache_storage_dir", None)):
                 if getattr(self, name) != default:
-                    raise ConfigValueError(name, getattr(self, name), "is set only with enable_hierarchical_cache")
+                    raise ConfigValueError(name, getattr(self, name), "is set only with the host tier on (enable_hierarchical_cache, --enable-hierarchical-cache)")
         if self.hicache_storage_dir is None and self.hicache_storage_size != 16.0:
             raise ConfigValueError("hicache_storage_size", self.hicache_storage_size,
-                                   "is set only with hicache_storage_dir")
+                                   "is set only with a disk tier (hicache_storage_dir, --hicache-storage-dir)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

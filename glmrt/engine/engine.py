@@ -192,8 +192,9 @@ class Engine:
     def _host_tier(self, config: EngineConfig):
         """The host tier: --hicache-size GB, else --hicache-ratio x the device pools' bytes; refused
         when it does not fit in the host's available memory."""
-        from glmrt.cache.host_pool import HostPool, host_rows, mem_available_bytes, pool_tensors
+        from glmrt.cache.host_pool import HostPool, host_rows, pool_tensors
         from glmrt.cache.host_tier import HostTier
+        from glmrt.devices import mem_available_bytes
 
         device = self.cache.kv.nbytes + self.cache.state.nbytes
         want = int(config.hicache_size * 1e9) if config.hicache_size > 0 else int(config.hicache_ratio * device)

@@ -120,7 +120,7 @@ def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
 
 
 def test_host_tier_flags_are_checked():
-    with pytest.raises(ConfigValueError, match="hicache_size is set only with enable_hierarchical_cache"):
+    with pytest.raises(ConfigValueError, match="hicache_size is set only with the host tier on"):
         EngineConfig(hicache_size=4)
     with pytest.raises(ConfigValueError, match="enable_hierarchical_cache needs the prefix cache"):
         EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)
@@ -129,7 +129,7 @@ def test_host_tier_flags_are_checked():
 
 
 def test_a_host_tier_larger_than_free_host_memory_is_refused(ckpt, model):
-    from glmrt.cache.host_pool import mem_available_bytes
+    from glmrt.devices import mem_available_bytes
     too_big = 4 * mem_available_bytes() / 1e9
     with pytest.raises(ValueError, match=r"the host tier needs .* GiB of host memory and .* GiB is available"):
         make(ckpt, model, enable_hierarchical_cache=True, hicache_size=too_big)
