@@ -49,6 +49,19 @@ def serve(engine, convs, out=6, between=None):
     return done
 
 
+def slow_copies(engine, polls: int) -> None:
+    """Each host-tier copy reports ready only at its `polls`-th query, as a copy still on the
+    GPU's copy stream would: the requests waiting for it sit out the steps until then."""
+    pool = engine.tree.host.pool
+    asked: dict[int, int] = {}
+    real = pool.ready
+
+    def ready(ticket: int) -> bool:
+        asked[ticket] = asked.get(ticket, 0) + 1
+        return asked[ticket] >= polls and real(ticket)
+    pool.ready = ready
+
+
 @pytest.fixture(scope="module")
 def cold(ckpt, model):
     return serve(make(ckpt, model, disable_radix_cache=True), conversations())
@@ -69,12 +82,14 @@ def test_multi_turn_hits_the_host_tier_with_the_cold_tokens(ckpt, model, cold):
         assert e.counters["cached_prompt_tokens"] > 3 * off.counters["cached_prompt_tokens"]
 
 
-def test_every_hit_forced_through_the_host(ckpt, model, cold):
+@pytest.mark.parametrize("polls", [1, 3])
+def test_every_hit_forced_through_the_host(ckpt, model, cold, polls):
     def offload_all(engine):
         engine.tree.evict(need_pages=engine.pages.num_pages, need_slots=engine.slots.num_slots)
         assert engine.tree.num_cached_pages == 0 and engine.slots.num_checkpoint == 0
 
     e = make(ckpt, model, enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy="write_back")
+    slow_copies(e, polls)
     got = serve(e, conversations(), between=offload_all)
     assert_same(got, cold)
     n = len(conversations())
@@ -90,7 +105,9 @@ def test_every_hit_forced_through_the_host(ckpt, model, cold):
 def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
     e = tight(ckpt, model, slots=8, pages=12, enable_hierarchical_cache=True, hicache_ratio=6.0,
               chunked_prefill_size=16, max_prefill_tokens=40)
+    slow_copies(e, 3)  # loads stay in flight for steps: aborts and retractions land on waiting requests
     rng = random.Random(1)
+    waited = aborted_waiting = 0
     shared = [toks(3000 + i, 28) for i in range(4)]
     live: list[str] = []
     for i in range(100):
@@ -98,10 +115,15 @@ def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
             prompt = rng.choice(shared)[: rng.randrange(8, 29)] + toks(3100 + i, rng.randrange(0, 6))
             live += e.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 10),
                                                          ignore_eos=True, n=rng.choice([1, 1, 2])))
+        loading = [r for r in live if e.requests[r].waits]
         if live and rng.random() < 0.3:
-            e.abort(live.pop(rng.randrange(len(live))))
+            rid = rng.choice(loading) if loading and rng.random() < 0.5 else rng.choice(live)
+            live.remove(rid)
+            aborted_waiting += bool(e.requests[rid].waits)
+            e.abort(rid)
         if rng.random() < 0.2:  # push the cache to the host, so admissions load
             e.tree.evict(need_pages=e.pages.num_pages, need_slots=e.slots.num_slots)
+        waited += sum(1 for r in e.scheduler.running if r.waits)
         e.step()
         e.check_invariants()
         for rid in [r for r in live if e.requests[r].finished]:
@@ -111,7 +133,8 @@ def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
     while e.has_work():
         e.step()
     info = e.info()
-    assert info["host_loads"] > 0 and e.counters["retractions"] > 0 and e.counters["aborted"] > 0
+    assert info["host_loads"] > 0 and e.counters["retractions"] > 0 and e.counters["aborted"] > 0 and waited > 0
+    assert aborted_waiting > 0, "no abort hit a request whose load was in flight"
     e.flush_cache()
     e.check_invariants()
     host = e.tree.host
