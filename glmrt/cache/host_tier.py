@@ -19,12 +19,34 @@ loading waits for its own tickets only (`ready`).
 
 from __future__ import annotations
 
-from glmrt.cache.host_pool import HostPool
+from glmrt.cache.host_pool import HostPool, host_rows, pool_tensors
 from glmrt.cache.page_manager import PageManager
 from glmrt.cache.radix import Node
 from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
 
 WRITE_POLICIES = ("write_through", "write_back")
+
+
+def build_host_tier(cache, size_bytes: int, ratio: float, write_policy: str,
+                    disk: tuple[str, int, str] | None = None) -> "HostTier":
+    """The host tier of a ModelCache: `size_bytes` (0: `ratio` x the device pools' bytes),
+    refused when the host's available memory is smaller; `disk`: (directory, bytes, key salt)
+    of a disk tier behind it."""
+    from glmrt.devices import mem_available_bytes
+
+    want = size_bytes if size_bytes > 0 else int(ratio * (cache.kv.nbytes + cache.state.nbytes))
+    free = mem_available_bytes()
+    if want > free:
+        raise ValueError(f"the host tier needs {want / 2**30:.2f} GiB of host memory and {free / 2**30:.2f} GiB "
+                         f"is available: lower --hicache-size or --hicache-ratio")
+    pools = pool_tensors(cache)
+    disk_tier = None
+    if disk is not None:
+        from glmrt.cache.disk_tier import DiskTier
+        from glmrt.cache.node_store import LocalDiskStore
+        directory, capacity, salt = disk
+        disk_tier = DiskTier(LocalDiskStore(directory, capacity), salt, cache.page_size)
+    return HostTier(HostPool(pools, *host_rows(pools, want)), write_policy, disk_tier)
 
 
 class HostTier:

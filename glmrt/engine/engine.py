@@ -190,32 +190,18 @@ class Engine:
         return model
 
     def _host_tier(self, config: EngineConfig):
-        """The host tier: --hicache-size GB, else --hicache-ratio x the device pools' bytes; refused
-        when it does not fit in the host's available memory."""
-        from glmrt.cache.host_pool import HostPool, host_rows, pool_tensors
-        from glmrt.cache.host_tier import HostTier
-        from glmrt.devices import mem_available_bytes
+        from glmrt.cache.host_tier import build_host_tier
 
-        device = self.cache.kv.nbytes + self.cache.state.nbytes
-        want = int(config.hicache_size * 1e9) if config.hicache_size > 0 else int(config.hicache_ratio * device)
-        free = mem_available_bytes()
-        if want > free:
-            raise ValueError(f"the host tier needs {want / 2**30:.2f} GiB of host memory and {free / 2**30:.2f} GiB "
-                             f"is available: lower --hicache-size or --hicache-ratio")
-        pools = pool_tensors(self.cache)
-        pages, slots = host_rows(pools, want)
         disk = None
         if config.hicache_storage_dir is not None:
-            from glmrt.cache.disk_tier import DiskTier
-            from glmrt.cache.node_store import LocalDiskStore
             # the weights (checkpoint path, or the random weights' preset and seed) and the rows' layout
-            weights = (os.path.realpath(os.path.expanduser(config.model)) if config.model else config.preset or "tiny")
-            salt = f"{weights}|{config.load_format}|{config.seed}|{config.quantization}|{self.layout}"
-            disk = DiskTier(LocalDiskStore(config.hicache_storage_dir, int(config.hicache_storage_size * 1e9)),
-                            salt, config.page_size)
-        tier = HostTier(HostPool(pools, pages, slots), config.hicache_write_policy, disk)
-        self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB, {pages} pages, {slots} slots, "
-                 f"{config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
+            weights = os.path.realpath(os.path.expanduser(config.model)) if config.model else config.preset or "tiny"
+            disk = (config.hicache_storage_dir, int(config.hicache_storage_size * 1e9),
+                    f"{weights}|{config.load_format}|{config.seed}|{config.quantization}|{self.layout}")
+        tier = build_host_tier(self.cache, int(config.hicache_size * 1e9), config.hicache_ratio,
+                               config.hicache_write_policy, disk)
+        self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB, {tier.pool.num_pages} pages, "
+                 f"{tier.pool.num_slots} slots, {config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
         return tier
 
     def _read_generation_config(self) -> dict:
