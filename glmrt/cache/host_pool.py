@@ -98,6 +98,7 @@ class HostPool:
         if self.stream is None:
             self._do_copy(pages, slots, to_host, [])
             return ticket
+        self._reap()
         keep: list[torch.Tensor] = []
         self.stream.wait_stream(torch.cuda.current_stream())  # the rows as the compute stream left them
         with torch.cuda.stream(self.stream):
@@ -141,10 +142,19 @@ class HostPool:
         self._keep.pop(ticket, None)
         return True
 
+    def _reap(self) -> None:
+        """Forget the copies that have finished (stores are never asked about: their staging
+        tensors go here)."""
+        for t in [t for t, ev in self._tickets.items() if ev.query()]:
+            del self._tickets[t]
+            self._keep.pop(t, None)
+
     def fence(self) -> None:
         """The compute stream waits for every copy issued so far (before it reuses their rows)."""
-        if self.stream is not None and self._tickets:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        if self.stream is not None:
+            self._reap()
+            if self._tickets:
+                torch.cuda.current_stream().wait_stream(self.stream)
 
     def synchronize(self) -> None:
         if self.stream is not None:
