@@ -37,12 +37,23 @@ class Metrics:
                                             registry=r)
         self.generation_tokens = Counter("glmrt_generation_tokens", "Tokens generated", registry=r)
         self.inflight = Gauge("glmrt_api_inflight_requests", "Requests the api is serving", registry=r)
+        # the host tier (--enable-hierarchical-cache) and its disk tier, per engine
+        self.host_pages = Gauge("glmrt_host_cache_pages", "Host tier KV pages by state", ["engine", "state"],
+                                registry=r)
+        self.host_slots = Gauge("glmrt_host_cache_slots", "Host tier state slots by state", ["engine", "state"],
+                                registry=r)
+        self.host_bytes = Gauge("glmrt_host_cache_bytes", "Host tier bytes copied since start, by direction "
+                                "(load: host to device, store: device to host)", ["engine", "direction"], registry=r)
+        self.host_hit_tokens = Gauge("glmrt_host_cache_hit_tokens", "Prompt tokens loaded from the host tier "
+                                     "since start", ["engine"], registry=r)
+        self.disk_bytes = Gauge("glmrt_disk_cache_bytes", "Disk tier bytes by state (used, capacity)",
+                                ["engine", "state"], registry=r)
 
     def update_engines(self, stats: dict, live: set[str], inflight: int) -> None:
         self.inflight.set(inflight)
         for key in list(stats):
             if key not in live:
-                for g in (self.running, self.waiting, self.max_running):
+                for g in (self.running, self.waiting, self.max_running, self.host_hit_tokens):
                     try:
                         g.remove(key)
                     except KeyError:
@@ -67,6 +78,22 @@ class Metrics:
             self.state_slots.labels(engine=key, state="checkpoint").set(ckpt)
             self.state_slots.labels(engine=key, state="in_use").set(
                 max(0, s.state_slots_total - s.state_slots_free - ckpt))
+            if "host_pages_total" in c:
+                self._host(key, c)
+
+    def _host(self, key: str, c: dict) -> None:
+        used, total = int(c["host_pages_used"]), int(c["host_pages_total"])
+        self.host_pages.labels(engine=key, state="used").set(used)
+        self.host_pages.labels(engine=key, state="free").set(total - used)
+        used, total = int(c["host_slots_used"]), int(c["host_slots_total"])
+        self.host_slots.labels(engine=key, state="used").set(used)
+        self.host_slots.labels(engine=key, state="free").set(total - used)
+        self.host_bytes.labels(engine=key, direction="load").set(c.get("host_load_bytes", 0))
+        self.host_bytes.labels(engine=key, direction="store").set(c.get("host_store_bytes", 0))
+        self.host_hit_tokens.labels(engine=key).set(c.get("host_hit_tokens", 0))
+        if "disk_capacity_bytes" in c:
+            self.disk_bytes.labels(engine=key, state="used").set(c["disk_used_bytes"])
+            self.disk_bytes.labels(engine=key, state="capacity").set(c["disk_capacity_bytes"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

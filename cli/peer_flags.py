@@ -29,8 +29,8 @@ class PeerFlag:
 _DP_ATTENTION = ("data-parallel attention is not built yet; an engine of --tp-size N splits attention heads over "
                  "its N ranks, and --dp-size N runs N engine replicas")
 _SPECULATIVE = "speculative decoding is not built yet; glmrt decodes one token per step"
-_HICACHE = ("the hierarchical (host-memory) KV cache is not built yet; the prefix cache lives in GPU memory "
-            "(size it with --mem-fraction-static)")
+_HICACHE_STORAGE = ("glmrt's third cache tier is a local-disk store: --hicache-storage-dir DIR "
+                    "(--hicache-storage-size GB); no other storage backend is built")
 _CONTEXT_PARALLEL = ("context parallelism is not built yet; one engine prefills a prompt in chunks of "
                      "--chunked-prefill-size tokens")
 _ONE_HOST = "multi-node serving is not built yet; glmrt runs a deployment on one host"
@@ -46,10 +46,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--speculative-eagle-topk",), _SPECULATIVE),
     PeerFlag(("--speculative-num-draft-tokens",), _SPECULATIVE),
     PeerFlag(("--speculative-draft-model-path",), _SPECULATIVE),
-    PeerFlag(("--enable-hierarchical-cache",), _HICACHE, takes_value=False),
-    PeerFlag(("--hicache-size",), _HICACHE),
-    PeerFlag(("--hicache-ratio",), _HICACHE),
-    PeerFlag(("--hicache-storage-backend",), _HICACHE),
+    PeerFlag(("--hicache-storage-backend",), _HICACHE_STORAGE),
     PeerFlag(("--cuda-graph-backend-prefill",), "glmrt captures CUDA graphs for decode only (--cuda-graph-max-bs, "
              "--disable-cuda-graph); prefill runs eagerly", accepts=("off",)),
     PeerFlag(("--encoder-only",), 'the vision encoder runs as its own actor when the topology file places one: '

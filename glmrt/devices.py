@@ -1,6 +1,6 @@
-"""How many GPUs this machine has, read from the device files the drivers create: no torch, no
-driver library and no child process, so `glmrt up` can check a topology's `gpus` against the
-machine before any actor starts.
+"""How many GPUs this machine has, read from the device files the drivers create, and how much
+host memory is available: no torch, no driver library and no child process, so `glmrt up` can
+check a topology's `gpus` and host tiers against the machine before any actor starts.
 
 NVIDIA: one /dev/nvidiaN per GPU. AMD (ROCm): one KFD topology node per GPU, those with a
 non-zero gpu_id (the CPU nodes have 0). Indices are the machine's, before any
@@ -26,3 +26,12 @@ def gpu_count(dev: str = "/dev", kfd_nodes: str = "/sys/class/kfd/kfd/topology/n
         except (OSError, ValueError):
             continue
     return len(nvidia) + amd
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """The kernel's estimate of memory available to new allocations (MemAvailable)."""
+    with open(meminfo, encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{meminfo} has no MemAvailable line")

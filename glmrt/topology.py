@@ -276,12 +276,43 @@ def validate(topo: Topology, num_gpus: int | None = None, *, flags: bool = False
                 configs[spec.kind] = topo.engine_config(spec)
             except ConfigValueError as e:
                 raise TopologyError(_engine_where(topo, spec, e.name, flags) + e.message(spell)) from None
+    _check_host_tiers(topo, configs, spell)
     if "prefill" in configs and "decode" in configs:
         pre, dec = configs["prefill"], configs["decode"]
         for name in PD_LAYOUT_FIELDS:
             if getattr(pre, name) != getattr(dec, name):
                 raise TopologyError(f"prefill and decode must agree on {spell(name)}: prefill {getattr(pre, name)!r}, "
                                     f"decode {getattr(dec, name)!r} (their state could not be handed over)")
+
+
+def _check_host_tiers(topo: Topology, configs: dict, spell: Callable[[str], str]) -> None:
+    """The host tiers of all engine replicas must fit in the host's available memory (each engine
+    checks its own again once its device pools are sized; on a GPU a --hicache-ratio tier is
+    known only then)."""
+    want, parts = 0.0, []
+    for spec in topo.actors:
+        cfg = configs.get(spec.kind)
+        if cfg is None or not cfg.enable_hierarchical_cache:
+            continue
+        if spec.tp > 1:  # the tier's copies run on rank 0's pools only
+            raise TopologyError(f"{spell('enable_hierarchical_cache')}: the host tier of an engine of several ranks "
+                                f"is not built yet ({spec.kind} has tp = {spec.tp}); run it with tp = 1")
+        if cfg.hicache_size > 0:
+            each = cfg.hicache_size * 1e9
+        elif not spec.gpus:  # a CPU engine: its pools are cache_memory_gb
+            each = cfg.hicache_ratio * cfg.cache_memory_gb * 2**30
+        else:
+            continue
+        want += each * spec.replicas
+        parts.append(f"{spec.kind} {spec.replicas} x {each / 2**30:.2f} GiB")
+    if not parts:
+        return
+    from glmrt.devices import mem_available_bytes
+    free = mem_available_bytes()
+    if want > free:
+        raise TopologyError(f"{spell('hicache_size')} / {spell('hicache_ratio')}: the host tiers need "
+                            f"{want / 2**30:.2f} GiB of host memory ({', '.join(parts)}) and {free / 2**30:.2f} GiB "
+                            f"is available")
 
 
 def _check_section(section: Any, where: str, spell: Callable[[str], str]) -> None:

@@ -32,6 +32,7 @@ class CacheLayout:
     kv_dtype: str = "bfloat16"
     state_dtype: str = "float32"  # --mamba-ssm-dtype
     conv_dtype: str = "bfloat16"  # the model dtype
+    hidden_size: int = 0         # the kept last-position hidden state of a prompt-end checkpoint
 
     @classmethod
     def from_config(cls, text: TextConfig, *, page_size: int = 64, kv_dtype: str = "bfloat16",
@@ -49,7 +50,7 @@ class CacheLayout:
         return cls(len(text.dsa_layers) + extra, len(text.indexer_layers) + extra, len(text.kda_layers),
                    text.kv_lora_rank, text.index_head_dim, text.index_kpool, page_size,
                    3 * heads * text.linear_head_dim, text.linear_conv_kernel_dim - 1, heads,
-                   text.linear_head_dim, text.linear_head_dim, kv_dtype, state_dtype, model_dtype)
+                   text.linear_head_dim, text.linear_head_dim, kv_dtype, state_dtype, model_dtype, text.hidden_size)
 
     @property
     def pools_per_page(self) -> int:
@@ -92,8 +93,14 @@ class CacheLayout:
         return self.num_indexer * 2 * self.kpool * self.index_head_dim * DTYPE_BYTES[self.index_dtype]
 
     @property
+    def hidden_bytes_per_slot(self) -> int:
+        """The final hidden state of the last position a checkpoint covers (its next token's logits)."""
+        return self.hidden_size * DTYPE_BYTES[self.conv_dtype]
+
+    @property
     def state_bytes_per_slot(self) -> int:
-        return self.conv_bytes_per_slot + self.recurrent_bytes_per_slot + self.tail_bytes_per_slot
+        return (self.conv_bytes_per_slot + self.recurrent_bytes_per_slot + self.tail_bytes_per_slot
+                + self.hidden_bytes_per_slot)
 
     def request_bytes(self, context_tokens: int) -> float:
         """Cache bytes one request of this length holds (KV for its tokens + one state slot)."""

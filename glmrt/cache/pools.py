@@ -3,7 +3,10 @@
 KVPool    paged, DSA layers: latent [L_dsa, pages, page_size, R] and pooled indexer keys
           [L_idx, pages, page_size // kpool, di] (one per complete k-pool).
 StatePool request-local slots: KDA conv [L_kda, slots, K-1, 3*qkv] and recurrent state
-          [L_kda, slots, H, dk, dv], plus the indexer tail [L_idx, slots, kpool, di] (k and g).
+          [L_kda, slots, H, dk, dv], plus the indexer tail [L_idx, slots, kpool, di] (k and g),
+          and the final hidden state of the slot's last position [1, slots, D]: a prompt-end
+          checkpoint keeps it, so an exact repeat of the prompt samples its first token
+          without computing anything.
 ModelCache maps a model layer index to its view of both pools.
 """
 
@@ -52,14 +55,20 @@ class StatePool:
         self.tail_k = torch.zeros(layout.num_indexer, num_slots, layout.kpool, layout.index_head_dim,
                                   dtype=tail_dt, device=device)
         self.tail_g = torch.zeros_like(self.tail_k)
+        self.last_hidden = torch.zeros(1, num_slots, layout.hidden_size, dtype=torch_dtype(layout.conv_dtype),
+                                       device=device)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv, self.recurrent, self.tail_k, self.tail_g, self.last_hidden)
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes + self.tail_k.nbytes + self.tail_g.nbytes
+        return sum(t.nbytes for t in self.tensors)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one request's whole state (a prefix-cache checkpoint restore or save)."""
-        for t in (self.conv, self.recurrent, self.tail_k, self.tail_g):
+        for t in self.tensors:
             t[:, dst] = t[:, src]
 
 

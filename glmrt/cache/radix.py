@@ -13,9 +13,14 @@ past the anchor and a private copy of the partial page holding their latent / po
 
 A hit resumes at the deepest checkpoint at or before the match: the request takes the
 shared pages of [0, A), a fresh page filled from the checkpoint's partial page, and a copy of
-the checkpoint's state in its own live slot. The tree holds one page reference per page it
+the checkpoint's state in its own live slot. A checkpoint saved where a prompt ended, by the
+step that sampled from it, also keeps that position's final hidden state (`has_output`): a
+prompt equal to its L tokens is a *full hit* that computes nothing and samples its first
+token from the kept state. The tree holds one page reference per page it
 stores; requests hold their own. No tensors here: copies are returned to the caller as
-instructions.
+instructions, or (the host tier, glmrt/cache/host_tier.py) issued by the tier the tree is
+given. With a host tier a node or checkpoint evicted from the device moves to the host while
+host space lasts, and a hit on it loads it back (`load_path`).
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from glmrt.cache.slot_manager import SlotManager
 class Checkpoint:
     position: int                   # L: tokens [0, L) are summarised by the state
     extra: tuple[int, ...]          # tokens [A, L) past the anchor node's end
-    slot: int                       # checkpoint slot in the state pool
+    slot: int | None                # checkpoint slot in the state pool (None: on the host only)
     partial_page: int | None        # private page with the latent/pooled keys of [A, L)
     node: "Node"
     last_use: int = 0
     pins: int = 0                   # planned restores not yet executed: not evictable
+    has_output: bool = False        # the slot keeps the final hidden state of position L - 1
+    host_slot: int | None = None    # its copy in the host tier (slot, partial page)
+    host_partial: int | None = None
 
 
 @dataclass(eq=False)
@@ -47,6 +55,9 @@ class Node:
     children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     last_use: int = 0
+    host_pages: list[int] | None = None   # its copy in the host tier; `pages` is [] when only there
+    pins: int = 0                   # an admission is loading or using it: not evictable
+    load: int = 0                   # the host tier's ticket of the load that filled `pages`
 
 
 @dataclass
@@ -54,33 +65,40 @@ class Match:
     """What a prompt can skip: resume at `resume`, with `pages` shared for [0, anchor)."""
 
     resume: int = 0
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)   # of `nodes`, when all are on the device
     checkpoint: Checkpoint | None = None
     common: int = 0                 # longest common token prefix with the tree (divergence point)
+    nodes: list[Node] = field(default_factory=list)  # the path [0, anchor): whole nodes
 
 
 class RadixCache:
-    def __init__(self, page_size: int, pages: PageManager, slots: SlotManager, enabled: bool = True):
+    def __init__(self, page_size: int, pages: PageManager, slots: SlotManager, enabled: bool = True,
+                 host=None):
         self.page_size = page_size
         self.pages = pages
         self.slots = slots
         self.enabled = enabled
         self.root = Node((), [], None, 0)
         self._clock = itertools.count(1)
-        self.num_cached_pages = 0
+        self.num_cached_pages = 0       # device pages held by nodes
+        self.host = host                # glmrt.cache.host_tier.HostTier, or None
+        if host is not None:
+            host.tree = self
 
     # ---- lookup --------------------------------------------------------------------------
-    def match(self, tokens: list[int], limit: int) -> Match:
-        """Deepest usable checkpoint for a request whose first `limit` tokens may be skipped."""
+    def match(self, tokens: list[int], limit: int, full: bool = False) -> Match:
+        """Deepest usable checkpoint for a request whose first `limit` tokens may be skipped;
+        `full`: also one covering all of `tokens` that kept its output (a full hit)."""
         m = Match()
         if not self.enabled:
             return m
         ps = self.page_size
-        node, pos, path_pages = self.root, 0, []
+        node, pos, path = self.root, 0, []
         now = next(self._clock)
-        best = self._best_checkpoint(node, tokens, pos, limit)
+        whole = len(tokens) if full else None
+        best = self._best_checkpoint(node, tokens, pos, limit, whole)
         if best:
-            m.checkpoint, m.pages = best, []
+            m.checkpoint, m.nodes = best, []
         while True:
             node.last_use = now
             key = tuple(tokens[pos:pos + ps])
@@ -89,32 +107,64 @@ class RadixCache:
                 m.common = pos + self._partial_common(node, tokens, pos)
                 break
             n = self._edge_match(child, tokens, pos)
-            path_pages = path_pages + child.pages[: n // ps]
             if n < len(child.tokens):
                 child.last_use = now
                 m.common = pos + n + self._token_common(child.tokens[n:], tokens[pos + n:])
                 break
             node, pos = child, pos + n
-            cand = self._best_checkpoint(node, tokens, pos, limit)
+            path.append(node)
+            cand = self._best_checkpoint(node, tokens, pos, limit, whole)
             if cand and (m.checkpoint is None or cand.position > m.checkpoint.position):
-                m.checkpoint, m.pages = cand, list(path_pages)
+                m.checkpoint, m.nodes = cand, list(path)
         if m.checkpoint is not None:
             m.resume = m.checkpoint.position
             m.checkpoint.last_use = now
+            if all(n.pages for n in m.nodes):
+                m.pages = [p for n in m.nodes for p in n.pages]
         return m
 
-    def match_pages(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
+    def load_path(self, nodes: list[Node], grab) -> tuple[list[int], list[int]] | None:
+        """The device pages of `nodes` (a match's path), loading the ones only on the host into
+        pages from `grab(n) -> list | None` (which may evict; `nodes` are pinned meanwhile).
+        -> (pages, load tickets to wait for), or None when the device has no room."""
+        missing = [n for n in nodes if not n.pages]
+        tickets = [n.load for n in nodes if n.pages and n.load and not self.host.ready(n.load)] if self.host else []
+        if missing:
+            for n in nodes:
+                n.pins += 1
+            try:
+                got = grab(sum(len(n.host_pages) for n in missing))
+            finally:
+                for n in nodes:
+                    n.pins -= 1
+            if got is None:
+                return None
+            for n in missing:
+                k = len(n.host_pages)
+                tickets.append(self.host.load_node(n, got[:k]))
+                got = got[k:]
+        return [p for n in nodes for p in n.pages], tickets
+
+    def match_pages(self, tokens: list[int], limit: int, waits: list[int] | None = None,
+                    grab=None) -> tuple[list[int], int]:
         """KV-only match: the cached full pages of the longest page-aligned prefix of
-        `tokens[:limit]` (a decode engine receiving state from a prefill needs no checkpoint)."""
+        `tokens[:limit]` (a decode engine receiving state from a prefill needs no checkpoint).
+        With `waits` (and `grab`, as for `load_path`), nodes on the host are loaded back and
+        their load tickets appended to it."""
         if not self.enabled:
             return [], 0
         ps = self.page_size
-        node, pos, pages = self.root, 0, []
+        node, pos, pages, path = self.root, 0, [], []
         now = next(self._clock)
         while pos + ps <= limit:
             child = node.children.get(tuple(tokens[pos:pos + ps]))
             if child is None:
                 break
+            path.append(child)
+            if not child.pages:  # on the host only: load it back (its path pinned meanwhile), or stop
+                if waits is None or self.load_path(path, grab) is None:
+                    break
+                waits.append(child.load)
             n = min(self._edge_match(child, tokens, pos), (limit - pos) // ps * ps)
             pages += child.pages[: n // ps]
             child.last_use = now
@@ -124,10 +174,14 @@ class RadixCache:
             node, pos = child, pos + n
         return pages, pos
 
-    def _best_checkpoint(self, node: Node, tokens: list[int], pos: int, limit: int) -> Checkpoint | None:
+    def _best_checkpoint(self, node: Node, tokens: list[int], pos: int, limit: int,
+                         whole: int | None = None) -> Checkpoint | None:
+        """Deepest checkpoint of `node` on the path of `tokens` at or before `limit`, or at
+        `whole` (the prompt's length) when it kept its output."""
         best = None
         for c in node.checkpoints:
-            if c.position <= limit and tuple(tokens[pos:c.position]) == c.extra:
+            usable = c.position <= limit or (c.position == whole and c.has_output)
+            if usable and tuple(tokens[pos:c.position]) == c.extra:
                 if best is None or c.position > best.position:
                     best = c
         return best
@@ -182,11 +236,17 @@ class RadixCache:
                 child = Node(new_tokens, new_pages, node, pos + len(new_tokens), last_use=now)
                 node.children[key] = child
                 canonical += new_pages
+                if self.host is not None and self.host.write_through:
+                    self.host.backup_node(child)
                 break
             n = self._edge_match(child, tokens, pos)
             n = min(n, n_full * ps - pos)
             if n < len(child.tokens):
                 child = self._split(child, n)
+            if not child.pages:  # on the host only: the request computed these pages again
+                child.pages = list(pages[pos // ps:pos // ps + len(child.tokens) // ps])
+                self.pages.retain(child.pages)
+                self.num_cached_pages += len(child.pages)
             canonical += child.pages
             child.last_use = now
             node, pos = child, pos + n
@@ -197,7 +257,9 @@ class RadixCache:
         ps = self.page_size
         parent = child.parent
         upper = Node(child.tokens[:n], child.pages[: n // ps], parent, child.end - len(child.tokens) + n,
-                     last_use=child.last_use)
+                     last_use=child.last_use, load=child.load)
+        if child.host_pages is not None:
+            upper.host_pages, child.host_pages = child.host_pages[: n // ps], child.host_pages[n // ps:]
         parent.children[child.tokens[:ps]] = upper
         child.tokens, child.pages, child.parent = child.tokens[n:], child.pages[n // ps:], upper
         upper.children[child.tokens[:ps]] = child
@@ -218,24 +280,33 @@ class RadixCache:
             node, pos = child, pos + n
         return node
 
-    def add_checkpoint(self, tokens: list[int], position: int, slot: int, partial_page: int | None) -> Checkpoint | None:
+    def add_checkpoint(self, tokens: list[int], position: int, slot: int, partial_page: int | None,
+                       has_output: bool = False) -> Checkpoint | None:
         """Register a saved state at `position` (its pages [0, A) must already be inserted).
 
         Returns None (caller frees the slot and page) when the path is not cached or an
-        identical checkpoint already exists.
+        identical checkpoint already exists. An identical one without the kept output that
+        no restore has pinned is replaced by one with it (a full hit needs the output).
         """
         if not self.enabled:
             return None
         aligned = position // self.page_size * self.page_size
         node = self._anchor(tokens, aligned)
         extra = tuple(tokens[aligned:position])
-        if node is None or any(c.position == position and c.extra == extra for c in node.checkpoints):
+        if node is None:
             return None
-        c = Checkpoint(position, extra, slot, partial_page, node, last_use=next(self._clock))
+        same = next((c for c in node.checkpoints if c.position == position and c.extra == extra), None)
+        if same is not None:
+            if not has_output or same.has_output or same.pins:
+                return None
+            self._drop(same)
+        c = Checkpoint(position, extra, slot, partial_page, node, last_use=next(self._clock), has_output=has_output)
         node.checkpoints.append(c)
+        if self.host is not None and self.host.write_through:
+            self.host.backup_checkpoint(c)
         return c
 
-    def has_checkpoint(self, tokens: list[int], position: int) -> bool:
+    def has_checkpoint(self, tokens: list[int], position: int, with_output: bool = False) -> bool:
         aligned = position // self.page_size * self.page_size
         node, pos = self.root, 0
         while pos < aligned:
@@ -244,52 +315,84 @@ class RadixCache:
                 return False
             node, pos = child, child.end
         extra = tuple(tokens[aligned:position])
-        return any(c.position == position and c.extra == extra for c in node.checkpoints)
+        return any(c.position == position and c.extra == extra and (c.has_output or not with_output)
+                   for c in node.checkpoints)
 
     # ---- eviction ------------------------------------------------------------------------
     def evictable(self):
-        """Candidates in LRU order: checkpoints not pinned, and leaf nodes without checkpoints."""
+        """Device candidates in LRU order: checkpoints not pinned, and leaf nodes without
+        checkpoints; with a host tier, any node none of whose children is on the device (it
+        moves to the host with its checkpoints)."""
         items = []
         stack = [self.root]
+        tiered = self.host is not None
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            items += [(c.last_use, 0, c) for c in n.checkpoints if c.pins == 0]
-            if n is not self.root and not n.children and not n.checkpoints:
+            items += [(c.last_use, 0, c) for c in n.checkpoints if c.pins == 0 and c.slot is not None]
+            if n is self.root or not n.pages or n.pins:
+                continue
+            if tiered:
+                if not any(ch.pages for ch in n.children.values()) and all(c.pins == 0 for c in n.checkpoints):
+                    items.append((n.last_use, 1, n))
+            elif not n.children and not n.checkpoints:
                 items.append((n.last_use, 1, n))
         items.sort(key=lambda x: (x[0], x[1]))
         return [x[2] for x in items]
 
     def evict(self, need_pages: int = 0, need_slots: int = 0) -> None:
-        """Free LRU entries until `need_pages` pages and `need_slots` slots are free (or nothing is left)."""
+        """Free LRU entries until `need_pages` pages and `need_slots` slots are free (or nothing is
+        left); with a host tier they move to the host while it has room."""
         while self.pages.num_free < need_pages or self.slots.num_free < need_slots:
             victims = self.evictable()
             if need_slots and self.slots.num_free < need_slots:
                 victims = [v for v in victims if isinstance(v, Checkpoint)] or victims
             if not victims:
                 return
-            self._drop(victims[0])
+            v = victims[0]
+            if self.host is None:
+                self._drop(v)
+            elif isinstance(v, Checkpoint):
+                if not self.host.offload_checkpoint(v):
+                    self._drop(v)
+            elif not self.host.offload_node(v):
+                self._drop(v)
 
     def _drop(self, item) -> None:
+        """Remove a checkpoint, or a node with everything under it, from both tiers."""
+        host = self.host
+        if host is not None:
+            host.pool.fence()  # a copy may still read or fill the device rows freed here
         if isinstance(item, Checkpoint):
             item.node.checkpoints.remove(item)
-            self.slots.free(item.slot)
+            if item.slot is not None:
+                self.slots.free(item.slot)
             if item.partial_page is not None:
                 self.pages.release([item.partial_page])
+            if item.host_slot is not None:
+                host.slots.free(item.host_slot)
+            if item.host_partial is not None:
+                host.pages.release([item.host_partial])
             return
         node = item
         del node.parent.children[node.tokens[: self.page_size]]
-        self.pages.release(node.pages)
-        self.num_cached_pages -= len(node.pages)
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            for c in list(n.checkpoints):
+                self._drop(c)
+            self.pages.release(n.pages)
+            self.num_cached_pages -= len(n.pages)
+            if n.host_pages is not None:
+                host.pages.release(n.host_pages)
 
     def flush(self) -> None:
-        """Drop everything (the leak test's 'after a cache flush both pools are empty')."""
-        while True:
-            victims = [v for v in self.evictable()]
-            if not victims:
-                return
-            for v in victims:
-                self._drop(v)
+        """Drop everything, on both tiers (the leak test's 'after a cache flush both pools are empty')."""
+        for c in list(self.root.checkpoints):
+            self._drop(c)
+        for child in list(self.root.children.values()):
+            self._drop(child)
 
     # ---- accounting ----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -298,9 +401,12 @@ class RadixCache:
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            n_ckpt += len(n.checkpoints)
+            n_ckpt += sum(c.slot is not None for c in n.checkpoints)
             n_ckpt_pages += sum(c.partial_page is not None for c in n.checkpoints)
-        return {"cached_pages": self.num_cached_pages, "checkpoints": n_ckpt, "checkpoint_pages": n_ckpt_pages}
+        out = {"cached_pages": self.num_cached_pages, "checkpoints": n_ckpt, "checkpoint_pages": n_ckpt_pages}
+        return {**out, **self.host.stats()} if self.host is not None else out
 
     def check(self) -> None:
         assert self.slots.num_checkpoint == self.stats()["checkpoints"], "checkpoint slots out of sync"
+        if self.host is not None:
+            self.host.check()

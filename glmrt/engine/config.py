@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from glmrt.config_bounds import bounded, check_fields
+from glmrt.config_bounds import ConfigValueError, bounded, check_fields
 
 
 ENGINE_ROLES = ("unified", "prefill", "decode")
@@ -80,11 +80,30 @@ class EngineConfig:
     """Most prompt tokens of all requests together in one step."""
     schedule_policy: str = bounded("fcfs", choices=("fcfs", "lpm"))
     """fcfs | lpm (longest cached prefix first)."""
-    state_checkpoint_interval: int = bounded(0, ge=0)
-    """Save KDA state into the prefix cache every N prompt tokens (0 = only at prompt end,
-    request end and divergence points)."""
+    state_checkpoint_interval: int = bounded(8192, ge=0)
+    """Save KDA state into the prefix cache every N prompt tokens, besides the prompt end, the
+    request end and divergence points (0: only those). A prompt diverging inside a cached prefix
+    resumes at the nearest checkpoint before it, so N bounds the prefill recomputed there; each
+    checkpoint is a state slot (141 MiB at full size, the KV of ~13K tokens), evicted first when
+    memory is short. The default is the chunk size: a checkpoint per full chunk, no chunk split
+    (docs/MODEL.md §8.4)."""
     disable_radix_cache: bool = False
     """Reuse no prompt prefix between requests."""
+    enable_hierarchical_cache: bool = False
+    """A host-memory tier behind the prefix cache: nodes evicted from the device pools move to
+    the host while it has room, and a hit on one loads it back (glmrt/cache/host_tier.py)."""
+    hicache_ratio: float = bounded(2.0, gt=0)
+    """Host tier size as a multiple of the device cache pools (KV + state) in bytes."""
+    hicache_size: float = bounded(0.0, ge=0)
+    """Host tier size in GB (0: use hicache_ratio; when both are given, the size wins)."""
+    hicache_write_policy: str = bounded("write_through", choices=("write_through", "write_back"))
+    """write_through: copy what the prefix cache holds to the host at once (a later eviction
+    costs no copy) | write_back: copy only on eviction."""
+    hicache_storage_dir: str | None = None
+    """A third tier on local disk under this directory: what the host tier drops is written
+    there, and a later prompt with that prefix reads it back (glmrt/cache/disk_tier.py)."""
+    hicache_storage_size: float = bounded(16.0, gt=0)
+    """The disk tier's size in GB (least recently used files are removed past it)."""
     page_size: int = bounded(64, ge=1)
     """Tokens per KV page (a prefix is shared in whole pages)."""
     seed: int = 0
@@ -112,6 +131,17 @@ class EngineConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ConfigValueError("enable_hierarchical_cache", True, "needs the prefix cache, which "
+                                   "disable_radix_cache turns off")
+        if not self.enable_hierarchical_cache:
+            for name, default in (("hicache_ratio", 2.0), ("hicache_size", 0.0),
+                                  ("hicache_write_policy", "write_through"), ("hicache_storage_dir", None)):
+                if getattr(self, name) != default:
+                    raise ConfigValueError(name, getattr(self, name), "is set only with the host tier on (enable_hierarchical_cache, --enable-hierarchical-cache)")
+        if self.hicache_storage_dir is None and self.hicache_storage_size != 16.0:
+            raise ConfigValueError("hicache_storage_size", self.hicache_storage_size,
+                                   "is set only with a disk tier (hicache_storage_dir, --hicache-storage-dir)")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -186,7 +186,8 @@ class Engine(ModelRank):
         device, dtype_name, kv_dtype = self.device_name, self.dtype_name, self.kv_dtype
         self.pages = PageManager(self.memory.num_pages)
         self.slots = SlotManager(self.memory.num_slots)
-        self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache)
+        self.tree = RadixCache(config.page_size, self.pages, self.slots, enabled=not config.disable_radix_cache,
+                               host=self._host_tier(config) if config.enable_hierarchical_cache else None)
         self.scheduler = Scheduler(SchedulerConfig(
             page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
@@ -231,6 +232,22 @@ class Engine(ModelRank):
         except Exception as e:  # an optimisation only: serve without it, and say why
             self.log(f"prefill warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}")
             torch.cuda.empty_cache()
+
+    def _host_tier(self, config: EngineConfig):
+        from glmrt.cache.host_tier import build_host_tier
+
+        disk = None
+        if config.hicache_storage_dir is not None:
+            # the weights (checkpoint path, or the random weights' preset and seed) and the rows' layout
+            weights = os.path.realpath(os.path.expanduser(config.model)) if config.model else config.preset or "tiny"
+            disk = (config.hicache_storage_dir, int(config.hicache_storage_size * 1e9),
+                    f"{weights}|{config.load_format}|{config.seed}|{config.quantization}|{self.layout}")
+        tier = build_host_tier(self.cache, int(config.hicache_size * 1e9), config.hicache_ratio,
+                               config.hicache_write_policy, disk)
+        self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB, {tier.pool.num_pages} pages, "
+                 f"{tier.pool.num_slots} slots, {config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
+        return tier
+
     # ---- the public API ------------------------------------------------------------------
     def default_params(self, **overrides) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
@@ -380,7 +397,7 @@ class Engine(ModelRank):
             if not req.finished and req.finishing is None:
                 self._cache_pages(req, force=id(req) in saving)  # a save needs its anchor path in the tree
         for s in plan.saves:
-            if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page) is None:
+            if self.tree.add_checkpoint(s.req.key_ids, s.position, s.dst_slot, s.dst_page, s.with_output) is None:
                 self.slots.free(s.dst_slot)
                 if s.dst_page is not None:
                     self.pages.release([s.dst_page])

@@ -65,6 +65,12 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """op capture: the graphs to capture."""
     share_tokens: bool = False
     """Rank 0 broadcasts the tokens it samples from this step (one per request row)."""
+    keep_hidden: list[tuple[int, int]] = []
+    """(k, slot): the final hidden state of logits row k kept in `slot` (a prompt end's save)."""
+    hit_slots: list[int] = []
+    """Full hits: sampled from the hidden state kept in each slot, after the forward's rows."""
+    sample_order: list[int] | None = None
+    """With full hits: the sampled rows in plan order, as indices into [forward rows; hit rows]."""
 
 
 _encoder = msgspec.msgpack.Encoder()

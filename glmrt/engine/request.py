@@ -43,6 +43,7 @@ class Request:
     num_tree_pages: int = 0               # full pages already offered to the prefix cache
     inflight: int = 0                     # planned or launched steps not yet applied (overlap)
     finishing: str | None = None          # finished, but a step in flight still uses its cache
+    waits: list[int] = field(default_factory=list)  # host-tier load tickets its prefix waits for
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without concatenating the whole sequence (the per-step hot path)."""

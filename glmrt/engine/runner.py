@@ -1,9 +1,11 @@
 """The model runner: executes a StepPlan on the model and its pools, then samples.
 
 Order inside one step: restores (checkpoint -> live slot, partial page copies) ->
-one forward over every work item (a flat varlen batch) -> saves and forks (state and
-partial page copies, taken from the state the forward just produced) -> sampling of every
-request whose last uncomputed token was computed, plus each n>1 child from its parent's row.
+one forward over every work item that computes tokens (a flat varlen batch) -> saves and
+forks (state and partial page copies, taken from the state the forward just produced; a
+prompt-end save also keeps the prompt's last final hidden state) -> sampling of every request
+whose last uncomputed token was computed, plus each n>1 child from its parent's row. A full
+hit (a work item of 0 tokens) samples from the hidden state its restore brought into its slot.
 
 A plan is first turned into `ForwardInputs` (glmrt.engine.ranks: host values only), which
 `run` executes: the copies, the forward (eager or a decode graph), the copies after. On an
@@ -244,10 +246,11 @@ class ModelRunner:
             return None
         for c in step.before:
             self._copy(c)
+        logits = hidden = None
         if step.graph is not None:
             logits = self.graphs.run(step.graph, step.ids, step.prefix_lens, step.slot_ids, step.page_tables,
                                      src_rows=step.src_rows, prev_tokens=prev_tokens)
-        else:
+        elif step.ids:
             meta = BatchMeta.build(step.prefix_lens, step.seq_lens, step.slot_ids, step.page_tables,
                                    self.cache.page_size, self.device)
             ids = torch.tensor(step.ids, dtype=torch.long)
@@ -256,11 +259,31 @@ class ModelRunner:
             if step.src_rows is not None and prev_tokens is not None:
                 src = torch.tensor(step.src_rows, dtype=torch.long, device=self.device)
                 ids = torch.where(src >= 0, prev_tokens.to(torch.long)[src.clamp(min=0)], ids)
-            logits, _ = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(step, ids, feats),
-                                   logits_indices=idx)
+            logits, hidden = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(step, ids, feats),
+                                        logits_indices=idx)
+            if step.keep_hidden:
+                hidden = hidden[idx]
+        logits = self._full_hit_logits(step, logits, hidden)
         for c in step.after:
             self._copy(c)
         return logits
+
+    def _full_hit_logits(self, step: ForwardInputs, logits, hidden):
+        """A prompt end's save keeps its row's final hidden state (written into the live slot,
+        which the save then copies); a full hit's logits come from the hidden state its restore
+        brought into its slot (the LM head only, on every rank: it is vocab-parallel). -> the
+        logits of every sampled row, in plan order."""
+        if not (step.keep_hidden or step.hit_slots):
+            return logits
+        last = self.cache.state.last_hidden[0]
+        for k, slot in step.keep_hidden:
+            last[slot] = hidden[k].to(last.dtype)
+        if not step.hit_slots:
+            return logits
+        kept = self.model.compute_logits(last[list(step.hit_slots)])
+        if logits is None:
+            return kept
+        return torch.cat([logits, kept])[torch.tensor(step.sample_order, device=logits.device)]
 
     def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens [n] (int64, on the device) on every rank, in stream order."""
@@ -341,15 +364,29 @@ class ModelRunner:
         common = dict(prefix_lens=[w.start for w in work], seq_lens=[w.num for w in work],
                       slot_ids=[w.req.slot for w in work], page_tables=[w.req.pages for w in work],
                       before=restores, after=after)
-        key = self.graph_key(work)
+        hits = [w for w in work if w.sample and w.num == 0]
+        keep = [s for s in plan.saves if s.with_output]  # the final hidden states are needed
+        key = self.graph_key(work) if not (hits or keep) else None
         if key is not None:
             return ForwardInputs(ids=[w.req.token_slice(w.start, w.start + 1)[0] for w in work], graph=key,
                                  **common), None
-        ids = [t for w in work for t in w.req.token_slice(w.start, w.start + w.num)]
-        ends = torch.tensor([w.num for w in work]).cumsum(0).tolist()
-        rows, feats = self._vision_rows(work)
-        return ForwardInputs(ids=ids, logits_rows=[ends[i] - 1 for i, w in enumerate(work) if w.sample],
-                             embed_rows=rows, **common), feats
+        computed = [w for w in work if w.num > 0]
+        common.update(prefix_lens=[w.start for w in computed], seq_lens=[w.num for w in computed],
+                      slot_ids=[w.req.slot for w in computed], page_tables=[w.req.pages for w in computed])
+        ids = [t for w in computed for t in w.req.token_slice(w.start, w.start + w.num)]
+        ends = torch.tensor([w.num for w in computed], dtype=torch.long).cumsum(0).tolist()
+        sampled = [i for i, w in enumerate(computed) if w.sample]
+        row_of = {id(computed[i].req): k for k, i in enumerate(sampled)}
+        order, k_hit = [], len(sampled)
+        for w in work:
+            if w.sample:
+                order.append(row_of[id(w.req)] if w.num else k_hit)
+                k_hit += 0 if w.num else 1
+        rows, feats = self._vision_rows(computed)
+        return ForwardInputs(ids=ids, logits_rows=[ends[i] - 1 for i in sampled], embed_rows=rows,
+                             keep_hidden=[(row_of[id(s.req)], s.src_slot) for s in keep],
+                             hit_slots=[w.req.slot for w in hits], sample_order=order if hits else None,
+                             **common), feats
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> list[StepOutput]:

@@ -12,7 +12,9 @@ One step, in order:
   2. waiting requests are admitted by policy (FCFS, or LPM: longest cached prefix first)
      while the prefill token budget, pages, slots and max_running_requests allow.
 Chunks end at checkpoint positions (prompt end, divergence point, every
-`state_checkpoint_interval` tokens) so the state there can be saved.
+`state_checkpoint_interval` tokens) so the state there can be saved. A new prompt equal to a
+prompt-end checkpoint that kept its output is a full hit: a work item of 0 tokens that only
+samples (from the restored last-position hidden state).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 16384
     policy: str = "fcfs"                     # fcfs | lpm
-    state_checkpoint_interval: int = 0       # 0 = off
+    state_checkpoint_interval: int = 0       # 0 = off (EngineConfig's default is 8192)
     # NOTE: built from an EngineConfig, whose declared bounds these values already meet
 
 
@@ -40,7 +42,7 @@ class SchedulerConfig:
 class Work:
     req: Request
     start: int          # == req.num_computed when planned
-    num: int
+    num: int            # 0: a full hit, sampled from the restored checkpoint's kept hidden state
     sample: bool        # the step computes the request's last uncomputed token -> sample one
 
 
@@ -66,6 +68,7 @@ class Save:
     dst_slot: int
     src_page: int | None
     dst_page: int | None
+    with_output: bool = False   # a prompt end sampled in this step: keep its last hidden state too
 
 
 @dataclass
@@ -92,7 +95,7 @@ class StepPlan:
         return sum(w.num for w in self.work)
 
     def __bool__(self) -> bool:
-        return bool(self.work)
+        return bool(self.work or self.restores)
 
 
 class Scheduler:
@@ -121,6 +124,9 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _release(self, req: Request) -> None:
+        if req.waits:  # a load from the host tier may still fill these pages or this slot
+            self.tree.host.pool.fence()
+            req.waits = []
         if req.pages:
             self.pages.release(req.pages)
             req.pages = []
@@ -167,18 +173,25 @@ class Scheduler:
         return n
 
     # ---- the step ------------------------------------------------------------------------
+    def _loaded(self, req: Request) -> bool:
+        """Whether the host-tier loads of the request's prefix have landed (it waits for its own only)."""
+        if req.waits and all(self.tree.host.ready(t) for t in req.waits):
+            req.waits = []
+        return not req.waits
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.cfg.max_prefill_tokens
-        decodes = [r for r in self.running if r.num_uncomputed == 1]
-        prefills = [r for r in self.running if r.num_uncomputed > 1]
+        ready = [r for r in self.running if self._loaded(r)]
+        decodes = [r for r in ready if r.num_uncomputed == 1]
+        prefills = [r for r in ready if r.num_uncomputed != 1]  # 0: a full hit that waited for its load
         for req in sorted(decodes, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # retracted while making room for an earlier request
             if self._ensure_pages(req, req.num_computed + 1, plan):
                 plan.work.append(Work(req, req.num_computed, 1, True))
         for req in sorted(prefills, key=lambda r: r.arrival):
-            if req.status is not Status.RUNNING or budget <= 0:
+            if req.status is not Status.RUNNING or (budget <= 0 and req.num_uncomputed):
                 continue
             n = self._chunk(req, budget)
             if self._ensure_pages(req, req.num_computed + n, plan):
@@ -221,9 +234,11 @@ class Scheduler:
                 return
             if self._wait_for_inflight_prefix(req, plan):
                 continue
+            before = len(plan.work)
             if not self._admit_one(req, plan, budget):
                 return  # keep the order: nothing behind it jumps the queue
-            budget -= plan.work[-1].num
+            if len(plan.work) > before:  # else it waits for its prefix to load from the host tier
+                budget -= plan.work[-1].num
 
     def _wait_for_inflight_prefix(self, req: Request, plan: StepPlan) -> bool:
         """Defer `req` while a running prefill is computing a longer prefix it shares.
@@ -255,14 +270,23 @@ class Scheduler:
         slot = self._grab_slot()
         if slot is None:
             return False
-        m = self.tree.match(req.key_ids, req.num_tokens - 1)
+        m = self.tree.match(req.key_ids, req.num_tokens - 1, full=not req.output_ids)
+        host = self.tree.host
+        if host is not None and host.prefetch(req.key_ids, req.num_tokens - 1, not req.output_ids, m.resume):
+            m = self.tree.match(req.key_ids, req.num_tokens - 1, full=not req.output_ids)  # the disk's deeper one
         ckpt = m.checkpoint
         if ckpt is not None:
             ckpt.pins += 1  # not evictable until the restore ran
-        self.pages.retain(m.pages)
-        req.pages, req.slot, req.num_computed = list(m.pages), slot, m.resume
+        path = self.tree.load_path(m.nodes, self._grab_pages) if ckpt is not None else ([], [])
+        if path is None:  # the host tier holds the prefix, the device has no room for it now
+            ckpt.pins -= 1
+            self.slots.free(slot)
+            return False
+        pages, req.waits = path
+        self.pages.retain(pages)
+        req.pages, req.slot, req.num_computed = list(pages), slot, m.resume
         restore_page = None
-        if ckpt is not None and ckpt.partial_page is not None:
+        if ckpt is not None and (ckpt.partial_page is not None or ckpt.host_partial is not None):
             got = self._grab_pages(1)
             if got is None:
                 ckpt.pins -= 1
@@ -284,12 +308,16 @@ class Scheduler:
         if not req.admitted_once:
             req.cached_tokens = min(m.resume, len(req.prompt_ids))
             req.admitted_once = True
-        if ckpt is not None:
+        if ckpt is not None and ckpt.slot is None:  # on the host: the tier copies it into the live slot
+            ckpt.pins -= 1
+            req.waits.append(self.tree.host.restore(ckpt, slot, restore_page))
+        elif ckpt is not None:
             plan.restores.append(Restore(req, ckpt, ckpt.slot, slot, ckpt.partial_page, restore_page))
         self.waiting.remove(req)
         self.running.append(req)
         req.status = Status.RUNNING
-        plan.work.append(Work(req, req.num_computed, n, n == req.num_uncomputed))
+        if self._loaded(req):
+            plan.work.append(Work(req, req.num_computed, n, n == req.num_uncomputed))
         return True
 
     def _chunk_for_new(self, req: Request, common: int, budget: int) -> int:
@@ -304,7 +332,9 @@ class Scheduler:
         k = self.cfg.state_checkpoint_interval
         if k > 0:
             marks.update(range((start // k + 1) * k, min(prompt_end, req.num_tokens), k))
-        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(req.key_ids, p))
+        # the prompt end is saved again when its checkpoint lacks the output a full hit needs
+        req.save_at = sorted(p for p in marks if p > start and not self.tree.has_checkpoint(
+            req.key_ids, p, with_output=p == prompt_end and not req.output_ids))
         return self._chunk(req, budget)
 
     def _plan_saves_and_forks(self, plan: StepPlan) -> None:
@@ -316,7 +346,8 @@ class Scheduler:
                 slot, page = self._slot_and_partial_page(CHECKPOINT, end)
                 if slot is not None:
                     src = req.pages[end // ps] if end % ps else None
-                    plan.saves.append(Save(req, end, req.slot, slot, src, page))
+                    output = w.sample and w.num > 0 and end == len(req.prompt_ids) and not req.output_ids
+                    plan.saves.append(Save(req, end, req.slot, slot, src, page, output))
             if w.sample and req.fork_children and end == len(req.prompt_ids):
                 for child in list(req.fork_children):
                     self._plan_fork(plan, req, child)

@@ -85,6 +85,20 @@ def test_a_refusal_imports_no_torch_and_no_actor(e2e_env):
 
 
 @pytest.mark.timeout(60)
+def test_host_tier_flags_are_refused_before_anything_starts(e2e_env, tiny_checkpoint):
+    from glmrt.devices import mem_available_bytes
+
+    line, _ = _refused(["--model", tiny_checkpoint, "--hicache-size", "4"], e2e_env)
+    assert line == ("glmrt up: error: --hicache-size is set only with the host tier on (enable_hierarchical_cache, "
+                    "--enable-hierarchical-cache) (got 4.0)")
+    huge = 3 * mem_available_bytes() / 1e9
+    line, _ = _refused(["--model", tiny_checkpoint, "--enable-hierarchical-cache", "--hicache-size", str(huge)],
+                       e2e_env)
+    assert line.startswith("glmrt up: error: --hicache-size / --hicache-ratio: the host tiers need ")
+    assert "GiB of host memory (engine 1 x " in line and line.endswith(" GiB is available")
+
+
+@pytest.mark.timeout(60)
 def test_a_port_in_use_is_refused_in_one_line(e2e_env, tiny_checkpoint):
     import socket
 

@@ -88,9 +88,9 @@ def test_prefix_hits_full_partial_and_divergence(ckpt, model, reference):
     r2 = run(e, [turn2])[0]
     assert r2.cached_tokens == len(a) + len(ra.output_ids) - 1
     assert_same([r2], [reference(turn2)])
-    # a prompt ending exactly at a cached prompt's end still computes its last token
+    # an exact repeat of a cached prompt is a full hit: nothing computed, the same tokens
     rr = run(e, [a])[0]
-    assert rr.cached_tokens < len(a)
+    assert rr.cached_tokens == len(a)
     assert_same([rr], [ra])
 
 

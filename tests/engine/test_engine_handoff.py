@@ -139,3 +139,15 @@ def test_transfer_environment_is_typed_and_refuses_unknown_values(monkeypatch):
     monkeypatch.setenv("GLMRT_KV_TRANSFER", "frames")
     with pytest.raises(ValueError, match="GLMRT_KV_TRANSFER"):
         env.kv_transfer()
+
+
+def test_prefill_side_full_hit_on_a_repeat(ckpt, model):
+    """A prompt the prefill engine has seen is a full hit there: no prefill, the same tokens."""
+    unified = make(ckpt, model, disable_radix_cache=True)
+    prefill, decode = make(ckpt, model, role="prefill"), make(ckpt, model, role="decode")
+    prompt = toks(60, 27)
+    want = unified.generate([prompt], greedy())[0][0]
+    first = pd_generate(prefill, decode, prompt, greedy(), "x1")[0]
+    again = pd_generate(prefill, decode, prompt, greedy(), "x2")[0]
+    assert prefill.counters["cached_prompt_tokens"] == len(prompt)
+    assert_same([first, again], [want, want])

@@ -39,20 +39,25 @@ class HandoffSink:
             raise HandoffError(f"request {rid!r} is already on this engine")
         ps = engine.config.page_size
         n_pages = -(-len(prompt_ids) // ps)
-        shared, reused = engine.tree.match_pages(prompt_ids, len(prompt_ids))
+        # with a host tier, cached pages there are loaded back (the request waits for them)
+        waits = [] if engine.tree.host is not None else None
+        shared, reused = engine.tree.match_pages(prompt_ids, len(prompt_ids), waits, engine.scheduler._grab_pages)
+        engine.pages.retain(shared)  # before any eviction below can free them
         need = n_pages - len(shared)
         if not engine.pages.can_allocate(need):
             engine.tree.evict(need_pages=need)
         if engine.slots.num_free == 0:
             engine.tree.evict(need_slots=1)
         if not engine.pages.can_allocate(need) or engine.slots.num_free == 0:
+            if waits:
+                engine.tree.host.pool.fence()
+            engine.pages.release(shared)
             raise HandoffError(f"no room for request {rid!r}: {need} pages and a slot needed")
-        engine.pages.retain(shared)
         pages = shared + engine.pages.allocate(need)
         slot = engine.slots.allocate(LIVE)
         req = Request(rid, list(prompt_ids), params, engine.next_arrival(), output_ids=[int(first_token)],
                       status=Status.WAITING, slot=slot, pages=pages, num_computed=0, cached_tokens=reused,
-                      admitted_once=True)
+                      admitted_once=True, waits=waits or [])
         engine.requests[rid] = req
         engine.imports[rid] = req
         res = Reservation(rid, reused, list(pages), slot,

@@ -1,0 +1,154 @@
+"""The third tier: what the host tier drops goes to a NodeStore (glmrt/cache/node_store.py),
+and an admission whose prefix the tree lacks pulls it back into the host tier.
+
+    host tier drops a node only on the host     -> each of its pages: `p<key at page end>`
+    host tier drops a checkpoint only there     -> its slot rows + partial page: `c<tail key>`
+    admission (prefetch) finds, past the tree's deepest page of the prompt, pages on disk and a
+    checkpoint deeper than the tree's resume point -> host rows filled from the files, a
+    host-only node and checkpoint attached to the tree; the ordinary match then loads them.
+
+Keys chain the prompt's pages from a salt naming the model and cache layout, so a checkpoint
+`j` tokens past a page boundary is found by hashing the prompt's next `j` tokens: no index to
+keep, and files written by an earlier run are found again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from glmrt.cache.host_pool import PAGE_TENSORS, SLOT_TENSORS
+from glmrt.cache.node_store import NodeStore, prefix_keys, tail_key
+from glmrt.cache.radix import Checkpoint, Node
+from glmrt.cache.slot_manager import CHECKPOINT
+
+
+class DiskTier:
+    def __init__(self, store: NodeStore, salt: str, page_size: int):
+        self.store = store
+        self.salt = salt
+        self.root_key = hashlib.sha256(salt.encode()).hexdigest()
+        self.page_size = page_size
+        self.host = None  # the HostTier in front of it (set by it)
+        self.counters = {"disk_spilled_pages": 0, "disk_spilled_checkpoints": 0, "disk_hits": 0,
+                         "disk_hit_tokens": 0}
+
+    def _keys(self, tokens: list[int]) -> list[str]:
+        return prefix_keys(self.salt, tokens, self.page_size)
+
+    def _base(self, keys: list[str], anchor: int) -> str:
+        return keys[anchor // self.page_size - 1] if anchor else self.root_key
+
+    @staticmethod
+    def _path_tokens(node: Node) -> list[int]:
+        parts = []
+        while node is not None and node.parent is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    # ---- host -> disk --------------------------------------------------------------------
+    def spill_node(self, node: Node) -> None:
+        """Write a host-only node's pages (it is about to leave the host)."""
+        self.host.pool.synchronize()  # the host rows as the last copy into them left them
+        tokens = self._path_tokens(node)
+        keys = self._keys(tokens)
+        first = (node.end - len(node.tokens)) // self.page_size
+        h = self.host.pool.tensors
+        for i, hp in enumerate(node.host_pages):
+            if self.store.put("p" + keys[first + i], {n: h[n][hp] for n in PAGE_TENSORS}):
+                self.counters["disk_spilled_pages"] += 1
+
+    def spill_checkpoint(self, c: Checkpoint) -> None:
+        self.host.pool.synchronize()
+        tokens = self._path_tokens(c.node)
+        base = self._base(self._keys(tokens), c.node.end)
+        h = self.host.pool.tensors
+        entry = {n: h[n][c.host_slot] for n in SLOT_TENSORS}
+        if c.host_partial is not None:
+            entry.update({"partial." + n: h[n][c.host_partial] for n in PAGE_TENSORS})
+        entry["meta"] = torch.tensor([c.position, int(c.has_output)], dtype=torch.long)
+        if self.store.put("c" + tail_key(base, c.extra), entry):
+            self.counters["disk_spilled_checkpoints"] += 1
+
+    # ---- disk -> host --------------------------------------------------------------------
+    def prefetch(self, tree, tokens: list[int], limit: int, full: bool, resume: int) -> bool:
+        """Attach to the tree, on the host, a checkpoint the store has deeper than `resume` on
+        the path of `tokens` (at most `limit`, or all of them with its output when `full`),
+        with the pages between the tree's deepest page and its anchor. -> whether it did."""
+        ps = self.page_size
+        node, pos = tree.root, 0
+        while True:  # the tree's deepest page-aligned position on this path
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = tree._edge_match(child, tokens, pos)
+            if n < len(child.tokens):
+                pos += n
+                break
+            node, pos = child, pos + n
+        keys = self._keys(tokens)
+        top = pos
+        while top // ps < len(keys) and self.store.contains("p" + keys[top // ps]):
+            top += ps
+        found = None
+        for anchor in range(top, pos - 1, -ps):
+            base = self._base(keys, anchor)
+            longest = min(ps - 1, len(tokens) - anchor)
+            for j in range(longest, -1, -1):
+                position = anchor + j
+                if position <= resume or (position > limit and not (full and position == len(tokens))):
+                    continue
+                if self.store.contains("c" + tail_key(base, tuple(tokens[anchor:position]))):
+                    found = (anchor, position)
+                    break
+            if found:
+                break
+        return found is not None and self._attach(tree, tokens, keys, pos, *found, limit)
+
+    def _attach(self, tree, tokens, keys, pos: int, anchor: int, position: int, limit: int) -> bool:
+        ps, host = self.page_size, self.host
+        extra = tuple(tokens[anchor:position])
+        entry = self.store.get("c" + tail_key(self._base(keys, anchor), extra))
+        if entry is None or (position > limit and not entry["meta"][1]):
+            return False
+        pages = []
+        for i in range(pos // ps, anchor // ps):
+            got = self.store.get("p" + keys[i])
+            if got is None:
+                return False
+            pages.append(got)
+        at = tree._anchor(tokens, pos) if pos else tree.root
+        if at is None:
+            return False
+        at.pins += 1
+        try:
+            partial = "partial." + PAGE_TENSORS[0] in entry
+            if not host.make_room(len(pages) + int(partial), 1):
+                return False
+        finally:
+            at.pins -= 1
+        host.pool.synchronize()  # no copy in flight still touches the rows written here
+        h = host.pool.tensors
+        if pages:
+            hps = host.pages.allocate(len(pages))
+            for hp, got in zip(hps, pages):
+                for n in PAGE_TENSORS:
+                    h[n][hp] = got[n]
+            node = Node(tuple(tokens[pos:anchor]), [], at, anchor, last_use=next(tree._clock), host_pages=hps)
+            at.children[node.tokens[:ps]] = node
+        else:
+            node = at
+        c = Checkpoint(position, extra, None, None, node, last_use=next(tree._clock),
+                       has_output=bool(entry["meta"][1]), host_slot=host.slots.allocate(CHECKPOINT))
+        for n in SLOT_TENSORS:
+            h[n][c.host_slot] = entry[n]
+        if partial:
+            c.host_partial = host.pages.allocate(1)[0]
+            for n in PAGE_TENSORS:
+                h[n][c.host_partial] = entry["partial." + n]
+        node.checkpoints.append(c)
+        self.counters["disk_hits"] += 1
+        self.counters["disk_hit_tokens"] += position - pos
+        return True

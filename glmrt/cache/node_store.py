@@ -1,0 +1,147 @@
+"""The third cache tier: a store of radix-node data behind one interface, keyed by the hash of
+the token prefix it belongs to.
+
+    NodeStore        put(key, tensors) / get(key) / contains(key) / remove(key), a byte cap, LRU
+    LocalDiskStore   one safetensors file per key under a directory (--hicache-storage-dir),
+                     at most --hicache-storage-size GB; least recently used files go first
+
+Keys come from `prefix_key`: a chained SHA-256 over the token ids of each page, salted with the
+cache layout, so one store directory can serve engines of different models without mixing
+their rows. What the host tier stores: a page's rows of every page tensor (`page:<key>`), and
+a checkpoint's slot rows plus its partial page (`ckpt:<key>`, with the tokens past its anchor).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import hashlib
+import os
+import struct
+
+import torch
+
+
+def prefix_keys(salt: str, tokens: list[int], page_size: int, start_key: str = "") -> list[str]:
+    """The chained key at the end of each full page of `tokens` (continuing from `start_key`)."""
+    keys, h = [], start_key or hashlib.sha256(salt.encode()).hexdigest()
+    for i in range(0, len(tokens) // page_size * page_size, page_size):
+        h = hashlib.sha256(h.encode() + struct.pack(f"<{page_size}q", *tokens[i:i + page_size])).hexdigest()
+        keys.append(h)
+    return keys
+
+
+def tail_key(base: str, extra: tuple[int, ...]) -> str:
+    """The key of a checkpoint `extra` tokens past the page boundary whose key is `base`."""
+    return hashlib.sha256(base.encode() + b"|" + struct.pack(f"<{len(extra)}q", *extra)).hexdigest()
+
+
+class NodeStore(abc.ABC):
+    """The interface of a third-tier store (local disk here; a remote store later)."""
+
+    capacity_bytes: int
+    counters: dict[str, int]
+
+    @abc.abstractmethod
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Keep `tensors` under `key`; False when it cannot (too large for the store)."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The tensors stored under `key` (now the most recently used), or None."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def remove(self, key: str) -> None:
+        ...
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        ...
+
+
+class LocalDiskStore(NodeStore):
+    def __init__(self, directory: str, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise ValueError("the disk tier needs a positive size")
+        self.dir = os.path.abspath(os.path.expanduser(directory))
+        os.makedirs(self.dir, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> file bytes
+        self._used = 0
+        self.counters = {"disk_put_bytes": 0, "disk_get_bytes": 0, "disk_evicted_files": 0}
+        # files left by an earlier run: oldest first, then trimmed to the cap
+        found = []
+        for name in os.listdir(self.dir):
+            if name.endswith(".safetensors"):
+                path = os.path.join(self.dir, name)
+                found.append((os.path.getmtime(path), name[: -len(".safetensors")], os.path.getsize(path)))
+        for _, key, size in sorted(found):
+            self._lru[key] = size
+            self._used += size
+        self._trim(0)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.dir, key + ".safetensors")
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def contains(self, key: str) -> bool:
+        return key in self._lru
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Write (or refresh) one entry; False when it alone exceeds the cap."""
+        from safetensors.torch import save_file
+
+        size = sum(t.nbytes for t in tensors.values())
+        if size > self.capacity_bytes:
+            return False
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return True
+        self._trim(size)
+        tmp = self._path(key) + ".tmp"
+        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, tmp)
+        os.replace(tmp, self._path(key))  # a reader never sees half a file
+        real = os.path.getsize(self._path(key))
+        self._lru[key] = real
+        self._used += real
+        self.counters["disk_put_bytes"] += real
+        self._trim(0)
+        return True
+
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        from safetensors.torch import load_file
+
+        if key not in self._lru:
+            return None
+        try:
+            out = load_file(self._path(key))
+        except (OSError, ValueError):   # removed or damaged under us: forget it
+            self.remove(key)
+            return None
+        self._lru.move_to_end(key)
+        self.counters["disk_get_bytes"] += self._lru[key]
+        return out
+
+    def remove(self, key: str) -> None:
+        size = self._lru.pop(key, None)
+        if size is None:
+            return
+        self._used -= size
+        try:
+            os.remove(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def _trim(self, incoming: int) -> None:
+        while self._lru and self._used + incoming > self.capacity_bytes:
+            key = next(iter(self._lru))
+            self.remove(key)
+            self.counters["disk_evicted_files"] += 1

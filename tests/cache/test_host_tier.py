@@ -1,0 +1,171 @@
+"""The host and disk tiers on their own: a node moves between the device pools and the host
+whole (pages, checkpoints, their rows' contents), host space is reclaimed LRU, and the disk
+store keeps files under its cap, least recently used first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmrt.cache.disk_tier import DiskTier
+from glmrt.cache.host_pool import PAGE_TENSORS, SLOT_TENSORS, HostPool, host_rows
+from glmrt.cache.host_tier import HostTier
+from glmrt.cache.node_store import LocalDiskStore, prefix_keys
+from glmrt.cache.page_manager import PageManager
+from glmrt.cache.radix import RadixCache
+from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
+
+PS = 4
+
+
+def device_pools(pages=16, slots=6):
+    """Small stand-ins for the pool tensors, [layers, rows, ...], each row filled with its id."""
+    shapes = {"latent": (2, pages, PS, 3), "pooled": (1, pages, 1, 2), "conv": (2, slots, 3, 5),
+              "recurrent": (2, slots, 2, 2, 2), "tail_k": (1, slots, 2, 2), "tail_g": (1, slots, 2, 2),
+              "last_hidden": (1, slots, 4)}
+    return {n: torch.zeros(s) for n, s in shapes.items()}
+
+
+def stamp(pools, name_rows):
+    for names, rows in name_rows:
+        for n in names:
+            for r in rows:
+                pools[n][:, r] = 1000 + r
+
+
+def make(host_pages=8, host_slots=3, policy="write_back", disk=None):
+    pools = device_pools()
+    tier = HostTier(HostPool(pools, host_pages, host_slots), policy, disk)
+    tree = RadixCache(PS, PageManager(16), SlotManager(6), host=tier)
+    return tree, tier, pools
+
+
+def cache(tree, tokens):
+    own = tree.pages.allocate(len(tokens) // PS)
+    canon = tree.insert(tokens, own)
+    tree.pages.release(own)
+    return canon
+
+
+def test_host_rows_split_like_the_device_pools():
+    pools = device_pools(pages=16, slots=6)
+    full = 16 * sum(pools[n][:, 0].numel() * 4 for n in PAGE_TENSORS) + 6 * sum(
+        pools[n][:, 0].numel() * 4 for n in SLOT_TENSORS)
+    assert host_rows(pools, 2 * full) == (32, 12)
+    with pytest.raises(ValueError, match="at least one page and one slot"):
+        HostPool(pools, 0, 4)
+
+
+def test_a_node_moves_to_the_host_and_back_whole():
+    tree, tier, pools = make()
+    tokens = list(range(8))
+    pages = cache(tree, tokens)
+    slot = tree.slots.allocate(CHECKPOINT)
+    part = tree.pages.allocate(1)[0]
+    stamp(pools, [(PAGE_TENSORS, pages + [part]), (SLOT_TENSORS, [slot])])
+    c = tree.add_checkpoint(tokens + [50, 51], 10, slot, part)
+    tree.evict(need_pages=16, need_slots=6)            # everything off the device
+    node = c.node
+    assert node.pages == [] and len(node.host_pages) == 2 and c.slot is None and c.host_slot is not None
+    assert tree.pages.num_free == 16 and tree.slots.num_free == 6
+    h = tier.pool.tensors
+    assert all(float(h["latent"][hp, 0, 0, 0]) == 1000 + p for hp, p in zip(node.host_pages, pages))
+    assert float(h["recurrent"][c.host_slot].flatten()[0]) == 1000 + slot
+    assert float(h["pooled"][c.host_partial].flatten()[0]) == 1000 + part
+    for t in pools.values():
+        t.zero_()
+    m = tree.match(tokens + [50, 51, 52], 12)
+    assert m.checkpoint is c and m.pages == []          # the path is on the host only
+    got, waits = tree.load_path(m.nodes, lambda n: tree.pages.allocate(n))
+    assert all(tier.ready(w) for w in waits) and node.pages == got
+    assert [float(pools["latent"][0, p, 0, 0]) for p in got] == [1000 + p for p in pages]
+    dst_slot, dst_page = tree.slots.allocate(), tree.pages.allocate(1)[0]
+    assert tier.ready(tier.restore(c, dst_slot, dst_page))
+    assert float(pools["conv"][0, dst_slot].flatten()[0]) == 1000 + slot
+    assert float(pools["latent"][0, dst_page].flatten()[0]) == 1000 + part
+    tree.slots.free(dst_slot)
+    tree.pages.release([dst_page])
+    tree.check()
+
+
+def test_host_space_is_reclaimed_least_recently_used_first():
+    tree, tier, _ = make(host_pages=4)
+    a, b, c = ([i] * 8 for i in (1, 2, 3))      # three 2-page nodes, used in order a, b, c
+    for t in (a, b, c):
+        cache(tree, t)
+    tree.match(a, 8)                            # a is now the most recent
+    tree.evict(need_pages=16)                   # c and b leave first... but host holds 4 pages
+    on_host = {n.tokens[0] for n in tree.root.children.values() if n.host_pages is not None}
+    assert on_host == {1, 3} and tier.counters["host_dropped_nodes"] == 1   # b (LRU) was dropped
+    assert 2 not in {n.tokens[0] for n in tree.root.children.values()}
+    tree.check()
+
+
+def test_write_through_copies_at_insert_and_evicts_without_a_copy():
+    tree, tier, _ = make(policy="write_through")
+    cache(tree, list(range(8)))
+    assert tier.counters["host_stores"] == 1 and tier.pages.num_used == 2
+    tree.evict(need_pages=16)
+    assert tier.counters["host_stores"] == 1 and tree.num_cached_pages == 0
+    tree.flush()
+    tree.check()
+    assert tier.pages.num_used == 0 and tree.pages.num_free == 16
+
+
+def test_disk_store_keeps_its_cap_least_recently_used_first(tmp_path):
+    row = {"x": torch.ones(256)}                # 1 KiB of data per entry, plus the header
+    store = LocalDiskStore(str(tmp_path), 4 * 1100)
+    for k in "abcd":
+        assert store.put(k, row)
+    store.get("a")                              # a is now the most recent
+    assert store.put("e", row)                  # over the cap: b goes
+    assert [store.contains(k) for k in "abcde"] == [True, False, True, True, True]
+    assert store.used_bytes <= store.capacity_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{k}.safetensors" for k in "acde"]
+    assert torch.equal(store.get("c")["x"], row["x"])
+    assert not store.put("huge", {"x": torch.ones(10_000)})
+    again = LocalDiskStore(str(tmp_path), 4 * 1100)   # a new store adopts the files it finds
+    assert all(again.contains(k) for k in "acde") and again.used_bytes == store.used_bytes
+
+
+def test_dropped_host_nodes_come_back_from_disk(tmp_path):
+    disk = DiskTier(LocalDiskStore(str(tmp_path), 10**6), "salt", PS)
+    tree, tier, pools = make(host_pages=4, host_slots=2, disk=disk)
+    tokens = list(range(8))
+    pages = cache(tree, tokens)
+    slot = tree.slots.allocate(CHECKPOINT)
+    stamp(pools, [(PAGE_TENSORS, pages), (SLOT_TENSORS, [slot])])
+    tree.add_checkpoint(tokens, 8, slot, None, has_output=True)
+    tree.evict(need_pages=16, need_slots=6)
+    tier.make_room(4, 2)                        # off the host too: onto the disk
+    assert tree.root.children == {} and disk.counters["disk_spilled_pages"] == 2
+    assert all(disk.store.contains("p" + k) for k in prefix_keys("salt", tokens, PS))
+    assert tier.prefetch(tokens + [9], 8, False, 0)
+    m = tree.match(tokens + [9], 8)
+    assert m.resume == 8 and m.checkpoint.host_slot is not None
+    assert tree.match(tokens, 7, full=True).resume == 8     # the kept output came back too
+    got, _ = tree.load_path(m.nodes, lambda n: tree.pages.allocate(n))
+    assert [float(pools["latent"][0, p, 0, 0]) for p in got] == [1000 + p for p in pages]
+    tree.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory and copy streams need CUDA")
+def test_cuda_copies_run_on_their_own_stream_into_pinned_memory():
+    pools = {n: (t + torch.arange(t.shape[1]).view(1, -1, *([1] * (t.dim() - 2)))).cuda()
+             for n, t in device_pools().items()}
+    pool = HostPool(pools, 8, 4)
+    assert pool.stream is not None and all(t.is_pinned() for t in pool.tensors.values())
+    ticket = pool.store([(3, 5), (4, 6), (9, 0)], [(2, 3), (5, 1)])   # runs and single rows
+    pool.synchronize()
+    assert pool.ready(ticket)
+    assert float(pool.tensors["latent"][6, 0, 0, 0]) == 4 and float(pool.tensors["latent"][0, 0, 0, 0]) == 9
+    assert float(pool.tensors["recurrent"][1].flatten()[0]) == 5
+    for t in pools.values():
+        t.zero_()
+    ticket = pool.load([(5, 10), (6, 11), (0, 2)], [(3, 0)])
+    pool.fence()                                 # the compute stream now waits for the load
+    got = pools["latent"][0, [10, 11, 2], 0, 0].tolist()
+    assert got == [3, 4, 9] and float(pools["conv"][1, 0].flatten()[0]) == 2
+    pool.synchronize()
+    assert pool.ready(ticket)
