@@ -6,6 +6,7 @@ greedy token equals an engine without a prefix cache. An exact repeat is a full 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -78,6 +79,17 @@ def cold(tiny_checkpoint):
     return turns(lambda p: (e.generate([p], params)[0][0].output_ids, 0))
 
 
+def settled_metrics(dep, name: str, timeout: float = 10.0) -> dict:
+    """/metrics once the engines' periodic stats show `name` > 0 (or at the timeout): the gauges
+    are the last stats tick's, which may predate the last request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = dep.metrics()
+        if metric_sum(m, name) > 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
 def sender(dep):
     client = dep.client()
 
@@ -98,7 +110,7 @@ def test_turns_hit_the_host_tier_with_the_cold_tokens(start_deployment, tmp_path
         got = turns(send)
         assert [t for _, t, _ in got] == [t for _, t, _ in cold]
         assert all(c > 0 for _, _, c in got[4:])             # later turns: prefixes from the host
-        m = dep.metrics()
+        m = settled_metrics(dep, "glmrt_host_cache_hit_tokens")
         assert metric_sum(m, "glmrt_host_cache_hit_tokens") > 0
         assert metric_sum(m, "glmrt_host_cache_bytes", direction="load") > 0
         assert metric_sum(m, "glmrt_host_cache_bytes", direction="store") > 0
