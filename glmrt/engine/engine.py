@@ -34,7 +34,8 @@ from glmrt.engine.memory import MemoryPlan, plan_memory
 from glmrt.engine.request import Request, Status
 from glmrt.engine.runner import PLACEHOLDER, ModelRunner
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
-from glmrt.sampling_params import SamplingParams
+from glmrt.engine.structured import StructuredOutput
+from glmrt.sampling_params import Grammar, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,6 +128,7 @@ class Engine:
             policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
             self.pages, self.slots, self.tree)
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids)
+        self.runner.structured = StructuredOutput(self._tokenizer_json(), text.vocab_size, self.eos_ids)
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
         if graphs:
@@ -196,6 +198,10 @@ class Engine:
                     return json.load(f)
         return {}
 
+    def _tokenizer_json(self) -> str | None:
+        path = os.path.join(os.path.expanduser(self.config.model), "tokenizer.json") if self.config.model else None
+        return path if path is not None and os.path.exists(path) else None
+
     def _cache_budget(self, device: str) -> int:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()  # blocks the allocator caches but nobody uses count as free
@@ -208,14 +214,20 @@ class Engine:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    rid: str | None = None, mm_items: list | None = None) -> list[str]:
+                    rid: str | None = None, mm_items: list | None = None, grammar: Grammar | None = None) -> list[str]:
         """Queue a prompt; returns one request id per choice (n > 1 shares the prompt's prefill).
 
         `mm_items` (glmrt.engine.mm.MMInput, in prompt order) fill the prompt's image
-        placeholder tokens with vision-tower embeddings.
+        placeholder tokens with vision-tower embeddings. `grammar` constrains every choice's
+        answer (each its own matcher); one that cannot compile raises GrammarError (a
+        ValueError), waiting for its compile when it has not finished (the engine actor
+        adds a request only once it has).
         """
         params = params or self.default_params()
         params.validate(self.model_config.text.vocab_size)
+        structured = self.runner.structured
+        compiled = structured.compiled(grammar) if grammar is not None else None
+        structured.check_budget(params.max_thinking_tokens)
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -251,6 +263,8 @@ class Engine:
             reqs.append(child)
         for r in reqs:
             self.requests[r.rid] = r
+            r.grammar = grammar
+            structured.attach(r, compiled)
             if mm_state is not None:
                 self.runner.mm[r.rid] = mm_state  # children share it (and its embeddings)
             self.scheduler.add(r)
@@ -362,6 +376,7 @@ class Engine:
             if req.finished or req.finishing is not None:
                 continue  # finished by the step before (overlap): this token is past its end
             req.output_ids.append(res.token)
+            self.runner.structured.accept(req, res.token)
             if req.params.logprobs:
                 req.logprobs.append(res.logprob)
                 req.top_logprobs.append(res.top_logprobs)
