@@ -466,6 +466,8 @@ class Engine:
                 "pages_free": self.pages.num_free, "slots_free": self.slots.num_free,
                 "slots_checkpoint": self.slots.num_checkpoint, "slots_live": self.slots.num_live,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "constrained": len(self.runner.structured.constraints),
+                "grammars_compiled": self.runner.structured.compiled_count,
                 **self.tree.stats(), **self.counters}
 
     def flush_cache(self) -> None:

@@ -25,12 +25,13 @@ Requests without a constraint pay nothing: `fill` returns None when no row needs
 
 from __future__ import annotations
 
+import codecs
 import collections
 import concurrent.futures
 import json
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,8 +41,10 @@ from glmrt.sampling_params import Grammar
 CACHE_SIZE = 256
 COMPILE_THREADS = 2
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
-# JSON may put whitespace between tokens; bounded, so a model cannot loop on blanks forever
-MAX_JSON_WHITESPACE = 8
+# JSON answers are written on one line with xgrammar's separators (", " and ": "): bounded
+# (a model cannot loop on blanks) and the fewest tokens. Tool-call values that are JSON may
+# put up to this many blanks between their tokens.
+MAX_JSON_WHITESPACE = 4
 _XGRAMMAR_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -81,6 +84,8 @@ class Constraint:
     budget: int | None
     thought: int = 0  # tokens inside the think block so far
     broken: bool = False  # a token the grammar refused came in (another engine's): unconstrained
+    # the answer's UTF-8 so far, for the bytes of a character a token left unfinished
+    utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")())
 
 
 @dataclass
@@ -135,6 +140,11 @@ class StructuredOutput:
         import xgrammar as xgr
         info = xgr.TokenizerInfo(self._vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=self.vocab_size,
                                  stop_token_ids=self.eos_ids)
+        token_bytes = info.decoded_vocab
+        # tokens that start inside a UTF-8 character (a continuation byte first): only they can
+        # follow a token that left one unfinished
+        self._continuations = [(i, b) for i, b in enumerate(token_bytes) if b and 0x80 <= b[0] <= 0xBF]
+        self._token_bytes = token_bytes
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
 
     # ---- compiling ------------------------------------------------------------------------
@@ -223,6 +233,10 @@ class StructuredOutput:
         if c.matcher is not None and not c.broken and not c.matcher.is_terminated():
             if not c.matcher.accept_token(int(token)):
                 c.broken = True
+            try:
+                c.utf8.decode(self._token_bytes[token])
+            except UnicodeDecodeError:
+                c.utf8.reset()
 
     # ---- the step's bitmask -------------------------------------------------------------------
     def fill(self, reqs: list[Request]) -> StepMask | None:
@@ -237,6 +251,7 @@ class StructuredOutput:
         for j, (_, c) in enumerate(todo):
             if not c.thinking:
                 c.matcher.fill_next_token_bitmask(bits, j)
+                self._finish_characters(c, bits[j])
             elif c.budget is not None and c.thought >= c.budget:
                 bits[j].zero_()
                 _set_bit(bits[j], self.think_end, True)
@@ -245,6 +260,19 @@ class StructuredOutput:
                     if tok is not None and tok < self.vocab_size:
                         _set_bit(bits[j], tok, False)
         return StepMask(bits, [i for i, _ in todo])
+
+    def _finish_characters(self, c: Constraint, row: torch.Tensor) -> None:
+        """After a token that ended inside a UTF-8 character, allow only tokens that continue it
+        validly. NOTE: xgrammar 0.2.8 lets overlong forms through (E0 followed by 80-9F), which
+        are not UTF-8: a JSON parser refuses them, and the detokenizer turns them into U+FFFD."""
+        pending = c.utf8.getstate()[0]
+        if not pending:
+            return
+        for tok, tb in self._continuations:
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(pending + tb)
+            except UnicodeDecodeError:
+                _set_bit(row, tok, False)
 
     @staticmethod
     def _masks(c: Constraint) -> bool:
@@ -296,11 +324,9 @@ def _compile_with(compiler, grammar: Grammar):
             schema = json_safe_lengths(json.loads(grammar.spec))
         except ValueError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=True,
-                                            max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
     if kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True,
-                                            max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return compiler.compile_regex(grammar.spec)
     if kind == "ebnf":

@@ -32,7 +32,7 @@ def tool_call_tag(tools: list[dict], tool_choice: Any, parallel: bool, max_white
         if not _flat_object(params):
             return xgr.get_model_structural_tag("glm_4_7", tools=tools, tool_choice=tool_choice, reasoning="disabled",
                                                 max_whitespace_cnt=max_whitespace, parallel_tool_calls=parallel)
-        tags.append(st.TagFormat(begin=f"<tool_call>{fn['name']}", content=_arguments(params, st),
+        tags.append(st.TagFormat(begin=f"<tool_call>{fn['name']}", content=_arguments(params, st, max_whitespace),
                                  end="</tool_call>"))
     body = tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
     if parallel:
@@ -49,21 +49,21 @@ def _flat_object(params: dict) -> bool:
     return isinstance(props, dict) and all(isinstance(p, dict) for p in props.values())
 
 
-def _arguments(params: dict, st):
+def _arguments(params: dict, st, ws: int):
     props: dict = params.get("properties", {})
     required = [k for k in params.get("required", []) if k in props]
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
     pairs = []
     for key in [*required, *[k for k in props if k not in required]]:
         pair = st.SequenceFormat(elements=[st.ConstStringFormat(value=f"<arg_key>{key}</arg_key>"),
-                                           _value(props[key], defs, st)])
+                                           _value(props[key], defs, st, ws)])
         pairs.append(pair if key in required else st.OptionalFormat(content=pair))
     if not pairs:
         return st.ConstStringFormat(value="")
     return pairs[0] if len(pairs) == 1 else st.SequenceFormat(elements=pairs)
 
 
-def _value(schema: dict, defs: dict, st):
+def _value(schema: dict, defs: dict, st, ws: int):
     begin, end = "<arg_value>", "</arg_value>"
     members = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if members is not None and members and all(isinstance(m, str) for m in members):
@@ -75,5 +75,6 @@ def _value(schema: dict, defs: dict, st):
         lo, hi = schema.get("minLength", 0), schema.get("maxLength", "")
         pattern = schema.get("pattern", f"[^<]{{{lo},{hi}}}")
         return st.TagFormat(begin=begin, content=st.RegexFormat(pattern=pattern), end=end)
-    return st.TagFormat(begin=begin, content=st.JSONSchemaFormat(json_schema={**schema, **defs}, style="json"),
+    return st.TagFormat(begin=begin, content=st.JSONSchemaFormat(json_schema={**schema, **defs}, style="json",
+                                                                           max_whitespace_cnt=ws),
                         end=end)
