@@ -171,7 +171,11 @@ class StructuredOutput:
         return self.compile(grammar).result()
 
     def _compile(self, grammar: Grammar):
-        compiler = self._compiler_future.result()
+        try:
+            compiler = self._compiler_future.result()
+        except ImportError as e:
+            self._forget_future(grammar)
+            raise GrammarError(f"structured output needs xgrammar on the engine's machine: {e}") from None
         try:
             out = _compile_with(compiler, grammar)
         except GrammarError:
