@@ -27,8 +27,8 @@ def _apply_bitmask_kernel(LOGITS, BITS, ROWS, stride_logits, stride_bits, vocab,
     ok = offs < vocab
     words = tl.load(BITS + i * stride_bits + offs // 32, mask=ok, other=-1)
     allowed = ((words >> (offs % 32)) & 1) != 0
-    tl.store(LOGITS + row * stride_logits + offs, tl.full([BLOCK], float("-inf"), LOGITS.dtype.element_ty),
-             mask=ok & ~allowed)
+    neg_inf = tl.full([BLOCK], float("-inf"), tl.float32)  # stored in the logits' dtype
+    tl.store(LOGITS + row * stride_logits + offs, neg_inf.to(LOGITS.dtype.element_ty), mask=ok & ~allowed)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:

@@ -158,18 +158,39 @@ def test_constrained_rows_run_outside_the_overlap_path(engine):
             engine.requests.pop(r)
 
 
-def test_masks_match_xgrammars_own_apply():
-    import xgrammar as xgr
 
-    from backends.reference import ReferenceOps
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 1000, generator=g)
-    bits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32, generator=g)
-    rows = [0, 2, 3]
-    want = logits.clone()
-    full = torch.full((5, 32), -1, dtype=torch.int32)
-    full[rows] = bits
-    xgr.apply_token_bitmask_inplace(want, full, vocab_size=1000)
-    got = logits.clone()
-    ReferenceOps().apply_token_bitmask(got, bits, torch.tensor(rows))
-    assert torch.equal(got, want)
+
+def _allowed(mask, row: int, token: int) -> bool:
+    return bool((int(mask.bits[row, token // 32]) >> (token % 32)) & 1)
+
+
+def test_a_character_a_token_left_unfinished_is_finished_validly(engine):
+    so = engine.runner.structured
+    so.compiled(Grammar("regex", "x[^a]{0,4}"))  # the tokenizer info is built
+    byte_token = {b[0]: i for i, b in enumerate(so._token_bytes) if len(b) == 1}
+    (rid,) = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8), grammar=Grammar("regex", "x[^a]{0,4}"))
+    req = engine.requests[rid]
+    try:
+        for b in (ord("x"), 0xE0):  # E0 must be followed by A0..BF (80..9F would be an overlong form)
+            req.output_ids.append(byte_token[b])
+            so.accept(req, byte_token[b])
+        mask = so.fill([req])
+        assert _allowed(mask, 0, byte_token[0xA5]) and not _allowed(mask, 0, byte_token[0x85])
+    finally:
+        engine.abort(rid)
+        engine.requests.pop(rid)
+
+
+def test_the_decode_side_replays_the_first_token_through_its_matcher(engine, tok):
+    from glmrt.engine.handoff.sink import HandoffSink
+    sink = HandoffSink(engine)
+    first = tok.token_to_id("y")
+    grammar = Grammar("regex", "(yes|no)")
+    sink.reserve("handed", [5, 6, 7, 8], first, SamplingParams(max_tokens=8), grammar=grammar)
+    try:
+        req = engine.requests["handed"]
+        mask = engine.runner.structured.fill([req])
+        assert _allowed(mask, 0, tok.token_to_id("e")) and not _allowed(mask, 0, tok.token_to_id("o"))
+    finally:
+        sink.cancel("handed")
+    assert "handed" not in engine.runner.structured.constraints
