@@ -80,6 +80,15 @@ def test_regex_answers_fully_match(engine, tok):
         assert re.fullmatch(pattern, text), text
 
 
+def test_json_object_answers_are_objects(engine, tok):
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=300, n=8, seed=3)
+    (choices,) = _generate(engine, (5, 6, 7), params, Grammar("json_object"))
+    stopped = [c for c in choices if c.finish_reason == "stop"]
+    assert stopped  # an unbounded grammar: a random model may run to the limit, but not always
+    for c in stopped:
+        assert isinstance(json.loads(tok.decode(c.output_ids[:-1], skip_special_tokens=False)), dict)
+
+
 def test_forced_tool_call_parses_into_the_tool_schema(engine, tok):
     spec = json.dumps({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                        "parallel_tool_calls": False})
