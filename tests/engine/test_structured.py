@@ -203,3 +203,27 @@ def test_the_decode_side_replays_the_first_token_through_its_matcher(engine, tok
     finally:
         sink.cancel("handed")
     assert "handed" not in engine.runner.structured.constraints
+
+
+def test_a_retracted_request_keeps_its_matcher(ckpt, model, tok):
+    """Retraction frees a request's cache and recomputes its prompt and outputs; the outputs
+    stay, so the matcher's state stays right: the answers still fully match."""
+    e0 = Engine(EngineConfig(model=ckpt, page_size=8), model=model, log=lambda *a: None)
+    lay = e0.layout
+    e0.runner.structured.close()
+    budget = 64 * lay.state_bytes_per_slot + 5 * lay.kv_bytes_per_page
+    e = Engine(EngineConfig(model=ckpt, page_size=8, max_mamba_cache_size=64, cache_memory_gb=budget / 2**30,
+                            disable_radix_cache=True), model=model, log=lambda *a: None)
+    pattern = "[a-z]{12,16}"
+    try:
+        groups = [e.add_request([600 + i] * 12, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40, seed=i),
+                                grammar=Grammar("regex", pattern)) for i in range(4)]
+        while e.has_work():
+            e.step()
+        assert e.counters["retractions"] > 0
+        for (rid,) in groups:
+            req = e.requests.pop(rid)
+            assert req.finish_reason == "stop"
+            assert re.fullmatch(pattern, tok.decode(req.output_ids[:-1], skip_special_tokens=False))
+    finally:
+        e.runner.structured.close()
