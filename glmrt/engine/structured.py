@@ -59,8 +59,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def encoded_vocab(tokenizer_json: str, vocab_size: int) -> tuple[list[str], dict[str, int]]:
-    """The tokenizer's tokens in id order (byte-level strings as tokenizer.json stores them,
-    added tokens included; ids the tokenizer lacks are empty) and the added tokens' ids."""
+    """The tokenizer's tokens in id order, as xgrammar reads them, and the added tokens' ids.
+
+    Byte-level strings as tokenizer.json stores them. Special tokens the detokenizer drops (all
+    but the reasoning and tool markers it keeps as text) are empty strings, which xgrammar
+    never allows inside a grammar (the EOS ids are its stop tokens, allowed by id where the
+    grammar may end): their text would vanish from the answer the grammar matched. Ids the
+    tokenizer lacks are empty too."""
+    from glmrt.serving.detokenizer import DEFAULT_KEEP_TOKENS
+
     with open(tokenizer_json, encoding="utf-8") as f:
         data = json.load(f)
     vocab = [""] * vocab_size
@@ -70,7 +77,8 @@ def encoded_vocab(tokenizer_json: str, vocab_size: int) -> tuple[list[str], dict
     added = {}
     for tok in data.get("added_tokens", []):
         if 0 <= tok["id"] < vocab_size:
-            vocab[tok["id"]] = tok["content"]
+            dropped = tok.get("special", False) and tok["content"] not in DEFAULT_KEEP_TOKENS
+            vocab[tok["id"]] = "" if dropped else tok["content"]
             added[tok["content"]] = tok["id"]
     return vocab, added
 
@@ -185,7 +193,8 @@ class StructuredOutput:
             self._forget_future(grammar)
             raise GrammarError(f"the {_KIND_NAMES.get(grammar.kind, grammar.kind)} cannot be compiled: "
                                f"{_reason(e)}") from None
-        self.compiled_count += 1
+        with self._lock:
+            self.compiled_count += 1
         return out
 
     def _forget_future(self, grammar: Grammar) -> None:

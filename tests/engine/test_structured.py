@@ -227,3 +227,16 @@ def test_a_retracted_request_keeps_its_matcher(ckpt, model, tok):
             assert re.fullmatch(pattern, tok.decode(req.output_ids[:-1], skip_special_tokens=False))
     finally:
         e.runner.structured.close()
+
+
+def test_special_tokens_the_detokenizer_drops_are_never_in_an_answer(engine, ids):
+    (rid,) = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8), grammar=Grammar("regex", ".{0,20}"))
+    try:
+        mask = engine.runner.structured.fill([engine.requests[rid]])
+        assert _allowed(mask, 0, ids["<tool_call>"])  # a marker the parsers read as text
+        for dropped in ("[gMASK]", "<|assistant|>", "<|image|>"):
+            assert not _allowed(mask, 0, ids[dropped]), dropped
+        assert _allowed(mask, 0, ids["<|endoftext|>"])  # EOS: the grammar may end here
+    finally:
+        engine.abort(rid)
+        engine.requests.pop(rid)
