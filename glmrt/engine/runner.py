@@ -207,7 +207,8 @@ class ModelRunner:
             return None
         # NOTE: a constrained row's mask needs the matcher advanced by the previous token,
         # which the overlapped path has not read yet: batches holding one run synchronously
-        if self.structured is not None and any(self.structured.constrained(w.req) for w in plan.work):
+        so = self.structured
+        if so is not None and so.constraints and any(so.constrained(w.req) for w in plan.work):
             return None
         if not all(self.sampler.can_sample_async(w.req.params, len(w.req.output_ids)) for w in plan.work):
             return None

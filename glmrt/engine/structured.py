@@ -129,6 +129,7 @@ class StructuredOutput:
         self._lock = threading.Lock()
         self._futures: collections.OrderedDict[Grammar, concurrent.futures.Future] = collections.OrderedDict()
         self._compiler_future = None
+        self._marker_tokens: frozenset[str] = frozenset()
         self.constraints: dict[str, Constraint] = {}
         self.compiled_count = 0
         if tokenizer_json is not None:
@@ -136,6 +137,8 @@ class StructuredOutput:
             self.think_start = added.get(THINK_START)
             self.think_end = added.get(THINK_END)
             self.tool_call_start = added.get(TOOL_CALL_START)
+            from glmrt.engine.tool_call_grammar import MARKERS
+            self._marker_tokens = frozenset(m for m in MARKERS if m in added)
             # NOTE: the tokenizer info scans the whole vocabulary (about a second at full size):
             # built on the pool, so the engine starts at once and the first grammar waits for it
             self._compiler_future = self._pool.submit(self._make_compiler)
@@ -185,7 +188,7 @@ class StructuredOutput:
             self._forget_future(grammar)
             raise GrammarError(f"structured output needs xgrammar on the engine's machine: {e}") from None
         try:
-            out = _compile_with(compiler, grammar)
+            out = _compile_with(compiler, grammar, self._marker_tokens)
         except GrammarError:
             self._forget_future(grammar)
             raise
@@ -330,7 +333,7 @@ def json_safe_lengths(schema):
     return out
 
 
-def _compile_with(compiler, grammar: Grammar):
+def _compile_with(compiler, grammar: Grammar, marker_tokens: frozenset[str] = frozenset()):
     kind = grammar.kind
     if kind == "json_schema":
         try:
@@ -348,6 +351,6 @@ def _compile_with(compiler, grammar: Grammar):
         from glmrt.engine.tool_call_grammar import tool_call_tag
         spec = json.loads(grammar.spec)
         tag = tool_call_tag(spec["tools"], spec["tool_choice"], bool(spec.get("parallel_tool_calls", True)),
-                            MAX_JSON_WHITESPACE)
+                            MAX_JSON_WHITESPACE, marker_tokens)
         return compiler.compile_structural_tag(tag)
     raise GrammarError(f"unknown grammar kind {kind!r}")
