@@ -25,13 +25,12 @@ Requests without a constraint pay nothing: `fill` returns None when no row needs
 
 from __future__ import annotations
 
-import codecs
 import collections
 import concurrent.futures
 import json
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -92,8 +91,7 @@ class Constraint:
     budget: int | None
     thought: int = 0  # tokens inside the think block so far
     broken: bool = False  # a token the grammar refused came in (another engine's): unconstrained
-    # the answer's UTF-8 so far, for the bytes of a character a token left unfinished
-    utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")())
+    pending: bytes = b""  # the bytes of a UTF-8 character the last answer token left unfinished
 
 
 @dataclass
@@ -249,10 +247,7 @@ class StructuredOutput:
         if c.matcher is not None and not c.broken and not c.matcher.is_terminated():
             if not c.matcher.accept_token(int(token)):
                 c.broken = True
-            try:
-                c.utf8.decode(self._token_bytes[token])
-            except UnicodeDecodeError:
-                c.utf8.reset()
+            c.pending = utf8_tail(c.pending + self._token_bytes[token]) or b""
 
     # ---- the step's bitmask -------------------------------------------------------------------
     def fill(self, reqs: list[Request]) -> StepMask | None:
@@ -279,16 +274,16 @@ class StructuredOutput:
 
     def _finish_characters(self, c: Constraint, row: torch.Tensor) -> None:
         """After a token that ended inside a UTF-8 character, allow only tokens that continue it
-        validly. NOTE: xgrammar 0.2.8 lets overlong forms through (E0 followed by 80-9F), which
-        are not UTF-8: a JSON parser refuses them, and the detokenizer turns them into U+FFFD."""
-        pending = c.utf8.getstate()[0]
-        if not pending:
+        validly. NOTE: xgrammar 0.2.8 lets overlong and surrogate forms through (E0 80, ED A0),
+        which are not UTF-8: a JSON parser refuses them and the detokenizer shows U+FFFD."""
+        if not c.pending:
             return
+        before = row.clone()
         for tok, tb in self._continuations:
-            try:
-                codecs.getincrementaldecoder("utf-8")().decode(pending + tb)
-            except UnicodeDecodeError:
+            if utf8_tail(c.pending + tb) is None:
                 _set_bit(row, tok, False)
+        if not row.any():  # nothing left (the grammar wants only what this refuses): keep its mask
+            row.copy_(before)
 
     @staticmethod
     def _masks(c: Constraint) -> bool:
@@ -298,6 +293,35 @@ class StructuredOutput:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# a UTF-8 lead byte -> (continuation bytes, the range of the first of them), per RFC 3629
+_UTF8_LEADS = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0, 0xBF),
+               **{b: (2, 0x80, 0xBF) for b in (*range(0xE1, 0xED), 0xEE, 0xEF)}, 0xED: (2, 0x80, 0x9F),
+               0xF0: (3, 0x90, 0xBF), **{b: (3, 0x80, 0xBF) for b in range(0xF1, 0xF4)}, 0xF4: (3, 0x80, 0x8F)}
+
+
+def utf8_tail(data: bytes) -> bytes | None:
+    """The unfinished character at the end of `data` (b"" when none), or None when `data` is
+    not the start of valid UTF-8."""
+    i, n = 0, len(data)
+    while i < n:
+        if data[i] < 0x80:
+            i += 1
+            continue
+        lead = _UTF8_LEADS.get(data[i])
+        if lead is None:
+            return None
+        need, lo, hi = lead
+        for k in range(need):
+            j = i + 1 + k
+            if j >= n:
+                return data[i:]
+            if not lo <= data[j] <= hi:
+                return None
+            lo, hi = 0x80, 0xBF  # only the first continuation byte has a narrower range
+        i += 1 + need
+    return b""
 
 
 def _set_bit(row: torch.Tensor, token: int, on: bool) -> None:

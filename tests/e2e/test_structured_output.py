@@ -83,8 +83,9 @@ async def _chat(aclient, stream: bool, **kw) -> list[dict]:
         r = await aclient.chat.completions.create(n=N, **kw)
         return [{"content": c.message.content, "reasoning": extra_field(c.message, "reasoning_content"),
                  "tool_calls": [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []],
-                 "finish": c.finish_reason} for c in sorted(r.choices, key=lambda c: c.index)]
-    out = [{"content": "", "reasoning": "", "tool_calls": {}, "finish": None} for _ in range(N)]
+                 "finish": c.finish_reason, "token_ids": extra_field(c, "token_ids")}
+                for c in sorted(r.choices, key=lambda c: c.index)]
+    out = [{"content": "", "reasoning": "", "tool_calls": {}, "finish": None, "token_ids": []} for _ in range(N)]
     async for chunk in await aclient.chat.completions.create(n=N, stream=True, **kw):
         for c in chunk.choices:
             o = out[c.index]
@@ -94,12 +95,14 @@ async def _chat(aclient, stream: bool, **kw) -> list[dict]:
                 name, args = o["tool_calls"].get(t.index, ("", ""))
                 o["tool_calls"][t.index] = (name + (t.function.name or ""), args + (t.function.arguments or ""))
             o["finish"] = c.finish_reason or o["finish"]
+            o["token_ids"] += extra_field(c, "token_ids") or []
     for o in out:
         o["tool_calls"] = [o["tool_calls"][i] for i in sorted(o["tool_calls"])]
     return out
 
 
 def generations(aclient, **kw) -> list[dict]:
+    kw["extra_body"] = {**kw.get("extra_body", {}), "return_token_ids": True}  # shown when a case fails
     results = run_all(aclient, lambda client: [_chat(client, stream=i % 2 == 1, **kw) for i in range(ROUNDS)])
     gens = [g for r in results for g in r]
     assert len(gens) == ROUNDS * N
@@ -135,7 +138,10 @@ def test_forced_tool_calls_parse_into_the_tool_schema(aclient, model, choice):
         name, args = g["tool_calls"][0]
         if isinstance(choice, dict):
             assert name == "set_alarm"
-        jsonschema.validate(json.loads(args), PARAMS[name])
+        try:
+            jsonschema.validate(json.loads(args), PARAMS[name])
+        except jsonschema.ValidationError as e:
+            raise AssertionError(f"{e.message}: {g}") from None
         assert not (g["content"] or "").strip()
 
 

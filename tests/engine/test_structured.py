@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 from glmrt.checkpoint.tokenizer import special_token_ids  # noqa: E402
 from glmrt.engine.config import EngineConfig  # noqa: E402
 from glmrt.engine.engine import Engine  # noqa: E402
-from glmrt.engine.structured import GrammarError  # noqa: E402
+from glmrt.engine.structured import GrammarError, utf8_tail  # noqa: E402
 from glmrt.sampling_params import Grammar, SamplingParams  # noqa: E402
 from glmrt.serving.tool_parser import Glm47ToolParser  # noqa: E402
 
@@ -185,6 +185,11 @@ def test_a_character_a_token_left_unfinished_is_finished_validly(engine):
             so.accept(req, byte_token[b])
         mask = so.fill([req])
         assert _allowed(mask, 0, byte_token[0xA5]) and not _allowed(mask, 0, byte_token[0x85])
+        for b in (0xA5, 0x80, 0xED):  # a whole character, then ED: 80..9F only (A0..BF: a surrogate)
+            req.output_ids.append(byte_token[b])
+            so.accept(req, byte_token[b])
+        mask = so.fill([req])
+        assert _allowed(mask, 0, byte_token[0x9F]) and not _allowed(mask, 0, byte_token[0xB7])
     finally:
         engine.abort(rid)
         engine.requests.pop(rid)
@@ -240,3 +245,11 @@ def test_special_tokens_the_detokenizer_drops_are_never_in_an_answer(engine, ids
     finally:
         engine.abort(rid)
         engine.requests.pop(rid)
+
+
+@pytest.mark.parametrize("data, tail", [
+    (b"abc", b""), ("é中😀".encode(), b""), (b"a\xe4\xb8", b"\xe4\xb8"), (b"\xf0\x9f", b"\xf0\x9f"),
+    (b"\xe0\x95", None), (b"\xed\xa0", None), (b"\xf4\x90", None), (b"\x80", None), (b"\xc0\xaf", None),
+])
+def test_utf8_tail(data, tail):
+    assert utf8_tail(data) == tail
