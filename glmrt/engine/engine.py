@@ -226,6 +226,8 @@ class Engine:
         params = params or self.default_params()
         params.validate(self.model_config.text.vocab_size)
         structured = self.runner.structured
+        if grammar is not None and params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a grammar (the grammar decides where the answer ends)")
         compiled = structured.compiled(grammar) if grammar is not None else None
         structured.check_budget(params.max_thinking_tokens)
         prompt = [int(t) for t in prompt_ids]

@@ -130,6 +130,7 @@ def test_error_helpers_shape():
     ({"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "regex": "a"}, "tool_choice",
      "invalid_value"),
     ({"model": MODEL, "messages": USER, "max_thinking_tokens": -1}, "max_thinking_tokens", "invalid_value"),
+    ({"model": MODEL, "messages": USER, "regex": "a+", "min_tokens": 2}, "min_tokens", "invalid_value"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
 ])
 def test_chat_validation_errors(body, param, code):

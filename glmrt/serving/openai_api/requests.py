@@ -222,7 +222,15 @@ def parse_chat_request(body: bytes | str, served_model: str | Iterable[str], *, 
         reasoning_effort=effort, return_token_ids=_return_token_ids(obj), user=_user(obj), grammar=grammar,
     )
     to_sampling_params(req, max_model_len=max_model_len)  # range checks now, as a 400
+    _check_grammar_sampling(req)
     return req
+
+
+def _check_grammar_sampling(req: ChatRequest | CompletionRequest) -> None:
+    """min_tokens would block the EOS a finished grammar allows as its only token."""
+    if req.grammar is not None and req.sampling.get("min_tokens"):
+        raise bad_request("min_tokens cannot be combined with structured output: the grammar decides where the "
+                          "answer ends.", "min_tokens", "invalid_value")
 
 
 def _user(body: Mapping) -> str | None:
@@ -288,6 +296,7 @@ def parse_completion_request(body: bytes | str, served_model: str | Iterable[str
                             sampling=sampling, max_tokens_param=max_param, logprobs=logprobs,
                             return_token_ids=_return_token_ids(obj), user=_user(obj), grammar=parse_structured(obj))
     to_sampling_params(req, max_model_len=max_model_len)
+    _check_grammar_sampling(req)
     return req
 
 
