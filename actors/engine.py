@@ -63,6 +63,7 @@ class EngineActor(Actor):
         self._vision_wait: dict[P.RequestKey, P.EngineRequest] = {}  # waiting for a vision actor's embeddings
         self._vision_results: dict[P.RequestKey, tuple] = {}        # embeddings that came first
         self._vision_since: dict[P.RequestKey, float] = {}          # when either of those began
+        self._compiling: set[asyncio.Task] = set()  # requests whose grammar compiles before they are handled
         self.xfer = None
         self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
         self._transfers: list = []   # (handle, decode id, KVHandoff) started by the last step
@@ -131,7 +132,7 @@ class EngineActor(Actor):
             self.xfer.register(tid, t)
 
     def busy(self) -> bool:
-        return bool(self._routes or self._pending or self._reservations or self._transfer_tasks)
+        return bool(self._routes or self._pending or self._reservations or self._transfer_tasks or self._compiling)
 
     def load(self) -> tuple[float, int, int]:
         s = self.engine.scheduler
@@ -139,6 +140,17 @@ class EngineActor(Actor):
         return (len(s.running) + len(s.waiting)) / cap, len(s.running), len(s.waiting)
 
     async def handle(self, msg: Any, frames: list) -> None:
+        if isinstance(msg, (P.EngineRequest, P.HandoffOffer)) and msg.grammar is not None:
+            # NOTE: the grammar compiles on the engine's pool, off the loop and the step thread;
+            # the message is handled once it has (a refusal is raised by add_request / reserve
+            # and answered as a 400; the api holds the response until then)
+            task = asyncio.ensure_future(self._after_compile(msg, frames))
+            self._compiling.add(task)
+            task.add_done_callback(self._compiling.discard)
+            return
+        await self._handle(msg, frames)
+
+    async def _handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.EngineRequest):
             if self._aborted_early(msg.key):
                 return
@@ -201,6 +213,13 @@ class EngineActor(Actor):
             self._pending.append(("replay", msg))
         self._wake.set()
 
+    async def _after_compile(self, msg: P.EngineRequest | P.HandoffOffer, frames: list) -> None:
+        try:
+            await asyncio.wrap_future(self.engine.runner.structured.compile(msg.grammar))
+        except Exception:  # noqa: BLE001 - add_request / reserve raise it again, as the request's 400
+            pass
+        await self._handle(msg, frames)
+
     def _vision_forget(self, key: P.RequestKey) -> P.EngineRequest | None:
         """On the loop: drop what is held for `key`'s embeddings; the request, if it was waiting."""
         self._vision_since.pop(key, None)
@@ -257,7 +276,7 @@ class EngineActor(Actor):
                 error = P.EngineError(key=m.key, status=500, message="prefill engine got a request without a decode")
             else:
                 try:
-                    rids = self.engine.add_request(m.prompt_ids, m.sampling, mm_items=mm or None)
+                    rids = self.engine.add_request(m.prompt_ids, m.sampling, mm_items=mm or None, grammar=m.grammar)
                 except ContextLengthExceeded as e:
                     error = P.EngineError(key=m.key, status=400, message=str(e), code="context_length_exceeded")
                 except ValueError as e:
@@ -389,7 +408,7 @@ class EngineActor(Actor):
         if reason is None:
             try:
                 params = offer.sampling.replace(n=1)  # the offer is one choice of the request
-                res = self.sink.reserve(offer.rid, offer.prompt_ids, offer.first_token, params)
+                res = self.sink.reserve(offer.rid, offer.prompt_ids, offer.first_token, params, grammar=offer.grammar)
             except (handoff.HandoffError, ValueError) as e:
                 reason = str(e)
         if reason is None:
@@ -481,6 +500,10 @@ class EngineActor(Actor):
             return []
         return self._fail(rid, 503, f"handoff to decode failed: {done.reason}")
 
+    def _grammar_of(self, rid: str):
+        req = self.engine.handoffs.get(rid) or self.engine.requests.get(rid)
+        return req.grammar if req is not None else None
+
     def _offers(self, outs) -> list:
         """Prefill: every request that just produced its first token goes to its decode."""
         msgs = []
@@ -496,7 +519,8 @@ class EngineActor(Actor):
                 rid=o.rid, key=key, prompt_ids=parked.prompt_ids,
                 first_token=parked.first_token, sampling=sampling, detokenizer=detok,
                 prefill=self.spec.actor_id, layout=self._layout, transfer_info=self.xfer.peer_info(),
-                cached_tokens=parked.cached_tokens, detokenize=self.ledger.detokenize.get(key.request))))
+                cached_tokens=parked.cached_tokens, detokenize=self.ledger.detokenize.get(key.request),
+                grammar=self._grammar_of(o.rid))))
         for rid, (_, t) in list(self._reservations.items()):  # a prefill that never sends the state
             if now - t > HANDOFF_TIMEOUT_S:
                 self.sink.cancel(rid)
@@ -576,7 +600,7 @@ class EngineActor(Actor):
                     self.log.info(line)
 
     async def teardown(self) -> None:
-        for task in list(getattr(self, "_transfer_tasks", ())):
+        for task in [*getattr(self, "_transfer_tasks", ()), *getattr(self, "_compiling", ())]:
             task.cancel()
         if getattr(self, "ranks", None) is not None:
             self.ranks.stopping = True
@@ -585,6 +609,8 @@ class EngineActor(Actor):
                                        timeout=2 * STOP_RANKS_S)
             except Exception:
                 self.ranks.kill()
+        if getattr(self, "engine", None) is not None:
+            self.engine.runner.structured.close()
         self._executor.shutdown(wait=False)
         if getattr(self, "xfer", None) is not None:
             self.xfer.close()

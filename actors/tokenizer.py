@@ -135,5 +135,5 @@ class TokenizerActor(Actor):
             tensors = []
         await self.send(m.engine, P.EngineRequest(key=m.key, prompt_ids=ids, sampling=m.sampling,
                                                   detokenizer=m.reply_to, mm_items=mm_items, decode=m.decode,
-                                                  arrival=m.arrival, detokenize=detokenize),
+                                                  arrival=m.arrival, detokenize=detokenize, grammar=m.grammar),
                         tensors)

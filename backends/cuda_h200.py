@@ -97,6 +97,12 @@ class CudaH200Ops(ReferenceOps):
             from .kernels import pdl
             pdl.set_tokens(num_tokens)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
+        if not (_HAVE_TRITON and _device_ok(logits)) or logits.stride(1) != 1:
+            return super().apply_token_bitmask(logits, bits, rows)
+        from .kernels.token_bitmask import apply_token_bitmask
+        apply_token_bitmask(logits, bits.contiguous(), rows)
+
     @property
     def decode_graph_safe(self) -> bool:
         """Every op of a decode step runs as a kernel that reads per-request values only from

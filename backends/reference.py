@@ -110,6 +110,16 @@ class ReferenceOps:
         """Whether this fp8 product quantises its activations (the kernels follow the same rule)."""
         return w8a8_applies(self.fp8_activations, x, weight, block, self.fp8_act_max_tokens)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
+        """Structured output: logits[rows[i], t] = -inf wherever bit t of bits[i] is 0, in place
+        (int32 words, bit t % 32 of word t // 32; xgrammar's bitmask layout)."""
+        if rows.numel() == 0:
+            return
+        vocab = logits.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+        allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
     def begin_forward(self, num_tokens: int) -> None:
         """Called once per model (or MTP draft) forward with its token count, before any op: a
         kernel set may pick launch modes by batch size here (cuda-h200: PDL for small batches)."""

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from glmrt.sampling_params import SamplingParams
+from glmrt.sampling_params import Grammar, SamplingParams
 
 
 class Msg(msgspec.Struct, tag_field="t", tag=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -151,6 +151,7 @@ class TokenizeRequest(Msg):
     # The context the prompt plus an explicit max_tokens must fit in (the tokenizer refuses the
     # request otherwise); None: max_tokens was omitted and the engine stops at the context's end.
     max_model_len: int | None = None
+    grammar: Grammar | None = None  # structured output: the engine compiles and enforces it
 
 
 class TokenizerError(Msg):
@@ -197,6 +198,7 @@ class EngineRequest(Msg):
     # engine alone also holds the tokens generated so far, so it alone can rebuild a restarted
     # detokenizer's state in one message (DetokenizeReplay), racing no other sender
     detokenize: DetokenizeRequest | None = None
+    grammar: Grammar | None = None  # compiled before the request is added: a bad one answers 400
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,6 +449,7 @@ class HandoffOffer(Msg):
     transfer_info: bytes
     cached_tokens: int = 0
     detokenize: DetokenizeRequest | None = None  # the decode keeps it for a detokenizer replay
+    grammar: Grammar | None = None  # the decode owns the matcher from here (first token replayed)
 
 
 class HandoffAccept(Msg):

@@ -18,6 +18,22 @@ import msgspec
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "tool_call")
+
+
+class Grammar(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A constraint on a request's answer, compiled by the engine (xgrammar) and enforced on
+    every token after the think block (from the first token when the prompt closed it).
+
+    `spec` by `kind`: json_schema, the schema as JSON text; json_object, empty (any JSON
+    object); regex, the pattern the whole answer matches; ebnf, a GBNF grammar with a `root`
+    rule; tool_call, `{"tools": [...], "tool_choice": "required" | {"type": "function",
+    "function": {"name": N}}, "parallel_tool_calls": bool}` as JSON (a glm47 tool call whose
+    arguments match the tool's parameter schema). Frozen, so it keys the compile cache.
+    """
+
+    kind: str
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
@@ -45,6 +61,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
     stop: list[str] = []
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # reasoning: after this many tokens inside the think block the engine forces `</think>`
+    max_thinking_tokens: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -84,6 +102,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, array_like=True, omit_default
             in_vocab = _is_int(tok) and tok >= 0 and (vocab_size is None or tok < vocab_size)
             limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
             _check(in_vocab, "stop_token_ids", f"entries must be token ids in {limit}, got {tok!r}")
+        _check(self.max_thinking_tokens is None or (_is_int(self.max_thinking_tokens) and self.max_thinking_tokens >= 0),
+               "max_thinking_tokens", f"must be a non-negative integer or null, got {self.max_thinking_tokens!r}")
         for text in self.stop:
             _check(isinstance(text, str) and text != "", "stop", f"entries must be non-empty strings, got {text!r}")
         return self

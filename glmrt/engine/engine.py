@@ -35,8 +35,9 @@ from glmrt.engine.ranks import PlanLink
 from glmrt.engine.request import Request, Status
 from glmrt.engine.runner import PLACEHOLDER, ModelRunner
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
+from glmrt.engine.structured import StructuredOutput
 from glmrt.parallel import Parallel
-from glmrt.sampling_params import SamplingParams
+from glmrt.sampling_params import Grammar, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -193,6 +194,8 @@ class Engine(ModelRank):
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
             policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
             self.pages, self.slots, self.tree)
+        self.runner.structured = StructuredOutput(self._tokenizer_json(), self.model_config.text.vocab_size,
+                                                  self.eos_ids)
         if self.runner.graphs is not None and config.cuda_graph_warmup_tokens > 0:
             t0 = time.perf_counter()
             n = self.runner.capture_graphs(config.cuda_graph_warmup_tokens)
@@ -248,19 +251,31 @@ class Engine(ModelRank):
                  f"{tier.pool.num_slots} slots, {config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
         return tier
 
+    def _tokenizer_json(self) -> str | None:
+        path = os.path.join(os.path.expanduser(self.config.model), "tokenizer.json") if self.config.model else None
+        return path if path is not None and os.path.exists(path) else None
+
     # ---- the public API ------------------------------------------------------------------
     def default_params(self, **overrides) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    rid: str | None = None, mm_items: list | None = None) -> list[str]:
+                    rid: str | None = None, mm_items: list | None = None, grammar: Grammar | None = None) -> list[str]:
         """Queue a prompt; returns one request id per choice (n > 1 shares the prompt's prefill).
 
         `mm_items` (glmrt.engine.mm.MMInput, in prompt order) fill the prompt's image
-        placeholder tokens with vision-tower embeddings.
+        placeholder tokens with vision-tower embeddings. `grammar` constrains every choice's
+        answer (each its own matcher); one that cannot compile raises GrammarError (a
+        ValueError), waiting for its compile when it has not finished (the engine actor
+        adds a request only once it has).
         """
         params = params or self.default_params()
         params.validate(self.model_config.text.vocab_size)
+        structured = self.runner.structured
+        if grammar is not None and params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a grammar (the grammar decides where the answer ends)")
+        compiled = structured.compiled(grammar) if grammar is not None else None
+        structured.check_budget(params.max_thinking_tokens)
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -296,6 +311,8 @@ class Engine(ModelRank):
             reqs.append(child)
         for r in reqs:
             self.requests[r.rid] = r
+            r.grammar = grammar
+            structured.attach(r, compiled)
             if mm_state is not None:
                 self.runner.mm[r.rid] = mm_state  # children share it (and its embeddings)
             self.scheduler.add(r)
@@ -407,6 +424,7 @@ class Engine(ModelRank):
             if req.finished or req.finishing is not None:
                 continue  # finished by the step before (overlap): this token is past its end
             req.output_ids.append(res.token)
+            self.runner.structured.accept(req, res.token)
             if req.params.logprobs:
                 req.logprobs.append(res.logprob)
                 req.top_logprobs.append(res.top_logprobs)
@@ -496,6 +514,8 @@ class Engine(ModelRank):
                 "pages_free": self.pages.num_free, "slots_free": self.slots.num_free,
                 "slots_checkpoint": self.slots.num_checkpoint, "slots_live": self.slots.num_live,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "constrained": len(self.runner.structured.constraints),
+                "grammars_compiled": self.runner.structured.compiled_count,
                 **self.tree.stats(), **self.counters}
 
     def flush_cache(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from glmrt.sampling_params import SamplingParams
+from glmrt.sampling_params import Grammar, SamplingParams
 
 
 class Status(enum.Enum):
@@ -44,6 +44,7 @@ class Request:
     inflight: int = 0                     # planned or launched steps not yet applied (overlap)
     finishing: str | None = None          # finished, but a step in flight still uses its cache
     waits: list[int] = field(default_factory=list)  # host-tier load tickets its prefix waits for
+    grammar: Grammar | None = None        # structured output: what its matcher enforces (a handoff sends it on)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without concatenating the whole sequence (the per-step hot path)."""

@@ -68,6 +68,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
         self.graphs = None  # glmrt.engine.cuda_graphs.DecodeGraphs when enabled
+        self.structured = None  # glmrt.engine.structured.StructuredOutput, set by the engine
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
@@ -189,6 +190,8 @@ class ModelRunner:
     def forget(self, req: Request) -> None:
         self._generators.pop(req.rid, None)
         self.mm.pop(req.rid, None)
+        if self.structured is not None:
+            self.structured.forget(req)
 
     def _encode(self, st) -> torch.Tensor:
         """Vision tower over all of a request's items (once; kept across retractions)."""
@@ -318,6 +321,11 @@ class ModelRunner:
         sync: its graph key (() for the tests' eager launch); None for any other plan."""
         if plan.restores or plan.saves or plan.forks or plan.retracted:
             return None
+        # NOTE: a constrained row's mask needs the matcher advanced by the previous token,
+        # which the overlapped path has not read yet: batches holding one run synchronously
+        so = self.structured
+        if so is not None and so.constraints and any(so.constrained(w.req) for w in plan.work):
+            return None
         if not all(self.sampler.can_sample_async(w.req.params, len(w.req.output_ids)) for w in plan.work):
             return None
         key = self.graph_key(plan.work)
@@ -392,19 +400,32 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> list[StepOutput]:
         step, feats = self.forward_inputs(plan)
         logits = self.run(step, feats)
-        return self._sample(plan, logits)
+        # the forward is enqueued: the grammar masks are filled on the host while it runs
+        reqs = self._sampled(plan)
+        mask = self.structured.fill(reqs) if self.structured is not None and reqs else None
+        return self._sample(plan, logits, reqs, mask)
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[StepOutput]:
+    @staticmethod
+    def _sampled(plan: StepPlan) -> list[Request]:
+        """The requests sampled this step, in row order: the rows whose last token was
+        computed, then each n>1 child forked from one of them (it samples from its parent's row)."""
+        sampled = [w.req for w in plan.work if w.sample]
+        ids = {id(r) for r in sampled}
+        return sampled + [f.child for f in plan.forks if id(f.parent) in ids]
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, reqs: list[Request], mask) -> list[StepOutput]:
         work = plan.work
         rows = [i for i, w in enumerate(work) if w.sample]
         sampled = [work[i].req for i in rows]
         row_of = {id(r): k for k, r in enumerate(sampled)}
-        extra = [f.child for f in plan.forks if id(f.parent) in row_of]
-        reqs = sampled + extra
         if not reqs:
             return []
         sel = torch.tensor(list(range(len(sampled))) + [row_of[id(f.parent)] for f in plan.forks
                                                         if id(f.parent) in row_of], device=logits.device)
         rows_in = [SamplerRow(r.params, r.prompt_ids, r.output_ids, self.generator(r), self.eos_ids) for r in reqs]
-        res = self.sampler.sample(logits[sel], rows_in)
+        logits = logits[sel]
+        if mask is not None:  # after the model, before penalties and the draw (as vLLM and SGLang order it)
+            bits, mask_rows = mask.to(logits.device)
+            self.model.ops.apply_token_bitmask(logits, bits, mask_rows)
+        res = self.sampler.sample(logits, rows_in)
         return [StepOutput(r, res.tokens[i], res.logprobs[i], res.top_logprobs[i]) for i, r in enumerate(reqs)]

@@ -28,7 +28,7 @@ NON_DEFAULT = {
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.01, "frequency_penalty": 0.25,
     "presence_penalty": -0.5, "repetition_penalty": 1.2, "seed": 11, "stop_token_ids": [3, 4],
     "ignore_eos": True, "max_tokens": 3, "min_tokens": 2, "logprobs": True, "top_logprobs": 2, "n": 2,
-    "stop": ["zz"], "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "stop": ["zz"], "include_stop_str_in_output": True, "skip_special_tokens": False, "max_thinking_tokens": 4,
 }
 
 

@@ -128,15 +128,15 @@ def test_chat_return_token_ids(client, model):
 
 
 @pytest.mark.timeout(60)
-def test_tools_auto_accepted_required_rejected(client, model):
+def test_tools_auto_accepted_allowed_tools_rejected(client, model):
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="auto", max_tokens=8,
                                        **GREEDY)
     assert r.choices[0].finish_reason in ("length", "tool_calls", "stop")
     assert r.usage.completion_tokens <= 8
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required",
-                                       max_tokens=8)
+    with pytest.raises(openai.BadRequestError) as ei:  # "required" and named: tests/e2e/test_structured_output.py
+        client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=8, tool_choice={
+            "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}})
     e = ei.value
     assert e.status_code == 400
     assert "not supported yet" in e.message

@@ -76,6 +76,27 @@ def test_pd_serves_the_same_greedy_tokens_as_unified(dep, unified_tokens):
 
 
 @pytest.mark.timeout(180)
+def test_pd_structured_output(dep):
+    """The prefill samples the first token under the grammar, the decode replays it through its
+    own matcher and goes on: each of n choices ends valid, thinking on (with a budget) and off."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
+                                               "tag": {"type": "string", "maxLength": 4}},
+              "required": ["ok", "n", "tag"], "additionalProperties": False}
+    client = dep.client(timeout=120.0)
+    for extra in ({"chat_template_kwargs": {"thinking": False}}, {"max_thinking_tokens": 3}):
+        r = client.chat.completions.create(
+            model=dep.model_id(), messages=[{"role": "user", "content": "JSON"}], n=4, temperature=1.0, top_p=1.0,
+            max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            extra_body=extra)
+        for ch in r.choices:
+            assert ch.finish_reason == "stop", ch
+            jsonschema.validate(json.loads(ch.message.content), schema)
+
+
+@pytest.mark.timeout(180)
 def test_pd_prefix_cache_and_scaling_decode(dep, unified_tokens):
     client = dep.client()
     p = prompts()[2]

@@ -103,10 +103,12 @@ def test_error_helpers_shape():
      "missing_required_parameter"),
     ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]},
      "tools[0].function.name", "invalid_value"),
-    ({"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required"}, "tool_choice",
-     "unsupported_value"),
+    ({"model": MODEL, "messages": USER, "tool_choice": "required"}, "tool_choice", "invalid_value"),
     ({"model": MODEL, "messages": USER, "tools": TOOLS,
-      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "unsupported_value"),
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name",
+     "invalid_value"),
+    ({"model": MODEL, "messages": USER, "tools": TOOLS,
+      "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, "tool_choice", "unsupported_value"),
     ({"model": MODEL, "messages": USER, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"model": MODEL, "messages": USER, "parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
     ({"model": MODEL, "messages": USER, "chat_template_kwargs": []}, "chat_template_kwargs", "invalid_type"),
@@ -114,8 +116,21 @@ def test_error_helpers_shape():
      "chat_template_kwargs.thinking", "invalid_type"),
     ({"model": MODEL, "messages": USER, "reasoning_effort": 3}, "reasoning_effort", "invalid_type"),
     ({"model": MODEL, "messages": USER, "return_token_ids": "y"}, "return_token_ids", "invalid_type"),
-    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, "response_format",
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "xml"}}, "response_format.type",
      "unsupported_value"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "missing_required_parameter"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}}, "response_format.json_schema.schema", "invalid_type"),
+    ({"model": MODEL, "messages": USER, "regex": 5}, "regex", "invalid_type"),
+    ({"model": MODEL, "messages": USER, "ebnf": ""}, "ebnf", "invalid_value"),
+    ({"model": MODEL, "messages": USER, "guided_choice": ["a", "b"]}, "guided_choice", "unsupported_value"),
+    ({"model": MODEL, "messages": USER, "regex": "a+", "response_format": {"type": "json_object"}}, "regex",
+     "invalid_value"),
+    ({"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "regex": "a"}, "tool_choice",
+     "invalid_value"),
+    ({"model": MODEL, "messages": USER, "max_thinking_tokens": -1}, "max_thinking_tokens", "invalid_value"),
+    ({"model": MODEL, "messages": USER, "regex": "a+", "min_tokens": 2}, "min_tokens", "invalid_value"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
 ])
 def test_chat_validation_errors(body, param, code):
@@ -134,10 +149,10 @@ def test_malformed_json_message_names_problem():
 
 
 def test_not_supported_messages_are_clear():
-    assert "not supported yet" in chat_err({"model": MODEL, "messages": USER, "tools": TOOLS,
-                                            "tool_choice": "required"}).message
     assert "not supported yet" in chat_err({"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}}).message
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}).message
+    # a vLLM spelling we do not read names what to send instead
+    assert "'regex'" in chat_err({"model": MODEL, "messages": USER, "guided_choice": ["a", "b"]}).message
 
 
 def test_unknown_model_404():
@@ -297,5 +312,6 @@ def test_tokenize_requests_completion_fanout():
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, glmrt.serving.openai_api; assert 'torch' not in sys.modules and 'aiohttp' not in sys.modules"
+    code = ("import sys, glmrt.serving.openai_api; "
+            "assert not {'torch', 'aiohttp', 'xgrammar'} & set(sys.modules), 'torch, aiohttp or xgrammar imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

@@ -323,7 +323,8 @@ def test_real_client_sees_errors():
         client.chat.completions.create(model="nope", messages=USER)
     assert ei.value.code == "model_not_found" and ei.value.param == "model"
     with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required")
+        client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice={
+            "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}})
     assert ei.value.param == "tool_choice" and "not supported yet" in ei.value.message
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=MODEL, messages=USER, temperature=-1)

@@ -9,7 +9,7 @@ from glmrt import protocol as P
 from glmrt.cache.slot_manager import LIVE
 from glmrt.engine.handoff.components import HandoffError, pool_tensors, state_components
 from glmrt.engine.request import Request, Status
-from glmrt.sampling_params import SamplingParams
+from glmrt.sampling_params import Grammar, SamplingParams
 
 
 @dataclass
@@ -32,11 +32,17 @@ class HandoffSink:
     def reservation(self, rid: str) -> Reservation:
         return self._reserved[rid]
 
-    def reserve(self, rid: str, prompt_ids: list[int], first_token: int, params: SamplingParams) -> Reservation:
-        """Pages (reusing cached full pages of the same prefix) and a live slot, or HandoffError."""
+    def reserve(self, rid: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
+                grammar: Grammar | None = None) -> Reservation:
+        """Pages (reusing cached full pages of the same prefix) and a live slot, or HandoffError.
+        With a `grammar` the decode owns the choice's matcher from here: the prefill's first
+        token goes through it (a grammar that cannot compile raises GrammarError)."""
         engine = self.engine
         if rid in engine.requests:
             raise HandoffError(f"request {rid!r} is already on this engine")
+        structured = engine.runner.structured
+        compiled = structured.compiled(grammar) if grammar is not None else None
+        structured.check_budget(params.max_thinking_tokens)
         ps = engine.config.page_size
         n_pages = -(-len(prompt_ids) // ps)
         # with a host tier, cached pages there are loaded back (the request waits for them)
@@ -57,7 +63,8 @@ class HandoffSink:
         slot = engine.slots.allocate(LIVE)
         req = Request(rid, list(prompt_ids), params, engine.next_arrival(), output_ids=[int(first_token)],
                       status=Status.WAITING, slot=slot, pages=pages, num_computed=0, cached_tokens=reused,
-                      admitted_once=True, waits=waits or [])
+                      admitted_once=True, waits=waits or [], grammar=grammar)
+        structured.attach(req, compiled)
         engine.requests[rid] = req
         engine.imports[rid] = req
         res = Reservation(rid, reused, list(pages), slot,
@@ -97,5 +104,6 @@ class HandoffSink:
         req = self.engine.imports.pop(rid, None)
         if req is not None:
             self.engine.scheduler.free_request(req)
+            self.engine.runner.structured.forget(req)
             req.status = Status.FINISHED
             self.engine.requests.pop(rid, None)

@@ -4,6 +4,7 @@
     fields         typed readers for request-body fields
     chat_messages  validation of messages, tools, tool_choice, template options
     requests       chat / completions parsing, SamplingParams, the TokenizeRequests to send
+    structured     response_format, regex, ebnf (and vLLM's spellings) into one Grammar
     responses      usage, logprobs, the choice accumulator, non-streamed bodies, model list
     streaming      streamed chunks and SSE framing
 
@@ -13,9 +14,9 @@ against the official `openai` client's types.
 Conventions (documented choices):
 - Unknown fields are ignored (OpenAI clients send extras through `extra_body`); the glmrt /
   vLLM / SGLang extras we honour are top_k, min_p, repetition_penalty, min_tokens,
-  ignore_eos, stop_token_ids, return_token_ids and chat_template_kwargs. Known OpenAI fields
-  whose semantics we cannot honour yet (tool_choice required/named, response_format other
-  than text, logit_bias, echo, suffix, best_of != n, functions) answer 400 instead of being
+  ignore_eos, stop_token_ids, return_token_ids, chat_template_kwargs, max_thinking_tokens,
+  regex and ebnf. Known OpenAI fields whose semantics we cannot honour yet (an allowed-tools
+  tool_choice, logit_bias, echo, suffix, best_of != n, functions) answer 400 instead of being
   silently dropped. A null field means "absent".
 - `max_tokens`: `max_completion_tokens` wins over `max_tokens`. When neither is set, chat
   asks for `max_model_len` tokens (`to_sampling_params(max_model_len=...)`; the engine ends

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 from glmrt.serving.openai_api.errors import bad_request, not_supported
 from glmrt.serving.openai_api.fields import read_object, type_error, value_error
@@ -138,19 +138,31 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def check_tool_choice(choice: Any, has_tools: bool) -> Literal["auto", "none"]:
+def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+    """"auto", "none", "required", or a named function `{"type": "function", "function": {"name"}}`
+    (one of `tools`); "required" and a named function are enforced by a tool-call grammar."""
     if choice is None:
-        return "auto" if has_tools else "none"
+        return "auto" if tools else "none"
     if isinstance(choice, str):
-        if choice in ("auto", "none"):
-            return choice  # type: ignore[return-value]
-        if choice == "required":
-            raise not_supported("tool_choice 'required' is not supported yet (it needs constrained decoding); "
-                                "use 'auto'.", "tool_choice")
-        raise value_error("tool_choice", f"expected 'none', 'auto' or 'required', got {choice!r}.")
+        if choice not in ("auto", "none", "required"):
+            raise value_error("tool_choice", f"expected 'none', 'auto' or 'required', got {choice!r}.")
+        if choice == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs a non-empty 'tools'.", "tool_choice", "invalid_value")
+        return choice
     if isinstance(choice, dict):
-        raise not_supported("A named or allowed-tools tool_choice is not supported yet (it needs constrained "
-                            "decoding); use 'auto'.", "tool_choice")
+        if choice.get("type") == "allowed_tools":
+            raise not_supported("An allowed-tools tool_choice is not supported yet; use 'required' or a named "
+                                "function.", "tool_choice")
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("A named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                              "tool_choice", "invalid_value")
+        names = [t["function"]["name"] for t in tools or []]
+        if fn["name"] not in names:
+            raise bad_request(f"tool_choice names the function {fn['name']!r}, which is not in 'tools'"
+                              + (f" ({', '.join(map(repr, names))})." if names else "."), "tool_choice.function.name",
+                              "invalid_value")
+        return {"type": "function", "function": {"name": fn["name"]}}
     raise type_error("tool_choice", "a string or an object", choice)
 
 

@@ -14,10 +14,11 @@ from typing import Any, Literal
 import msgspec
 
 from glmrt.protocol import RequestKey, TokenizeRequest
-from glmrt.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from glmrt.sampling_params import MAX_N, MAX_TOP_LOGPROBS, Grammar, SamplingParams
 from glmrt.serving.openai_api.chat_messages import (check_messages, check_template_kwargs, check_tool_choice,
                                                     check_tools)
 from glmrt.serving.openai_api.errors import bad_request, not_supported
+from glmrt.serving.openai_api.structured import parse_structured, tool_call_grammar
 from glmrt.serving.openai_api.fields import (as_int, check_model, decode_body, read_bool, read_float, read_int,
                                              read_object, read_str, read_token_ids, token_ids, type_error,
                                              value_error)
@@ -41,12 +42,13 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: list[dict[str, Any]] | None = None  # None when absent, empty or tool_choice "none"
-    tool_choice: Literal["auto", "none"] = "none"
+    tool_choice: str | dict[str, Any] = "none"  # "auto", "none", "required" or a named function
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_effort: str | None = None
     return_token_ids: bool = False
     user: str | None = None
+    grammar: Grammar | None = None  # structured output (response_format, regex, ebnf, a forced tool call)
 
     kind = "chat"
 
@@ -71,6 +73,7 @@ class CompletionRequest:
     logprobs: int | None = None  # None: no logprobs; k: token logprobs + top k
     return_token_ids: bool = False
     user: str | None = None
+    grammar: Grammar | None = None
 
     kind = "completion"
 
@@ -84,7 +87,7 @@ class CompletionRequest:
 _SAMPLING_SPECIAL = frozenset({"max_tokens", "n", "seed", "stop", "logprobs", "top_logprobs"})
 # fields a client does not set: the detokenizer keeps their defaults
 SAMPLING_NOT_IN_BODY = frozenset({"include_stop_str_in_output", "skip_special_tokens"})
-_READ_BY_TYPE = {float: read_float, int: read_int, bool: read_bool, list[int]: read_token_ids}
+_READ_BY_TYPE = {float: read_float, int: read_int, int | None: read_int, bool: read_bool, list[int]: read_token_ids}
 # NOTE: a new field of a type without a reader fails here, at import, rather than being dropped
 _SAMPLING_BY_TYPE = tuple((f.name, _READ_BY_TYPE[f.type]) for f in msgspec.structs.fields(SamplingParams)
                           if f.name not in _SAMPLING_SPECIAL | SAMPLING_NOT_IN_BODY)
@@ -165,13 +168,6 @@ def _reject_unsupported(body: Mapping, completion: bool, n: int = 1) -> None:
             if as_int(best_of, "best_of") != n:
                 raise not_supported("best_of other than n is not supported yet.", "best_of")
     else:
-        rf = body.get("response_format")
-        if rf is not None:
-            if not isinstance(rf, dict):
-                raise type_error("response_format", "an object", rf)
-            if rf.get("type") != "text":
-                raise not_supported(f"response_format {rf.get('type')!r} is not supported yet (structured output "
-                                    "is not implemented); use {\"type\": \"text\"}.", "response_format")
         if body.get("functions") or body.get("function_call"):
             param = "functions" if body.get("functions") else "function_call"
             raise not_supported("The deprecated functions/function_call parameters are not supported; use tools "
@@ -208,18 +204,33 @@ def parse_chat_request(body: bytes | str, served_model: str | Iterable[str], *, 
         sampling["top_logprobs"] = top
 
     tools = check_tools(obj.get("tools"))
-    tool_choice = check_tool_choice(obj.get("tool_choice"), tools is not None)
+    tool_choice = check_tool_choice(obj.get("tool_choice"), tools)
     ptc = read_bool(obj, "parallel_tool_calls")
+    ptc = True if ptc is None else ptc
     effort = read_str(obj, "reasoning_effort")
+    grammar = parse_structured(obj)
+    if tool_choice not in ("auto", "none"):  # a forced call: the grammar makes the answer one
+        if grammar is not None:
+            raise bad_request("A forced tool call (tool_choice 'required' or a named function) cannot be combined "
+                              "with another structured-output constraint.", "tool_choice", "invalid_value")
+        grammar = tool_call_grammar(tools, tool_choice, ptc)
     req = ChatRequest(
         model=model, messages=messages, stream=stream, include_usage=include_usage, n=n, sampling=sampling,
         max_tokens_param=max_param, logprobs=logprobs, top_logprobs=top,
-        tools=tools if tool_choice == "auto" else None, tool_choice=tool_choice,
-        parallel_tool_calls=True if ptc is None else ptc, chat_template_kwargs=check_template_kwargs(obj),
-        reasoning_effort=effort, return_token_ids=_return_token_ids(obj), user=_user(obj),
+        tools=tools if tool_choice != "none" else None, tool_choice=tool_choice,
+        parallel_tool_calls=ptc, chat_template_kwargs=check_template_kwargs(obj),
+        reasoning_effort=effort, return_token_ids=_return_token_ids(obj), user=_user(obj), grammar=grammar,
     )
     to_sampling_params(req, max_model_len=max_model_len)  # range checks now, as a 400
+    _check_grammar_sampling(req)
     return req
+
+
+def _check_grammar_sampling(req: ChatRequest | CompletionRequest) -> None:
+    """min_tokens would block the EOS a finished grammar allows as its only token."""
+    if req.grammar is not None and req.sampling.get("min_tokens"):
+        raise bad_request("min_tokens cannot be combined with structured output: the grammar decides where the "
+                          "answer ends.", "min_tokens", "invalid_value")
 
 
 def _user(body: Mapping) -> str | None:
@@ -283,8 +294,9 @@ def parse_completion_request(body: bytes | str, served_model: str | Iterable[str
         sampling["top_logprobs"] = logprobs
     req = CompletionRequest(model=model, prompts=prompts, stream=stream, include_usage=include_usage, n=n,
                             sampling=sampling, max_tokens_param=max_param, logprobs=logprobs,
-                            return_token_ids=_return_token_ids(obj), user=_user(obj))
+                            return_token_ids=_return_token_ids(obj), user=_user(obj), grammar=parse_structured(obj))
     to_sampling_params(req, max_model_len=max_model_len)
+    _check_grammar_sampling(req)
     return req
 
 
@@ -333,7 +345,7 @@ def to_tokenize_request(req: ChatRequest | CompletionRequest, key: RequestKey, r
     limit = max_model_len if req.max_tokens_param is not None else None
     common = dict(key=key, sampling=sampling, reply_to=reply_to, stream=req.stream,
                   return_token_ids=req.return_token_ids, engine=engine, decode=decode, arrival=arrival,
-                  max_model_len=limit)
+                  max_model_len=limit, grammar=req.grammar)
     if isinstance(req, ChatRequest):
         return TokenizeRequest(kind="chat", messages=req.messages, tools=req.tools,
                                chat_template_kwargs=dict(req.chat_template_kwargs),
