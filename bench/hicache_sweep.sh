@@ -5,12 +5,12 @@
 #     [WHEELS=DIR] bash bench/hicache_sweep.sh tier      # host tier off vs on (write_through)
 #     [WHEELS=DIR] bash bench/hicache_sweep.sh interval  # --state-checkpoint-interval 0, 2048, 8192
 # tier: multi-turn, 48 conversations x 4 turns of 4K + 512-token turns, concurrency 8, with
-# mem_fraction_static MEM (default 0.01: ~0.7 GiB of pools, ~300K tokens of KV, less than the
+# mem_fraction_static MEM (default 0.005: ~0.4 GiB of pools, ~220K tokens of KV, less than the
 # ~340K-token working set). interval: shared-prefix (16K-token prompts, 75% shared by 8 groups)
 # and multi-turn, the pools at 0.6. Writes $OUT/hicache_<mode>_<setting>_<dataset>.json and .txt
 # and the server logs; prints each summary (TTFT, throughput, cached tokens) last.
 set -u
-MODE=${1:-tier}; MEM=${MEM:-0.01}
+MODE=${1:-tier}; MEM=${MEM:-0.005}
 source bench/host_env.sh
 python3 -m cli.main make-checkpoint --preset flash-4l --out /tmp/f4l --no-weights > /dev/null || exit 1
 
