@@ -159,6 +159,12 @@ def _kill_rank_holding_requests(dep, rank: int, restarts: int) -> None:
         assert time.monotonic() - t_kill < BOUND_S, f"rank {1 - rank} (pid {survivor}) outlived its group by 5 s"
         time.sleep(0.02)
     survived_s = time.monotonic() - t_kill
+    while _engines(dep)[victim_engine]["state"] == "ready":
+        assert time.monotonic() - t_kill < BOUND_S, f"the supervisor did not see {victim_engine} die"
+        time.sleep(0.02)
+    m = dep.metrics()  # the dead group's pools are not reported (nor, later, as its successor's)
+    assert not any(n in ("glmrt_kv_pool_tokens", "glmrt_state_pool_slots") and dict(lab)["engine"] == victim_engine
+                   for n, lab in m), m
     # the other engine serves new requests while the group restarts
     served = 0
     with httpx.Client(timeout=30) as h:
@@ -181,6 +187,9 @@ def _kill_rank_holding_requests(dep, rank: int, restarts: int) -> None:
             assert r["last_chunk"] > t_kill + BOUND_S, (name, r, t_kill)
     assert served >= 1 and all(_alive(p) for p in other_pids), "the other engine stopped serving"
     row = _wait_restarted(dep, victim_engine, old, restarts)
+    m = dep.metrics()
+    assert metric_sum(m, "glmrt_kv_pool_tokens", engine=victim_engine, state="in_use") == 0, m
+    assert metric_sum(m, "glmrt_state_pool_slots", engine=victim_engine, state="in_use") == 0, m
     assert not any(_alive(r["pid"]) for r in old), old
     assert all(_alive(r["pid"]) for r in row["ranks"]), row
     assert _engines(dep)[other]["restarts"] == 0 and [r["pid"] for r in _engines(dep)[other]["ranks"]] == other_pids
