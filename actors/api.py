@@ -183,6 +183,8 @@ class ApiServer:
         are sent to a live replica, or wait for it to restart; a restarting detokenizer's wait
         for its replay (`actor_restarted`). Those of an actor given up on fail too."""
         kind = actor_id.split("/")[0]
+        # a dead engine's last counters (pages and slots its requests held) are not its successor's
+        self.engine_stats.pop(actor_id, None)
         coming_back = self.sup.actors[actor_id].state == "restarting" if actor_id in self.sup.actors else False
         live = self.sup.ready("tokenizer")
         for st in [s for s in self.inflight.values() if not s.done]:

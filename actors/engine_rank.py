@@ -5,8 +5,11 @@ processes of this module (`python -m actors.engine_rank '<RankSpec JSON>'`), eac
 A rank joins its engine's torch.distributed group at a rendezvous file in the deployment's 0700
 run dir, builds its ModelRank (its shard of the model, its pools, its decode graphs) and runs
 the steps rank 0 publishes until rank 0 says stop. It dies with rank 0 (PR_SET_PDEATHSIG, and
-a rank whose parent is already gone exits at once); rank 0 exits when one of its ranks dies,
-so the supervisor sees one engine fail and restarts the whole group.
+a watcher thread that exits once it is re-parented; a rank whose parent is already gone exits
+at once); rank 0 exits when one of its ranks dies (a watcher thread per rank: a collective
+blocked on a dead peer cannot be interrupted, so the process ends instead), so the supervisor
+sees one engine fail, fails the requests it held at once and restarts the whole group. Both
+directions take well under a second (tests/e2e/test_engine_group_failure.py bounds them at 5 s).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from actors.worker import die_with_parent
 from glmrt.engine.config import EngineConfig
 
 STOP_WAIT_S = 5.0  # a rank told to stop that has not exited by then is killed
+PARENT_POLL_S = 0.25  # how often a rank checks that rank 0 is still its parent
 
 
 class RankSpec(msgspec.Struct):
@@ -107,12 +111,24 @@ class RankGroup:
                 p.kill()
 
 
+def watch_parent(parent_pid: int) -> None:
+    """A second guard beside PR_SET_PDEATHSIG (absent where prctl is not available): once rank 0
+    is gone (this process is re-parented) the rank exits, even while its main thread waits in a
+    collective that would otherwise block until the group's timeout."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent()
     spec = msgspec.json.decode(argv[0], type=RankSpec)
     if os.getppid() != spec.parent_pid:  # rank 0 died before the death signal was set up
         return 1
+    watch_parent(spec.parent_pid)
     configure_logging(spec.log_level)
     log = logging.getLogger(f"{spec.actor_id}.rank{spec.rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop

@@ -16,6 +16,7 @@ _TOK = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.
 
 class Metrics:
     def __init__(self):
+        self._seen: set[str] = set()  # the engines whose gauges carry samples
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("glmrt_time_to_first_token_seconds", "Time to first token", buckets=_LAT, registry=r)
         self.tpot = Histogram("glmrt_time_per_output_token_seconds", "Time per output token after the first",
@@ -49,15 +50,31 @@ class Metrics:
         self.disk_bytes = Gauge("glmrt_disk_cache_bytes", "Disk tier bytes by state (used, capacity)",
                                 ["engine", "state"], registry=r)
 
+    def _forget_engine(self, key: str) -> None:
+        """An engine that is not serving (dead, restarting, retired) has no samples: its last
+        counters (the pages and slots its requests held) are not its successor's."""
+        for g in (self.running, self.waiting, self.max_running, self.host_hit_tokens):
+            try:
+                g.remove(key)
+            except KeyError:
+                pass
+        for g, states in ((self.kv_tokens, ("free", "cached", "in_use")),
+                          (self.state_slots, ("free", "checkpoint", "in_use")), (self.host_pages, ("used", "free")),
+                          (self.host_slots, ("used", "free")), (self.host_bytes, ("load", "store")),
+                          (self.disk_bytes, ("used", "capacity"))):
+            for state in states:
+                try:
+                    g.remove(key, state)
+                except KeyError:
+                    pass
+
     def update_engines(self, stats: dict, live: set[str], inflight: int) -> None:
         self.inflight.set(inflight)
+        for key in self._seen - (live & set(stats)):
+            self._forget_engine(key)
+        self._seen = live & set(stats)
         for key in list(stats):
             if key not in live:
-                for g in (self.running, self.waiting, self.max_running, self.host_hit_tokens):
-                    try:
-                        g.remove(key)
-                    except KeyError:
-                        pass
                 continue
             s = stats[key]
             c = s.counters

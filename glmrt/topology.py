@@ -347,7 +347,8 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
         if a.replicas < row.min_replicas:
             extra = " (leave the entry out to run the tower in the engine)" if a.kind == "vision" else ""
             raise TopologyError(f"{a.kind}: replicas must be >= {row.min_replicas}, got {a.replicas}{extra}")
-        _check_parallel(a, num_gpus)
+        if a.kind not in ("prefill", "decode"):
+            _check_parallel(a, num_gpus)
         if a.gpus and not row.uses_gpus:
             raise TopologyError(f"{a.kind} does not run a model and takes no GPUs (gpus = {list(a.gpus)})")
         if num_gpus == 0 and a.gpus:
@@ -361,6 +362,7 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
             raise TopologyError(f"{a.kind}: process = {a.process!r} co-locates one replica; replicas must be 1")
         if a.gpus and a.tp == 1 and a.replicas > 1 and len(a.gpus) not in (1, a.replicas):
             raise TopologyError(f"{a.kind}: {a.replicas} replicas cannot be placed on gpus {list(a.gpus)}")
+    _check_pd_parallel(topo, num_gpus)
     has_engine = "engine" in kinds
     has_pd = "prefill" in kinds or "decode" in kinds
     if has_engine and has_pd:
@@ -381,6 +383,20 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
     for needed in REQUIRED_KINDS:
         if needed not in kinds:
             raise TopologyError(f"the topology has no {needed!r} actor")
+
+
+def _check_pd_parallel(topo: Topology, num_gpus: int | None) -> None:
+    """A prefill and a decode: their tp sizes must match (a decode takes the prefill's pages and
+    state as its ranks hold them; resharding between sizes is not built), and an engine of
+    several ranks cannot hand its state over yet at all (`_check_parallel`)."""
+    pre, dec = topo.actor("prefill"), topo.actor("decode")
+    if pre is not None and dec is not None and pre.tp != dec.tp and min(pre.tp, dec.tp) >= 1:
+        raise TopologyError(f"prefill tp = {pre.tp} and decode tp = {dec.tp} differ: a decode takes the prefill's "
+                            "pages and state as its ranks hold them, and resharding between tp sizes is not built; "
+                            "give both the same tp")
+    for a in (pre, dec):
+        if a is not None:
+            _check_parallel(a, num_gpus)
 
 
 def _check_parallel(a: ActorSpec, num_gpus: int | None) -> None:

@@ -104,8 +104,18 @@ class PlanLink:
 
 
 def rendezvous_path(run_dir: str, actor_id: str) -> str:
-    """The file (in the deployment's 0700 run dir) an engine's ranks meet at; one per start."""
-    return os.path.join(run_dir, f"{actor_id.replace('/', '-')}-{os.getpid()}.ranks")
+    """The file (in the deployment's 0700 run dir) an engine's ranks meet at; one per start.
+    The files of this actor's earlier starts are removed: a group that died (a rank killed)
+    never deleted its own, and one actor id runs one engine at a time."""
+    prefix = f"{actor_id.replace('/', '-')}-"
+    mine = f"{prefix}{os.getpid()}.ranks"
+    for name in os.listdir(run_dir):
+        if name.startswith(prefix) and name.endswith(".ranks") and name != mine:
+            try:
+                os.unlink(os.path.join(run_dir, name))
+            except FileNotFoundError:
+                pass
+    return os.path.join(run_dir, mine)
 
 
 def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: str) -> tuple[Parallel, PlanLink]:

@@ -121,6 +121,16 @@ def test_a_prefill_decode_pair_of_several_ranks_is_one_line(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_prefill_and_decode_of_different_tp_sizes_are_one_line(tmp_path):
+    path = tmp_path / "pd.toml"
+    path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"\n'
+                    'tp = 2\n[[actors]]\nkind = "detokenizer"\n')
+    line = one_line_refusal(glmrt_run("up", str(path)))
+    assert line.startswith("glmrt up: error: prefill tp = 1 and decode tp = 2 differ: "), line
+    assert "resharding between tp sizes is not built" in line, line
+
+
+@pytest.mark.timeout(60)
 def test_version():
     r = glmrt_run("--version")
     assert r.returncode == 0 and r.stdout == f"glmrt {glmrt.__version__}\n", (r.stdout, r.stderr)

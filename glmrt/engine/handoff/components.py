@@ -57,7 +57,8 @@ def handoff_layout(engine) -> P.HandoffLayout:
     cfg, lay = engine.config, engine.layout
     return P.HandoffLayout(model=os.path.basename(os.path.normpath(cfg.model or cfg.preset or "")),
                            dtype=str(engine.dtype).removeprefix("torch."), kv_dtype=lay.kv_dtype,
-                           state_dtype=lay.state_dtype, tp=1, page_size=lay.page_size, num_dsa=lay.num_dsa,
+                           state_dtype=lay.state_dtype, tp=engine.parallel.tp_size, page_size=lay.page_size,
+                           num_dsa=lay.num_dsa,
                            num_indexer=lay.num_indexer, num_kda=lay.num_kda, kv_lora_rank=lay.kv_lora_rank,
                            conv_dim=lay.conv_dim)
 
