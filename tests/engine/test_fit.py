@@ -4,7 +4,6 @@ refusal, with the numbers, of an engine its GPU (or --cache-memory-gb) cannot ho
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -96,18 +95,19 @@ def _flash_topology(tp: int, quantization: str | None = None) -> Topology:
 
 def test_up_refuses_flash_at_tp1_on_an_h200_and_takes_tp8(flash):
     """Through up's check and its child interpreter, with the GPUs' free memory given."""
-    free = lambda gpus: {g: H200 for g in gpus}  # noqa: E731
-    refusal = up.check_memory_fit(_flash_topology(1), flash, num_gpus=8, free_bytes=free)
-    assert refusal.startswith("engine (tp 1, ep 1) does not fit on GPU 0: weights ") and "exceed" in refusal
+    free = lambda gpus: {g: H200 - 2**30 * g for g in gpus}  # noqa: E731
     seen = []
 
     def fit(cfg, gpu_bytes, tp, ep):
         seen.append((cfg.quantization, gpu_bytes, tp, ep))
         return engine_fit(flash, cfg, gpu_bytes=gpu_bytes, kv_dtype="bfloat16", tp_size=tp, ep_size=ep).as_dict()
 
+    refusal = up.check_memory_fit(_flash_topology(1), flash, num_gpus=8, free_bytes=free, fit=fit)
+    assert refusal.startswith("engine (tp 1, ep 1) does not fit on GPU 0: weights ") and "exceed" in refusal
     assert up.check_memory_fit(_flash_topology(8), flash, num_gpus=8, free_bytes=free, fit=fit) is None
     assert up.check_memory_fit(_flash_topology(4, "fp8"), flash, num_gpus=8, free_bytes=free, fit=fit) is None
-    assert seen == [(None, H200, 8, 1), ("fp8", H200, 4, 1)]
+    # the ranks agree on the smallest budget: the GPU with the least free memory counts
+    assert seen == [(None, H200, 1, 1), (None, H200 - 7 * 2**30, 8, 1), ("fp8", H200 - 3 * 2**30, 4, 1)]
     # memory that cannot be read is left to the engine's own check before it loads
     assert up.check_memory_fit(_flash_topology(1), flash, num_gpus=8, free_bytes=lambda g: None) is None
 
@@ -123,8 +123,24 @@ def test_up_refuses_a_cache_budget_below_one_request_in_one_line(tmp_path):
 
 
 def test_the_fit_module_runs_as_up_runs_it(flash):
-    cfg = EngineConfig(load_format="dummy", preset="flash")
-    plan = up._fit_in_child(cfg, H200, 8, 8)
-    assert plan["refusal"] is None and plan["weight_bytes"] == shard_weight_bytes(flash, tp_size=8, ep_size=8)
-    assert plan["memory"]["max_running_requests"] == 256
-    assert dataclasses.asdict(cfg)["preset"] == "flash"
+    """`python -m glmrt.engine.fit` in a child interpreter: flash at TP1 on one H200, refused."""
+    plan = up._fit_in_child(EngineConfig(load_format="dummy", preset="flash"), H200, 1, 1)
+    assert plan["weight_bytes"] == shard_weight_bytes(flash) and plan["memory"] is None
+    assert plan["refusal"] == (f"weights {plan['weight_bytes'] / GIB:.2f} GiB + runtime reserve 1.00 GiB exceed "
+                               f"the GPU's {H200 / GIB:.2f} GiB")
+
+
+def test_an_engine_refuses_before_it_loads(monkeypatch):
+    """ModelRank's check on a GPU, with the GPU's free memory given: flash at TP1 on one H200."""
+    from types import SimpleNamespace
+
+    from glmrt.engine.engine import ModelRank
+    from glmrt.parallel import Parallel
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (H200, H200))
+    rank = SimpleNamespace(config=EngineConfig(load_format="dummy", preset="flash"),
+                           options=SimpleNamespace(kv_cache_dtype="bfloat16"), parallel=Parallel.single())
+    with pytest.raises(ValueError, match=r"^rank 0: the model does not fit on cuda: weights [\d.]+ GiB \+ runtime"):
+        ModelRank._check_fit(rank, "cuda")
+    rank.parallel = Parallel(3, 8, 8, None)  # rank 3 of an EP8 engine: its shard fits
+    ModelRank._check_fit(rank, "cuda")
