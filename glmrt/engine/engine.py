@@ -102,8 +102,9 @@ class ModelRank:
         # the kernel set's defaults and legal combinations on this hardware, checked before weights load
         self.options = resolve_options(detect_hardware(), {**config.backend_request(), "backend": self.backend.name},
                                        model_dtype=config.resolved_dtype(device))
-        if model is None and device.startswith("cuda"):
-            self._check_fit(device)  # before minutes of loading, not after
+        if model is None and device.startswith("cuda"):  # before minutes of loading, not after
+            from glmrt.engine.fit import check_engine_fits
+            check_engine_fits(config, device=device, kv_dtype=self.options.kv_cache_dtype, parallel=self.parallel)
         self.model = model if model is not None else self._load_model(device)
         self.model_config = self.model.config
         text = self.model_config.text
@@ -161,21 +162,6 @@ class ModelRank:
                                    device=device, with_mtp=False, with_vision=cfg.load_vision,
                                    parallel=self.parallel)
         return model
-
-    def _check_fit(self, device: str) -> None:
-        """Refuse, with the numbers, weights and pools this GPU cannot hold (glmrt.engine.fit)."""
-        from glmrt.checkpoint.presets import preset_config
-        from glmrt.config import load_model_config
-        from glmrt.engine.fit import engine_fit
-
-        cfg = self.config
-        mc = load_model_config(os.path.expanduser(cfg.model)) if cfg.model else preset_config(cfg.preset or "tiny")
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        plan = engine_fit(mc, cfg, gpu_bytes=free, kv_dtype=self.options.kv_cache_dtype,
-                          model_dtype=cfg.resolved_dtype(device), tp_size=self.parallel.tp_size,
-                          ep_size=self.parallel.ep_size)
-        if not plan.fits:
-            raise ValueError(f"rank {self.parallel.rank}: the model does not fit on {device}: {plan.refusal}")
 
     def _read_generation_config(self) -> dict:
         if self.config.model:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -158,6 +159,22 @@ def engine_fit(model_config, cfg, *, gpu_bytes: int, kv_dtype: str, model_dtype:
                     ratio=cfg.mamba_full_memory_ratio, max_mamba_cache_size=cfg.max_mamba_cache_size,
                     max_running_requests=cfg.max_running_requests, context_length=cfg.context_length,
                     max_position_embeddings=text.max_position_embeddings)
+
+
+def check_engine_fits(cfg, *, device: str, kv_dtype: str, parallel) -> None:
+    """The engine's own check, on its GPU before it loads: ValueError with the numbers when this
+    rank's shard and pools do not fit in the GPU's free memory."""
+    import torch
+
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.config import load_model_config
+
+    mc = load_model_config(os.path.expanduser(cfg.model)) if cfg.model else preset_config(cfg.preset or "tiny")
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    plan = engine_fit(mc, cfg, gpu_bytes=free, kv_dtype=kv_dtype, model_dtype=cfg.resolved_dtype(device),
+                      tp_size=parallel.tp_size, ep_size=parallel.ep_size)
+    if not plan.fits:
+        raise ValueError(f"rank {parallel.rank}: the model does not fit on {device}: {plan.refusal}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,16 +131,13 @@ def test_the_fit_module_runs_as_up_runs_it(flash):
 
 
 def test_an_engine_refuses_before_it_loads(monkeypatch):
-    """ModelRank's check on a GPU, with the GPU's free memory given: flash at TP1 on one H200."""
-    from types import SimpleNamespace
-
-    from glmrt.engine.engine import ModelRank
+    """The engine's check on a GPU, with the GPU's free memory given: flash at TP1 on one H200."""
+    from glmrt.engine.fit import check_engine_fits
     from glmrt.parallel import Parallel
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (H200, H200))
-    rank = SimpleNamespace(config=EngineConfig(load_format="dummy", preset="flash"),
-                           options=SimpleNamespace(kv_cache_dtype="bfloat16"), parallel=Parallel.single())
+    cfg = EngineConfig(load_format="dummy", preset="flash")
     with pytest.raises(ValueError, match=r"^rank 0: the model does not fit on cuda: weights [\d.]+ GiB \+ runtime"):
-        ModelRank._check_fit(rank, "cuda")
-    rank.parallel = Parallel(3, 8, 8, None)  # rank 3 of an EP8 engine: its shard fits
-    ModelRank._check_fit(rank, "cuda")
+        check_engine_fits(cfg, device="cuda", kv_dtype="bfloat16", parallel=Parallel.single())
+    # rank 3 of an EP8 engine: its shard fits
+    check_engine_fits(cfg, device="cuda", kv_dtype="bfloat16", parallel=Parallel(3, 8, 8, None))
