@@ -22,7 +22,8 @@ an estimate).
 
 `plan_fit` is torch-free; `shard_weight_bytes` imports torch (the meta device only, seconds
 for the full model). `glmrt up` runs `python -m glmrt.engine.fit` in a child interpreter (it
-never imports torch itself); the engine runs `engine_fit` before it loads its weights.
+never imports torch itself) with the free memory nvidia-smi reports; each engine rank runs
+`check_engine_fits` for its own shard with `torch.cuda.mem_get_info` before it loads its weights.
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ def weight_format(model_config, quantization: str | None, load_format: str = "au
 
 
 def shard_weight_bytes(model_config, *, dtype: str = "bfloat16", fp8: bool = False, tp_size: int = 1,
-                       ep_size: int = 1, with_vision: bool = True, with_mtp: bool = False) -> int:
-    """Parameter bytes of the largest rank's shard, built on the meta device (no memory, no group)."""
+                       ep_size: int = 1, with_vision: bool = True, with_mtp: bool = False,
+                       ranks: list[int] | None = None) -> int:
+    """Parameter bytes of the largest shard of `ranks` (default: every rank), built on the meta device
+    (no memory, no group)."""
     import torch
 
     from glmrt.model.loader import build_model, default_fp8_modules
@@ -133,7 +136,7 @@ def shard_weight_bytes(model_config, *, dtype: str = "bfloat16", fp8: bool = Fal
     fp8_modules = default_fp8_modules(model_config, torch_dtype) if fp8 else []
     block = model_config.quantization.weight_block_size if fp8 and model_config.quantization else (128, 128)
     most = 0
-    for rank in range(tp_size):
+    for rank in range(tp_size) if ranks is None else ranks:
         model = build_model(model_config, None, torch_dtype, "meta", fp8_modules=fp8_modules, fp8_block=block,
                             with_vision=with_vision, with_mtp=with_mtp,
                             parallel=Parallel(rank, tp_size, ep_size, None))
@@ -147,12 +150,13 @@ def shard_weight_bytes(model_config, *, dtype: str = "bfloat16", fp8: bool = Fal
 
 
 def engine_fit(model_config, cfg, *, gpu_bytes: int, kv_dtype: str, model_dtype: str = "bfloat16",
-               tp_size: int = 1, ep_size: int = 1) -> FitPlan:
-    """The fit of one engine (an EngineConfig) on a GPU of `gpu_bytes`, each of its ranks alike."""
+               tp_size: int = 1, ep_size: int = 1, ranks: list[int] | None = None) -> FitPlan:
+    """The fit of one engine (an EngineConfig) on a GPU of `gpu_bytes`: its largest shard of `ranks`
+    (default: every rank)."""
     text = model_config.text
     weights = shard_weight_bytes(model_config, dtype=model_dtype,
                                  fp8=weight_format(model_config, cfg.quantization, cfg.load_format) == "fp8",
-                                 tp_size=tp_size, ep_size=ep_size, with_vision=cfg.load_vision)
+                                 tp_size=tp_size, ep_size=ep_size, with_vision=cfg.load_vision, ranks=ranks)
     layout = CacheLayout.from_config(text, page_size=cfg.page_size, kv_dtype=kv_dtype,
                                      state_dtype=cfg.mamba_ssm_dtype, model_dtype=model_dtype, tp_size=tp_size)
     return plan_fit(layout, weights, gpu_bytes, mem_fraction_static=cfg.mem_fraction_static,
@@ -172,7 +176,7 @@ def check_engine_fits(cfg, *, device: str, kv_dtype: str, parallel) -> None:
     mc = load_model_config(os.path.expanduser(cfg.model)) if cfg.model else preset_config(cfg.preset or "tiny")
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     plan = engine_fit(mc, cfg, gpu_bytes=free, kv_dtype=kv_dtype, model_dtype=cfg.resolved_dtype(device),
-                      tp_size=parallel.tp_size, ep_size=parallel.ep_size)
+                      tp_size=parallel.tp_size, ep_size=parallel.ep_size, ranks=[parallel.rank])
     if not plan.fits:
         raise ValueError(f"rank {parallel.rank}: the model does not fit on {device}: {plan.refusal}")
 
