@@ -304,7 +304,7 @@ def check_memory_fit(topo, model_config, num_gpus: int | None = None, free_bytes
     in a child interpreter: this process never imports torch); on the CPU the pools against
     --cache-memory-gb. Returns the refusal, or None (also when the GPU's memory cannot be read: the
     engine checks again before it loads)."""
-    from backends.adapters import resolve_options
+    from backends.adapters import BackendError, resolve_options
     from glmrt.cache.layout import CacheLayout
     from glmrt.devices import gpu_free_bytes
     from glmrt.engine.memory import plan_memory
@@ -317,8 +317,11 @@ def check_memory_fit(topo, model_config, num_gpus: int | None = None, free_bytes
         where = f"{a.kind} (tp {a.tp}, ep {a.ep})"
         if cfg.device == "cpu" or (cfg.device == "auto" and not num_gpus):
             dtype = cfg.resolved_dtype("cpu")
-            kv = resolve_options("cpu", {**cfg.backend_request(), "backend": "reference"},
-                                 model_dtype=dtype).kv_cache_dtype
+            try:  # the reference kernels' KV default (the model dtype); a bad request is check_backend_options'
+                kv = resolve_options("cpu", {**cfg.backend_request(), "backend": "reference"},
+                                     model_dtype=dtype).kv_cache_dtype
+            except BackendError:
+                continue
             layout = CacheLayout.from_config(model_config.text, page_size=cfg.page_size, kv_dtype=kv,
                                              state_dtype=cfg.mamba_ssm_dtype, model_dtype=dtype, tp_size=a.tp)
             try:
