@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+from glmrt.engine.config import EngineConfig
+from glmrt.engine.fit import H200_GPU_MEMORY_GB
+
 GIB = 2**30
 
 
@@ -27,6 +30,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="allow writing the large presets (flash-4l, flash)")
     p.add_argument("--no-weights", action="store_true",
                    help="write config.json, generation_config.json and the tokenizer only (for --load-format dummy)")
+    g = p.add_argument_group("per-GPU memory plan (printed with the sizes: what one rank of an engine holds)")
+    g.add_argument("--tp-size", "--tp", type=int, default=1, dest="tp_size", help="tensor-parallel ranks (default 1)")
+    g.add_argument("--ep-size", "--ep", type=int, default=1, dest="ep_size",
+                   help="expert-parallel degree: 1 or --tp-size (default 1)")
+    g.add_argument("--gpu-memory-gb", type=float, default=H200_GPU_MEMORY_GB,
+                   help=f"memory of one GPU in GB (10^9 bytes; default {H200_GPU_MEMORY_GB:g}, the H200's)")
+    g.add_argument("--quantization", choices=["fp8"],
+                   help="plan for weights quantised to fp8 on load (--load-format dummy --quantization fp8); "
+                        "--dtype fp8 plans for an fp8 checkpoint alike")
+    g.add_argument("--kv-cache-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"],
+                   help="KV cache dtype (default bfloat16, cuda-h200's)")
+    for name, kind in (("mamba_ssm_dtype", str), ("mem_fraction_static", float), ("mamba_full_memory_ratio", float),
+                       ("max_mamba_cache_size", int), ("max_running_requests", int), ("context_length", int),
+                       ("page_size", int)):
+        default = getattr(EngineConfig(), name)
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                       help=f"as glmrt up's (default {default})")
     p.set_defaults(func=run)
 
 
@@ -86,6 +106,32 @@ def print_meta(preset: str, config, dtype: str) -> None:
           f"indexer tail {lay.tail_bytes_per_slot:,})")
 
 
+def fit_plan(config, args: argparse.Namespace):
+    """The memory plan of one rank of an engine serving this preset (glmrt.engine.fit)."""
+    from glmrt.engine.fit import GB, engine_fit
+
+    fp8 = args.dtype == "fp8" or args.quantization == "fp8"
+    cfg = EngineConfig(load_format="dummy", quantization="fp8" if fp8 else None, kv_cache_dtype=args.kv_cache_dtype,
+                       mamba_ssm_dtype=args.mamba_ssm_dtype, mem_fraction_static=args.mem_fraction_static,
+                       mamba_full_memory_ratio=args.mamba_full_memory_ratio,
+                       max_mamba_cache_size=args.max_mamba_cache_size,
+                       max_running_requests=args.max_running_requests, context_length=args.context_length,
+                       page_size=args.page_size)
+    model_dtype = "float32" if args.dtype == "float32" else "bfloat16"  # fp4 checkpoints load dequantised
+    return engine_fit(config, cfg, gpu_bytes=int(args.gpu_memory_gb * GB), kv_dtype=args.kv_cache_dtype,
+                      model_dtype=model_dtype, tp_size=args.tp_size, ep_size=args.ep_size)
+
+
+def print_fit(plan, args: argparse.Namespace) -> None:
+    weights = "fp8" if args.dtype == "fp8" or args.quantization == "fp8" else \
+        ("float32" if args.dtype == "float32" else "bfloat16")
+    print(f"per GPU at tp {args.tp_size}, ep {args.ep_size} ({weights} weights, {args.kv_cache_dtype} KV, "
+          f"{args.mamba_ssm_dtype} state, mem_fraction_static {args.mem_fraction_static}, "
+          f"{args.gpu_memory_gb:g} GB GPU; without the MTP layer, as glmrt up loads it):")
+    for line in plan.describe().splitlines():
+        print("  " + line)
+
+
 def run(args: argparse.Namespace) -> int:
     from glmrt.checkpoint.presets import LARGE_PRESETS, preset_config
     from glmrt.checkpoint.writer import check_disk, checkpoint_bytes, write_checkpoint
@@ -95,8 +141,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.gpu_memory_gb <= 0:
+        print(f"error: --gpu-memory-gb must be > 0 (got {args.gpu_memory_gb})", file=sys.stderr)
+        return 2
+    try:
+        plan = fit_plan(config, args)
+    except ValueError as e:  # a bound of an engine value, or a tp / ep the model's sizes do not divide
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.meta:
         print_meta(args.preset, config, args.dtype)
+        print_fit(plan, args)
         return 0
     if not args.out:
         print("error: --out DIR is required (or use --meta)", file=sys.stderr)
@@ -131,4 +186,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.preset} ({args.dtype}, seed {args.seed}) to {out}: {summary['tensors']} tensors, "
           f"{summary['bytes'] / 2**20:.1f} MiB in {summary['shards']} shard(s)")
     print_meta(args.preset, config, args.dtype)
+    print_fit(plan, args)
     return 0

@@ -7,7 +7,8 @@ stops. This process runs the supervisor and the api actor and never imports torc
 
 What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
 (glmrt.topology.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
-build (cli/peer_flags.py).
+build (cli/peer_flags.py), weights and cache pools the GPU (or --cache-memory-gb) cannot hold
+(glmrt.engine.fit).
 """
 
 from __future__ import annotations
@@ -297,6 +298,64 @@ def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> 
     return None
 
 
+def check_memory_fit(topo, model_config, num_gpus: int | None = None, free_bytes=None, fit=None) -> str | None:
+    """Each engine entry's weights and pools against its device, before minutes of loading: on a GPU
+    the weights of one rank's shard + reserves + pools against the GPU's free memory (glmrt.engine.fit,
+    in a child interpreter: this process never imports torch); on the CPU the pools against
+    --cache-memory-gb. Returns the refusal, or None (also when the GPU's memory cannot be read: the
+    engine checks again before it loads)."""
+    from backends.adapters import BackendError, resolve_options
+    from glmrt.cache.layout import CacheLayout
+    from glmrt.devices import gpu_free_bytes
+    from glmrt.engine.memory import plan_memory
+
+    num_gpus = gpu_count() if num_gpus is None else num_gpus
+    for a in topo.actors:
+        if a.kind not in ENGINE_KINDS:
+            continue
+        cfg = topo.engine_config(a)
+        where = f"{a.kind} (tp {a.tp}, ep {a.ep})"
+        if cfg.device == "cpu" or (cfg.device == "auto" and not num_gpus):
+            dtype = cfg.resolved_dtype("cpu")
+            try:  # the reference kernels' KV default (the model dtype); a bad request is check_backend_options'
+                kv = resolve_options("cpu", {**cfg.backend_request(), "backend": "reference"},
+                                     model_dtype=dtype).kv_cache_dtype
+            except BackendError:
+                continue
+            layout = CacheLayout.from_config(model_config.text, page_size=cfg.page_size, kv_dtype=kv,
+                                             state_dtype=cfg.mamba_ssm_dtype, model_dtype=dtype, tp_size=a.tp)
+            try:
+                plan = plan_memory(layout, int(cfg.cache_memory_gb * 2**30), ratio=cfg.mamba_full_memory_ratio,
+                                   max_mamba_cache_size=cfg.max_mamba_cache_size,
+                                   max_running_requests=cfg.max_running_requests)
+            except ValueError as e:
+                return f"{where}: --cache-memory-gb {cfg.cache_memory_gb}: {e}"
+            if cfg.context_length is not None and plan.kv_tokens < cfg.context_length:
+                return (f"{where}: --cache-memory-gb {cfg.cache_memory_gb} gives a KV pool of {plan.kv_tokens:,} "
+                        f"tokens, less than one request of --context-length {cfg.context_length:,}")
+            continue
+        gpus = list(a.gpus[:a.tp]) or [int(cfg.device.split(":")[1]) if ":" in cfg.device else 0]
+        free = (free_bytes or gpu_free_bytes)(gpus)
+        if not free:
+            continue
+        gpu_bytes = min(free.values())
+        plan = (fit or _fit_in_child)(cfg, gpu_bytes, a.tp, a.ep)
+        if plan.get("refusal"):
+            return f"{where} does not fit on GPU {', '.join(map(str, gpus))}: {plan['refusal']}"
+    return None
+
+
+def _fit_in_child(cfg: EngineConfig, gpu_bytes: int, tp: int, ep: int) -> dict:
+    """glmrt.engine.fit in a child interpreter (torch, the meta device only)."""
+    out = subprocess.run([sys.executable, "-m", "glmrt.engine.fit", "--engine", json.dumps(dataclasses.asdict(cfg)),
+                          "--gpu-bytes", str(gpu_bytes), "--tp-size", str(tp), "--ep-size", str(ep)],
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TopologyError(f"could not compute the memory plan of the engine: {tail}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def refuse(message: str) -> int:
     """The one-line refusal of `glmrt up` (exit status 2), argparse's way."""
     return print_error("glmrt up", message)
@@ -359,6 +418,12 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
         return refuse(str(e))
     refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
                or check_parallel_shapes(topo, mc))
+    if refusal:
+        return refuse(refusal)
+    try:
+        refusal = check_memory_fit(topo, mc)
+    except TopologyError as e:
+        refusal = str(e)
     if refusal:
         return refuse(refusal)
     gen_path = os.path.join(path, "generation_config.json")

@@ -102,6 +102,9 @@ class ModelRank:
         # the kernel set's defaults and legal combinations on this hardware, checked before weights load
         self.options = resolve_options(detect_hardware(), {**config.backend_request(), "backend": self.backend.name},
                                        model_dtype=config.resolved_dtype(device))
+        if model is None and device.startswith("cuda"):  # before minutes of loading, not after
+            from glmrt.engine.fit import check_engine_fits
+            check_engine_fits(config, device=device, kv_dtype=self.options.kv_cache_dtype, parallel=self.parallel)
         self.model = model if model is not None else self._load_model(device)
         self.model_config = self.model.config
         text = self.model_config.text

@@ -34,6 +34,9 @@ def runs(tmp_path_factory):
     cmds = {
         "tiny": [exe, "make-checkpoint", "--preset", "tiny", "--out", str(root / "tiny")],
         "meta": [exe, "make-checkpoint", "--preset", "flash", "--meta"],
+        "fit": [exe, "make-checkpoint", "--preset", "flash", "--meta", "--tp-size", "4", "--ep-size", "4",
+                "--quantization", "fp8", "--gpu-memory-gb", "141"],
+        "fit_bad_tp": [exe, "make-checkpoint", "--preset", "flash", "--meta", "--tp-size", "3"],
         "large": [exe, "make-checkpoint", "--preset", "flash-4l", "--out", str(root / "f4l")],
         "unknown": [exe, "make-checkpoint", "--preset", "nope", "--out", str(root / "nope")],
     }
@@ -160,3 +163,28 @@ def test_unknown_preset(runs):
         assert name in r["stderr"]
     assert "nope" in r["stderr"]
     assert not (runs["root"] / "nope").exists()
+
+
+def test_flash_meta_prints_the_per_gpu_plan(runs):
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.fit import GB, GIB, engine_fit
+
+    r = runs["fit"]
+    assert r["rc"] == 0, r["stderr"]
+    plan = engine_fit(preset_config("flash"), EngineConfig(load_format="dummy", quantization="fp8"),
+                      gpu_bytes=141 * GB, kv_dtype="bfloat16", tp_size=4, ep_size=4)
+    out = r["stdout"]
+    assert "per GPU at tp 4, ep 4 (fp8 weights, bfloat16 KV, float32 state" in out
+    assert re.search(rf"weights \(per rank\):\s+{plan.weight_bytes / GIB:.2f} GiB", out), out
+    assert re.search(rf"cache pools:\s+{plan.budget_bytes / GIB:.2f} GiB", out), out
+    m = plan.memory
+    assert f"{m.num_pages} pages x 64 = {m.kv_tokens} tokens" in out and f"{m.num_slots} slots" in out
+    assert f"max_running_requests: {m.max_running_requests}" in out and out.rstrip().endswith("fits")
+    # the default: one rank of bf16 weights does not fit on one H200
+    assert re.search(r"does not fit: weights [\d.]+ GiB \+ runtime reserve 1.00 GiB exceed the GPU's 131.32 GiB",
+                     runs["meta"]["stdout"]), runs["meta"]["stdout"]
+
+
+def test_a_tp_size_the_model_does_not_divide_is_refused(runs):
+    r = runs["fit_bad_tp"]
+    assert r["rc"] == 2 and "is not divisible by 3 ranks" in r["stderr"], r["stderr"]

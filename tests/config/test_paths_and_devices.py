@@ -43,3 +43,29 @@ def test_gpu_count_reads_the_device_files(tmp_path):
         (nodes / node / "gpu_id").write_text(gpu_id + "\n")
     assert gpu_count(str(dev), str(nodes)) == 3
     assert gpu_count(str(tmp_path / "none"), str(tmp_path / "none")) == 0
+
+
+def test_gpu_free_memory_from_nvidia_smi_or_the_amdgpu_files(tmp_path, monkeypatch):
+    import subprocess
+
+    from glmrt.devices import gpu_free_bytes
+
+    def smi(cmd, **kw):
+        assert cmd[0] == "nvidia-smi"
+        return subprocess.CompletedProcess(cmd, 0, "0, 143000\n1, 1024\n", "")
+
+    monkeypatch.setattr(subprocess, "run", smi)
+    assert gpu_free_bytes([1, 0]) == {1: 1024 * 2**20, 0: 143000 * 2**20}
+    assert gpu_free_bytes([2]) is None
+
+    def absent(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(subprocess, "run", absent)
+    for i, (total, used) in enumerate(((300, 100), (500, 0))):
+        d = tmp_path / f"card{i}" / "device"
+        d.mkdir(parents=True)
+        (d / "mem_info_vram_total").write_text(str(total))
+        (d / "mem_info_vram_used").write_text(str(used))
+    assert gpu_free_bytes([0, 1], drm=str(tmp_path)) == {0: 200, 1: 500}
+    assert gpu_free_bytes([0], drm=str(tmp_path / "none")) is None
