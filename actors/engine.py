@@ -45,7 +45,7 @@ class EngineActor(Actor):
         loop = asyncio.get_running_loop()
         self.ranks = None
         if self.spec.config.tp > 1:
-            self.engine = await loop.run_in_executor(self._executor, self._start_ranks())
+            self.engine = await loop.run_in_executor(self._executor, self._start_ranks_and_build())
         else:
             self.engine = await loop.run_in_executor(self._executor, lambda: Engine(cfg, log=self.log.info))
         # NOTE: the loop appends and the step thread pops: a deque's append/popleft are atomic
@@ -81,43 +81,17 @@ class EngineActor(Actor):
                     memory=self.engine.memory.describe())
         return info
 
-    def _start_ranks(self):
+    def _start_ranks_and_build(self):
         """Start ranks 1..tp-1 (from this, the main thread) -> what builds rank 0's Engine in the
         step thread, once they have joined its group."""
-        import torch
-
         from actors.engine_rank import RankGroup
-        from glmrt.engine.engine import Engine
-        from glmrt.engine.ranks import join_group, rendezvous_path
-
-        c, spec = self.spec.config, self.spec
-        rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
-        self.ranks = RankGroup(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level,
-                               c.torch_threads, self.log)
-        self.log.info("tp %d, ep %d: ranks %s", c.tp, c.ep,
-                      ", ".join(f"{r['rank']} (pid {r['pid']}, {r['device']})" for r in self.ranks.ranks()))
-
-        def build():
-            device = c.engine.resolved_device()
-            if device.startswith("cuda"):
-                torch.cuda.set_device(spec.gpus[0] if spec.gpus else 0)  # the step thread's own current device
-            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device)
-            return Engine(c.engine, log=self.log.info, parallel=parallel, link=link)
+        self.ranks, build = RankGroup.start(self.spec, self.log)
         return build
 
     def _device_name(self) -> str:
         """A one-rank engine's device as the machine numbers it ("cuda:3"), or "cpu"."""
         from actors.engine_rank import device_names
         return device_names(1, self.spec.gpus)[0] if self.spec.gpus else str(self.engine.model.device)
-
-    def _stop_ranks(self) -> None:
-        """Step thread, as the engine ends: the other ranks leave their loop and exit."""
-        try:
-            self.engine.runner.stop_followers()
-        finally:
-            self.ranks.wait_stopped()
-            from glmrt.engine.ranks import leave_group
-            leave_group()
 
     def _start_handoff(self) -> None:
         """Prefill/decode roles: the engine's handoff source and sink, and a transfer engine
@@ -605,7 +579,7 @@ class EngineActor(Actor):
         if getattr(self, "ranks", None) is not None:
             self.ranks.stopping = True
             try:  # after the step in flight (one step thread): the ranks are between steps then
-                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, self._stop_ranks),
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, self.ranks.stop, self.engine),
                                        timeout=2 * STOP_RANKS_S)
             except Exception:
                 self.ranks.kill()

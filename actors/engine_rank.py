@@ -79,6 +79,39 @@ class RankGroup:
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"rank-{rank}-watch").start()
 
+    @classmethod
+    def start(cls, spec, log: logging.Logger):
+        """Rank 0's engine actor (`spec`: its RunSpec) starts ranks 1..tp-1 from its main thread
+        -> (the group, a callable that joins the group and builds rank 0's Engine: run it in the
+        step thread)."""
+        import torch
+
+        from glmrt.engine.engine import Engine
+        from glmrt.engine.ranks import join_group, rendezvous_path
+
+        c = spec.config
+        rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
+        group = cls(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level, c.torch_threads, log)
+        log.info("tp %d, ep %d: ranks %s", c.tp, c.ep,
+                 ", ".join(f"{r['rank']} (pid {r['pid']}, {r['device']})" for r in group.ranks()))
+
+        def build():
+            device = c.engine.resolved_device()
+            if device.startswith("cuda"):
+                torch.cuda.set_device(spec.gpus[0] if spec.gpus else 0)  # the step thread's own current device
+            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device)
+            return Engine(c.engine, log=log.info, parallel=parallel, link=link)
+        return group, build
+
+    def stop(self, engine) -> None:
+        """Step thread, as the engine ends: the other ranks leave their loop and exit."""
+        try:
+            engine.runner.stop_followers()
+        finally:
+            self.wait_stopped()
+            from glmrt.engine.ranks import leave_group
+            leave_group()
+
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         rc = proc.wait()
         if not self.stopping:
@@ -135,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from glmrt.engine.engine import ModelRank
+    from glmrt.engine.model_rank import ModelRank
     from glmrt.engine.ranks import join_group, leave_group
 
     torch.set_num_threads(spec.torch_threads)

@@ -15,7 +15,6 @@ API, PD) needs wraps this class; it owns no sockets.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 import uuid
@@ -23,24 +22,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmrt.cache.layout import CacheLayout
 from glmrt.cache.page_manager import PageManager
-from glmrt.cache.pools import ModelCache
 from glmrt.cache.radix import RadixCache
 from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
 from glmrt.engine import compile_watch
 from glmrt.engine.config import EngineConfig
-from glmrt.engine.memory import MemoryPlan, plan_memory
+from glmrt.engine.model_rank import ModelRank
 from glmrt.engine.ranks import PlanLink
 from glmrt.engine.request import Request, Status
-from glmrt.engine.runner import PLACEHOLDER, ModelRunner
+from glmrt.engine.runner import PLACEHOLDER
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
 from glmrt.engine.structured import StructuredOutput
 from glmrt.parallel import Parallel
 from glmrt.sampling_params import Grammar, SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ContextLengthExceeded(ValueError):
     """The prompt (plus one generated token) cannot fit the context or the KV pool."""
@@ -80,107 +74,6 @@ class Completion:
     cached_tokens: int
     logprobs: list[float | None]
     top_logprobs: list
-
-
-class ModelRank:
-    """What every rank of an engine builds alike: the kernel set, the model (its shard of it),
-    the pools and the runner (with its decode graphs). Rank 0 builds an `Engine` on top; the
-    other ranks of an engine of several run `follow()` (glmrt.engine.ranks)."""
-
-    def __init__(self, config: EngineConfig, *, log=print, model=None, parallel: Parallel | None = None,
-                 link: PlanLink | None = None):
-        self.config = config
-        self.log = log
-        self.parallel = parallel or Parallel.single()
-        self.link = link
-        from backends.adapters import resolve_options
-        from backends.registry import detect_hardware, get_backend
-
-        device = config.resolved_device()
-        self.backend = get_backend(config.backend, device)
-        self.dtype = _DTYPES[config.resolved_dtype(device)]
-        # the kernel set's defaults and legal combinations on this hardware, checked before weights load
-        self.options = resolve_options(detect_hardware(), {**config.backend_request(), "backend": self.backend.name},
-                                       model_dtype=config.resolved_dtype(device))
-        if model is None and device.startswith("cuda"):  # before minutes of loading, not after
-            from glmrt.engine.fit import check_engine_fits
-            check_engine_fits(config, device=device, kv_dtype=self.options.kv_cache_dtype, parallel=self.parallel)
-        self.model = model if model is not None else self._load_model(device)
-        self.model_config = self.model.config
-        text = self.model_config.text
-        self.generation_config = self._read_generation_config()
-        self.eos_ids = list(self.generation_config.get("eos_token_id") or text.eos_token_id or [])
-        if isinstance(self.eos_ids, int):
-            self.eos_ids = [self.eos_ids]
-        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
-        if hasattr(self.backend.ops, "prefill_kernels"):
-            self.backend.ops.prefill_kernels = self.options.dsa_prefill_backend == "triton"
-        if config.fp8_activations != "auto":  # auto: the kernel set's own (ReferenceOps.fp8_activations)
-            self.backend.ops.fp8_activations = config.fp8_activations
-        kv_dtype = self.options.kv_cache_dtype
-        tp_size = self.model.parallel.tp_size  # the pools of this rank's shard (KDA state per rank)
-        self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
-                                              state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
-                                              tp_size=tp_size)
-        budget = self._cache_budget(device)
-        if link is not None:  # every rank sizes its pools alike: the smallest budget of any rank
-            budget = link.agree_min(budget)
-        self.memory: MemoryPlan = plan_memory(
-            self.layout, budget, ratio=config.mamba_full_memory_ratio,
-            max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
-        # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
-        # allocated past the ones the managers hand out.
-        graphs = (device.startswith("cuda") and not config.disable_cuda_graph
-                  and getattr(self.backend.ops, "decode_graph_safe", False))
-        spare = 1 if graphs else 0
-        self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
-                                         page_size=config.page_size, kv_dtype=kv_dtype,
-                                         state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
-                                         tp_size=tp_size)
-        self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
-        self.context_length = min(config.context_length or text.max_position_embeddings,
-                                  self.memory.kv_tokens)
-        self.device_name, self.dtype_name, self.kv_dtype = device, dtype_name, kv_dtype
-        if graphs:
-            max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
-            self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
-                                      pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
-
-    def _load_model(self, device: str):
-        from glmrt.model.loader import load_checkpoint, load_dummy
-
-        cfg = self.config
-        if cfg.load_format == "dummy":
-            from glmrt.checkpoint.presets import preset_config
-            from glmrt.config import load_model_config
-            mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
-            return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
-                              seed=cfg.seed, with_mtp=False, with_vision=cfg.load_vision, parallel=self.parallel)
-        if not cfg.model:
-            raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
-        model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
-                                   device=device, with_mtp=False, with_vision=cfg.load_vision,
-                                   parallel=self.parallel)
-        return model
-
-    def _read_generation_config(self) -> dict:
-        if self.config.model:
-            path = os.path.join(os.path.expanduser(self.config.model), "generation_config.json")
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    return json.load(f)
-        return {}
-
-    def _cache_budget(self, device: str) -> int:
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()  # blocks the allocator caches but nobody uses count as free
-            free, _total = torch.cuda.mem_get_info()
-            return int(free * self.config.mem_fraction_static)
-        return int(self.config.cache_memory_gb * 2**30)
-
-    def follow(self) -> None:
-        """A rank other than 0: run the steps rank 0 publishes until the engine stops."""
-        self.runner.follow()
 
 
 class Engine(ModelRank):

@@ -61,7 +61,8 @@ def _serve(engine, overlap: bool) -> list:
 def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
     torch.set_num_threads(1)
     from glmrt.engine.config import EngineConfig
-    from glmrt.engine.engine import Engine, ModelRank
+    from glmrt.engine.engine import Engine
+    from glmrt.engine.model_rank import ModelRank
     from glmrt.engine.ranks import join_group, leave_group
     parallel, link = join_group(rank, 2, 1, rendezvous, "cpu")
     cfg = EngineConfig(model=ckpt, page_size=PS)
