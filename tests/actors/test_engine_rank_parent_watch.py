@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.e2e.conftest import process_alive
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the middle process (rank 0's stand-in) starts the rank, prints its pid and waits to be killed
@@ -29,14 +31,6 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(30)
 def test_a_rank_exits_soon_after_its_parent_dies():
     middle = subprocess.Popen([sys.executable, "-c", MIDDLE, RANK], stdout=subprocess.PIPE, text=True, cwd=REPO,
@@ -44,13 +38,13 @@ def test_a_rank_exits_soon_after_its_parent_dies():
     rank = int(middle.stdout.readline())
     try:
         time.sleep(1.0)
-        assert _alive(rank)
+        assert process_alive(rank)
         t_kill = time.monotonic()
         middle.send_signal(signal.SIGKILL)
         middle.wait()
-        while _alive(rank):
+        while process_alive(rank):
             assert time.monotonic() - t_kill < 2.0, "the rank outlived its parent by 2 s"
             time.sleep(0.02)
     finally:
-        if _alive(rank):
+        if process_alive(rank):
             os.kill(rank, signal.SIGKILL)

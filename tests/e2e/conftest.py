@@ -90,6 +90,15 @@ def has_metric(metrics: dict, name: str, **labels) -> bool:
                for (n, lab) in metrics)
 
 
+def process_alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def libs_mapped(pid: int, needle: str = "libtorch") -> bool:
     with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
         return needle in f.read()

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import http
+from tests.e2e.conftest import http, process_alive
 
 pytestmark = pytest.mark.slow
 
@@ -270,14 +270,6 @@ def test_down_stops_the_deployment(dep):
     deadline = time.monotonic() + 10
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and _not_zombie(p)]
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and process_alive(p)]
         time.sleep(0.1)
     assert not alive, f"actor processes left after down: {alive}"
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

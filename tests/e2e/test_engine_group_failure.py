@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import metric_sum
+from tests.e2e.conftest import metric_sum, process_alive
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +32,6 @@ def dep(start_deployment):
     d = start_deployment(["--tp-size", "2", "--engine-replicas", "2", "--dtype", "float32"], name="engine-group")
     yield d
     d.stop(term_wait=10)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _engines(dep) -> dict[str, dict]:
@@ -155,7 +147,7 @@ def _kill_rank_holding_requests(dep, rank: int, restarts: int) -> None:
     t_kill = time.monotonic()
     os.kill(old[rank]["pid"], signal.SIGKILL)
     survivor = old[1 - rank]["pid"]
-    while _alive(survivor):
+    while process_alive(survivor):
         assert time.monotonic() - t_kill < BOUND_S, f"rank {1 - rank} (pid {survivor}) outlived its group by 5 s"
         time.sleep(0.02)
     survived_s = time.monotonic() - t_kill
@@ -185,13 +177,13 @@ def _kill_rank_holding_requests(dep, rank: int, restarts: int) -> None:
     for name, r in kept.items():  # the other engine's requests went on
         if name.startswith("stream"):
             assert r["last_chunk"] > t_kill + BOUND_S, (name, r, t_kill)
-    assert served >= 1 and all(_alive(p) for p in other_pids), "the other engine stopped serving"
+    assert served >= 1 and all(process_alive(p) for p in other_pids), "the other engine stopped serving"
     row = _wait_restarted(dep, victim_engine, old, restarts)
     m = dep.metrics()
     assert metric_sum(m, "glmrt_kv_pool_tokens", engine=victim_engine, state="in_use") == 0, m
     assert metric_sum(m, "glmrt_state_pool_slots", engine=victim_engine, state="in_use") == 0, m
-    assert not any(_alive(r["pid"]) for r in old), old
-    assert all(_alive(r["pid"]) for r in row["ranks"]), row
+    assert not any(process_alive(r["pid"]) for r in old), old
+    assert all(process_alive(r["pid"]) for r in row["ranks"]), row
     assert _engines(dep)[other]["restarts"] == 0 and [r["pid"] for r in _engines(dep)[other]["ranks"]] == other_pids
     _wait_nothing_in_use(dep)
     assert len(_rendezvous_files(dep)) == 2, _rendezvous_files(dep)  # one per live group

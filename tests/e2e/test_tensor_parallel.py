@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.e2e.conftest import process_alive
+
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
@@ -53,15 +55,6 @@ def _engine_row(dep) -> dict:
     return row
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.timeout(240)
 def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs(dep, one_rank):
     client = dep.client()
@@ -90,7 +83,7 @@ def test_server_info_and_status_name_every_rank(dep):
     ranks = row["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and [r["device"] for r in ranks] == ["cpu", "cpu"]
     assert ranks[0]["pid"] == row["pid"] and ranks[1]["pid"] != row["pid"]
-    assert all(_alive(r["pid"]) for r in ranks)
+    assert all(process_alive(r["pid"]) for r in ranks)
     out = dep.cli("status")
     assert out.returncode == 0, out.stderr
     assert f"tp 2, ep {ep}" in out.stdout, out.stdout
@@ -112,8 +105,8 @@ def test_a_dead_rank_restarts_its_whole_engine(dep, one_rank):
         time.sleep(0.25)
     else:
         dep.fail(f"the engine did not come back with new ranks: {_engine_row(dep)}")
-    assert not _alive(old[0]["pid"]) and not _alive(old[1]["pid"])
-    assert row["restarts"] == 1 and all(_alive(r["pid"]) for r in row["ranks"])
+    assert not process_alive(old[0]["pid"]) and not process_alive(old[1]["pid"])
+    assert row["restarts"] == 1 and all(process_alive(r["pid"]) for r in row["ranks"])
     r = dep.client().completions.create(model=dep.model_id(), prompt=prompts()[0], max_tokens=MAX_TOKENS,
                                         temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == one_rank[0].output_ids
@@ -124,7 +117,7 @@ def test_stopping_leaves_no_rank_behind(dep):
     ranks = _engine_row(dep)["ranks"]
     dep.stop(term_wait=20)
     deadline = time.monotonic() + 10
-    while any(_alive(r["pid"]) for r in ranks) and time.monotonic() < deadline:
+    while any(process_alive(r["pid"]) for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(r["pid"]) for r in ranks), ranks
+    assert not any(process_alive(r["pid"]) for r in ranks), ranks
     assert dep.proc.returncode == 0, dep.output()[-3000:]
