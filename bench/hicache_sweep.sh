@@ -32,14 +32,7 @@ kind = "detokenizer"
 kind = "engine"
 gpus = [0]
 EOF
-  python3 -m cli.main up /tmp/hicache.toml --port 30000 > "$OUT/hicache_$1_up.log" 2>&1 &
-  pid=$!
-  for i in $(seq 1 300); do
-    curl -sf http://127.0.0.1:30000/health > /dev/null && return 0
-    kill -0 $pid 2> /dev/null || { echo "glmrt up died"; tail -40 "$OUT/hicache_$1_up.log"; exit 1; }
-    sleep 1
-  done
-  echo "not healthy"; tail -40 "$OUT/hicache_$1_up.log"; exit 1
+  start_server /tmp/hicache.toml "$OUT/hicache_$1_up.log"
 }
 
 stop() {

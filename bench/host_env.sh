@@ -10,3 +10,17 @@ else
 fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+
+# start_server TOML LOG: `glmrt up TOML` on port 30000 in the background (its pid in $pid),
+# back once /health answers; ends the driver with the log's tail if the server dies or is not
+# healthy within 300 s.
+start_server() {
+  python3 -m cli.main up "$1" --port 30000 > "$2" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 300); do
+    curl -sf http://127.0.0.1:30000/health > /dev/null && return 0
+    kill -0 $pid 2> /dev/null || { echo "glmrt up died"; tail -40 "$2"; exit 1; }
+    sleep 1
+  done
+  echo "not healthy"; tail -40 "$2"; exit 1
+}

@@ -24,15 +24,9 @@ kind = "detokenizer"
 kind = "engine"
 gpus = [0]
 EOF
-python3 -m cli.main up /tmp/serve.toml --port 30000 > "$OUT/serving_up.log" 2>&1 &
-pid=$!
-for i in $(seq 1 300); do
-  curl -sf http://127.0.0.1:30000/health > /dev/null && break
-  kill -0 $pid 2> /dev/null || { echo "glmrt up died"; tail -40 "$OUT/serving_up.log"; exit 1; }
-  sleep 1
-done
-curl -sf http://127.0.0.1:30000/health > /dev/null || { echo "not healthy"; tail -40 "$OUT/serving_up.log"; exit 1; }
-echo "healthy after ${i}s"
+t0=$SECONDS
+start_server /tmp/serve.toml "$OUT/serving_up.log"
+echo "healthy after $((SECONDS - t0))s"
 # warm-up (not recorded): the engine already captured the decode graphs and ran the prefill
 # shapes at start; this covers the rest of the serving path (sampling, streaming)
 python3 -m cli.main bench serving --dataset random --input-len "$IN" --output-len 8 --num-prompts 32 \

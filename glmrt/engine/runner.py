@@ -385,16 +385,17 @@ class ModelRunner:
         ends = torch.tensor([w.num for w in computed], dtype=torch.long).cumsum(0).tolist()
         sampled = [i for i, w in enumerate(computed) if w.sample]
         row_of = {id(computed[i].req): k for k, i in enumerate(sampled)}
-        order, k_hit = [], len(sampled)
-        for w in work:
-            if w.sample:
-                order.append(row_of[id(w.req)] if w.num else k_hit)
-                k_hit += 0 if w.num else 1
+        order = None
+        if hits:  # the sampled rows in plan order: the forward's rows, then the full hits'
+            order, k_hit = [], len(sampled)
+            for w in work:
+                if w.sample:
+                    order.append(row_of[id(w.req)] if w.num else k_hit)
+                    k_hit += 0 if w.num else 1
         rows, feats = self._vision_rows(computed)
         return ForwardInputs(ids=ids, logits_rows=[ends[i] - 1 for i in sampled], embed_rows=rows,
                              keep_hidden=[(row_of[id(s.req)], s.src_slot) for s in keep],
-                             hit_slots=[w.req.slot for w in hits], sample_order=order if hits else None,
-                             **common), feats
+                             hit_slots=[w.req.slot for w in hits], sample_order=order, **common), feats
 
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> list[StepOutput]:
