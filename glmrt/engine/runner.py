@@ -279,8 +279,10 @@ class ModelRunner:
         if not (step.keep_hidden or step.hit_slots):
             return logits
         last = self.cache.state.last_hidden[0]
-        for k, slot in step.keep_hidden:
-            last[slot] = hidden[k].to(last.dtype)
+        if step.keep_hidden:  # one indexed copy for every save of the step (each a distinct live slot)
+            rows, slots = zip(*step.keep_hidden)
+            last[torch.tensor(slots, device=last.device)] = \
+                hidden[torch.tensor(rows, device=hidden.device)].to(last.dtype)
         if not step.hit_slots:
             return logits
         kept = self.model.compute_logits(last[list(step.hit_slots)])
