@@ -27,8 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-problems", type=int, default=500,
                    help="held-out problems scored (greedy exact match) at the end, and in held_out.jsonl")
     p.add_argument("--eval-every", type=int, default=0, help="also score them every N steps (0: only at the end)")
-    p.add_argument("--kda", choices=["auto", "fla", "reference"], default="auto",
-                   help="KDA kernel: fla-core's chunk_kda (auto: on CUDA when installed) or the reference chunked form")
+    p.add_argument("--kda", choices=["reference", "fla"], default="reference",
+                   help="KDA kernel: the reference chunked form (torch), or fla-core's chunk_kda (its kernels "
+                        "autotune for minutes on a fresh machine)")
+    p.add_argument("--data-workers", type=int, default=None,
+                   help="processes building batches ahead of the training loop (default: 0 on the CPU, "
+                        "min(8, CPUs - 1) on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse("--eval-problems and --eval-every must not be negative")
     if args.dense_steps is not None and args.dense_steps < 0:
         return _refuse("--dense-steps must not be negative")
+    if args.data_workers is not None and args.data_workers < 0:
+        return _refuse(f"--data-workers must not be negative, got {args.data_workers}")
     if args.threads is not None and args.threads < 1:
         return _refuse(f"--threads must be at least 1, got {args.threads}")
     import torch
@@ -75,10 +81,14 @@ def run(args: argparse.Namespace) -> int:
     from glmrt.train.output import plot_losses, save_checkpoint, write_held_out, write_summary
     from glmrt.train.trainer import TrainConfig, train
 
+    workers = args.data_workers
+    if workers is None:
+        workers = 0 if dev.type == "cpu" else max(0, min(8, (os.cpu_count() or 1) - 1))
     dense = args.dense_steps if args.dense_steps is not None else args.steps // 15
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=min(100, max(1, args.steps // 20)), dense_steps=dense, seed=args.seed,
-                      device=str(dev), eval_every=args.eval_every, eval_problems=args.eval_problems, kda=args.kda)
+                      device=str(dev), eval_every=args.eval_every, eval_problems=args.eval_problems, kda=args.kda,
+                      workers=workers)
     out = os.path.abspath(os.path.expanduser(args.out))
     os.makedirs(out, exist_ok=True)
     from glmrt.checkpoint.presets import preset_config

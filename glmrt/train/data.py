@@ -8,7 +8,9 @@ tokens only: the next token (main head) and the token after it (the MTP layer).
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -72,27 +74,77 @@ class BatchStream:
     Chats are drawn `window` batches at a time, sorted by length and cut into batches (in an
     order shuffled by the seed), so a batch pads to little more than its own chats' lengths.
     Chats longer than `max_len` tokens are left out.
+
+    With `workers` > 0, windows ahead of the one being trained on are built by that many
+    processes (generating and encoding a window of 8 x 256 chats takes about 2 s of one core,
+    longer than the device needs to train on it); a window's batches are the same either way.
+    Read batches in step order when workers are on (`close` ends them).
     """
 
-    def __init__(self, tok: Tokenizer, seed: int, batch_size: int, max_len: int, window: int = 8):
+    def __init__(self, tok: Tokenizer, seed: int, batch_size: int, max_len: int, window: int = 8,
+                 workers: int = 0):
         self.tok, self.seed, self.batch_size, self.max_len, self.window = tok, seed, batch_size, max_len, window
-        self._cached: tuple[int, list[list[Chat]]] | None = None
+        self._cached: tuple[int, list[Batch]] | None = None
+        self._pool = None
+        self._ahead: deque[tuple[int, object]] = deque()
+        self._workers = workers
+        if workers > 0:
+            # spawn: the trainer may already hold a CUDA context, which a forked child must not inherit
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tok.to_str(),))
 
-    def _window(self, w: int) -> list[list[Chat]]:
+    def _window(self, w: int) -> list[Batch]:
         if self._cached is None or self._cached[0] != w:
-            n = self.window * self.batch_size
-            chats = chat_stream(self.seed, w * n, n)
-            lens = [sum(len(e.ids) for e in self.tok.encode_batch([t for t, _ in c.segments], add_special_tokens=False))
-                    for c in chats]
-            order = sorted((i for i in range(n) if lens[i] <= self.max_len), key=lambda i: lens[i])
-            groups = [[chats[i] for i in order[b * len(order) // self.window:(b + 1) * len(order) // self.window]]
-                      for b in range(self.window)]
-            random.Random(f"{self.seed}:window:{w}").shuffle(groups)
-            self._cached = (w, groups)
+            if self._pool is None:
+                batches = _build_window(self.tok, self.seed, self.batch_size, self.max_len, self.window, w)
+            else:
+                while self._ahead and self._ahead[0][0] < w:
+                    self._ahead.popleft()
+                if not self._ahead or self._ahead[0][0] != w:
+                    self._ahead.clear()
+                nxt = self._ahead[-1][0] + 1 if self._ahead else w
+                while len(self._ahead) < 2 * self._workers:
+                    self._ahead.append((nxt, self._pool.apply_async(
+                        _worker_window, (self.seed, self.batch_size, self.max_len, self.window, nxt))))
+                    nxt += 1
+                batches = self._ahead.popleft()[1].get()
+            self._cached = (w, batches)
         return self._cached[1]
 
     def batch(self, step: int) -> Batch:
-        chats = self._window(step // self.window)[step % self.window]
-        if not chats:
+        batch = self._window(step // self.window)[step % self.window]
+        if batch is None:
             raise ValueError(f"no chat of step {step} fits in {self.max_len} tokens")
-        return make_batch(self.tok, chats, self.max_len)
+        return batch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
+def _build_window(tok: Tokenizer, seed: int, batch_size: int, max_len: int, window: int, w: int) -> list[Batch | None]:
+    n = window * batch_size
+    chats = chat_stream(seed, w * n, n)
+    lens = [sum(len(e.ids) for e in tok.encode_batch([t for t, _ in c.segments], add_special_tokens=False))
+            for c in chats]
+    order = sorted((i for i in range(n) if lens[i] <= max_len), key=lambda i: lens[i])
+    groups = [[chats[i] for i in order[b * len(order) // window:(b + 1) * len(order) // window]]
+              for b in range(window)]
+    random.Random(f"{seed}:window:{w}").shuffle(groups)
+    return [make_batch(tok, g, max_len) if g else None for g in groups]
+
+
+_worker_tok: Tokenizer | None = None
+
+
+def _worker_init(tok_json: str) -> None:
+    global _worker_tok
+    import torch as _torch
+    _torch.set_num_threads(1)
+    _worker_tok = Tokenizer.from_str(tok_json)
+
+
+def _worker_window(seed: int, batch_size: int, max_len: int, window: int, w: int) -> list[Batch | None]:
+    return _build_window(_worker_tok, seed, batch_size, max_len, window, w)

@@ -62,3 +62,14 @@ def test_batch_stream_is_deterministic_length_sorted_and_bounded(tok):
         widths.append(x.input_ids.shape[1])
     assert len(set(widths)) > 4  # batches of similar lengths, not all padded to the longest
     assert BatchStream(tok, 1, 8, 300).batch(0).input_ids.tolist() != a.batch(0).input_ids.tolist()
+
+
+def test_batch_stream_workers_give_the_same_batches(tok):
+    inline, ahead = BatchStream(tok, 0, 4, 300, window=2), BatchStream(tok, 0, 4, 300, window=2, workers=1)
+    try:
+        for step in range(7):  # four windows, built ahead by the worker
+            assert torch.equal(inline.batch(step).input_ids, ahead.batch(step).input_ids)
+            assert torch.equal(inline.batch(step).labels, ahead.batch(step).labels)
+    finally:
+        ahead.close()
+    assert ahead._pool is None
