@@ -1,8 +1,8 @@
 """`glmrt up [TOPOLOGY.toml]`: start a deployment in the foreground.
 
 Flags override the file. With no file and no model it serves the embedded default: one host,
-a unified engine, the `tiny` random checkpoint (generated on first use into the cache
-directory), the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
+a unified engine, the shipped trained `tiny-trained` checkpoint (glmrt/checkpoint/tiny_trained),
+the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
 stops. This process runs the supervisor and the api actor and never imports torch.
 
 What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
@@ -115,20 +115,11 @@ def _add_field_flag(group, cls, name: str, text: str | None = None) -> None:
     group.add_argument(flag, type=kind, default=None, help=helptext)
 
 
-def ensure_tiny_checkpoint() -> str:
-    """The embedded default model: generated once (in a child process: no torch here)."""
-    path = os.path.join(env.cache_dir(), "checkpoints", "tiny")
-    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(path))
-    log.info("generating the embedded tiny checkpoint into %s", path)
-    subprocess.run([sys.executable, "-m", "cli.main", "make-checkpoint", "--preset", "tiny", "--out", tmp,
-                    "--dtype", "float32"], check=True, stdout=subprocess.DEVNULL)
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+def embedded_checkpoint() -> str:
+    """The embedded default model: the trained tiny-trained checkpoint shipped in the package
+    (written by `glmrt train`; glmrt/checkpoint/tiny_trained/README.md says how)."""
+    import glmrt  # its path only: importing glmrt.checkpoint here would load more than the api needs
+    return os.path.join(os.path.dirname(glmrt.__file__), "checkpoint", "tiny_trained")
 
 
 def build_topology(args: argparse.Namespace):
@@ -397,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         return refuse(refusal)
     configure_logging(topo.log.log_level)
     if path is None:
-        path = ensure_tiny_checkpoint()
+        path = embedded_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
     try:
         import uvloop

@@ -34,11 +34,6 @@ def url() -> str:
     return os.environ.get("GLMRT_URL") or DEFAULT_URL
 
 
-def cache_dir() -> str:
-    """GLMRT_CACHE_DIR: where `glmrt up` keeps the generated tiny checkpoint (default ~/.cache/glmrt)."""
-    return os.path.expanduser(os.environ.get("GLMRT_CACHE_DIR") or "~/.cache/glmrt")
-
-
 def sampler_kernel() -> bool:
     """GLMRT_SAMPLER_KERNEL: 0 keeps sampling on the torch path even on a GPU (default 1: the Triton
     sampling kernels wherever they run)."""

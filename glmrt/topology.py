@@ -40,7 +40,7 @@ class TopologyError(ValueError):
 @dataclass(frozen=True)
 class ModelSection:
     path: str | None = None
-    """Checkpoint directory (HF format); None: the embedded tiny checkpoint."""
+    """Checkpoint directory (HF format); None: the embedded trained checkpoint (glmrt/checkpoint/tiny_trained)."""
     dtype: str = bounded("auto", choices=MODEL_DTYPES)
     """Model dtype (auto: bfloat16 on a GPU, float32 on the CPU)."""
     kv_cache_dtype: str = "auto"

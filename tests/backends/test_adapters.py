@@ -383,7 +383,7 @@ def up_cli(monkeypatch):
     from cli import main as cli_main
     from cli import up
 
-    monkeypatch.setattr(up, "ensure_tiny_checkpoint", lambda: pytest.fail("got past validation"))
+    monkeypatch.setattr(up, "embedded_checkpoint", lambda: pytest.fail("got past validation"))
     monkeypatch.setattr(up, "serve", lambda *a, **k: pytest.fail("got past validation"))
     # the same answers whether or not this environment has Triton (CI does not): the hardware
     # adapters' kernel packages count as installed
@@ -480,7 +480,7 @@ def test_up_checks_the_checkpoint_weight_format():
 
 def test_up_subprocess_fails_fast_without_serving(tmp_path):
     """The real console path: refused with exit 2 in well under the server's start time, nothing spawned."""
-    env = {**os.environ, "GLMRT_CACHE_DIR": str(tmp_path / "cache"), "GLMRT_HARDWARE": "sm90"}
+    env = {**os.environ, "GLMRT_HARDWARE": "sm90"}
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "cli.main", "up", "--dsa-decode-backend", "tilelang",
                         "--kv-cache-dtype", "fp8_e4m3", "--port", "1"], capture_output=True, text=True, env=env,

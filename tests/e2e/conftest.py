@@ -5,8 +5,6 @@ port of 127.0.0.1, driven through the official `openai` client and plain HTTP.
 - `Deployment`: one `glmrt up` subprocess in its own session (process group); `stop()`
   sends SIGTERM to `glmrt up`, waits a little, then SIGKILLs the whole group so no actor
   process outlives the test module. Its output goes to a log file, dumped on failures.
-
-Nothing here touches ~/.cache: GLMRT_CACHE_DIR points into the session's tmp dir.
 """
 
 from __future__ import annotations
@@ -232,10 +230,8 @@ def e2e_tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def e2e_env(e2e_tmp) -> dict[str, str]:
-    """The environment of every glmrt process here: its cache dir is a tmp dir, never ~/.cache."""
-    cache = e2e_tmp / "cache"
-    cache.mkdir(exist_ok=True)
-    return clean_env({"GLMRT_CACHE_DIR": str(cache)})
+    """The environment of every glmrt process here (glmrt/env.py's variables unset)."""
+    return clean_env({})
 
 
 @pytest.fixture(scope="session")
