@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
-from glmrt.engine.ranks import ForwardInputs, PlanLink, StateCopy
+from glmrt.engine.ranks import ForwardInputs, PlanLink, RankReport, RankWrite, StateCopy
 from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
 from glmrt.parallel import Parallel
@@ -69,6 +70,9 @@ class ModelRunner:
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
         self.graphs = None  # glmrt.engine.cuda_graphs.DecodeGraphs when enabled
         self.structured = None  # glmrt.engine.structured.StructuredOutput, set by the engine
+        # A PD engine's rank > 0: what posts its part of a handoff's writes and reports them
+        # (actors/rank_handoff.py: RankTransfers; `info`, `write`, `poll`), set by the rank
+        self.rank_transfers = None
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
@@ -303,9 +307,49 @@ class ModelRunner:
             step = self.link.receive()
             if step.op == "stop":
                 return
+            if step.op.startswith("handoff_"):
+                self._follow_handoff(step)
+                continue
             self.run(step, prev_tokens=prev)
             if step.share_tokens:
                 prev = self.share_tokens(None, len(step.slot_ids))
+
+    # ---- a PD handoff on every rank (rank 0 drives, glmrt.engine.ranks) ---------------------
+    _reports = msgspec.msgpack.Decoder(list[RankReport])
+    _encode_reports = msgspec.msgpack.Encoder()
+
+    def _follow_handoff(self, step: ForwardInputs) -> None:
+        """A rank > 0 executes its part of a handoff op that rank 0 published."""
+        xfer = self.rank_transfers
+        if step.op == "handoff_info":
+            self.link.gather_bytes(xfer.info() if xfer is not None else b"")
+        elif step.op == "handoff_write":
+            if xfer is not None:
+                xfer.write(step.writes, self.parallel.rank)
+        elif step.op == "handoff_poll":
+            reports = xfer.poll() if xfer is not None else []
+            self.link.gather_bytes(self._encode_reports.encode(reports))
+        else:
+            raise ValueError(f"unknown op {step.op!r}")
+
+    def gather_transfer_info(self, info: bytes) -> list[bytes]:
+        """Rank 0: every rank's transfer-engine peer info, by rank (`info` is rank 0's own)."""
+        if self.link is None:
+            return [info]
+        self.link.publish(ForwardInputs(op="handoff_info"))
+        return self.link.gather_bytes(info)
+
+    def publish_writes(self, writes: list[RankWrite]) -> None:
+        """Rank 0: ranks > 0 post their parts of these handoffs' writes."""
+        if self.link is not None and writes:
+            self.link.publish(ForwardInputs(op="handoff_write", writes=writes))
+
+    def poll_writes(self) -> list[RankReport]:
+        """Rank 0: the writes ranks > 0 finished (or failed) since the last poll."""
+        if self.link is None:
+            return []
+        self.link.publish(ForwardInputs(op="handoff_poll"))
+        return [r for data in self.link.gather_bytes(b"")[1:] for r in self._reports.decode(data)]
 
     def stop_followers(self) -> None:
         """Rank 0, when the engine ends: the other ranks leave their `follow` loop."""
