@@ -20,7 +20,6 @@ from actors.base import Actor
 from actors.engine_handoff import RANK_POLL_S, HandoffMixin
 from actors.logs import EngineStatsLog
 from actors.request_ledger import RequestLedger
-from glmrt import env
 from glmrt import protocol as P
 
 STATS_S = 1.0
