@@ -139,12 +139,13 @@ class HandoffMixin:
                 self._connect(name, info)
             local = self.source.export(rid, acc.reused_tokens)
             checksum = env.kv_checksum()
+            # NOTE: a transfer id names one write of this engine (its ack is matched by it): one per decode rank
             handles.append(self.xfer.write_components(peers[0], local, acc.components, checksum=checksum,
-                                                      transfer_id=rid))
+                                                      transfer_id=f"{rid}-r0"))
             (shared, mine), (shared_at, theirs) = handoff.split_by_rank(local), handoff.split_by_rank(acc.components)
-            for name in peers[1:]:  # rank 0's copy of the replicated rows, once into every decode rank
+            for r, name in enumerate(peers[1:], start=1):  # rank 0's copy of the replicated rows, into every rank
                 handles.append(self.xfer.write_components(name, shared, shared_at, checksum=checksum,
-                                                          transfer_id=rid))
+                                                          transfer_id=f"{rid}-r{r}"))
         except TransferError as e:
             self._release_handoff(rid)
             return ([(acc.decode, P.HandoffDone(rid=rid, ok=False, reason=str(e)))]

@@ -64,7 +64,8 @@ class RankTransfers:
                 if self._peers.get(peer) != info:
                     self.xfer.connect(peer, info)
                     self._peers[peer] = info
-                handle = self.xfer.write_components(peer, w.local, w.remote, checksum=w.checksum, transfer_id=w.rid)
+                handle = self.xfer.write_components(peer, w.local, w.remote, checksum=w.checksum,
+                                                    transfer_id=f"{w.rid}-r{rank}")
             except TransferError as e:
                 self._failed.append(RankReport(w.rid, False, error=f"rank {rank}: {e}"))
                 continue
