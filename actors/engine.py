@@ -67,6 +67,7 @@ class EngineActor(HandoffMixin, Actor):
         self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
         self._transfers: list = []   # (engine rid, rank 0's write handles) started by the last step
         self._transfer_tasks: set[asyncio.Task] = set()  # their completions, awaited on the loop
+        self._moving: dict = {}  # prefill: engine rid -> engine_handoff.Moving, its state on its way
         if cfg.role != "unified":  # in the step thread: at tp > 1 it is a collective of the ranks
             await loop.run_in_executor(self._executor, self._start_handoff)
         info = dict(self.engine.info())
@@ -94,7 +95,7 @@ class EngineActor(HandoffMixin, Actor):
 
     def busy(self) -> bool:
         return bool(self._routes or self._pending or self._reservations or self._transfer_tasks or self._compiling
-                    or getattr(self, "_moving", None))
+                    or self._moving)
 
     def load(self) -> tuple[float, int, int]:
         s = self.engine.scheduler

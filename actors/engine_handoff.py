@@ -58,7 +58,6 @@ class HandoffMixin:
 
         self.source, self.sink = handoff.HandoffSource(self.engine), handoff.HandoffSink(self.engine)
         self._layout = handoff.handoff_layout(self.engine)
-        self._moving: dict[str, Moving] = {}
         self.xfer = make_transfer_engine(rank_xfer_name(self.spec.actor_id, 0), prefer=env.kv_transfer())
         for tid, t in handoff.pool_tensors(self.engine).items():
             self.xfer.register(tid, t)
@@ -69,7 +68,7 @@ class HandoffMixin:
 
     def ranks_moving(self) -> bool:
         """Whether ranks > 0 still write a handoff (rank 0 polls them soon, not once a second)."""
-        return any(m.rank_parts for m in list(getattr(self, "_moving", {}).values()))
+        return any(m.rank_parts for m in list(self._moving.values()))
 
     def _connect(self, name: str, info: bytes) -> None:
         """Connect to a peer's transfer engine `name`, again when its info changed (it restarted).
@@ -187,7 +186,7 @@ class HandoffMixin:
         if m is None:
             return []
         m.parts -= 1
-        m.rank_parts -= rank_part
+        m.rank_parts -= int(rank_part)
         m.seconds = max(m.seconds, report.seconds)
         if not report.ok:
             m.errors.append(report.error or "unknown error")

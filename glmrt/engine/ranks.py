@@ -9,6 +9,11 @@ every rank enters the forward's collectives with the same shapes, in the same or
 happens on rank 0 alone; a step whose tokens feed the next step's inputs on the device (the
 overlap schedule) broadcasts them, so the other ranks have them too.
 
+A prefill or decode engine adds three ops: rank 0 gathers the ranks' transfer-engine infos
+once (handoff_info), has the other ranks post their KDA shards of a handoff right after its own
+writes (handoff_write, `RankWrite`) and asks which of theirs ended (handoff_poll, `RankReport`,
+gathered on the same link), so every copy a rank makes comes from rank 0's plan.
+
 The inputs travel as msgspec (never pickle) on a torch.distributed broadcast over a gloo group
 (the ranks' own group on the CPU, a second one beside NCCL on a GPU, as SGLang does): a length,
 then the bytes. At tp 1 there is no link and nothing is broadcast.

@@ -33,6 +33,9 @@ from glmrt.parallel import Parallel
 # tile bucket (32, 256, 1024, 4096), multiples of 16 and not, and mhc's one-launch size (1024+).
 PREFILL_WARMUP_SIZES = (1, 31, 32, 255, 256, 1023, 1024, 1100, 4095, 4096, 4097, 8192)
 
+_encoder = msgspec.msgpack.Encoder()
+_reports = msgspec.msgpack.Decoder(list[RankReport])  # a rank's answer to op handoff_poll
+
 PLACEHOLDER = -1
 """An output token sampled on the device whose value the host has not read yet (overlap)."""
 
@@ -315,9 +318,6 @@ class ModelRunner:
                 prev = self.share_tokens(None, len(step.slot_ids))
 
     # ---- a PD handoff on every rank (rank 0 drives, glmrt.engine.ranks) ---------------------
-    _reports = msgspec.msgpack.Decoder(list[RankReport])
-    _encode_reports = msgspec.msgpack.Encoder()
-
     def _follow_handoff(self, step: ForwardInputs) -> None:
         """A rank > 0 executes its part of a handoff op that rank 0 published."""
         xfer = self.rank_transfers
@@ -328,7 +328,7 @@ class ModelRunner:
                 xfer.write(step.writes, self.parallel.rank)
         elif step.op == "handoff_poll":
             reports = xfer.poll() if xfer is not None else []
-            self.link.gather_bytes(self._encode_reports.encode(reports))
+            self.link.gather_bytes(_encoder.encode(reports))
         else:
             raise ValueError(f"unknown op {step.op!r}")
 
@@ -349,7 +349,7 @@ class ModelRunner:
         if self.link is None:
             return []
         self.link.publish(ForwardInputs(op="handoff_poll"))
-        return [r for data in self.link.gather_bytes(b"")[1:] for r in self._reports.decode(data)]
+        return [r for data in self.link.gather_bytes(b"")[1:] for r in _reports.decode(data)]
 
     def stop_followers(self) -> None:
         """Rank 0, when the engine ends: the other ranks leave their `follow` loop."""
