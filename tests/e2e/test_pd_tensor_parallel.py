@@ -96,6 +96,7 @@ def test_tp2_prefill_to_tp2_decode_gives_unified_tokens(pd, one_rank, start_depl
     prefill, decode = engines["prefill/0"], engines["decode/0"]
     assert prefill["handoff_transfers"] == 3 + 3 * 2  # one per choice, once every rank has written its part
     assert decode["handoff_reused_tokens"] > 0  # the shared prefix's pages were not sent again
+    assert prefill["handoff_bytes_sent"] == decode["handoff_bytes_received"] > 0  # every rank's, counted alike
     for e in (prefill, decode):
         # nothing is held by a request: every page is free or the prefix cache's, every slot
         # free or a checkpoint
