@@ -64,7 +64,7 @@ class EngineActor(HandoffMixin, Actor):
         self._vision_since: dict[P.RequestKey, float] = {}          # when either of those began
         self._compiling: set[asyncio.Task] = set()  # requests whose grammar compiles before they are handled
         self.xfer = None
-        self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
+        self._xfer_peers: dict[str, bytes] = {}   # peer transfer engine -> the info we connected with
         self._transfers: list = []   # (engine rid, rank 0's write handles) started by the last step
         self._transfer_tasks: set[asyncio.Task] = set()  # their completions, awaited on the loop
         self._moving: dict = {}  # prefill: engine rid -> engine_handoff.Moving, its state on its way

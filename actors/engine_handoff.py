@@ -55,6 +55,7 @@ class HandoffMixin:
         registered, and every rank's peer info."""
         from glmrt.engine import handoff
         from transport.kv import make_transfer_engine
+        from transport.kv.wire import decode_peer_info
 
         self.source, self.sink = handoff.HandoffSource(self.engine), handoff.HandoffSink(self.engine)
         self._layout = handoff.handoff_layout(self.engine)
@@ -64,6 +65,12 @@ class HandoffMixin:
         infos = self.engine.runner.gather_transfer_info(self.xfer.peer_info())
         if not all(infos):
             raise RuntimeError(f"ranks {[r for r, i in enumerate(infos) if not i]} have no transfer engine")
+        # NOTE: with GLMRT_KV_TRANSFER=auto each rank picks NIXL or zmq itself: refuse a mix at
+        # start, before any request would fail on it
+        backends = [decode_peer_info(i).backend for i in infos]
+        if len(set(backends)) > 1:
+            raise RuntimeError(f"the ranks' transfer engines differ ({', '.join(backends)} by rank); "
+                               "set GLMRT_KV_TRANSFER to one backend")
         self._rank_infos = infos[1:]
 
     def ranks_moving(self) -> bool:
