@@ -1,7 +1,7 @@
 """E2E: prefill tp 2 -> decode tp 2 (four engine processes on the CPU, gloo, one torch thread
 each, the tiny checkpoint in fp32): each prefill rank hands its KDA shard to the decode rank of
 its number and rank 0 the replicated pages once to every decode rank. The same greedy tokens as
-one unified engine of one rank and as one of two ranks, for prompts of several pages, a prefix
+one unified engine of one rank and as one of two ranks, on NIXL and on the zmq fallback, for prompts of several pages, a prefix
 the decode holds already (only the missing pages move) and n = 2; afterwards no page or slot
 is held by a request on any side. A prefill and a decode of different tp sizes are refused at
 start, naming both."""
@@ -75,15 +75,24 @@ def one_rank(tiny_checkpoint):
     return [c[0].output_ids for c in outs]
 
 
-@pytest.fixture(scope="module")
-def pd(start_deployment, tmp_path_factory):
-    d = start_deployment([topology(tmp_path_factory.mktemp("pdtp"), 2, 2), "--dtype", "float32"], name="pd-tp2")
+@pytest.fixture(scope="module", params=["nixl", "zmq"])
+def pd(request, start_deployment, tmp_path_factory, e2e_env):
+    """The pair on either transfer backend (NIXL where it starts here, else skipped)."""
+    if request.param == "nixl":
+        pytest.importorskip("nixl_cu13")
+    e2e_env["GLMRT_KV_TRANSFER"] = request.param
+    try:
+        d = start_deployment([topology(tmp_path_factory.mktemp("pdtp"), 2, 2), "--dtype", "float32"],
+                             name=f"pd-tp2-{request.param}")
+    finally:
+        del e2e_env["GLMRT_KV_TRANSFER"]
+    d.transport = request.param
     yield d
     d.stop(term_wait=10)
 
 
 @pytest.mark.timeout(300)
-def test_tp2_prefill_to_tp2_decode_gives_unified_tokens(pd, one_rank, start_deployment):
+def test_tp2_prefill_to_tp2_decode_gives_unified_tokens(pd, one_rank):
     rows = {a["kind"]: a for a in pd.actors()}
     assert rows["prefill"]["tp"] == rows["decode"]["tp"] == 2
     assert all(len(rows[k]["ranks"]) == 2 for k in ("prefill", "decode"))
@@ -94,6 +103,7 @@ def test_tp2_prefill_to_tp2_decode_gives_unified_tokens(pd, one_rank, start_depl
     time.sleep(1.5)  # engine stats are periodic
     engines = pd.get_json("/server_info")["engines"]
     prefill, decode = engines["prefill/0"], engines["decode/0"]
+    assert prefill["kv_transfer"] == decode["kv_transfer"] == pd.transport
     assert prefill["handoff_transfers"] == 3 + 3 * 2  # one per choice, once every rank has written its part
     assert decode["handoff_reused_tokens"] > 0  # the shared prefix's pages were not sent again
     assert prefill["handoff_bytes_sent"] == decode["handoff_bytes_received"] > 0  # every rank's, counted alike
@@ -103,8 +113,10 @@ def test_tp2_prefill_to_tp2_decode_gives_unified_tokens(pd, one_rank, start_depl
         assert e["running"] == e["waiting"] == 0 and e["slots_live"] == 0, e
         assert e["pages_free"] + e["cached_pages"] + e["checkpoint_pages"] == e["kv_pool_pages"], e
         assert e["slots_free"] + e["slots_checkpoint"] == e["state_pool_slots"], e
-    pd.stop(term_wait=10)
-    # one unified engine of two ranks serves the same tokens
+
+
+@pytest.mark.timeout(300)
+def test_unified_tp2_gives_the_same_tokens(start_deployment, one_rank):
     d = start_deployment(["--tp-size", "2", "--dtype", "float32", "--page-size", str(PS), "--disable-radix-cache"],
                          name="unified-tp2")
     try:
