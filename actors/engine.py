@@ -17,19 +17,18 @@ from typing import Any
 import msgspec
 
 from actors.base import Actor
+from actors.engine_handoff import RANK_POLL_S, HandoffMixin
 from actors.logs import EngineStatsLog
 from actors.request_ledger import RequestLedger
-from glmrt import env
 from glmrt import protocol as P
 
 STATS_S = 1.0
 STOP_RANKS_S = 5.0  # an engine's other ranks have this long to leave after it stops
-HANDOFF_TIMEOUT_S = 30.0
 EARLY_ABORT_S = 60.0
 VISION_TIMEOUT_S = 60.0  # a request whose embeddings take longer (a vision actor died) fails  # how long an abort that came before its request is remembered
 
 
-class EngineActor(Actor):
+class EngineActor(HandoffMixin, Actor):
     kind = "engine"
 
     async def setup(self) -> dict[str, Any]:
@@ -65,11 +64,12 @@ class EngineActor(Actor):
         self._vision_since: dict[P.RequestKey, float] = {}          # when either of those began
         self._compiling: set[asyncio.Task] = set()  # requests whose grammar compiles before they are handled
         self.xfer = None
-        self._xfer_peers: dict[str, bytes] = {}   # peer actor id -> the transfer info we connected with
-        self._transfers: list = []   # (handle, decode id, KVHandoff) started by the last step
+        self._xfer_peers: dict[str, bytes] = {}   # peer transfer engine -> the info we connected with
+        self._transfers: list = []   # (engine rid, rank 0's write handles) started by the last step
         self._transfer_tasks: set[asyncio.Task] = set()  # their completions, awaited on the loop
-        if cfg.role != "unified":
-            self._start_handoff()
+        self._moving: dict = {}  # prefill: engine rid -> engine_handoff.Moving, its state on its way
+        if cfg.role != "unified":  # in the step thread: at tp > 1 it is a collective of the ranks
+            await loop.run_in_executor(self._executor, self._start_handoff)
         info = dict(self.engine.info())
         info.update(tp_size=self.spec.config.tp, ep_size=self.spec.config.ep,
                     ranks=self.ranks.ranks() if self.ranks is not None else
@@ -93,20 +93,9 @@ class EngineActor(Actor):
         from actors.engine_rank import device_names
         return device_names(1, self.spec.gpus)[0] if self.spec.gpus else str(self.engine.model.device)
 
-    def _start_handoff(self) -> None:
-        """Prefill/decode roles: the engine's handoff source and sink, and a transfer engine
-        (transport/kv) with its pools registered."""
-        from glmrt.engine import handoff
-        from transport.kv import make_transfer_engine
-
-        self.source, self.sink = handoff.HandoffSource(self.engine), handoff.HandoffSink(self.engine)
-        self._layout = handoff.handoff_layout(self.engine)
-        self.xfer = make_transfer_engine(self._xfer_name(self.spec.actor_id), prefer=env.kv_transfer())
-        for tid, t in handoff.pool_tensors(self.engine).items():
-            self.xfer.register(tid, t)
-
     def busy(self) -> bool:
-        return bool(self._routes or self._pending or self._reservations or self._transfer_tasks or self._compiling)
+        return bool(self._routes or self._pending or self._reservations or self._transfer_tasks or self._compiling
+                    or self._moving)
 
     def load(self) -> tuple[float, int, int]:
         s = self.engine.scheduler
@@ -229,8 +218,8 @@ class EngineActor(Actor):
             if op == "abort":
                 self._abort(arg)
                 continue
-            if op == "transferred":
-                self.source.transferred(arg)
+            if op == "part":
+                errors += self._pd_part(arg)
                 continue
             if op == "error":
                 m, why = arg
@@ -338,175 +327,10 @@ class EngineActor(Actor):
               for it, f in zip(msg.mm_items, feats)]
         self._pending.append(("add", (msg, mm)))
 
-    # ---- prefill/decode handoff -------------------------------------------------------------
-    #   prefill                                   decode
-    #   first token -> detokenizer (index 0)
-    #   HandoffOffer(prompt, first token, layout) ->  layout check, sink.reserve (pages + slot)
-    #                                             <-  HandoffAccept(ok, reused_tokens, components)
-    #   xfer.write_components(source.export(...)) ->  (the rows land in the reserved pages/slot)
-    #   KVHandoff(components), once written       ->  sink.receive, sink.activate
-    #                                             <-  HandoffDone(ok)
-    #   source.release (state -> prefix cache)        decode continues at output index 1
-    # A refused offer (layout mismatch, no room) or a failed write fails that request cleanly on
-    # both sides (EngineError to the detokenizer; memory freed), never a hang. The _pd_* methods
-    # run in the step thread, so the engine package's source and sink may touch the Engine.
-
-    @staticmethod
-    def _xfer_name(actor_id: str) -> str:
-        return actor_id.replace("/", "-")
-
-    def _connect(self, peer: str, info: bytes) -> None:
-        """Connect to a peer's transfer engine, again when its info changed (it restarted). The
-        decode connects back to the prefill too, so it can acknowledge checksummed writes."""
-        if self._xfer_peers.get(peer) != info:
-            self.xfer.connect(self._xfer_name(peer), info)
-            self._xfer_peers[peer] = info
-
-    def _release_handoff(self, rid: str) -> None:
-        if self.source.holds(rid):
-            self.source.release(rid)
-        self._pd.pop(rid, None)
-
-    def _fail(self, rid: str, status: int, message: str) -> list:
-        route = self._routes.pop(rid, None)
-        self.engine.requests.pop(rid, None)
-        if route is None:
-            return []
-        self._route_gone(route[0])
-        return [(route[1], P.EngineError(key=route[0].request, status=status, message=message))]
-
-    def _pd_offer(self, offer: P.HandoffOffer) -> list:
-        from glmrt.engine import handoff
-        from transport.kv import TransferError
-        reason = handoff.layout_mismatch(self._layout, offer.layout)
-        if reason is None:
-            try:
-                params = offer.sampling.replace(n=1)  # the offer is one choice of the request
-                res = self.sink.reserve(offer.rid, offer.prompt_ids, offer.first_token, params, grammar=offer.grammar)
-            except (handoff.HandoffError, ValueError) as e:
-                reason = str(e)
-        if reason is None:
-            try:
-                self._connect(offer.prefill, offer.transfer_info)
-            except TransferError as e:
-                self.sink.cancel(offer.rid)
-                reason = f"cannot reach the prefill's transfer engine: {e}"
-        if reason is not None:
-            return [(offer.prefill, P.HandoffAccept(rid=offer.rid, ok=False, decode=self.spec.actor_id,
-                                                    reason=reason))]
-        self._reservations[offer.rid] = (offer, time.monotonic())
-        return [(offer.prefill, P.HandoffAccept(
-            rid=offer.rid, ok=True, decode=self.spec.actor_id, reused_tokens=res.reused_tokens,
-            components=res.components, transfer_info=self.xfer.peer_info()))]
-
-    def _pd_accept(self, acc: P.HandoffAccept) -> list:
-        """One-sided write of the state into the decode's reserved rows; KVHandoff follows it."""
-        from transport.kv import TransferError
-        rid = acc.rid
-        if not self.source.holds(rid):
-            return []
-        if not acc.ok:
-            self._release_handoff(rid)
-            return self._fail(rid, 503, f"decode {acc.decode} refused the request: {acc.reason}")
-        try:
-            self._connect(acc.decode, acc.transfer_info)
-            local = self.source.export(rid, acc.reused_tokens)
-            handle = self.xfer.write_components(self._xfer_name(acc.decode), local, acc.components,
-                                                checksum=env.kv_checksum(), transfer_id=rid)
-        except TransferError as e:
-            self._release_handoff(rid)
-            return ([(acc.decode, P.HandoffDone(rid=rid, ok=False, reason=str(e)))]
-                    + self._fail(rid, 503, f"handoff to {acc.decode} failed: {e}"))
-        self._transfers.append((handle, acc.decode, P.KVHandoff(rid=rid, components=acc.components)))
-        return []
-
-    def _watch_transfers(self) -> None:
-        """On the loop, after a step: each one-sided write started in it completes on its own
-        task, so the next steps (and other requests' tokens) never wait behind a transfer."""
-        started, self._transfers = self._transfers, []
-        for handle, decode, msg in started:
-            task = asyncio.ensure_future(self._finish_transfer(handle, decode, msg))
-            self._transfer_tasks.add(task)
-            task.add_done_callback(self._transfer_tasks.discard)
-
-    async def _finish_transfer(self, handle, decode: str, msg: P.KVHandoff) -> None:
-        """When the write completes, tell the decode (or fail the request on both sides)."""
-        result = await self.xfer.wait(handle, timeout=HANDOFF_TIMEOUT_S)
-        if result.ok:
-            self._pending.append(("transferred", result.seconds))  # the step thread counts it
-            await self.send(decode, msg)
-        else:
-            self._pending.append(("done", P.HandoffDone(rid=msg.rid, ok=False,
-                                                        reason=f"state transfer failed: {result.error}")))
-            await self.send(decode, P.HandoffDone(rid=msg.rid, ok=False, reason=result.error))
-            self._wake.set()
-
-    def _pd_kv(self, msg: P.KVHandoff) -> list:
-        from glmrt.engine import handoff
-        entry = self._reservations.pop(msg.rid, None)
-        if entry is None:
-            return []
-        offer, _ = entry
-        try:
-            self.sink.receive(msg.rid, msg.components)
-        except handoff.HandoffError as e:
-            self.sink.cancel(msg.rid)
-            return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=False, reason=str(e))),
-                    (offer.detokenizer, P.EngineError(key=offer.key.request, status=503,
-                                                      message=f"handoff failed: {e}"))]
-        self.sink.activate(msg.rid, cached_tokens=offer.cached_tokens)
-        self._routes[msg.rid] = (offer.key, offer.detokenizer)
-        self.ledger.hold(offer.key.request, offer.detokenize)
-        return [(offer.prefill, P.HandoffDone(rid=msg.rid, ok=True))]
-
-    def _pd_done(self, done: P.HandoffDone) -> list:
-        rid = done.rid
-        if rid in self._reservations:  # decode side: the prefill's write failed
-            del self._reservations[rid]
-            self.sink.cancel(rid)
-            return []
-        self._release_handoff(rid)
-        if done.ok:
-            route = self._routes.pop(rid, None)  # the decode side serves it now
-            self.engine.requests.pop(rid, None)
-            if route is not None:
-                self._route_gone(route[0])
-            return []
-        return self._fail(rid, 503, f"handoff to decode failed: {done.reason}")
-
-    def _grammar_of(self, rid: str):
-        req = self.engine.handoffs.get(rid) or self.engine.requests.get(rid)
-        return req.grammar if req is not None else None
-
-    def _offers(self, outs) -> list:
-        """Prefill: every request that just produced its first token goes to its decode."""
-        msgs = []
-        now = time.monotonic()
-        for o in outs:
-            if o.finish_reason != "handoff" or not self.source.holds(o.rid):
-                continue
-            decode, sampling, _ = self._pd[o.rid]
-            parked = self.source.parked(o.rid)
-            key, detok = self._routes[o.rid]
-            self._pd[o.rid] = (decode, sampling, now)
-            msgs.append((decode, P.HandoffOffer(
-                rid=o.rid, key=key, prompt_ids=parked.prompt_ids,
-                first_token=parked.first_token, sampling=sampling, detokenizer=detok,
-                prefill=self.spec.actor_id, layout=self._layout, transfer_info=self.xfer.peer_info(),
-                cached_tokens=parked.cached_tokens, detokenize=self.ledger.detokenize.get(key.request),
-                grammar=self._grammar_of(o.rid))))
-        for rid, (_, t) in list(self._reservations.items()):  # a prefill that never sends the state
-            if now - t > HANDOFF_TIMEOUT_S:
-                self.sink.cancel(rid)
-                del self._reservations[rid]
-        for rid, (decode, _, t) in list(self._pd.items()):  # a decode that never answers
-            if t is not None and now - t > HANDOFF_TIMEOUT_S and self.source.holds(rid):
-                self._release_handoff(rid)
-                msgs += self._fail(rid, 503, f"handoff to {decode} timed out")
-        return msgs
-
     def _step(self) -> tuple[list, list]:
         errors = self._apply_pending()
+        if self.xfer is not None:
+            errors += self._poll_ranks()
         outs = self.engine.step() if self.engine.has_work() else []
         batches: dict[str, list[P.TokenOut]] = {}
         prompt_cached = self._prompt_cached
@@ -552,7 +376,8 @@ class EngineActor(Actor):
             if not self._pending and not self.engine.has_work():
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=STATS_S)
+                    await asyncio.wait_for(self._wake.wait(),
+                                           timeout=RANK_POLL_S if self.ranks_moving() else STATS_S)
                 except asyncio.TimeoutError:
                     pass
             errors, batches = await loop.run_in_executor(self._executor, self._step)

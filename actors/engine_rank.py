@@ -177,8 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(0)
     parallel, link = join_group(spec.rank, spec.tp_size, spec.ep_size, spec.rendezvous, device)
     rank = ModelRank(spec.engine, log=log.debug, parallel=parallel, link=link)
+    transfers = None
+    if spec.engine.role != "unified":  # a PD engine: this rank writes (or receives) its own share
+        from actors.engine_handoff import HANDOFF_TIMEOUT_S
+        from actors.rank_handoff import RankTransfers
+        transfers = rank.runner.rank_transfers = RankTransfers(spec.actor_id, spec.rank, rank, HANDOFF_TIMEOUT_S)
     log.info("rank %d of %d ready on %s", spec.rank, spec.tp_size, device)
-    rank.follow()
+    try:
+        rank.follow()
+    finally:
+        if transfers is not None:
+            transfers.close()
     leave_group()
     return 0
 

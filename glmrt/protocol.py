@@ -462,7 +462,8 @@ class HandoffAccept(Msg):
     reason: str | None = None
     reused_tokens: int = 0
     components: list[AnyStateComponent] = []
-    transfer_info: bytes = b""  # the decode's transfer-engine peer info
+    transfer_info: bytes = b""  # the decode's transfer-engine peer info (its rank 0's)
+    rank_transfer_info: list[bytes] = []  # tp > 1: ranks 1.. of the decode, by rank
 
 
 class KVHandoff(Msg):

@@ -386,13 +386,13 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
 
 
 def _check_pd_parallel(topo: Topology, num_gpus: int | None) -> None:
-    """A prefill and a decode: their tp sizes must match (a decode takes the prefill's pages and
-    state as its ranks hold them; resharding between sizes is not built), and an engine of
-    several ranks cannot hand its state over yet at all (`_check_parallel`)."""
+    """A prefill and a decode: their tp sizes must match (each prefill rank hands its own share
+    of the state to the decode rank of the same number; resharding between sizes is not built)."""
     pre, dec = topo.actor("prefill"), topo.actor("decode")
     if pre is not None and dec is not None and pre.tp != dec.tp and min(pre.tp, dec.tp) >= 1:
-        raise TopologyError(f"prefill tp = {pre.tp} and decode tp = {dec.tp} differ: a decode takes the prefill's "
-                            "pages and state as its ranks hold them, and resharding between tp sizes is not built; "
+        raise TopologyError(f"prefill tp = {pre.tp} and decode tp = {dec.tp} differ: each prefill rank hands its "
+                            "share of the state to the decode rank of the same number, and resharding between tp "
+                            "sizes is not built; "
                             "give both the same tp")
     for a in (pre, dec):
         if a is not None:
@@ -412,9 +412,6 @@ def _check_parallel(a: ActorSpec, num_gpus: int | None) -> None:
     if a.ep not in (1, a.tp):
         raise TopologyError(f"{a.kind}: ep = {a.ep} must be 1 or tp ({a.tp}): experts are either split by "
                             "intermediate size on every rank or spread whole over the tp ranks")
-    if a.kind != "engine":
-        raise TopologyError(f"{a.kind}: tp = {a.tp} — a prefill or decode engine of several ranks cannot hand its "
-                            "state over yet; run prefill and decode with tp = 1, or one engine with tp")
     if a.process is not None:
         raise TopologyError(f"{a.kind}: process = {a.process!r} co-locates actors in one process; an engine of "
                             f"tp {a.tp} runs {a.tp} processes")

@@ -9,6 +9,11 @@ every rank enters the forward's collectives with the same shapes, in the same or
 happens on rank 0 alone; a step whose tokens feed the next step's inputs on the device (the
 overlap schedule) broadcasts them, so the other ranks have them too.
 
+A prefill or decode engine adds three ops: rank 0 gathers the ranks' transfer-engine infos
+once (handoff_info), has the other ranks post their KDA shards of a handoff right after its own
+writes (handoff_write, `RankWrite`) and asks which of theirs ended (handoff_poll, `RankReport`,
+gathered on the same link), so every copy a rank makes comes from rank 0's plan.
+
 The inputs travel as msgspec (never pickle) on a torch.distributed broadcast over a gloo group
 (the ranks' own group on the CPU, a second one beside NCCL on a GPU, as SGLang does): a length,
 then the bytes. At tp 1 there is no link and nothing is broadcast.
@@ -23,6 +28,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from glmrt import protocol as P
 from glmrt.parallel import Parallel
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a rank loads its weights before the first collective
@@ -38,11 +44,38 @@ class StateCopy(msgspec.Struct, array_like=True):
     dst_page: int | None = None
 
 
+class RankWrite(msgspec.Struct, array_like=True):
+    """PD prefill: one request's KDA shard that every rank r > 0 writes from its own pools into
+    the same-numbered rank of the decode group (rank 0 writes its own shard and the replicated
+    rows itself). Rows are rank 0's allocation on both sides, so they are the same on every rank."""
+
+    rid: str
+    peers: list[str]
+    """The decode ranks' transfer-engine names, by rank."""
+    infos: list[bytes]
+    """Their peer infos, by rank (a rank connects again when one changed: a restarted decode)."""
+    local: list[P.AnyStateComponent]
+    remote: list[P.AnyStateComponent]
+    checksum: bool = False
+
+
+class RankReport(msgspec.Struct, array_like=True):
+    """A rank's answer to op "handoff_poll": one of its writes finished (or failed, or timed out)."""
+
+    rid: str
+    ok: bool
+    seconds: float = 0.0
+    error: str | None = None
+
+
 class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step runs on every rank (op "forward"), or a command to all of them."""
 
     op: str = "forward"
-    """forward | capture (decode CUDA graphs, in `graphs`' order) | stop (the engine ends)."""
+    """forward | capture (decode CUDA graphs, in `graphs`' order) | stop (the engine ends) |
+    handoff_info (each rank gives rank 0 its transfer engine's peer info) | handoff_write (each
+    rank > 0 posts its part of `writes`) | handoff_poll (each rank > 0 reports the writes that
+    finished, `RankReport`s)."""
     ids: list[int] = []
     """Input token ids of the flat batch (a row fed from the previous step's tokens holds 0)."""
     prefix_lens: list[int] = []
@@ -71,6 +104,8 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Full hits: sampled from the hidden state kept in each slot, after the forward's rows."""
     sample_order: list[int] | None = None
     """With full hits: the sampled rows in plan order, as indices into [forward rows; hit rows]."""
+    writes: list[RankWrite] = []
+    """op handoff_write: the PD state writes ranks > 0 post (their KDA shards)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -95,6 +130,21 @@ class PlanLink:
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(buf, group_src=0, group=self.group)
         return _decoder.decode(buf.numpy().tobytes())
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, by rank (on every rank: gloo's all_gather; sizes first, then the
+        bytes padded to the longest)."""
+        world = self.parallel.tp_size
+        size = torch.tensor([len(data)], dtype=torch.long)
+        sizes = [torch.empty(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(bufs, buf, group=self.group)
+        return [b[:int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes)]
 
     def agree_min(self, value: int) -> int:
         """The smallest `value` over the ranks (each rank's cache budget: one pool size for all)."""

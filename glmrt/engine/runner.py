@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
-from glmrt.engine.ranks import ForwardInputs, PlanLink, StateCopy
+from glmrt.engine.ranks import ForwardInputs, PlanLink, RankReport, RankWrite, StateCopy
 from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
 from glmrt.parallel import Parallel
@@ -31,6 +32,9 @@ from glmrt.parallel import Parallel
 # Token counts warm_prefill runs (up to the chunked-prefill size): both sides of each fused-MoE
 # tile bucket (32, 256, 1024, 4096), multiples of 16 and not, and mhc's one-launch size (1024+).
 PREFILL_WARMUP_SIZES = (1, 31, 32, 255, 256, 1023, 1024, 1100, 4095, 4096, 4097, 8192)
+
+_encoder = msgspec.msgpack.Encoder()
+_reports = msgspec.msgpack.Decoder(list[RankReport])  # a rank's answer to op handoff_poll
 
 PLACEHOLDER = -1
 """An output token sampled on the device whose value the host has not read yet (overlap)."""
@@ -69,6 +73,9 @@ class ModelRunner:
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
         self.graphs = None  # glmrt.engine.cuda_graphs.DecodeGraphs when enabled
         self.structured = None  # glmrt.engine.structured.StructuredOutput, set by the engine
+        # A PD engine's rank > 0: what posts its part of a handoff's writes and reports them
+        # (actors/rank_handoff.py: RankTransfers; `info`, `write`, `poll`), set by the rank
+        self.rank_transfers = None
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
@@ -303,9 +310,46 @@ class ModelRunner:
             step = self.link.receive()
             if step.op == "stop":
                 return
+            if step.op.startswith("handoff_"):
+                self._follow_handoff(step)
+                continue
             self.run(step, prev_tokens=prev)
             if step.share_tokens:
                 prev = self.share_tokens(None, len(step.slot_ids))
+
+    # ---- a PD handoff on every rank (rank 0 drives, glmrt.engine.ranks) ---------------------
+    def _follow_handoff(self, step: ForwardInputs) -> None:
+        """A rank > 0 executes its part of a handoff op that rank 0 published."""
+        xfer = self.rank_transfers
+        if step.op == "handoff_info":
+            self.link.gather_bytes(xfer.info() if xfer is not None else b"")
+        elif step.op == "handoff_write":
+            if xfer is not None:
+                xfer.write(step.writes, self.parallel.rank)
+        elif step.op == "handoff_poll":
+            reports = xfer.poll() if xfer is not None else []
+            self.link.gather_bytes(_encoder.encode(reports))
+        else:
+            raise ValueError(f"unknown op {step.op!r}")
+
+    def gather_transfer_info(self, info: bytes) -> list[bytes]:
+        """Rank 0: every rank's transfer-engine peer info, by rank (`info` is rank 0's own)."""
+        if self.link is None:
+            return [info]
+        self.link.publish(ForwardInputs(op="handoff_info"))
+        return self.link.gather_bytes(info)
+
+    def publish_writes(self, writes: list[RankWrite]) -> None:
+        """Rank 0: ranks > 0 post their parts of these handoffs' writes."""
+        if self.link is not None and writes:
+            self.link.publish(ForwardInputs(op="handoff_write", writes=writes))
+
+    def poll_writes(self) -> list[RankReport]:
+        """Rank 0: the writes ranks > 0 finished (or failed) since the last poll."""
+        if self.link is None:
+            return []
+        self.link.publish(ForwardInputs(op="handoff_poll"))
+        return [r for data in self.link.gather_bytes(b"")[1:] for r in _reports.decode(data)]
 
     def stop_followers(self) -> None:
         """Rank 0, when the engine ends: the other ranks leave their `follow` loop."""

@@ -246,15 +246,20 @@ class WorkerEngine:
         try:
             return await asyncio.wait_for(fut, timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            seconds = time.perf_counter() - handle.posted_at if handle.posted_at else float(timeout)
-            failed = TransferResult(False, 0, seconds, None,
-                                    f"timed out after {timeout:g} s writing {handle.num_bytes} bytes to {handle.peer!r}")
-            if handle._finish(failed):
-                try:
-                    self._submit(self._do_abandon, handle, reply=False)
-                except TransferError:
-                    pass
-            return handle._result  # type: ignore[return-value]
+            return self.abandon(handle, timeout)
+
+    def abandon(self, handle: TransferHandle, timeout: float) -> TransferResult:
+        """Give up on a write not done within `timeout` (from any thread, without a loop: a rank
+        that polls its writes) -> its result: the timeout's failure, or what it ended with first."""
+        seconds = time.perf_counter() - handle.posted_at if handle.posted_at else float(timeout)
+        failed = TransferResult(False, 0, seconds, None,
+                                f"timed out after {timeout:g} s writing {handle.num_bytes} bytes to {handle.peer!r}")
+        if handle._finish(failed):
+            try:
+                self._submit(self._do_abandon, handle, reply=False)
+            except TransferError:
+                pass
+        return handle._result  # type: ignore[return-value]
 
     def incoming(self) -> list[Incoming]:
         out: list[Incoming] = []

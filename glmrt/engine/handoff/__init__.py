@@ -27,13 +27,15 @@ from glmrt.engine.handoff.components import (
     handoff_layout,
     layout_mismatch,
     pool_tensors,
+    split_by_rank,
     state_components,
 )
 from glmrt.engine.handoff.sink import HandoffSink, Reservation
 from glmrt.engine.handoff.source import HandoffSource, Parked
 
 __all__ = ["HandoffError", "HandoffSink", "HandoffSource", "Parked", "Reservation", "copy_in_process",
-           "copy_rows", "handoff_layout", "layout_mismatch", "pool_tensors", "state_components"]
+           "copy_rows", "handoff_layout", "layout_mismatch", "pool_tensors", "split_by_rank",
+           "state_components"]
 
 
 def copy_in_process(source: HandoffSource, sink: HandoffSink, rid: str) -> int:

@@ -12,6 +12,9 @@ from glmrt import protocol as P
 
 PAGE_KINDS = (P.MLALatentPages, P.IndexerKeyPages)
 SLOT_KINDS = (P.IndexerTail, P.KDAConv, P.KDARecurrent)
+# On an engine of several ranks KDA is split by head: each rank's pools hold their own share of
+# these; every other component is replicated, the same bytes on every rank.
+PER_RANK_KINDS = (P.KDAConv, P.KDARecurrent)
 
 
 class HandoffError(RuntimeError):
@@ -37,6 +40,12 @@ def state_components(pools: dict[str, torch.Tensor], pages: list[int], slot: int
     (no page components when every page is already on the decode side)."""
     rows = [(kind, list(pages)) for kind in PAGE_KINDS if pages] + [(kind, [slot]) for kind in SLOT_KINDS]
     return [kind(rows=r, num_bytes=_rows_bytes(pools, kind, len(r))) for kind, r in rows]
+
+
+def split_by_rank(components: list[P.AnyStateComponent]) -> tuple[list, list]:
+    """-> (the replicated components, the per-rank ones), each in order."""
+    mine = [c for c in components if isinstance(c, PER_RANK_KINDS)]
+    return [c for c in components if not isinstance(c, PER_RANK_KINDS)], mine
 
 
 def copy_rows(src_pools: dict[str, torch.Tensor], src: list[P.AnyStateComponent],

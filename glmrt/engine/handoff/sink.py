@@ -74,14 +74,14 @@ class HandoffSink:
 
     def receive(self, rid: str, components: list[P.AnyStateComponent]) -> int:
         """The prefill says `components` are written: they must be exactly the reserved rows.
-        Returns the bytes received."""
+        Returns the bytes received (by rank 0; the counter counts every rank's)."""
         want = self._reserved[rid].components
         if components != want:
             raise HandoffError(f"the state written is not the reservation: got "
                                f"{[(c.kind, c.rows) for c in components]}, reserved {[(c.kind, c.rows) for c in want]}")
         moved = sum(c.num_bytes for c in components)
         c = self.engine.counters
-        c["handoff_bytes_received"] = c.get("handoff_bytes_received", 0) + moved
+        c["handoff_bytes_received"] = c.get("handoff_bytes_received", 0) + moved * self.engine.parallel.tp_size
         return moved
 
     def activate(self, rid: str, cached_tokens: int | None = None) -> None:

@@ -40,7 +40,9 @@ class HandoffSource:
         pages = req.pages[reused_tokens // ps:-(-req.num_computed // ps)]
         comps = state_components(pool_tensors(engine), pages, req.slot)
         c = engine.counters
-        c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sum(x.num_bytes for x in comps)
+        # over tp ranks every decode rank gets as much: the replicated rows and its shard, of one size
+        sent = sum(x.num_bytes for x in comps) * engine.parallel.tp_size
+        c["handoff_bytes_sent"] = c.get("handoff_bytes_sent", 0) + sent
         return comps
 
     def transferred(self, seconds: float) -> None:
