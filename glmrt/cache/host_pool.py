@@ -11,6 +11,13 @@ rank's host tier mirrors whatever that rank's pools hold. Copies run on a copy s
 own on CUDA (host memory pinned), plain copies on the CPU; each copy returns a ticket, done
 when `ready(ticket)`. The compute stream waits for the copy stream (`fence`) before it may
 write device rows a copy still reads or writes.
+
+On an engine of several ranks every rank has a pool of the same rows holding its own shard
+(its KDA heads; its own copy of the replicated MLA latent pages and indexer keys). Rank 0's
+tier decides every copy; its pool keeps a journal of them (`take_journal`), which travels in
+the next step's ForwardInputs, and the other ranks `replay` it before that step's forward:
+the same copies and fences in the same order against the same device state, so tickets are
+numbered alike on every rank and rank 0's "done" tickets name the same copies everywhere.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class HostPool:
         self._tickets: dict[int, torch.cuda.Event] = {}
         self._keep: dict[int, list[torch.Tensor]] = {}   # staging tensors alive until their copy is done
         self._next = 1
+        self.journal: list[tuple[str, list, list]] | None = None  # rank 0 of several: what the others replay
+        self._done: list[int] = []  # with a journal: tickets seen finished since the last take_journal
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +104,8 @@ class HostPool:
     def _copy(self, pages, slots, to_host: bool) -> int:
         ticket = self._next
         self._next += 1
+        if self.journal is not None:
+            self.journal.append(("store" if to_host else "load", list(pages), list(slots)))
         if self.stream is None:
             self._do_copy(pages, slots, to_host, [])
             return ticket
@@ -138,23 +149,51 @@ class HostPool:
             return True
         if not ev.query():
             return False
+        self._forget(ticket)
+        return True
+
+    def _forget(self, ticket: int) -> None:
         del self._tickets[ticket]
         self._keep.pop(ticket, None)
-        return True
+        if self.journal is not None:
+            self._done.append(ticket)
 
     def _reap(self) -> None:
         """Forget the copies that have finished (stores are never asked about: their staging
         tensors go here)."""
         for t in [t for t, ev in self._tickets.items() if ev.query()]:
-            del self._tickets[t]
-            self._keep.pop(t, None)
+            self._forget(t)
 
     def fence(self) -> None:
         """The compute stream waits for every copy issued so far (before it reuses their rows)."""
+        if self.journal is not None and self.stream is not None and (not self.journal or self.journal[-1][0] != "fence"):
+            self.journal.append(("fence", [], []))
         if self.stream is not None:
             self._reap()
             if self._tickets:
                 torch.cuda.current_stream().wait_stream(self.stream)
+
+    # ---- the other ranks of an engine of several -------------------------------------------
+    def take_journal(self) -> tuple[list[tuple[str, list, list]], list[int]]:
+        """Rank 0: the copies and fences issued since the last call, and the tickets seen
+        finished since then (the step about to run may read their rows)."""
+        ops, done = self.journal, self._done
+        self.journal, self._done = [], []
+        return ops, done
+
+    def replay(self, ops, done: list[int]) -> None:
+        """Another rank: perform rank 0's journal on this rank's shard, then make the compute
+        stream wait for the copies rank 0 saw finish (the coming forward reads their rows;
+        the rest stay on the copy stream, as on rank 0)."""
+        for op, pages, slots in ops:
+            if op == "fence":
+                self.fence()
+            else:
+                self._copy(pages, slots, to_host=op == "store")
+        for t in done:
+            ev = self._tickets.get(t)
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev)
 
     def synchronize(self) -> None:
         if self.stream is not None:

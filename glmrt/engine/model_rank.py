@@ -77,6 +77,8 @@ class ModelRank:
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
                                          tp_size=tp_size)
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
+        self.host_pool = self._host_pool(config, link) if config.enable_hierarchical_cache else None
+        self.runner.host_pool = self.host_pool
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
         self.device_name, self.dtype_name, self.kv_dtype = device, dtype_name, kv_dtype
@@ -84,6 +86,21 @@ class ModelRank:
             max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
             self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
                                       pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+
+    def _host_pool(self, config: EngineConfig, link: PlanLink | None):
+        """This rank's rows of the host tier (rank 0's tier decides the copies on every rank)."""
+        from glmrt.cache.host_tier import build_host_pool
+
+        several = self.parallel.active
+        if several and config.hicache_storage_dir is not None:
+            # each rank would need its own files, kept in step with rank 0's index of them
+            raise ValueError(f"--hicache-storage-dir: the disk tier of an engine of several ranks is not built "
+                             f"(tp = {self.parallel.tp_size}); run it with tp = 1, or the host tier alone")
+        pool = build_host_pool(self.cache, int(config.hicache_size * 1e9), config.hicache_ratio,
+                               link if several else None)
+        if several and self.parallel.rank == 0:
+            pool.journal = []  # its copies travel to the other ranks with the next step
+        return pool
 
     def _load_model(self, device: str):
         from glmrt.model.loader import load_checkpoint, load_dummy

@@ -38,6 +38,17 @@ class StateCopy(msgspec.Struct, array_like=True):
     dst_page: int | None = None
 
 
+class HostCopy(msgspec.Struct, array_like=True):
+    """One host-tier operation rank 0 issued since the previous step (glmrt.cache.host_pool):
+    a store (device -> host) or load (host -> device) of (from row, to row) page and slot
+    pairs, or a fence (the compute stream waits for the copies issued so far). Every other rank
+    performs the same ones, in the same order, on its own shard, before the step's forward."""
+
+    op: str
+    pages: list[tuple[int, int]] = []
+    slots: list[tuple[int, int]] = []
+
+
 class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step runs on every rank (op "forward"), or a command to all of them."""
 
@@ -71,6 +82,11 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Full hits: sampled from the hidden state kept in each slot, after the forward's rows."""
     sample_order: list[int] | None = None
     """With full hits: the sampled rows in plan order, as indices into [forward rows; hit rows]."""
+    host_copies: list[HostCopy] = []
+    """The host tier's copies and fences rank 0 issued since the previous step, in order."""
+    host_ready: list[int] = []
+    """Host-tier copies (tickets, numbered alike on every rank) rank 0 has seen finish since the
+    previous step: the forward may read their rows, so the other ranks' compute waits for them."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -95,6 +111,13 @@ class PlanLink:
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.broadcast(buf, group_src=0, group=self.group)
         return _decoder.decode(buf.numpy().tobytes())
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (one length on all ranks), in rank order."""
+        mine = torch.tensor(values, dtype=torch.long)
+        out = [torch.empty_like(mine) for _ in range(self.parallel.tp_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
 
     def agree_min(self, value: int) -> int:
         """The smallest `value` over the ranks (each rank's cache budget: one pool size for all)."""

@@ -11,6 +11,8 @@ A plan is first turned into `ForwardInputs` (glmrt.engine.ranks: host values onl
 `run` executes: the copies, the forward (eager or a decode graph), the copies after. On an
 engine of several ranks rank 0 builds them and `run` publishes them before executing; the
 other ranks execute what they receive with the same `run` (`follow`). Sampling is rank 0's.
+The host tier's copies are issued by rank 0's tier as its scheduler decides them; the next
+published step carries them (`host_copies`), and the other ranks perform them first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
-from glmrt.engine.ranks import ForwardInputs, PlanLink, StateCopy
+from glmrt.engine.ranks import ForwardInputs, HostCopy, PlanLink, StateCopy
 from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
 from glmrt.parallel import Parallel
@@ -69,6 +71,7 @@ class ModelRunner:
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
         self.graphs = None  # glmrt.engine.cuda_graphs.DecodeGraphs when enabled
         self.structured = None  # glmrt.engine.structured.StructuredOutput, set by the engine
+        self.host_pool = None  # glmrt.cache.host_pool.HostPool: this rank's host tier rows, or None
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
@@ -243,7 +246,13 @@ class ModelRunner:
         `logits_rows` (None for a command). `feats`: rank 0's vision features of
         `step.embed_rows`; `prev_tokens`: the previous shared tokens `step.src_rows` index."""
         if self.link is not None and self.parallel.rank == 0:
+            if self.host_pool is not None:  # the tier's copies since the last step, for the other ranks
+                ops, done = self.host_pool.take_journal()
+                step.host_copies = [HostCopy(*op) for op in ops]
+                step.host_ready = done
             self.link.publish(step)
+        elif step.host_copies or step.host_ready:
+            self.host_pool.replay([(c.op, c.pages, c.slots) for c in step.host_copies], step.host_ready)
         if step.op == "capture":
             self.graphs.warmup(step.graphs)
             return None

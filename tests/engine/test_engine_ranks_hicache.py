@@ -1,0 +1,174 @@
+"""The host tier on an engine of two ranks (two processes, gloo, on the CPU): rank 0's tier
+decides every copy and rank 1 performs the same ones from the step inputs, on its own shard.
+
+A device pool so small that each conversation's prefix goes to the host between its turns:
+later turns hit the host and every greedy token equals a one-rank engine without a prefix
+cache; an exact repeat whose state is only on the host is a full hit; the two ranks' own
+copies of the replicated MLA latent pages and indexer keys are equal row for row on the host;
+aborts and retractions while loads are in flight leave nothing held on either tier."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from tests.engine.test_engine import PS, assert_same, greedy, make, toks  # noqa: E402
+from tests.engine.test_engine_hicache import conversations, serve, slow_copies  # noqa: E402
+
+
+def _pool_gb(ckpt: str, slots: int, pages: int) -> float:
+    """A state pool of `slots` and a KV pool of `pages` on each of two ranks."""
+    from glmrt.cache.layout import CacheLayout
+    from glmrt.config import load_model_config
+    lay = CacheLayout.from_config(load_model_config(ckpt).text, page_size=PS, kv_dtype="float32",
+                                  state_dtype="float32", model_dtype="float32", tp_size=2)
+    return (slots * lay.state_bytes_per_slot + pages * lay.kv_bytes_per_page) / 2**30
+
+
+def _configs(ckpt: str) -> dict:
+    from glmrt.engine.config import EngineConfig
+    common = dict(model=ckpt, page_size=PS, enable_hierarchical_cache=True)
+    return {"turns": EngineConfig(**common, max_mamba_cache_size=6, cache_memory_gb=_pool_gb(ckpt, 6, 14),
+                                  hicache_ratio=8.0),
+            "churn": EngineConfig(**common, max_mamba_cache_size=8, cache_memory_gb=_pool_gb(ckpt, 8, 12),
+                                  hicache_ratio=6.0, hicache_write_policy="write_back", chunked_prefill_size=16,
+                                  max_prefill_tokens=40)}
+
+
+def _offload_all(engine) -> None:
+    engine.tree.evict(need_pages=engine.pages.num_pages, need_slots=engine.slots.num_slots)
+
+
+def _turns(e) -> dict:
+    got = serve(e, conversations())
+    _offload_all(e)  # the first prompt's state now only on the host
+    again = e.generate([got[0].prompt_ids], greedy(6))[0][0]
+    e.check_invariants()
+    info = e.info()
+    return {"tokens": [c.output_ids for c in got], "cached": [c.cached_tokens for c in got],
+            "again": again.output_ids, "again_cached": again.cached_tokens,
+            "host_hit_tokens": info["host_hit_tokens"], "host_load_bytes": info["host_load_bytes"]}
+
+
+def _churn(e) -> dict:
+    from glmrt.sampling_params import SamplingParams
+    slow_copies(e, 3)  # loads stay in flight for steps: aborts and retractions land on waiting requests
+    rng = random.Random(1)
+    aborted_waiting = 0
+    shared = [toks(3000 + i, 28) for i in range(4)]
+    live: list[str] = []
+    for i in range(60):
+        for _ in range(rng.randrange(0, 4)):
+            prompt = rng.choice(shared)[: rng.randrange(8, 29)] + toks(3100 + i, rng.randrange(0, 6))
+            live += e.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 10),
+                                                         ignore_eos=True, n=rng.choice([1, 1, 2])))
+        loading = [r for r in live if e.requests[r].waits]
+        if live and rng.random() < 0.3:
+            rid = rng.choice(loading) if loading and rng.random() < 0.5 else rng.choice(live)
+            live.remove(rid)
+            aborted_waiting += bool(e.requests[rid].waits)
+            e.abort(rid)
+        if rng.random() < 0.2:
+            _offload_all(e)
+        e.step()
+        e.check_invariants()
+        live = [r for r in live if not e.requests[r].finished]
+        for rid in [r for r, q in e.requests.items() if q.finished]:
+            del e.requests[rid]
+    while e.has_work():
+        e.step()
+    counts = {"host_loads": e.info()["host_loads"], "retractions": e.counters["retractions"],
+              "aborted": e.counters["aborted"], "aborted_waiting": aborted_waiting}
+    e.flush_cache()
+    e.check_invariants()
+    host = e.tree.host
+    counts["leaked"] = [e.pages.num_used, e.slots.num_slots - e.slots.num_free,
+                        host.pages.num_used, host.slots.num_slots - host.slots.num_free]
+    return counts
+
+
+def _replicated_rows_differ(link, pool) -> dict:
+    """Collective: how far rank 1's host copy of the replicated tensors is from rank 0's (and
+    how much rank 0's holds, so an all-zero pair does not pass for equal)."""
+    import torch.distributed as dist
+    out = {}
+    for name in ("latent", "pooled"):
+        mine = pool.tensors[name].float().contiguous()
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine, group=link.group)
+        out[name] = [float((both[0] - both[1]).abs().max()), float(both[0].abs().max())]
+    return out
+
+
+def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
+    torch.set_num_threads(1)
+    from glmrt.engine.engine import Engine
+    from glmrt.engine.model_rank import ModelRank
+    from glmrt.engine.ranks import join_group, leave_group
+    parallel, link = join_group(rank, 2, 1, rendezvous, "cpu")
+    out = {}
+    for name, cfg in _configs(ckpt).items():
+        if rank:
+            r = ModelRank(cfg, log=lambda *a: None, parallel=parallel, link=link)
+            r.follow()
+            _replicated_rows_differ(link, r.host_pool)
+        else:
+            e = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
+            out[name] = (_turns if name == "turns" else _churn)(e)
+            e.runner.stop_followers()
+            out[name]["replicated"] = _replicated_rows_differ(link, e.host_pool)
+    if not rank:
+        with open(result, "w") as f:
+            json.dump(out, f)
+    leave_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hicache-ranks")
+    result = str(d / "result.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "rendezvous"), ckpt, result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    with open(result) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_hit_the_host_tier_with_the_cold_tokens(ckpt, model, two_ranks):
+    cold = serve(make(ckpt, model, disable_radix_cache=True), conversations())
+    got = two_ranks["turns"]
+
+    class Out:  # assert_same compares output_ids against the reference's
+        def __init__(self, ids):
+            self.output_ids = ids
+
+    assert_same([Out(t) for t in got["tokens"]], cold)
+    n = len(conversations())
+    assert all(c > 0 for c in got["cached"][n:])  # later turns: prefixes back from the host
+    assert got["host_hit_tokens"] >= sum(got["cached"][n:]) and got["host_load_bytes"] > 0
+    assert got["again_cached"] == len(cold[0].prompt_ids)  # a full hit from the host
+    assert_same([Out(got["again"])], [cold[0]])
+    for case in ("turns", "churn"):
+        for name, (diff, size) in two_ranks[case]["replicated"].items():
+            assert size > 0 and diff <= 1e-5 * size, (case, name, diff, size)
+
+
+def test_two_ranks_leave_nothing_on_either_tier_after_aborts(two_ranks):
+    got = two_ranks["churn"]
+    assert got["host_loads"] > 0 and got["retractions"] > 0 and got["aborted"] > 0
+    assert got["aborted_waiting"] > 0, "no abort hit a request whose load was in flight"
+    assert got["leaked"] == [0, 0, 0, 0]
