@@ -5,13 +5,15 @@ A device pool so small that each conversation's prefix goes to the host between 
 later turns hit the host and every greedy token equals a one-rank engine without a prefix
 cache; an exact repeat whose state is only on the host is a full hit; the two ranks' own
 copies of the replicated MLA latent pages and indexer keys are equal row for row on the host;
-aborts and retractions while loads are in flight leave nothing held on either tier."""
+aborts and retractions while loads are in flight leave nothing held on either tier; a tier
+that fits in host memory once but not once per rank is refused."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
 import random
+import re
 
 import pytest
 import torch
@@ -123,6 +125,16 @@ def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
             out[name] = (_turns if name == "turns" else _churn)(e)
             e.runner.stop_followers()
             out[name]["replicated"] = _replicated_rows_differ(link, e.host_pool)
+    # a tier that fits once on this host but not once per rank: every rank refuses, before any allocates
+    from glmrt.devices import mem_available_bytes
+    from glmrt.engine.config import EngineConfig
+    big = EngineConfig(model=ckpt, page_size=PS, enable_hierarchical_cache=True,
+                       hicache_size=0.7 * mem_available_bytes() / 1e9)
+    try:
+        (ModelRank if rank else Engine)(big, log=lambda *a: None, parallel=parallel, link=link)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
     if not rank:
         with open(result, "w") as f:
             json.dump(out, f)
@@ -165,6 +177,12 @@ def test_two_ranks_hit_the_host_tier_with_the_cold_tokens(ckpt, model, two_ranks
     for case in ("turns", "churn"):
         for name, (diff, size) in two_ranks[case]["replicated"].items():
             assert size > 0 and diff <= 1e-5 * size, (case, name, diff, size)
+
+
+def test_a_tier_that_fits_once_but_not_per_rank_is_refused(two_ranks):
+    assert two_ranks["refused"] is not None
+    assert re.fullmatch(r"the host tier needs [0-9.]+ GiB of host memory \(2 ranks x [0-9.]+ GiB\) and [0-9.]+ GiB "
+                        r"is available: lower --hicache-size or --hicache-ratio", two_ranks["refused"])
 
 
 def test_two_ranks_leave_nothing_on_either_tier_after_aborts(two_ranks):
