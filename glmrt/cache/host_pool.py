@@ -86,7 +86,8 @@ class HostPool:
         self._keep: dict[int, list[torch.Tensor]] = {}   # staging tensors alive until their copy is done
         self._next = 1
         self.journal: list[tuple[str, list, list]] | None = None  # rank 0 of several: what the others replay
-        self._done: list[int] = []  # with a journal: tickets seen finished since the last take_journal
+        self._loads: set[int] = set()  # with a journal: loads in flight (a forward may wait for them)
+        self._done: list[int] = []     # with a journal: loads seen finished since the last take_journal
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +107,8 @@ class HostPool:
         self._next += 1
         if self.journal is not None:
             self.journal.append(("store" if to_host else "load", list(pages), list(slots)))
+            if not to_host and self.stream is not None:
+                self._loads.add(ticket)
         if self.stream is None:
             self._do_copy(pages, slots, to_host, [])
             return ticket
@@ -155,7 +158,8 @@ class HostPool:
     def _forget(self, ticket: int) -> None:
         del self._tickets[ticket]
         self._keep.pop(ticket, None)
-        if self.journal is not None:
+        if ticket in self._loads:
+            self._loads.discard(ticket)
             self._done.append(ticket)
 
     def _reap(self) -> None:
@@ -175,7 +179,7 @@ class HostPool:
 
     # ---- the other ranks of an engine of several -------------------------------------------
     def take_journal(self) -> tuple[list[tuple[str, list, list]], list[int]]:
-        """Rank 0: the copies and fences issued since the last call, and the tickets seen
+        """Rank 0: the copies and fences issued since the last call, and the loads seen
         finished since then (the step about to run may read their rows)."""
         ops, done = self.journal, self._done
         self.journal, self._done = [], []
@@ -183,8 +187,8 @@ class HostPool:
 
     def replay(self, ops, done: list[int]) -> None:
         """Another rank: perform rank 0's journal on this rank's shard, then make the compute
-        stream wait for the copies rank 0 saw finish (the coming forward reads their rows;
-        the rest stay on the copy stream, as on rank 0)."""
+        stream wait for the loads rank 0 saw finish (the coming forward may read their rows;
+        the other copies stay on the copy stream, as on rank 0)."""
         for op, pages, slots in ops:
             if op == "fence":
                 self.fence()

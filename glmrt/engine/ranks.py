@@ -85,7 +85,7 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     host_copies: list[HostCopy] = []
     """The host tier's copies and fences rank 0 issued since the previous step, in order."""
     host_ready: list[int] = []
-    """Host-tier copies (tickets, numbered alike on every rank) rank 0 has seen finish since the
+    """Host-tier loads (tickets, numbered alike on every rank) rank 0 has seen finish since the
     previous step: the forward may read their rows, so the other ranks' compute waits for them."""
 
 

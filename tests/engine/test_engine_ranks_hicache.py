@@ -24,6 +24,13 @@ from tests.engine.test_engine import PS, assert_same, greedy, make, toks  # noqa
 from tests.engine.test_engine_hicache import conversations, serve, slow_copies  # noqa: E402
 
 
+class Out:
+    """A completion's tokens as they came back from rank 0 (what assert_same compares)."""
+
+    def __init__(self, ids: list[int]):
+        self.output_ids = ids
+
+
 def _pool_gb(ckpt: str, slots: int, pages: int) -> float:
     """A state pool of `slots` and a KV pool of `pages` on each of two ranks."""
     from glmrt.cache.layout import CacheLayout
@@ -99,6 +106,7 @@ def _replicated_rows_differ(link, pool) -> dict:
     """Collective: how far rank 1's host copy of the replicated tensors is from rank 0's (and
     how much rank 0's holds, so an all-zero pair does not pass for equal)."""
     import torch.distributed as dist
+    pool.synchronize()  # no copy into the host rows still in flight
     out = {}
     for name in ("latent", "pooled"):
         mine = pool.tensors[name].float().contiguous()
@@ -164,10 +172,6 @@ def test_two_ranks_hit_the_host_tier_with_the_cold_tokens(ckpt, model, two_ranks
     cold = serve(make(ckpt, model, disable_radix_cache=True), conversations())
     got = two_ranks["turns"]
 
-    class Out:  # assert_same compares output_ids against the reference's
-        def __init__(self, ids):
-            self.output_ids = ids
-
     assert_same([Out(t) for t in got["tokens"]], cold)
     n = len(conversations())
     assert all(c > 0 for c in got["cached"][n:])  # later turns: prefixes back from the host
@@ -190,3 +194,69 @@ def test_two_ranks_leave_nothing_on_either_tier_after_aborts(two_ranks):
     assert got["host_loads"] > 0 and got["retractions"] > 0 and got["aborted"] > 0
     assert got["aborted_waiting"] > 0, "no abort hit a request whose load was in flight"
     assert got["leaked"] == [0, 0, 0, 0]
+
+
+def _gpu_rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
+    """One GPU per rank; every hit forced through pinned host memory and the copy streams."""
+    import os
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.engine import Engine
+    from glmrt.engine.model_rank import ModelRank
+    from glmrt.engine.ranks import join_group, leave_group
+    parallel, link = join_group(rank, 2, 1, rendezvous, "cuda")
+    cfg = EngineConfig(model=ckpt, page_size=PS, device="cuda", backend="reference", dtype="float32",
+                       disable_cuda_graph=True, skip_server_warmup=True, enable_hierarchical_cache=True,
+                       hicache_ratio=4.0, hicache_write_policy="write_back")
+    if rank:
+        r = ModelRank(cfg, log=lambda *a: None, parallel=parallel, link=link)
+        r.follow()
+        _replicated_rows_differ(link, r.host_pool)
+    else:
+        e = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
+        assert e.host_pool.stream is not None and e.host_pool.tensors["latent"].is_pinned()
+        got = serve(e, conversations(), between=_offload_all)
+        again = e.generate([got[0].prompt_ids], greedy(6))[0][0]  # after the last offload: a full hit
+        out = {"tokens": [c.output_ids for c in got], "cached": [c.cached_tokens for c in got],
+               "again": again.output_ids, "again_cached": again.cached_tokens,
+               "host_hit_tokens": e.info()["host_hit_tokens"]}
+        e.runner.stop_followers()
+        out["replicated"] = _replicated_rows_differ(link, e.host_pool)
+        with open(result, "w") as f:
+            json.dump(out, f)
+    leave_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks on two GPUs")
+def test_on_two_gpus_every_hit_through_pinned_host_memory(ckpt, tmp_path):
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.engine import Engine
+    cold_engine = Engine(EngineConfig(model=ckpt, page_size=PS, device="cuda", backend="reference", dtype="float32",
+                                      disable_cuda_graph=True, skip_server_warmup=True, disable_radix_cache=True),
+                         log=lambda *a: None)
+    cold = serve(cold_engine, conversations())
+    del cold_engine
+    result = str(tmp_path / "result.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_gpu_rank_main, args=(r, str(tmp_path / "rendezvous"), ckpt, result))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(500)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    with open(result) as f:
+        got = json.load(f)
+
+    assert_same([Out(t) for t in got["tokens"]], cold)
+    assert all(c > 0 for c in got["cached"][len(conversations()):]) and got["host_hit_tokens"] > 0
+    assert got["again_cached"] == len(cold[0].prompt_ids)
+    assert_same([Out(got["again"])], [cold[0]])
+    for name, (diff, size) in got["replicated"].items():
+        assert size > 0 and diff <= 1e-5 * size, (name, diff, size)
