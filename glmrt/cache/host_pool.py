@@ -81,6 +81,10 @@ class HostPool:
                                              pin_memory=pin)
         self.page_bytes = row_bytes(device_pools, PAGE_TENSORS)
         self.slot_bytes = row_bytes(device_pools, SLOT_TENSORS)
+        # the same rows' bytes over every rank of the engine (set by build_host_pool): what the
+        # engine's counters report, each rank copying its own shard of a row
+        self.engine_page_bytes, self.engine_slot_bytes = self.page_bytes, self.slot_bytes
+        self.engine_nbytes = self.nbytes
         self.stream = torch.cuda.Stream(device=next(iter(device_pools.values())).device) if self.cuda else None
         self._tickets: dict[int, torch.cuda.Event] = {}
         self._keep: dict[int, list[torch.Tensor]] = {}   # staging tensors alive until their copy is done
@@ -170,7 +174,7 @@ class HostPool:
 
     def fence(self) -> None:
         """The compute stream waits for every copy issued so far (before it reuses their rows)."""
-        if self.journal is not None and self.stream is not None and (not self.journal or self.journal[-1][0] != "fence"):
+        if self.journal is not None and self.stream is not None and self.journal[-1:] != [("fence", [], [])]:
             self.journal.append(("fence", [], []))
         if self.stream is not None:
             self._reap()

@@ -56,7 +56,11 @@ def build_host_pool(cache, size_bytes: int, ratio: float, link=None) -> HostPool
             each = f" ({len(mine)} ranks x {want / 2**30:.2f} GiB)" if len(mine) > 1 else ""
             raise ValueError(f"the host tier needs {need / 2**30:.2f} GiB of host memory{each} and "
                              f"{avail / 2**30:.2f} GiB is available: lower --hicache-size or --hicache-ratio")
-    return HostPool(pools, min(r[3] for r in ranks), min(r[4] for r in ranks))
+    pool = HostPool(pools, min(r[3] for r in ranks), min(r[4] for r in ranks))
+    if link is not None:
+        sizes = link.gather([pool.page_bytes, pool.slot_bytes, pool.nbytes])
+        pool.engine_page_bytes, pool.engine_slot_bytes, pool.engine_nbytes = (sum(c) for c in zip(*sizes))
+    return pool
 
 
 def _host_id() -> int:
@@ -204,7 +208,7 @@ class HostTier:
 
     def _count_store(self, pages: int, slots: int) -> None:
         self.counters["host_stores"] += 1
-        self.counters["host_store_bytes"] += pages * self.pool.page_bytes + slots * self.pool.slot_bytes
+        self.counters["host_store_bytes"] += pages * self.pool.engine_page_bytes + slots * self.pool.engine_slot_bytes
 
     # ---- host -> device ------------------------------------------------------------------
     def load_node(self, node, device_pages: list[int]) -> int:
@@ -224,7 +228,7 @@ class HostTier:
 
     def _count_load(self, pages: int, slots: int, tokens: int) -> None:
         self.counters["host_loads"] += 1
-        self.counters["host_load_bytes"] += pages * self.pool.page_bytes + slots * self.pool.slot_bytes
+        self.counters["host_load_bytes"] += pages * self.pool.engine_page_bytes + slots * self.pool.engine_slot_bytes
         self.counters["host_hit_tokens"] += tokens
 
     def ready(self, ticket: int) -> bool:
@@ -238,7 +242,7 @@ class HostTier:
     def stats(self) -> dict[str, int]:
         out = {"host_pages_total": self.pages.num_pages, "host_pages_used": self.pages.num_used,
                "host_slots_total": self.slots.num_slots, "host_slots_used": self.slots.num_checkpoint,
-               "host_pool_bytes": self.pool.nbytes, **self.counters}
+               "host_pool_bytes": self.pool.engine_nbytes, **self.counters}
         if self.disk is not None:
             out.update(self.disk.counters, **self.disk.store.counters, disk_used_bytes=self.disk.store.used_bytes,
                        disk_capacity_bytes=self.disk.store.capacity_bytes)

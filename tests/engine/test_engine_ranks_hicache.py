@@ -104,7 +104,7 @@ def _churn(e) -> dict:
 
 def _replicated_rows_differ(link, pool) -> dict:
     """Collective: how far rank 1's host copy of the replicated tensors is from rank 0's (and
-    how much rank 0's holds, so an all-zero pair does not pass for equal)."""
+    how much rank 0's holds, so an all-zero pair does not pass for equal); each rank's host bytes."""
     import torch.distributed as dist
     pool.synchronize()  # no copy into the host rows still in flight
     out = {}
@@ -113,7 +113,7 @@ def _replicated_rows_differ(link, pool) -> dict:
         both = [torch.empty_like(mine) for _ in range(2)]
         dist.all_gather(both, mine, group=link.group)
         out[name] = [float((both[0] - both[1]).abs().max()), float(both[0].abs().max())]
-    return out
+    return out, [n for (n,) in link.gather([pool.nbytes])]
 
 
 def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
@@ -132,7 +132,8 @@ def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
             e = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
             out[name] = (_turns if name == "turns" else _churn)(e)
             e.runner.stop_followers()
-            out[name]["replicated"] = _replicated_rows_differ(link, e.host_pool)
+            out[name]["replicated"], out[name]["rank_bytes"] = _replicated_rows_differ(link, e.host_pool)
+            out[name]["pool_bytes"] = e.info()["host_pool_bytes"]
     # a tier that fits once on this host but not once per rank: every rank refuses, before any allocates
     from glmrt.devices import mem_available_bytes
     from glmrt.engine.config import EngineConfig
@@ -181,6 +182,7 @@ def test_two_ranks_hit_the_host_tier_with_the_cold_tokens(ckpt, model, two_ranks
     for case in ("turns", "churn"):
         for name, (diff, size) in two_ranks[case]["replicated"].items():
             assert size > 0 and diff <= 1e-5 * size, (case, name, diff, size)
+        assert two_ranks[case]["pool_bytes"] == sum(two_ranks[case]["rank_bytes"])  # the engine's, every rank
 
 
 def test_a_tier_that_fits_once_but_not_per_rank_is_refused(two_ranks):
@@ -222,7 +224,7 @@ def _gpu_rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
                "again": again.output_ids, "again_cached": again.cached_tokens,
                "host_hit_tokens": e.info()["host_hit_tokens"]}
         e.runner.stop_followers()
-        out["replicated"] = _replicated_rows_differ(link, e.host_pool)
+        out["replicated"], _ = _replicated_rows_differ(link, e.host_pool)
         with open(result, "w") as f:
             json.dump(out, f)
     leave_group()
