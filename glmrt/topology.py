@@ -294,11 +294,6 @@ def _check_host_tiers(topo: Topology, configs: dict, spell: Callable[[str], str]
         cfg = configs.get(spec.kind)
         if cfg is None or not cfg.enable_hierarchical_cache:
             continue
-        if spec.tp > 1 and cfg.hicache_storage_dir is not None:
-            # the host tier's copies replay on every rank; the disk tier's files are rank 0's alone
-            raise TopologyError(f"{spell('hicache_storage_dir')}: the disk tier of an engine of several ranks is "
-                                f"not built ({spec.kind} has tp = {spec.tp}); run it with tp = 1, or the host "
-                                f"tier alone")
         if cfg.hicache_size > 0:
             each = cfg.hicache_size * 1e9
         elif not spec.gpus:  # a CPU engine: its pools are cache_memory_gb

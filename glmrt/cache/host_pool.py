@@ -24,10 +24,31 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import torch
 
 PAGE_TENSORS = ("latent", "pooled")
 SLOT_TENSORS = ("conv", "recurrent", "tail_k", "tail_g", "last_hidden")
+
+
+class HostOp(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One operation of rank 0's host tier, as the other ranks replay it on their own shard:
+
+        store | load       (from row, to row) `pages` and `slots` pairs, device <-> host
+        fence              the compute stream waits for the copies issued so far
+        disk_put           host rows -> the entry `key` of this rank's disk store: a page
+                           (`page`), or a checkpoint (`slot`, its partial page `page` or -1, `meta`)
+        disk_get           the entry `key` -> those host rows
+        disk_remove        the entry `key` leaves the store (rank 0's store evicted it)
+    """
+
+    op: str
+    pages: list[tuple[int, int]] = []
+    slots: list[tuple[int, int]] = []
+    key: str = ""
+    page: int = -1
+    slot: int = -1
+    meta: list[int] = []
 
 
 def pool_tensors(cache) -> dict[str, torch.Tensor]:
@@ -89,7 +110,8 @@ class HostPool:
         self._tickets: dict[int, torch.cuda.Event] = {}
         self._keep: dict[int, list[torch.Tensor]] = {}   # staging tensors alive until their copy is done
         self._next = 1
-        self.journal: list[tuple[str, list, list]] | None = None  # rank 0 of several: what the others replay
+        self.journal: list[HostOp] | None = None  # rank 0 of several: what the others replay
+        self.disk_mirror = None  # another rank of several with a disk tier: glmrt.cache.disk_tier.DiskMirror
         self._loads: set[int] = set()  # with a journal: loads in flight (a forward may wait for them)
         self._done: list[int] = []     # with a journal: loads seen finished since the last take_journal
 
@@ -110,7 +132,7 @@ class HostPool:
         ticket = self._next
         self._next += 1
         if self.journal is not None:
-            self.journal.append(("store" if to_host else "load", list(pages), list(slots)))
+            self.journal.append(HostOp("store" if to_host else "load", list(pages), list(slots)))
             if not to_host and self.stream is not None:
                 self._loads.add(ticket)
         if self.stream is None:
@@ -174,30 +196,37 @@ class HostPool:
 
     def fence(self) -> None:
         """The compute stream waits for every copy issued so far (before it reuses their rows)."""
-        if self.journal is not None and self.stream is not None and self.journal[-1:] != [("fence", [], [])]:
-            self.journal.append(("fence", [], []))
+        if self.journal is not None and self.stream is not None and not (self.journal and self.journal[-1].op == "fence"):
+            self.journal.append(HostOp("fence"))
         if self.stream is not None:
             self._reap()
             if self._tickets:
                 torch.cuda.current_stream().wait_stream(self.stream)
 
     # ---- the other ranks of an engine of several -------------------------------------------
-    def take_journal(self) -> tuple[list[tuple[str, list, list]], list[int]]:
-        """Rank 0: the copies and fences issued since the last call, and the loads seen
-        finished since then (the step about to run may read their rows)."""
+    def note(self, op: HostOp) -> None:
+        """Rank 0 of several: an operation on the host rows outside the copies (the disk tier's)."""
+        if self.journal is not None:
+            self.journal.append(op)
+
+    def take_journal(self) -> tuple[list[HostOp], list[int]]:
+        """Rank 0: the operations issued since the last call, and the loads seen finished
+        since then (the step about to run may read their rows)."""
         ops, done = self.journal, self._done
         self.journal, self._done = [], []
         return ops, done
 
-    def replay(self, ops, done: list[int]) -> None:
+    def replay(self, ops: list[HostOp], done: list[int]) -> None:
         """Another rank: perform rank 0's journal on this rank's shard, then make the compute
         stream wait for the loads rank 0 saw finish (the coming forward may read their rows;
         the other copies stay on the copy stream, as on rank 0)."""
-        for op, pages, slots in ops:
-            if op == "fence":
+        for op in ops:
+            if op.op == "fence":
                 self.fence()
+            elif op.op in ("store", "load"):
+                self._copy(op.pages, op.slots, to_host=op.op == "store")
             else:
-                self._copy(pages, slots, to_host=op == "store")
+                self.disk_mirror.apply(op)
         for t in done:
             ev = self._tickets.get(t)
             if ev is not None:

@@ -68,12 +68,6 @@ def _host_id() -> int:
     return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little", signed=True)
 
 
-def build_disk_tier(directory: str, capacity: int, salt: str, page_size: int):
-    from glmrt.cache.disk_tier import DiskTier
-    from glmrt.cache.node_store import LocalDiskStore
-    return DiskTier(LocalDiskStore(directory, capacity), salt, page_size)
-
-
 class HostTier:
     def __init__(self, pool: HostPool, write_policy: str = "write_through", disk=None):
         if write_policy not in WRITE_POLICIES:

@@ -23,6 +23,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from glmrt.cache.host_pool import HostOp
 from glmrt.parallel import Parallel
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a rank loads its weights before the first collective
@@ -36,17 +37,6 @@ class StateCopy(msgspec.Struct, array_like=True):
     dst_slot: int
     src_page: int | None = None
     dst_page: int | None = None
-
-
-class HostCopy(msgspec.Struct, array_like=True):
-    """One host-tier operation rank 0 issued since the previous step (glmrt.cache.host_pool):
-    a store (device -> host) or load (host -> device) of (from row, to row) page and slot
-    pairs, or a fence (the compute stream waits for the copies issued so far). Every other rank
-    performs the same ones, in the same order, on its own shard, before the step's forward."""
-
-    op: str
-    pages: list[tuple[int, int]] = []
-    slots: list[tuple[int, int]] = []
 
 
 class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -82,8 +72,9 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Full hits: sampled from the hidden state kept in each slot, after the forward's rows."""
     sample_order: list[int] | None = None
     """With full hits: the sampled rows in plan order, as indices into [forward rows; hit rows]."""
-    host_copies: list[HostCopy] = []
-    """The host tier's copies and fences rank 0 issued since the previous step, in order."""
+    host_ops: list[HostOp] = []
+    """The host tier's copies, fences and disk entries rank 0 issued since the previous step, in
+    order: every other rank performs them on its own shard before this step's copies."""
     host_ready: list[int] = []
     """Host-tier loads (tickets, numbered alike on every rank) rank 0 has seen finish since the
     previous step: the forward may read their rows, so the other ranks' compute waits for them."""
@@ -118,6 +109,16 @@ class PlanLink:
         out = [torch.empty_like(mine) for _ in range(self.parallel.tp_size)]
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data` (any lengths), in rank order."""
+        sizes = [n for (n,) in self.gather([len(data)])]
+        mine = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in sizes]
+        dist.all_gather(out, mine, group=self.group)
+        return [t[:n].numpy().tobytes() for t, n in zip(out, sizes)]
 
     def agree_min(self, value: int) -> int:
         """The smallest `value` over the ranks (each rank's cache budget: one pool size for all)."""

@@ -5,8 +5,9 @@ A device pool so small that each conversation's prefix goes to the host between 
 later turns hit the host and every greedy token equals a one-rank engine without a prefix
 cache; an exact repeat whose state is only on the host is a full hit; the two ranks' own
 copies of the replicated MLA latent pages and indexer keys are equal row for row on the host;
-aborts and retractions while loads are in flight leave nothing held on either tier; a tier
-that fits in host memory once but not once per rank is refused."""
+aborts and retractions while loads are in flight leave nothing held on either tier; with the
+disk tier behind it each rank keeps its shard of every entry in a directory of its own, under
+the same keys; a tier that fits in host memory once but not once per rank is refused."""
 
 from __future__ import annotations
 
@@ -40,14 +41,17 @@ def _pool_gb(ckpt: str, slots: int, pages: int) -> float:
     return (slots * lay.state_bytes_per_slot + pages * lay.kv_bytes_per_page) / 2**30
 
 
-def _configs(ckpt: str) -> dict:
+def _configs(ckpt: str, l3: str) -> dict:
     from glmrt.engine.config import EngineConfig
     common = dict(model=ckpt, page_size=PS, enable_hierarchical_cache=True)
+    disk = EngineConfig(**common, cache_memory_gb=_pool_gb(ckpt, 8, 48), hicache_ratio=1.0,
+                        hicache_write_policy="write_back", hicache_storage_dir=l3, hicache_storage_size=0.05)
     return {"turns": EngineConfig(**common, max_mamba_cache_size=6, cache_memory_gb=_pool_gb(ckpt, 6, 14),
                                   hicache_ratio=8.0),
             "churn": EngineConfig(**common, max_mamba_cache_size=8, cache_memory_gb=_pool_gb(ckpt, 8, 12),
                                   hicache_ratio=6.0, hicache_write_policy="write_back", chunked_prefill_size=16,
-                                  max_prefill_tokens=40)}
+                                  max_prefill_tokens=40),
+            "disk": disk, "disk_again": disk, "disk_rank1_lost": disk}
 
 
 def _offload_all(engine) -> None:
@@ -63,6 +67,29 @@ def _turns(e) -> dict:
     return {"tokens": [c.output_ids for c in got], "cached": [c.cached_tokens for c in got],
             "again": again.output_ids, "again_cached": again.cached_tokens,
             "host_hit_tokens": info["host_hit_tokens"], "host_load_bytes": info["host_load_bytes"]}
+
+
+def _to_disk(engine) -> None:
+    _offload_all(engine)
+    host = engine.tree.host
+    host.make_room(host.pages.num_pages, host.slots.num_slots)  # everything on to the disk
+
+
+def _disk(e) -> dict:
+    """Each conversation's prefix goes device -> host -> disk between its turns, and back."""
+    got = serve(e, conversations(), between=_to_disk)
+    info = e.info()
+    return {"tokens": [c.output_ids for c in got], "cached": [c.cached_tokens for c in got],
+            "last_prompt": got[-1].prompt_ids, "disk_hits": info["disk_hits"],
+            "disk_spilled_pages": info["disk_spilled_pages"]}
+
+
+def _repeat(prompt):
+    def work(e) -> dict:
+        again = e.generate([prompt], greedy(6))[0][0]
+        e.check_invariants()
+        return {"again": again.output_ids, "again_cached": again.cached_tokens, "disk_hits": e.info()["disk_hits"]}
+    return work
 
 
 def _churn(e) -> dict:
@@ -116,24 +143,41 @@ def _replicated_rows_differ(link, pool) -> dict:
     return out, [n for (n,) in link.gather([pool.nbytes])]
 
 
-def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
+def _files(directory: str, prefix: str) -> list[str]:
+    import os
+    return sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".safetensors"))
+
+
+def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str, l3: str) -> None:
+    import os
     torch.set_num_threads(1)
     from glmrt.engine.engine import Engine
     from glmrt.engine.model_rank import ModelRank
     from glmrt.engine.ranks import join_group, leave_group
     parallel, link = join_group(rank, 2, 1, rendezvous, "cpu")
     out = {}
-    for name, cfg in _configs(ckpt).items():
+    for name, cfg in _configs(ckpt, l3).items():
+        if name == "disk_rank1_lost":  # rank 1 lost its checkpoint files: rank 0 must not use its own
+            link.gather([0])  # both ranks' files as the last engine left them
+            if rank:
+                for f in _files(os.path.join(l3, "rank1"), "c"):
+                    os.remove(os.path.join(l3, "rank1", f))
+            link.gather([0])
         if rank:
             r = ModelRank(cfg, log=lambda *a: None, parallel=parallel, link=link)
             r.follow()
             _replicated_rows_differ(link, r.host_pool)
-        else:
-            e = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
-            out[name] = (_turns if name == "turns" else _churn)(e)
-            e.runner.stop_followers()
-            out[name]["replicated"], out[name]["rank_bytes"] = _replicated_rows_differ(link, e.host_pool)
-            out[name]["pool_bytes"] = e.info()["host_pool_bytes"]
+            continue
+        e = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
+        if name == "disk_rank1_lost":
+            out["rank0_checkpoint_files"] = len(_files(os.path.join(l3, "rank0"), "c"))
+        work = {"turns": _turns, "churn": _churn, "disk": _disk}.get(name) or _repeat(out["disk"]["last_prompt"])
+        out[name] = work(e)
+        e.runner.stop_followers()
+        out[name]["replicated"], out[name]["rank_bytes"] = _replicated_rows_differ(link, e.host_pool)
+        out[name]["pool_bytes"] = e.info()["host_pool_bytes"]
+    link.gather([0])
+    out["files"] = [_files(os.path.join(l3, f"rank{r}"), "") for r in range(2)]
     # a tier that fits once on this host but not once per rank: every rank refuses, before any allocates
     from glmrt.devices import mem_available_bytes
     from glmrt.engine.config import EngineConfig
@@ -155,7 +199,8 @@ def two_ranks(ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("hicache-ranks")
     result = str(d / "result.json")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "rendezvous"), ckpt, result)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "rendezvous"), ckpt, result, str(d / "l3")))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -183,6 +228,25 @@ def test_two_ranks_hit_the_host_tier_with_the_cold_tokens(ckpt, model, two_ranks
         for name, (diff, size) in two_ranks[case]["replicated"].items():
             assert size > 0 and diff <= 1e-5 * size, (case, name, diff, size)
         assert two_ranks[case]["pool_bytes"] == sum(two_ranks[case]["rank_bytes"])  # the engine's, every rank
+
+
+def test_two_ranks_keep_their_shards_on_disk_under_the_same_keys(ckpt, model, two_ranks):
+    """Each rank's directory holds the same entries (its shard of each); what left the host
+    comes back from the disk with the cold tokens, also for an engine started later on the same
+    directories; files one rank lost are not used by the others (they remove theirs)."""
+    cold = serve(make(ckpt, model, disable_radix_cache=True), conversations())
+    got = two_ranks["disk"]
+    assert_same([Out(t) for t in got["tokens"]], cold)
+    assert got["disk_hits"] > 0 and got["disk_spilled_pages"] > 0
+    assert all(c > 0 for c in got["cached"][len(conversations()):])
+    again = two_ranks["disk_again"]
+    assert again["again_cached"] == len(got["last_prompt"]) and again["disk_hits"] > 0
+    assert_same([Out(again["again"])], [cold[-1]])
+    lost = two_ranks["disk_rank1_lost"]
+    assert two_ranks["rank0_checkpoint_files"] == 0  # removed on rank 0 too, at its start
+    assert lost["again_cached"] == 0 and lost["again"] == again["again"]
+    rank0, rank1 = two_ranks["files"]
+    assert rank0 == rank1 and any(f.startswith("p") for f in rank0)
 
 
 def test_a_tier_that_fits_once_but_not_per_rank_is_refused(two_ranks):
