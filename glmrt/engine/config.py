@@ -103,9 +103,9 @@ class EngineConfig:
     hicache_storage_dir: str | None = None
     """A third tier on local disk under this directory: what the host tier drops is written
     there, and a later prompt with that prefix reads it back (glmrt/cache/disk_tier.py). An
-    engine of one rank only: refused with tp > 1."""
+    engine of several ranks keeps one directory per rank under it (rank0, rank1, ...)."""
     hicache_storage_size: float = bounded(16.0, gt=0)
-    """The disk tier's size in GB (least recently used files are removed past it)."""
+    """The disk tier's size in GB (least recently used files are removed past it); per rank."""
     page_size: int = bounded(64, ge=1)
     """Tokens per KV page (a prefix is shared in whole pages)."""
     seed: int = 0
