@@ -196,8 +196,8 @@ class HostPool:
 
     def fence(self) -> None:
         """The compute stream waits for every copy issued so far (before it reuses their rows)."""
-        if self.journal is not None and self.stream is not None and not (self.journal and self.journal[-1].op == "fence"):
-            self.journal.append(HostOp("fence"))
+        if self.journal is not None and self.stream is not None and self.journal[-1:] != [HostOp("fence")]:
+            self.journal.append(HostOp("fence"))  # one fence stands for several in a row
         if self.stream is not None:
             self._reap()
             if self._tickets:
