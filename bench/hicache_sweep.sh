@@ -10,7 +10,7 @@
 # ~340K-token working set). interval: shared-prefix (16K-token prompts, 75% shared by 8 groups)
 # and multi-turn, the pools at 0.6. Writes $OUT/hicache_<mode>_<setting>_<dataset>.json and .txt
 # and the server logs; prints each summary (TTFT, throughput, cached tokens) last. With TP > 1
-each rank has pools of that size and a host tier of its own.
+# each rank has pools of that size and a host tier of its own.
 set -u
 MODE=${1:-tier}; MEM=${MEM:-0.005}; TP=${TP:-1}
 GPUS=$(seq -s , 0 $((TP - 1)))
