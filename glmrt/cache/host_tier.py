@@ -47,8 +47,8 @@ def build_host_pool(cache, size_bytes: int, ratio: float, link=None) -> HostPool
     want = size_bytes if size_bytes > 0 else int(ratio * (cache.kv.nbytes + cache.state.nbytes))
     pages, slots = host_rows(pools, want)
     free = mem_available_bytes()
-    ranks = [[_host_id(), free, want, pages, slots]] if link is None else link.gather([_host_id(), free, want, pages,
-                                                                                       slots])
+    row = [_host_id(), free, want, pages, slots]
+    ranks = [row] if link is None else link.gather(row)
     for host in dict.fromkeys(r[0] for r in ranks):  # the same verdict on every rank
         mine = [r for r in ranks if r[0] == host]
         need, avail = sum(r[2] for r in mine), min(r[1] for r in mine)
