@@ -263,18 +263,17 @@ def test_two_ranks_leave_nothing_on_either_tier_after_aborts(two_ranks):
 
 
 def _gpu_rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
-    """One GPU per rank; every hit forced through pinned host memory and the copy streams."""
-    import os
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[rank] if visible else str(rank)
+    """One GPU per rank (the only one it sees, as a rank of `glmrt up`); every hit forced
+    through pinned host memory and the copy streams."""
     from glmrt.engine.config import EngineConfig
     from glmrt.engine.engine import Engine
     from glmrt.engine.model_rank import ModelRank
     from glmrt.engine.ranks import join_group, leave_group
     parallel, link = join_group(rank, 2, 1, rendezvous, "cuda")
+    # pools of ~1% of the GPU, a host tier twice theirs per rank (pinned, in host memory)
     cfg = EngineConfig(model=ckpt, page_size=PS, device="cuda", backend="reference", dtype="float32",
-                       disable_cuda_graph=True, skip_server_warmup=True, enable_hierarchical_cache=True,
-                       hicache_ratio=4.0, hicache_write_policy="write_back")
+                       disable_cuda_graph=True, skip_server_warmup=True, mem_fraction_static=0.01,
+                       enable_hierarchical_cache=True, hicache_write_policy="write_back")
     if rank:
         r = ModelRank(cfg, log=lambda *a: None, parallel=parallel, link=link)
         r.follow()
@@ -301,16 +300,27 @@ def test_on_two_gpus_every_hit_through_pinned_host_memory(ckpt, tmp_path):
     from glmrt.engine.config import EngineConfig
     from glmrt.engine.engine import Engine
     cold_engine = Engine(EngineConfig(model=ckpt, page_size=PS, device="cuda", backend="reference", dtype="float32",
-                                      disable_cuda_graph=True, skip_server_warmup=True, disable_radix_cache=True),
-                         log=lambda *a: None)
+                                      disable_cuda_graph=True, skip_server_warmup=True, mem_fraction_static=0.01,
+                                      disable_radix_cache=True), log=lambda *a: None)
     cold = serve(cold_engine, conversations())
     del cold_engine
+    torch.cuda.empty_cache()
     result = str(tmp_path / "result.json")
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_gpu_rank_main, args=(r, str(tmp_path / "rendezvous"), ckpt, result))
              for r in range(2)]
-    for p in procs:
-        p.start()
+    import os
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    try:  # a child reads the variable at its start (this process's CUDA is initialised already)
+        for p, gpu in zip(procs, gpus):
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+            p.start()
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     for p in procs:
         p.join(500)
     for p in procs:
