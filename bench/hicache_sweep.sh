@@ -4,13 +4,16 @@
 # against it. From the repo root on a CUDA host:
 #     [WHEELS=DIR] bash bench/hicache_sweep.sh tier      # host tier off vs on (write_through)
 #     [WHEELS=DIR] bash bench/hicache_sweep.sh interval  # --state-checkpoint-interval 0, 2048, 8192
+#     TP=2 OUT=/tmp/out_tp2 bash bench/hicache_sweep.sh tier  # the same on one engine of 2 ranks (GPUs 0, 1)
 # tier: multi-turn, 48 conversations x 4 turns of 4K + 512-token turns, concurrency 8, with
 # mem_fraction_static MEM (default 0.005: ~0.4 GiB of pools, ~220K tokens of KV, less than the
 # ~340K-token working set). interval: shared-prefix (16K-token prompts, 75% shared by 8 groups)
 # and multi-turn, the pools at 0.6. Writes $OUT/hicache_<mode>_<setting>_<dataset>.json and .txt
-# and the server logs; prints each summary (TTFT, throughput, cached tokens) last.
+# and the server logs; prints each summary (TTFT, throughput, cached tokens) last. With TP > 1
+# each rank has pools of that size and a host tier of its own.
 set -u
-MODE=${1:-tier}; MEM=${MEM:-0.005}
+MODE=${1:-tier}; MEM=${MEM:-0.005}; TP=${TP:-1}
+GPUS=$(seq -s , 0 $((TP - 1)))
 source bench/host_env.sh
 python3 -m cli.main make-checkpoint --preset flash-4l --out /tmp/f4l --no-weights > /dev/null || exit 1
 
@@ -30,7 +33,8 @@ kind = "tokenizer"
 kind = "detokenizer"
 [[actors]]
 kind = "engine"
-gpus = [0]
+gpus = [$GPUS]
+tp = $TP
 EOF
   start_server /tmp/hicache.toml "$OUT/hicache_$1_up.log"
 }

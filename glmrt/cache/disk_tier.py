@@ -10,6 +10,13 @@ and an admission whose prefix the tree lacks pulls it back into the host tier.
 Keys chain the prompt's pages from a salt naming the model and cache layout, so a checkpoint
 `j` tokens past a page boundary is found by hashing the prompt's next `j` tokens: no index to
 keep, and files written by an earlier run are found again.
+
+On an engine of several ranks each rank has a store of its own (a directory per rank) holding
+its shard of each entry under the same key. Rank 0's tier decides everything (what is written,
+read back and evicted, by its own store's index and cap); each of its puts, gets and removals is
+noted in its host pool's journal, and the other ranks' `DiskMirror` performs the same on their
+stores from the next step's inputs. A rank whose file is missing when rank 0 reads one stops
+the engine rather than serve rows it does not have.
 """
 
 from __future__ import annotations
@@ -18,21 +25,82 @@ import hashlib
 
 import torch
 
-from glmrt.cache.host_pool import PAGE_TENSORS, SLOT_TENSORS
+from glmrt.cache.host_pool import PAGE_TENSORS, SLOT_TENSORS, HostOp
 from glmrt.cache.node_store import NodeStore, prefix_keys, tail_key
 from glmrt.cache.radix import Checkpoint, Node
 from glmrt.cache.slot_manager import CHECKPOINT
 
 
+def page_entry(h: dict[str, torch.Tensor], page: int) -> dict[str, torch.Tensor]:
+    return {n: h[n][page] for n in PAGE_TENSORS}
+
+
+def checkpoint_entry(h: dict[str, torch.Tensor], slot: int, partial: int | None, meta: list[int]) -> dict:
+    """A checkpoint's slot rows, its partial page's rows and (position, has_output)."""
+    entry = {n: h[n][slot] for n in SLOT_TENSORS}
+    if partial is not None:
+        entry.update({"partial." + n: h[n][partial] for n in PAGE_TENSORS})
+    entry["meta"] = torch.tensor(meta, dtype=torch.long)
+    return entry
+
+
+def fill_page(h: dict[str, torch.Tensor], page: int, got: dict) -> None:
+    for n in PAGE_TENSORS:
+        h[n][page] = got[n]
+
+
+def fill_checkpoint(h: dict[str, torch.Tensor], slot: int, partial: int | None, got: dict) -> None:
+    for n in SLOT_TENSORS:
+        h[n][slot] = got[n]
+    if partial is not None:
+        for n in PAGE_TENSORS:
+            h[n][partial] = got["partial." + n]
+
+
+class DiskMirror:
+    """A rank other than 0: its own store, kept as rank 0's store is (`HostPool.replay`)."""
+
+    def __init__(self, store: NodeStore, pool):
+        self.store, self.pool = store, pool
+
+    def apply(self, op: HostOp) -> None:
+        h = self.pool.tensors
+        partial = op.page if op.page >= 0 else None
+        if op.op == "disk_remove":
+            self.store.remove(op.key)
+            return
+        self.pool.synchronize()  # the host rows as the last copy into them left them
+        if op.op == "disk_put":
+            entry = page_entry(h, op.page) if op.slot < 0 else checkpoint_entry(h, op.slot, partial, op.meta)
+            if not self.store.put(op.key, entry):
+                raise RuntimeError(f"the disk tier could not write {op.key} on this rank (rank 0 did)")
+        elif op.op == "disk_get":
+            got = self.store.get(op.key)
+            if got is None:  # removed or damaged under us: these rows would be wrong
+                raise RuntimeError(f"the disk tier's {op.key} is missing on this rank (rank 0 read it): "
+                                   f"its files no longer match rank 0's")
+            if op.slot < 0:
+                fill_page(h, op.page, got)
+            else:
+                fill_checkpoint(h, op.slot, partial, got)
+        else:
+            raise ValueError(f"unknown host tier operation {op.op!r}")
+
+
 class DiskTier:
     def __init__(self, store: NodeStore, salt: str, page_size: int):
         self.store = store
+        store.on_remove = self._removed
         self.salt = salt
         self.root_key = hashlib.sha256(salt.encode()).hexdigest()
         self.page_size = page_size
         self.host = None  # the HostTier in front of it (set by it)
         self.counters = {"disk_spilled_pages": 0, "disk_spilled_checkpoints": 0, "disk_hits": 0,
                          "disk_hit_tokens": 0}
+
+    def _removed(self, key: str) -> None:
+        if self.host is not None:
+            self.host.pool.note(HostOp("disk_remove", key=key))
 
     def _keys(self, tokens: list[int]) -> list[str]:
         return prefix_keys(self.salt, tokens, self.page_size)
@@ -57,19 +125,20 @@ class DiskTier:
         first = (node.end - len(node.tokens)) // self.page_size
         h = self.host.pool.tensors
         for i, hp in enumerate(node.host_pages):
-            if self.store.put("p" + keys[first + i], {n: h[n][hp] for n in PAGE_TENSORS}):
+            key = "p" + keys[first + i]
+            if self.store.put(key, page_entry(h, hp)):
+                self.host.pool.note(HostOp("disk_put", key=key, page=hp))
                 self.counters["disk_spilled_pages"] += 1
 
     def spill_checkpoint(self, c: Checkpoint) -> None:
         self.host.pool.synchronize()
         tokens = self._path_tokens(c.node)
         base = self._base(self._keys(tokens), c.node.end)
-        h = self.host.pool.tensors
-        entry = {n: h[n][c.host_slot] for n in SLOT_TENSORS}
-        if c.host_partial is not None:
-            entry.update({"partial." + n: h[n][c.host_partial] for n in PAGE_TENSORS})
-        entry["meta"] = torch.tensor([c.position, int(c.has_output)], dtype=torch.long)
-        if self.store.put("c" + tail_key(base, c.extra), entry):
+        meta = [c.position, int(c.has_output)]
+        key = "c" + tail_key(base, c.extra)
+        if self.store.put(key, checkpoint_entry(self.host.pool.tensors, c.host_slot, c.host_partial, meta)):
+            self.host.pool.note(HostOp("disk_put", key=key, slot=c.host_slot,
+                                       page=-1 if c.host_partial is None else c.host_partial, meta=meta))
             self.counters["disk_spilled_checkpoints"] += 1
 
     # ---- disk -> host --------------------------------------------------------------------
@@ -110,44 +179,43 @@ class DiskTier:
     def _attach(self, tree, tokens, keys, pos: int, anchor: int, position: int, limit: int) -> bool:
         ps, host = self.page_size, self.host
         extra = tuple(tokens[anchor:position])
-        entry = self.store.get("c" + tail_key(self._base(keys, anchor), extra))
-        if entry is None or (position > limit and not entry["meta"][1]):
-            return False
-        pages = []
-        for i in range(pos // ps, anchor // ps):
-            got = self.store.get("p" + keys[i])
-            if got is None:
-                return False
-            pages.append(got)
+        ckey = "c" + tail_key(self._base(keys, anchor), extra)
+        pkeys = ["p" + keys[i] for i in range(pos // ps, anchor // ps)]
         at = tree._anchor(tokens, pos) if pos else tree.root
         if at is None:
             return False
+        # room first (a partial page assumed): what it spills may evict files, never the ones
+        # read below, which the other ranks read again when they perform the fills
         at.pins += 1
         try:
-            partial = "partial." + PAGE_TENSORS[0] in entry
-            if not host.make_room(len(pages) + int(partial), 1):
+            if not host.make_room(len(pkeys) + 1, 1):
                 return False
         finally:
             at.pins -= 1
+        entry = self.store.get(ckey)
+        if entry is None or (position > limit and not entry["meta"][1]):
+            return False
+        pages = [self.store.get(k) for k in pkeys]
+        if any(got is None for got in pages):
+            return False
         host.pool.synchronize()  # no copy in flight still touches the rows written here
         h = host.pool.tensors
         if pages:
             hps = host.pages.allocate(len(pages))
-            for hp, got in zip(hps, pages):
-                for n in PAGE_TENSORS:
-                    h[n][hp] = got[n]
+            for hp, got, key in zip(hps, pages, pkeys):
+                fill_page(h, hp, got)
+                host.pool.note(HostOp("disk_get", key=key, page=hp))
             node = Node(tuple(tokens[pos:anchor]), [], at, anchor, last_use=next(tree._clock), host_pages=hps)
             at.children[node.tokens[:ps]] = node
         else:
             node = at
         c = Checkpoint(position, extra, None, None, node, last_use=next(tree._clock),
                        has_output=bool(entry["meta"][1]), host_slot=host.slots.allocate(CHECKPOINT))
-        for n in SLOT_TENSORS:
-            h[n][c.host_slot] = entry[n]
-        if partial:
+        if "partial." + PAGE_TENSORS[0] in entry:
             c.host_partial = host.pages.allocate(1)[0]
-            for n in PAGE_TENSORS:
-                h[n][c.host_partial] = entry["partial." + n]
+        fill_checkpoint(h, c.host_slot, c.host_partial, entry)
+        host.pool.note(HostOp("disk_get", key=ckey, slot=c.host_slot,
+                              page=-1 if c.host_partial is None else c.host_partial))
         node.checkpoints.append(c)
         self.counters["disk_hits"] += 1
         self.counters["disk_hit_tokens"] += position - pos

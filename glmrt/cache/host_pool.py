@@ -11,16 +11,44 @@ rank's host tier mirrors whatever that rank's pools hold. Copies run on a copy s
 own on CUDA (host memory pinned), plain copies on the CPU; each copy returns a ticket, done
 when `ready(ticket)`. The compute stream waits for the copy stream (`fence`) before it may
 write device rows a copy still reads or writes.
+
+On an engine of several ranks every rank has a pool of the same rows holding its own shard
+(its KDA heads; its own copy of the replicated MLA latent pages and indexer keys). Rank 0's
+tier decides every copy; its pool keeps a journal of them (`take_journal`), which travels in
+the next step's ForwardInputs, and the other ranks `replay` it before that step's forward:
+the same copies and fences in the same order against the same device state, so tickets are
+numbered alike on every rank and rank 0's "done" tickets name the same copies everywhere.
 """
 
 from __future__ import annotations
 
 import math
 
+import msgspec
 import torch
 
 PAGE_TENSORS = ("latent", "pooled")
 SLOT_TENSORS = ("conv", "recurrent", "tail_k", "tail_g", "last_hidden")
+
+
+class HostOp(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One operation of rank 0's host tier, as the other ranks replay it on their own shard:
+
+        store | load       (from row, to row) `pages` and `slots` pairs, device <-> host
+        fence              the compute stream waits for the copies issued so far
+        disk_put           host rows -> the entry `key` of this rank's disk store: a page
+                           (`page`), or a checkpoint (`slot`, its partial page `page` or -1, `meta`)
+        disk_get           the entry `key` -> those host rows
+        disk_remove        the entry `key` leaves the store (rank 0's store evicted it)
+    """
+
+    op: str
+    pages: list[tuple[int, int]] = []
+    slots: list[tuple[int, int]] = []
+    key: str = ""
+    page: int = -1
+    slot: int = -1
+    meta: list[int] = []
 
 
 def pool_tensors(cache) -> dict[str, torch.Tensor]:
@@ -74,10 +102,18 @@ class HostPool:
                                              pin_memory=pin)
         self.page_bytes = row_bytes(device_pools, PAGE_TENSORS)
         self.slot_bytes = row_bytes(device_pools, SLOT_TENSORS)
+        # the same rows' bytes over every rank of the engine (set by build_host_pool): what the
+        # engine's counters report, each rank copying its own shard of a row
+        self.engine_page_bytes, self.engine_slot_bytes = self.page_bytes, self.slot_bytes
+        self.engine_nbytes = self.nbytes
         self.stream = torch.cuda.Stream(device=next(iter(device_pools.values())).device) if self.cuda else None
         self._tickets: dict[int, torch.cuda.Event] = {}
         self._keep: dict[int, list[torch.Tensor]] = {}   # staging tensors alive until their copy is done
         self._next = 1
+        self.journal: list[HostOp] | None = None  # rank 0 of several: what the others replay
+        self.disk_mirror = None  # another rank of several with a disk tier: glmrt.cache.disk_tier.DiskMirror
+        self._loads: set[int] = set()  # with a journal: loads in flight (a forward may wait for them)
+        self._done: list[int] = []     # with a journal: loads seen finished since the last take_journal
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +131,10 @@ class HostPool:
     def _copy(self, pages, slots, to_host: bool) -> int:
         ticket = self._next
         self._next += 1
+        if self.journal is not None:
+            self.journal.append(HostOp("store" if to_host else "load", list(pages), list(slots)))
+            if not to_host and self.stream is not None:
+                self._loads.add(ticket)
         if self.stream is None:
             self._do_copy(pages, slots, to_host, [])
             return ticket
@@ -138,23 +178,59 @@ class HostPool:
             return True
         if not ev.query():
             return False
+        self._forget(ticket)
+        return True
+
+    def _forget(self, ticket: int) -> None:
         del self._tickets[ticket]
         self._keep.pop(ticket, None)
-        return True
+        if ticket in self._loads:
+            self._loads.discard(ticket)
+            self._done.append(ticket)
 
     def _reap(self) -> None:
         """Forget the copies that have finished (stores are never asked about: their staging
         tensors go here)."""
         for t in [t for t, ev in self._tickets.items() if ev.query()]:
-            del self._tickets[t]
-            self._keep.pop(t, None)
+            self._forget(t)
 
     def fence(self) -> None:
         """The compute stream waits for every copy issued so far (before it reuses their rows)."""
+        if self.journal is not None and self.stream is not None and self.journal[-1:] != [HostOp("fence")]:
+            self.journal.append(HostOp("fence"))  # one fence stands for several in a row
         if self.stream is not None:
             self._reap()
             if self._tickets:
                 torch.cuda.current_stream().wait_stream(self.stream)
+
+    # ---- the other ranks of an engine of several -------------------------------------------
+    def note(self, op: HostOp) -> None:
+        """Rank 0 of several: an operation on the host rows outside the copies (the disk tier's)."""
+        if self.journal is not None:
+            self.journal.append(op)
+
+    def take_journal(self) -> tuple[list[HostOp], list[int]]:
+        """Rank 0: the operations issued since the last call, and the loads seen finished
+        since then (the step about to run may read their rows)."""
+        ops, done = self.journal, self._done
+        self.journal, self._done = [], []
+        return ops, done
+
+    def replay(self, ops: list[HostOp], done: list[int]) -> None:
+        """Another rank: perform rank 0's journal on this rank's shard, then make the compute
+        stream wait for the loads rank 0 saw finish (the coming forward may read their rows;
+        the other copies stay on the copy stream, as on rank 0)."""
+        for op in ops:
+            if op.op == "fence":
+                self.fence()
+            elif op.op in ("store", "load"):
+                self._copy(op.pages, op.slots, to_host=op.op == "store")
+            else:
+                self.disk_mirror.apply(op)
+        for t in done:
+            ev = self._tickets.get(t)
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev)
 
     def synchronize(self) -> None:
         if self.stream is not None:

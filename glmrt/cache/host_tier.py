@@ -15,9 +15,17 @@ Host space is reclaimed LRU: a host copy of something still on the device is sim
 a node only on the host (a leaf) or a checkpoint only on the host is dropped from the tree.
 Loads and stores go through `HostPool` (a copy stream on CUDA); a request whose prefix is
 loading waits for its own tickets only (`ready`).
+
+On an engine of several ranks this tier, like the tree, is rank 0's: every rank holds a
+`HostPool` of the same rows (its own shard of each node), and the copies this tier issues on
+rank 0's pool are performed by the other ranks from rank 0's journal, in the same order, before
+the next step's forward (glmrt.cache.host_pool). A node moves on every rank at once.
 """
 
 from __future__ import annotations
+
+import hashlib
+import socket
 
 from glmrt.cache.host_pool import HostPool, host_rows, pool_tensors
 from glmrt.cache.page_manager import PageManager
@@ -27,26 +35,37 @@ from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
 WRITE_POLICIES = ("write_through", "write_back")
 
 
-def build_host_tier(cache, size_bytes: int, ratio: float, write_policy: str,
-                    disk: tuple[str, int, str] | None = None) -> "HostTier":
-    """The host tier of a ModelCache: `size_bytes` (0: `ratio` x the device pools' bytes),
-    refused when the host's available memory is smaller; `disk`: (directory, bytes, key salt)
-    of a disk tier behind it."""
+def build_host_pool(cache, size_bytes: int, ratio: float, link=None) -> HostPool:
+    """This rank's host rows for a ModelCache: `size_bytes` (0: `ratio` x the device pools'
+    bytes) per rank. Refused when the host's available memory is smaller than what every rank
+    on it asks for. `link` (glmrt.engine.ranks.PlanLink, an engine of several ranks): every
+    rank measures before any allocates, each host is checked against all of its ranks, and all
+    ranks take the same (smallest) rows, so rank 0's row ids are valid on every rank."""
     from glmrt.devices import mem_available_bytes
 
-    want = size_bytes if size_bytes > 0 else int(ratio * (cache.kv.nbytes + cache.state.nbytes))
-    free = mem_available_bytes()
-    if want > free:
-        raise ValueError(f"the host tier needs {want / 2**30:.2f} GiB of host memory and {free / 2**30:.2f} GiB "
-                         f"is available: lower --hicache-size or --hicache-ratio")
     pools = pool_tensors(cache)
-    disk_tier = None
-    if disk is not None:
-        from glmrt.cache.disk_tier import DiskTier
-        from glmrt.cache.node_store import LocalDiskStore
-        directory, capacity, salt = disk
-        disk_tier = DiskTier(LocalDiskStore(directory, capacity), salt, cache.page_size)
-    return HostTier(HostPool(pools, *host_rows(pools, want)), write_policy, disk_tier)
+    want = size_bytes if size_bytes > 0 else int(ratio * (cache.kv.nbytes + cache.state.nbytes))
+    pages, slots = host_rows(pools, want)
+    free = mem_available_bytes()
+    row = [_host_id(), free, want, pages, slots]
+    ranks = [row] if link is None else link.gather(row)
+    for host in dict.fromkeys(r[0] for r in ranks):  # the same verdict on every rank
+        mine = [r for r in ranks if r[0] == host]
+        need, avail = sum(r[2] for r in mine), min(r[1] for r in mine)
+        if need > avail:
+            each = f" ({len(mine)} ranks x {want / 2**30:.2f} GiB)" if len(mine) > 1 else ""
+            raise ValueError(f"the host tier needs {need / 2**30:.2f} GiB of host memory{each} and "
+                             f"{avail / 2**30:.2f} GiB is available: lower --hicache-size or --hicache-ratio")
+    pool = HostPool(pools, min(r[3] for r in ranks), min(r[4] for r in ranks))
+    if link is not None:
+        sizes = link.gather([pool.page_bytes, pool.slot_bytes, pool.nbytes])
+        pool.engine_page_bytes, pool.engine_slot_bytes, pool.engine_nbytes = (sum(c) for c in zip(*sizes))
+    return pool
+
+
+def _host_id() -> int:
+    """This machine, as an int64 (ranks that share one share its memory)."""
+    return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little", signed=True)
 
 
 class HostTier:
@@ -183,7 +202,7 @@ class HostTier:
 
     def _count_store(self, pages: int, slots: int) -> None:
         self.counters["host_stores"] += 1
-        self.counters["host_store_bytes"] += pages * self.pool.page_bytes + slots * self.pool.slot_bytes
+        self.counters["host_store_bytes"] += pages * self.pool.engine_page_bytes + slots * self.pool.engine_slot_bytes
 
     # ---- host -> device ------------------------------------------------------------------
     def load_node(self, node, device_pages: list[int]) -> int:
@@ -203,7 +222,7 @@ class HostTier:
 
     def _count_load(self, pages: int, slots: int, tokens: int) -> None:
         self.counters["host_loads"] += 1
-        self.counters["host_load_bytes"] += pages * self.pool.page_bytes + slots * self.pool.slot_bytes
+        self.counters["host_load_bytes"] += pages * self.pool.engine_page_bytes + slots * self.pool.engine_slot_bytes
         self.counters["host_hit_tokens"] += tokens
 
     def ready(self, ticket: int) -> bool:
@@ -217,7 +236,7 @@ class HostTier:
     def stats(self) -> dict[str, int]:
         out = {"host_pages_total": self.pages.num_pages, "host_pages_used": self.pages.num_used,
                "host_slots_total": self.slots.num_slots, "host_slots_used": self.slots.num_checkpoint,
-               "host_pool_bytes": self.pool.nbytes, **self.counters}
+               "host_pool_bytes": self.pool.engine_nbytes, **self.counters}
         if self.disk is not None:
             out.update(self.disk.counters, **self.disk.store.counters, disk_used_bytes=self.disk.store.used_bytes,
                        disk_capacity_bytes=self.disk.store.capacity_bytes)

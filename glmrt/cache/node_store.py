@@ -41,6 +41,7 @@ class NodeStore(abc.ABC):
 
     capacity_bytes: int
     counters: dict[str, int]
+    on_remove = None  # called with each key the store lets go (rank 0's removals are replayed)
 
     @abc.abstractmethod
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
@@ -57,6 +58,10 @@ class NodeStore(abc.ABC):
     @abc.abstractmethod
     def remove(self, key: str) -> None:
         ...
+
+    @abc.abstractmethod
+    def keys(self) -> list[str]:
+        """Every key held, least recently used first."""
 
     @property
     @abc.abstractmethod
@@ -94,6 +99,9 @@ class LocalDiskStore(NodeStore):
 
     def contains(self, key: str) -> bool:
         return key in self._lru
+
+    def keys(self) -> list[str]:
+        return list(self._lru)
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Write (or refresh) one entry; False when it alone exceeds the cap."""
@@ -135,6 +143,8 @@ class LocalDiskStore(NodeStore):
         if size is None:
             return
         self._used -= size
+        if self.on_remove is not None:
+            self.on_remove(key)
         try:
             os.remove(self._path(key))
         except FileNotFoundError:

@@ -93,17 +93,19 @@ class EngineConfig:
     """A host-memory tier behind the prefix cache: nodes evicted from the device pools move to
     the host while it has room, and a hit on one loads it back (glmrt/cache/host_tier.py)."""
     hicache_ratio: float = bounded(2.0, gt=0)
-    """Host tier size as a multiple of the device cache pools (KV + state) in bytes."""
+    """Host tier size as a multiple of the device cache pools (KV + state) in bytes, per rank."""
     hicache_size: float = bounded(0.0, ge=0)
-    """Host tier size in GB (0: use hicache_ratio; when both are given, the size wins)."""
+    """Host tier size in GB per rank: each rank of an engine holds its own shard of the cached
+    nodes (0: use hicache_ratio; when both are given, the size wins)."""
     hicache_write_policy: str = bounded("write_through", choices=("write_through", "write_back"))
     """write_through: copy what the prefix cache holds to the host at once (a later eviction
     costs no copy) | write_back: copy only on eviction."""
     hicache_storage_dir: str | None = None
     """A third tier on local disk under this directory: what the host tier drops is written
-    there, and a later prompt with that prefix reads it back (glmrt/cache/disk_tier.py)."""
+    there, and a later prompt with that prefix reads it back (glmrt/cache/disk_tier.py). An
+    engine of several ranks keeps one directory per rank under it (rank0, rank1, ...)."""
     hicache_storage_size: float = bounded(16.0, gt=0)
-    """The disk tier's size in GB (least recently used files are removed past it)."""
+    """The disk tier's size in GB (least recently used files are removed past it); per rank."""
     page_size: int = bounded(64, ge=1)
     """Tokens per KV page (a prefix is shared in whole pages)."""
     seed: int = 0

@@ -133,17 +133,18 @@ class Engine(ModelRank):
             torch.cuda.empty_cache()
 
     def _host_tier(self, config: EngineConfig):
-        from glmrt.cache.host_tier import build_host_tier
+        from glmrt.cache.disk_tier import DiskTier
+        from glmrt.cache.host_tier import HostTier
 
         disk = None
-        if config.hicache_storage_dir is not None:
+        if self.disk_store is not None:
             # the weights (checkpoint path, or the random weights' preset and seed) and the rows' layout
             weights = os.path.realpath(os.path.expanduser(config.model)) if config.model else config.preset or "tiny"
-            disk = (config.hicache_storage_dir, int(config.hicache_storage_size * 1e9),
-                    f"{weights}|{config.load_format}|{config.seed}|{config.quantization}|{self.layout}")
-        tier = build_host_tier(self.cache, int(config.hicache_size * 1e9), config.hicache_ratio,
-                               config.hicache_write_policy, disk)
-        self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB, {tier.pool.num_pages} pages, "
+            disk = DiskTier(self.disk_store, f"{weights}|{config.load_format}|{config.seed}|{config.quantization}|"
+                                             f"{self.layout}", config.page_size)
+        tier = HostTier(self.host_pool, config.hicache_write_policy, disk)
+        ranks = f" on each of {self.parallel.tp_size} ranks" if self.parallel.active else ""
+        self.log(f"host tier: {tier.pool.nbytes / 2**30:.3f} GiB{ranks}, {tier.pool.num_pages} pages, "
                  f"{tier.pool.num_slots} slots, {config.hicache_write_policy}" + (", pinned" if tier.pool.cuda else ""))
         return tier
 

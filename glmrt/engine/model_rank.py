@@ -77,6 +77,8 @@ class ModelRank:
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
                                          tp_size=tp_size)
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
+        self.host_pool = self._host_pool(config, link) if config.enable_hierarchical_cache else None
+        self.runner.host_pool = self.host_pool
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
         self.device_name, self.dtype_name, self.kv_dtype = device, dtype_name, kv_dtype
@@ -84,6 +86,46 @@ class ModelRank:
             max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
             self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
                                       pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+
+    def _host_pool(self, config: EngineConfig, link: PlanLink | None):
+        """This rank's rows of the host tier, and its disk store (rank 0's tier decides the
+        copies and the disk entries of every rank)."""
+        from glmrt.cache.host_tier import build_host_pool
+
+        several = self.parallel.active
+        pool = build_host_pool(self.cache, int(config.hicache_size * 1e9), config.hicache_ratio,
+                               link if several else None)
+        self.disk_store = None
+        if config.hicache_storage_dir is not None:
+            self.disk_store = self._disk_store(config, link if several else None)
+        if several and self.parallel.rank == 0:
+            pool.journal = []  # its operations travel to the other ranks with the next step
+        elif several and self.disk_store is not None:
+            from glmrt.cache.disk_tier import DiskMirror
+            pool.disk_mirror = DiskMirror(self.disk_store, pool)
+        return pool
+
+    def _disk_store(self, config: EngineConfig, link: PlanLink | None):
+        """The disk tier's store: the directory itself on one rank; on several, a directory per
+        rank (its shard of each entry), holding the same keys: files an earlier run left on
+        some ranks only are removed on all. Only rank 0's store evicts (by its cap); the
+        others follow its removals."""
+        from glmrt.cache.node_store import LocalDiskStore
+
+        capacity = int(config.hicache_storage_size * 1e9)
+        if link is None:
+            return LocalDiskStore(config.hicache_storage_dir, capacity)
+        rank = self.parallel.rank
+        store = LocalDiskStore(os.path.join(config.hicache_storage_dir, f"rank{rank}"),
+                               capacity if rank == 0 else 2**62)
+        everywhere = None
+        for listed in link.gather_bytes("\n".join(store.keys()).encode()):
+            keys = set(listed.decode().split("\n")) - {""}
+            everywhere = keys if everywhere is None else everywhere & keys
+        for key in store.keys():
+            if key not in everywhere:
+                store.remove(key)
+        return store
 
     def _load_model(self, device: str):
         from glmrt.model.loader import load_checkpoint, load_dummy

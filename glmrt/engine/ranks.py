@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from glmrt import protocol as P
+from glmrt.cache.host_pool import HostOp
 from glmrt.parallel import Parallel
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a rank loads its weights before the first collective
@@ -106,6 +107,12 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """With full hits: the sampled rows in plan order, as indices into [forward rows; hit rows]."""
     writes: list[RankWrite] = []
     """op handoff_write: the PD state writes ranks > 0 post (their KDA shards)."""
+    host_ops: list[HostOp] = []
+    """The host tier's copies, fences and disk entries rank 0 issued since the previous step, in
+    order: every other rank performs them on its own shard before this step's copies."""
+    host_ready: list[int] = []
+    """Host-tier loads (tickets, numbered alike on every rank) rank 0 has seen finish since the
+    previous step: the forward may read their rows, so the other ranks' compute waits for them."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -131,20 +138,22 @@ class PlanLink:
         dist.broadcast(buf, group_src=0, group=self.group)
         return _decoder.decode(buf.numpy().tobytes())
 
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (one length on all ranks), in rank order."""
+        mine = torch.tensor(values, dtype=torch.long)
+        out = [torch.empty_like(mine) for _ in range(self.parallel.tp_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
     def gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's `data`, by rank (on every rank: gloo's all_gather; sizes first, then the
-        bytes padded to the longest)."""
-        world = self.parallel.tp_size
-        size = torch.tensor([len(data)], dtype=torch.long)
-        sizes = [torch.empty(1, dtype=torch.long) for _ in range(world)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        """Every rank's `data` (any lengths), in rank order."""
+        sizes = [n for (n,) in self.gather([len(data)])]
+        mine = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
         if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        bufs = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(bufs, buf, group=self.group)
-        return [b[:int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes)]
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in sizes]
+        dist.all_gather(out, mine, group=self.group)
+        return [t[:n].numpy().tobytes() for t, n in zip(out, sizes)]
 
     def agree_min(self, value: int) -> int:
         """The smallest `value` over the ranks (each rank's cache budget: one pool size for all)."""

@@ -11,6 +11,8 @@ A plan is first turned into `ForwardInputs` (glmrt.engine.ranks: host values onl
 `run` executes: the copies, the forward (eager or a decode graph), the copies after. On an
 engine of several ranks rank 0 builds them and `run` publishes them before executing; the
 other ranks execute what they receive with the same `run` (`follow`). Sampling is rank 0's.
+The host tier's copies are issued by rank 0's tier as its scheduler decides them; the next
+published step carries them (`host_ops`), and the other ranks perform them first.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class ModelRunner:
         # A PD engine's rank > 0: what posts its part of a handoff's writes and reports them
         # (actors/rank_handoff.py: RankTransfers; `info`, `write`, `poll`), set by the rank
         self.rank_transfers = None
+        self.host_pool = None  # glmrt.cache.host_pool.HostPool: this rank's host tier rows, or None
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
@@ -249,8 +252,7 @@ class ModelRunner:
         """Execute `step` (after publishing it, on rank 0 of several) -> the logits of its
         `logits_rows` (None for a command). `feats`: rank 0's vision features of
         `step.embed_rows`; `prev_tokens`: the previous shared tokens `step.src_rows` index."""
-        if self.link is not None and self.parallel.rank == 0:
-            self.link.publish(step)
+        self._exchange(step)
         if step.op == "capture":
             self.graphs.warmup(step.graphs)
             return None
@@ -303,12 +305,23 @@ class ModelRunner:
             tokens = torch.empty(n, dtype=torch.long, device=self.device)
         return self.parallel.broadcast(tokens)
 
+    def _exchange(self, step: ForwardInputs) -> None:
+        """Rank 0 of several: publish `step` with the host tier's operations since the last one;
+        the other ranks: perform those operations (before anything else of the step)."""
+        if self.link is not None and self.parallel.rank == 0:
+            if self.host_pool is not None:
+                step.host_ops, step.host_ready = self.host_pool.take_journal()
+            self.link.publish(step)
+        elif step.host_ops or step.host_ready:
+            self.host_pool.replay(step.host_ops, step.host_ready)
+
     def follow(self) -> None:
         """A rank other than 0: run each step rank 0 publishes, until it says stop."""
         prev = None
         while True:
             step = self.link.receive()
             if step.op == "stop":
+                self._exchange(step)  # what rank 0's tier did last (its disk files are every rank's)
                 return
             if step.op.startswith("handoff_"):
                 self._follow_handoff(step)
@@ -354,7 +367,7 @@ class ModelRunner:
     def stop_followers(self) -> None:
         """Rank 0, when the engine ends: the other ranks leave their `follow` loop."""
         if self.link is not None:
-            self.link.publish(ForwardInputs(op="stop"))
+            self._exchange(ForwardInputs(op="stop"))
 
     def _copy(self, c: StateCopy) -> None:
         self.copy_state(c.src_slot, c.dst_slot)

@@ -1,6 +1,7 @@
 """The host and disk tiers on their own: a node moves between the device pools and the host
-whole (pages, checkpoints, their rows' contents), host space is reclaimed LRU, and the disk
-store keeps files under its cap, least recently used first."""
+whole (pages, checkpoints, their rows' contents), host space is reclaimed LRU, the disk
+store keeps files under its cap, least recently used first, and another rank replaying rank 0's
+journal of copies and disk entries ends with its shard of the same rows and files."""
 
 from __future__ import annotations
 
@@ -169,3 +170,49 @@ def test_cuda_copies_run_on_their_own_stream_into_pinned_memory():
     assert got == [3, 4, 9] and float(pools["conv"][1, 0].flatten()[0]) == 2
     pool.synchronize()
     assert pool.ready(ticket)
+
+
+def test_another_rank_replaying_the_journal_holds_its_shard_of_the_same_rows(tmp_path):
+    """Rank 0's tier with a journal, and a second pool (another rank's shard: every device row
+    twice rank 0's) that only replays it: host rows, device rows and disk files end alike."""
+    from glmrt.cache.disk_tier import DiskMirror
+    disk = DiskTier(LocalDiskStore(str(tmp_path / "rank0"), 10**6), "salt", PS)
+    tree, tier, pools = make(host_pages=4, host_slots=2, disk=disk)
+    tier.pool.journal = []
+    shard = {n: torch.zeros_like(t) for n, t in pools.items()}
+    other = HostPool(shard, 4, 2)
+    other.disk_mirror = DiskMirror(LocalDiskStore(str(tmp_path / "rank1"), 2**62), other)
+
+    def replay():
+        other.replay(*tier.pool.take_journal())
+
+    tokens = list(range(8))
+    pages = cache(tree, tokens)
+    slot = tree.slots.allocate(CHECKPOINT)
+    part = tree.pages.allocate(1)[0]
+    stamp(pools, [(PAGE_TENSORS, pages + [part]), (SLOT_TENSORS, [slot])])
+    for n in pools:
+        shard[n].copy_(2 * pools[n])
+    tree.add_checkpoint(tokens + [50], 9, slot, part)
+    tree.evict(need_pages=16, need_slots=6)      # stores to the host
+    replay()
+    assert all(torch.equal(other.tensors[n], 2 * tier.pool.tensors[n]) for n in pools)
+    tier.make_room(4, 2)                         # onto the disk (the host rows are reused later)
+    assert disk.counters["disk_spilled_pages"] == 2 and disk.counters["disk_spilled_checkpoints"] == 1
+    replay()
+    for t in (*pools.values(), *shard.values(), *tier.pool.tensors.values(), *other.tensors.values()):
+        t.zero_()                                # what comes back now comes from each rank's files
+    assert tier.prefetch(tokens + [50, 51], 10, False, 0)   # back from the disk
+    m = tree.match(tokens + [50, 51], 10)
+    got, _ = tree.load_path(m.nodes, lambda n: tree.pages.allocate(n))
+    dst_slot, dst_page = tree.slots.allocate(), tree.pages.allocate(1)[0]
+    tier.restore(m.checkpoint, dst_slot, dst_page)
+    ops, done = tier.pool.take_journal()
+    assert {op.op for op in ops} == {"disk_get", "load"}
+    other.replay(ops, done)
+    assert [float(shard["latent"][0, p, 0, 0]) for p in got] == [2 * (1000 + p) for p in pages]
+    assert float(shard["conv"][0, dst_slot].flatten()[0]) == 2 * (1000 + slot)
+    assert all(torch.equal(other.tensors[n], 2 * tier.pool.tensors[n]) for n in pools)
+    assert all(torch.equal(shard[n], 2 * pools[n]) for n in pools)
+    assert sorted(p.name for p in (tmp_path / "rank1").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "rank0").iterdir())

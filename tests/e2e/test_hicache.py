@@ -1,7 +1,8 @@
-"""E2E: the host tier through `glmrt up`, unified and prefill/decode. KV and state pools so
-small that each conversation's prefix is evicted between its turns: later turns report cached
-tokens that came back from the host, `/metrics` shows the host pool and its copies, and every
-greedy token equals an engine without a prefix cache. An exact repeat is a full hit."""
+"""E2E: the host tier through `glmrt up`: unified, prefill/decode, and one engine of two ranks.
+KV and state pools so small that each conversation's prefix is evicted between its turns: later
+turns report cached tokens that came back from the host, `/metrics` shows the host pool and its
+copies, and every greedy token equals an engine without a prefix cache. An exact repeat is a
+full hit."""
 
 from __future__ import annotations
 
@@ -18,20 +19,21 @@ PAGE = 16
 SLOTS, PAGES = 6, 14
 
 
-def tiny_pool_gb() -> float:
+def tiny_pool_gb(tp: int = 1) -> float:
+    """SLOTS state slots and PAGES KV pages on each rank of an engine of `tp`."""
     from glmrt.cache.layout import CacheLayout
     from glmrt.checkpoint.presets import preset_config
     lay = CacheLayout.from_config(preset_config("tiny").text, page_size=PAGE, kv_dtype="float32",
-                                  state_dtype="float32", model_dtype="float32")
+                                  state_dtype="float32", model_dtype="float32", tp_size=tp)
     return (SLOTS * lay.state_bytes_per_slot + PAGES * lay.kv_bytes_per_page) / 2**30
 
 
-def topology(tmp_path, name: str, engines: str) -> str:
+def topology(tmp_path, name: str, engines: str, tp: int = 1) -> str:
     path = tmp_path / f"{name}.toml"
     path.write_text(f"""
 [engine]
 page_size = {PAGE}
-cache_memory_gb = {tiny_pool_gb()!r}
+cache_memory_gb = {tiny_pool_gb(tp)!r}
 max_mamba_cache_size = {SLOTS}
 enable_hierarchical_cache = true
 hicache_ratio = 8.0
@@ -46,6 +48,8 @@ kind = "detokenizer"
 
 UNIFIED = '[[actors]]\nkind = "engine"'
 PD = '[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"'
+TP2 = '[[actors]]\nkind = "engine"\ntp = 2'  # every rank its own host rows; rank 0's tier drives them
+ENGINES = {"unified": (UNIFIED, 1), "pd": (PD, 1), "tp2": (TP2, 2)}
 
 
 def conversations():
@@ -101,10 +105,10 @@ def sender(dep):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("placement", ["unified", "pd"])
+@pytest.mark.parametrize("placement", list(ENGINES))
 def test_turns_hit_the_host_tier_with_the_cold_tokens(start_deployment, tmp_path, cold, placement):
-    engines = UNIFIED if placement == "unified" else PD
-    dep = start_deployment([topology(tmp_path, placement, engines)], name=f"hicache-{placement}")
+    engines, tp = ENGINES[placement]
+    dep = start_deployment([topology(tmp_path, placement, engines, tp)], name=f"hicache-{placement}")
     try:
         send = sender(dep)
         got = turns(send)
