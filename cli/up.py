@@ -34,6 +34,7 @@ from glmrt import env
 from glmrt.devices import gpu_count
 from glmrt.actor_kinds import ENGINE_KINDS
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
+from glmrt.nodes import NodeSection
 from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError, default_topology,
                             load_topology, place_parallel_engines, validate)
 
@@ -96,6 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=with_default("seconds the actors have to become ready", 600.0))
     for f in dataclasses.fields(LogSection):
         _add_field_flag(p, LogSection, f.name)
+    g = p.add_argument_group("nodes (one engine's ranks over several hosts; every node runs glmrt up with the "
+                             "same topology)")
+    for f in dataclasses.fields(NodeSection):
+        _add_field_flag(g, NodeSection, f.name)
     g = p.add_argument_group("engine flags (override [engine])")
     for f in dataclasses.fields(EngineConfig):
         if f.name not in _ENGINE_FLAG_SKIP:
@@ -156,7 +161,11 @@ def build_topology(args: argparse.Namespace):
     api = dataclasses.replace(api, **api_over)
     logs = dataclasses.replace(topo.log, **{f.name: getattr(args, f.name) for f in dataclasses.fields(LogSection)
                                             if getattr(args, f.name, None) is not None})
-    topo = dataclasses.replace(topo, model=model, engine=engine, api=api, log=logs)
+    nodes = dataclasses.replace(topo.nodes, **{f.name: getattr(args, f.name) for f in dataclasses.fields(NodeSection)
+                                               if getattr(args, f.name, None) is not None})
+    if nodes.curve_key_file:
+        nodes = dataclasses.replace(nodes, curve_key_file=os.path.abspath(os.path.expanduser(nodes.curve_key_file)))
+    topo = dataclasses.replace(topo, model=model, engine=engine, api=api, log=logs, nodes=nodes)
     topo = _apply_parallel_flags(topo, args)
     for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
         n = getattr(args, flag)
@@ -356,6 +365,28 @@ def _fit_in_child(cfg: EngineConfig, gpu_bytes: int, tp: int, ep: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def check_model(topo, path: str):
+    """The checks only the checkpoint can answer, on every node -> its ModelConfig, or the exit
+    status of the refusal printed."""
+    from glmrt.config import ConfigError, load_model_config
+
+    try:
+        mc = load_model_config(path)
+    except ConfigError as e:
+        return refuse(str(e))
+    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
+               or check_parallel_shapes(topo, mc))
+    if refusal:
+        return refuse(refusal)
+    try:
+        refusal = check_memory_fit(topo, mc)
+    except TopologyError as e:
+        refusal = str(e)
+    if refusal:
+        return refuse(refusal)
+    return mc
+
+
 def refuse(message: str) -> int:
     """The one-line refusal of `glmrt up` (exit status 2), argparse's way."""
     return print_error("glmrt up", message)
@@ -392,13 +423,17 @@ def run(args: argparse.Namespace) -> int:
     path = topo.model.path
     if path is not None and not os.path.exists(os.path.join(path, "config.json")):
         return refuse(f"no config.json in {path}")
-    refusal = check_port_free(topo.api.host, topo.api.port)
+    from cli.nodes import check_node_addresses, serve_node
+    refusal = check_node_addresses(topo.nodes) or (topo.nodes.node_rank == 0
+                                                   and check_port_free(topo.api.host, topo.api.port))
     if refusal:
         return refuse(refusal)
     configure_logging(topo.log.log_level)
     if path is None:
         path = ensure_tiny_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
+    if topo.nodes.node_rank > 0:
+        return serve_node(topo, path)
     try:
         import uvloop
         return uvloop.run(serve(topo, path, args.ready_timeout))
@@ -409,23 +444,11 @@ def run(args: argparse.Namespace) -> int:
 async def serve(topo, path: str, ready_timeout: float) -> int:
     from actors.api import ApiServer
     from actors.supervisor import Supervisor
-    from glmrt.config import ConfigError, load_model_config
     from transport.channels import make_run_dir
 
-    try:
-        mc = load_model_config(path)
-    except ConfigError as e:
-        return refuse(str(e))
-    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
-               or check_parallel_shapes(topo, mc))
-    if refusal:
-        return refuse(refusal)
-    try:
-        refusal = check_memory_fit(topo, mc)
-    except TopologyError as e:
-        refusal = str(e)
-    if refusal:
-        return refuse(refusal)
+    mc = check_model(topo, path)
+    if isinstance(mc, int):
+        return mc
     gen_path = os.path.join(path, "generation_config.json")
     gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}
     served = topo.model.served_model_name or os.path.basename(os.path.normpath(path))
