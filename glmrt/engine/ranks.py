@@ -168,13 +168,15 @@ def leave_group() -> None:
     global _host_group, _wire
     if _wire is not None:
         _wire.quiet()
+    if dist.is_initialized():
+        try:
+            dist.monitored_barrier(group=_host_group, timeout=LEAVE_TIMEOUT)
+        except RuntimeError:
+            pass  # a rank is gone already: leave anyway
+    if _wire is not None:  # after the barrier: every rank has its stop by now (closing drops what is queued)
         _wire.close()
         _wire = None
     if not dist.is_initialized():
         return
-    try:
-        dist.monitored_barrier(group=_host_group, timeout=LEAVE_TIMEOUT)
-    except RuntimeError:
-        pass  # a rank is gone already: leave anyway
     _host_group = None
     dist.destroy_process_group()

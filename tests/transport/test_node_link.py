@@ -64,8 +64,10 @@ def _pair(key_file=None, client_key_file=None):
 
 
 def _close(*ends):
+    """The group ends on purpose: every end is told first (rank 0 publishes a stop)."""
     for end in ends:
         end.quiet()
+    for end in ends:
         end.close()
 
 

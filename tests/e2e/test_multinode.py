@@ -1,0 +1,152 @@
+"""E2E: one engine of tp 2 over two "nodes" on 127.0.0.1 (two `glmrt up` processes, gloo on the
+CPU): node 0 runs the deployment and rank 0, node 1 (`--node-rank 1`) runs rank 1 alone; they
+meet at --dist-init-addr and the step inputs go on the CURVE link. The greedy tokens are one
+rank's; node 1 killed with SIGKILL takes the engine down within 5 s (its held stream fails at
+once), the supervisor restarts rank 0, which serves again once node 1 is back; rank 0 killed makes
+node 1 exit with status 1 within 5 s; node 0 stopping makes node 1 exit with status 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Deployment, free_port, process_alive
+from tests.e2e.test_tensor_parallel import MAX_TOKENS, one_rank, prompts  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+
+BOUND_S = 5.0
+READY_S = 90.0
+
+
+class Nodes:
+    def __init__(self, start_deployment, e2e_tmp, e2e_env, tiny_checkpoint):
+        self.flags = ["--model", tiny_checkpoint, "--tp-size", "2", "--dtype", "float32", "--nnodes", "2",
+                      "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+        self.tmp, self.env = e2e_tmp, e2e_env
+        self.starts = 0
+        self.node1 = self.start_node1()  # first: its rank waits for rank 0's store
+        self.node0 = start_deployment(self.flags, name="node0")
+
+    def start_node1(self) -> Deployment:
+        self.starts += 1
+        d = Deployment([*self.flags, "--node-rank", "1"], log_path=self.tmp / f"node1-{self.starts}.log", env=self.env)
+        return d.start()
+
+    def engine(self) -> dict:
+        (row,) = self.node0.actors("engine")
+        return row
+
+    def wait_engine(self, old_pid: int | None = None) -> dict:
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            row = self.engine()
+            if row["state"] == "ready" and row["pid"] != old_pid and len(row["ranks"]) == 2:
+                return row
+            time.sleep(0.2)
+        self.node0.fail(f"the engine was not ready with both ranks: {self.engine()}\n---- node 1 ----\n"
+                        f"{self.node1.output()[-5000:]}")
+
+    def tokens(self, prompt) -> list[int]:
+        r = self.node0.client().completions.create(model=self.node0.model_id(), prompt=prompt, max_tokens=MAX_TOKENS,
+                                                   temperature=0, extra_body={"ignore_eos": True,
+                                                                              "return_token_ids": True})
+        return r.choices[0].model_extra["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def nodes(start_deployment, e2e_tmp, e2e_env, tiny_checkpoint):
+    n = Nodes(start_deployment, e2e_tmp, e2e_env, tiny_checkpoint)
+    yield n
+    n.node0.stop(term_wait=10)
+    n.node1.stop(term_wait=5)
+
+
+def _gone_within(pids: list[int], bound: float) -> bool:
+    deadline = time.monotonic() + bound
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(process_alive(p) for p in pids)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_serve_one_ranks_greedy_tokens(nodes, one_rank):  # noqa: F811
+    row = nodes.wait_engine()
+    ranks = row["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] == row["pid"]
+    assert ranks[1]["node"] == 1 and _parent(ranks[1]["pid"]) == nodes.node1.proc.pid  # started by node 1
+    for prompt, ref in zip(prompts(), one_rank):
+        assert nodes.tokens(prompt) == ref.output_ids
+
+
+def _held_stream(nodes, result: dict, started: threading.Event) -> None:
+    body = {"model": nodes.node0.model_id(), "prompt": "a long story", "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as h, h.stream("POST", nodes.node0.url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.update(error=event["error"], t=time.monotonic())
+                    return
+                started.set()
+    result.update(t=time.monotonic())
+
+
+@pytest.mark.timeout(240)
+def test_node_1_killed_fails_the_engine_fast_and_it_serves_again_with_node_1_back(nodes, one_rank):  # noqa: F811
+    row = nodes.wait_engine()
+    result, started = {}, threading.Event()
+    t = threading.Thread(target=_held_stream, args=(nodes, result, started), daemon=True)
+    t.start()
+    assert started.wait(60), "the held stream did not start"
+    killed = time.monotonic()
+    os.kill(nodes.node1.proc.pid, signal.SIGKILL)  # node 1's glmrt up alone: its rank dies with it
+    assert _gone_within([r["pid"] for r in row["ranks"]], BOUND_S), row["ranks"]
+    t.join(BOUND_S)
+    assert "error" in result and result["t"] - killed < BOUND_S, result
+    assert result["error"]["code"] == "actor_failed", result
+    status, _, raw = nodes.node0.post("/v1/completions", {"model": nodes.node0.model_id(), "prompt": "x",
+                                                          "max_tokens": 2}, timeout=BOUND_S)
+    assert status == 503, raw[:300]  # rank 0 waits for node 1: refused at once, not held
+    nodes.node1.stop(term_wait=1)
+    nodes.node1 = nodes.start_node1()
+    new = nodes.wait_engine(old_pid=row["pid"])
+    assert new["restarts"] == 1
+    assert nodes.tokens(prompts()[0]) == one_rank[0].output_ids
+
+
+@pytest.mark.timeout(240)
+def test_node_1_exits_when_its_group_fails(nodes):
+    row = nodes.wait_engine()
+    os.kill(row["pid"], signal.SIGKILL)  # rank 0
+    killed = time.monotonic()
+    try:
+        rc = nodes.node1.proc.wait(BOUND_S)
+    except Exception:
+        nodes.node1.fail("node 1 did not exit within 5 s of rank 0's death")
+    assert rc == 1 and time.monotonic() - killed < BOUND_S
+    assert _gone_within([row["ranks"][1]["pid"]], 1.0)
+    assert "rank 0's connection closed; rank 1 exits" in nodes.node1.output()
+
+
+@pytest.mark.timeout(240)
+def test_node_1_stops_with_node_0(nodes):
+    nodes.node1.stop(term_wait=1)
+    nodes.node1 = nodes.start_node1()
+    row = nodes.wait_engine()
+    nodes.node0.stop(term_wait=20)
+    assert nodes.node0.proc.returncode == 0, nodes.node0.output()[-3000:]
+    assert nodes.node1.proc.wait(10) == 0, nodes.node1.output()[-3000:]
+    assert _gone_within([r["pid"] for r in row["ranks"]], 1.0)
