@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import msgspec
 import torch
@@ -141,8 +142,10 @@ def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: s
     store = None
     if rendezvous.startswith("tcp://"):
         host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
-        store = dist.TCPStore(host.strip("[]"), int(port), tp_size, is_master=rank == 0, timeout=GROUP_TIMEOUT,
-                              wait_for_workers=False)
+        host = host.strip("[]")
+        listen = _listen(host, int(port)) if rank == 0 else None
+        store = dist.TCPStore(host, int(port), tp_size, is_master=rank == 0, timeout=GROUP_TIMEOUT,
+                              wait_for_workers=False, master_listen_fd=listen.fileno() if listen else None)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=tp_size,
                                 timeout=GROUP_TIMEOUT, **kw)
     else:
@@ -159,6 +162,20 @@ def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: s
 
 _host_group = None
 _wire = None
+_store_socket = None
+
+
+def _listen(host: str, port: int):
+    """Rank 0's store socket, bound on the named host only (TCPStore alone listens on every
+    interface); kept open for the process's life, as the store serves from it."""
+    global _store_socket
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 takes the port again at once
+    s.bind((host, port))
+    s.listen(128)
+    _store_socket = s
+    return s
 
 
 def leave_group() -> None:

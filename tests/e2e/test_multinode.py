@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import Deployment, free_port, process_alive
+from tests.e2e.conftest import Deployment, free_port, libs_mapped, process_alive
 from tests.e2e.test_tensor_parallel import MAX_TOKENS, one_rank, prompts  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -75,6 +75,26 @@ def _gone_within(pids: list[int], bound: float) -> bool:
     return not any(process_alive(p) for p in pids)
 
 
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(local address as /proc/net writes it, port) of every TCP socket `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/{pid}/net/{table}", encoding="ascii").read().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                addr, port = cols[1].split(":")
+                out.add((addr, int(port, 16)))
+    return out
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -86,6 +106,12 @@ def test_two_nodes_serve_one_ranks_greedy_tokens(nodes, one_rank):  # noqa: F811
     ranks = row["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["pid"] == row["pid"]
     assert ranks[1]["node"] == 1 and _parent(ranks[1]["pid"]) == nodes.node1.proc.pid  # started by node 1
+    assert not libs_mapped(nodes.node1.proc.pid)  # node 1's glmrt up, like node 0's, never imports torch
+    # rank 0 listens on the named host only: the store on its port, the link, gloo; none on a wildcard
+    listening = _listening(row["pid"])
+    store_port = int(nodes.flags[nodes.flags.index("--dist-init-addr") + 1].rsplit(":", 1)[1])
+    assert ("0100007F", store_port) in listening and len(listening) >= 3, listening
+    assert {addr for addr, _ in listening} == {"0100007F"}, listening
     for prompt, ref in zip(prompts(), one_rank):
         assert nodes.tokens(prompt) == ref.output_ids
 
