@@ -112,6 +112,9 @@ def test_two_nodes_serve_one_ranks_greedy_tokens(nodes, one_rank):  # noqa: F811
     store_port = int(nodes.flags[nodes.flags.index("--dist-init-addr") + 1].rsplit(":", 1)[1])
     assert ("0100007F", store_port) in listening and len(listening) >= 3, listening
     assert {addr for addr, _ in listening} == {"0100007F"}, listening
+    out = nodes.node0.cli("status")
+    assert out.returncode == 0, out.stderr
+    assert f"rank 1: pid {ranks[1]['pid']} on cpu of node 1 ({ranks[1]['host']})" in out.stdout, out.stdout
     for prompt, ref in zip(prompts(), one_rank):
         assert nodes.tokens(prompt) == ref.output_ids
 
