@@ -19,6 +19,8 @@ link of transport/node_link.py: a rank that loses rank 0, or a rank 0 that loses
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -34,6 +36,10 @@ from actors.logs import configure_logging
 from actors.worker import die_with_parent
 from glmrt.engine.config import EngineConfig
 
+# What a node may set for itself; every other engine setting must be the same on every node.
+NODE_LOCAL_FIELDS = ("model", "device")
+SETTINGS_KEY = "glmrt-ranks/settings"  # rank 0's, in the store: the others check theirs against it
+REFUSED = 2  # the exit status of a rank whose settings are not rank 0's
 STOP_WAIT_S = 5.0  # a rank told to stop that has not exited by then is killed
 PARENT_POLL_S = 0.25  # how often a rank checks that rank 0 is still its parent
 
@@ -54,6 +60,24 @@ class RankSpec(msgspec.Struct):
     """Nodes the group spans: > 1, the step inputs come on the CURVE link (transport/node_link.py)."""
     curve_key_file: str | None = None
     node_rank: int = 0
+
+
+def group_settings(engine: EngineConfig, tp: int, ep: int) -> dict:
+    """What every rank of a group over nodes must agree on (its node's `glmrt up` built it from the
+    same topology and flags), as JSON values."""
+    values = {k: v for k, v in dataclasses.asdict(engine).items() if k not in NODE_LOCAL_FIELDS}
+    return json.loads(json.dumps({"tp": tp, "ep": ep, **values}))
+
+
+def settings_refusal(rank: int, ours: dict, rank0: dict) -> str | None:
+    """Why rank `rank`, built with settings `ours`, cannot join the group of a rank 0 built with
+    `rank0`, or None."""
+    diff = [k for k in rank0 if ours.get(k) != rank0[k]]
+    if not diff:
+        return None
+    named = ", ".join(f"{k} {ours.get(k)!r} (rank 0: {rank0[k]!r})" for k in diff[:4])
+    return (f"rank {rank} runs other engine settings than rank 0: {named}; every node must run glmrt up with "
+            "the same topology and flags")
 
 
 def device_names(tp_size: int, gpus: list[int]) -> list[str]:
@@ -126,10 +150,13 @@ class RankGroup:
             def wire(store):  # the link binds on node 0's named address only
                 group.link = LinkServer(store, tcp_url(host, "*"), c.tp, c.curve_key_file,
                                         on_lost=group.lost, log=log)
-                group.remote = [dict(info, rank=r) for r, info in sorted(group.link.peers.items())
-                                if r >= local.stop]
+                group.remote = [{"rank": r, **{k: info[k] for k in ("pid", "device", "host", "node")}}
+                                for r, info in sorted(group.link.peers.items()) if r >= local.stop]
                 return group.link
+            def meet(store):  # before the group forms: the others check their settings against these
+                store.set(SETTINGS_KEY, json.dumps(group_settings(c.engine, c.tp, c.ep)))
         else:
+            meet = None
             rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
             group = cls(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level, c.torch_threads,
                         log)
@@ -142,7 +169,7 @@ class RankGroup:
             device = c.engine.resolved_device()
             if device.startswith("cuda"):
                 torch.cuda.set_device(spec.gpus[0] if spec.gpus else 0)  # the step thread's own current device
-            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device, wire=wire)
+            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device, wire=wire, meet=meet)
             return Engine(c.engine, log=log.info, parallel=parallel, link=link)
         return group, build
 
@@ -238,7 +265,17 @@ def main(argv: list[str] | None = None) -> int:
 
         def wire(store):
             return LinkClient(store, spec.rank, spec.curve_key_file, info, on_lost=lost, log=log)
-    parallel, link = join_group(spec.rank, spec.tp_size, spec.ep_size, spec.rendezvous, device, wire=wire)
+
+        def meet(store):  # a rank built from other flags would compute garbage with the others
+            refusal = settings_refusal(spec.rank, group_settings(spec.engine, spec.tp_size, spec.ep_size),
+                                       json.loads(bytes(store.get(SETTINGS_KEY))))
+            if refusal:
+                log.error("%s", refusal)
+                os._exit(REFUSED)
+    else:
+        meet = None
+    parallel, link = join_group(spec.rank, spec.tp_size, spec.ep_size, spec.rendezvous, device, wire=wire,
+                                meet=meet)
     rank = ModelRank(spec.engine, log=log.debug, parallel=parallel, link=link)
     log.info("rank %d of %d ready on %s", spec.rank, spec.tp_size, device)
     rank.follow()

@@ -5,7 +5,8 @@ Node 0 runs the whole deployment (cli/up.py: serve); its engine actor is rank 0 
 ranks' store on PORT. A node K > 0 runs `serve_node`: it starts its share of the engine's ranks
 (actors/engine_rank.py: RankGroup), which join rank 0's group, and exits when one of them does:
 status 0 when rank 0 ended the group (node 0 stopped), 1 when its group failed (rank 0 or a
-rank was lost: each rank exits then, see transport/node_link.py). SIGTERM or Ctrl-C ends its
+rank was lost: each rank exits then, see transport/node_link.py), 2 when its engine settings
+are not rank 0's (checked at the store before the group forms; rank 0 goes on waiting). SIGTERM or Ctrl-C ends its
 ranks, which node 0 sees as its engine failing. This process never imports torch.
 """
 
@@ -60,7 +61,7 @@ def check_node_addresses(nodes: NodeSection) -> str | None:
 
 def serve_node(topo, path: str) -> int:
     """Node K > 0: start its engine ranks and wait until they end (see the module doc)."""
-    from actors.engine_rank import RankGroup
+    from actors.engine_rank import REFUSED, RankGroup
     from actors.supervisor import engine_actor_config
     from cli.up import check_model
 
@@ -90,11 +91,14 @@ def serve_node(topo, path: str) -> int:
                 log.info("rank %d left: rank 0 ended the engine; this node stops", rank)
                 group.wait_stopped()
                 return 0
-            log.error("rank %d (pid %d) exited with status %s: this node's engine group failed; this node stops",
-                      rank, proc.pid, rc)
+            if rc == REFUSED:  # its log line above says which settings differ from rank 0's
+                log.error("rank %d was refused by rank 0: this node stops", rank)
+            else:
+                log.error("rank %d (pid %d) exited with status %s: this node's engine group failed; this node "
+                          "stops", rank, proc.pid, rc)
             group.kill()
             group.wait_stopped()
-            return 1
+            return REFUSED if rc == REFUSED else 1
     log.info("stopping this node's ranks")
     group.kill()
     group.wait_stopped()

@@ -133,10 +133,11 @@ def rendezvous_path(run_dir: str, actor_id: str) -> str:
 
 
 def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: str,
-               wire=None) -> tuple[Parallel, PlanLink]:
+               wire=None, meet=None) -> tuple[Parallel, PlanLink]:
     """This process's rank in its engine's torch.distributed group (NCCL on CUDA, gloo on the
     CPU) and the link the step inputs travel on: gloo, or with a `tcp://HOST:PORT` rendezvous
-    (ranks on several nodes; rank 0 hosts the store) `wire(store)`'s."""
+    (ranks on several nodes; rank 0 hosts the store) `wire(store)`'s. `meet(store)` runs before
+    the group forms, so a rank it refuses leaves without disturbing the others."""
     cuda = device.startswith("cuda")
     kw = {"device_id": torch.device(device if ":" in device else "cuda:0")} if cuda else {}
     store = None
@@ -146,6 +147,8 @@ def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: s
         listen = _listen(host, int(port)) if rank == 0 else None
         store = dist.TCPStore(host, int(port), tp_size, is_master=rank == 0, timeout=GROUP_TIMEOUT,
                               wait_for_workers=False, master_listen_fd=listen.fileno() if listen else None)
+        if meet is not None:
+            meet(store)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=tp_size,
                                 timeout=GROUP_TIMEOUT, **kw)
     else:

@@ -3,7 +3,8 @@ CPU): node 0 runs the deployment and rank 0, node 1 (`--node-rank 1`) runs rank 
 meet at --dist-init-addr and the step inputs go on the CURVE link. The greedy tokens are one
 rank's; node 1 killed with SIGKILL takes the engine down within 5 s (its held stream fails at
 once), the supervisor restarts rank 0, which serves again once node 1 is back; rank 0 killed makes
-node 1 exit with status 1 within 5 s; node 0 stopping makes node 1 exit with status 0."""
+node 1 exit with status 1 within 5 s; a node whose engine settings differ from rank 0's is refused
+by name; node 0 stopping makes node 1 exit with status 0."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ class Nodes:
         self.node1 = self.start_node1()  # first: its rank waits for rank 0's store
         self.node0 = start_deployment(self.flags, name="node0")
 
-    def start_node1(self) -> Deployment:
+    def start_node1(self, *extra: str) -> Deployment:
         self.starts += 1
-        d = Deployment([*self.flags, "--node-rank", "1"], log_path=self.tmp / f"node1-{self.starts}.log", env=self.env)
+        d = Deployment([*self.flags, "--node-rank", "1", *extra], log_path=self.tmp / f"node1-{self.starts}.log",
+                       env=self.env)
         return d.start()
 
     def engine(self) -> dict:
@@ -168,6 +170,19 @@ def test_node_1_exits_when_its_group_fails(nodes):
     assert rc == 1 and time.monotonic() - killed < BOUND_S
     assert _gone_within([row["ranks"][1]["pid"]], 1.0)
     assert "rank 0's connection closed; rank 1 exits" in nodes.node1.output()
+
+
+@pytest.mark.timeout(240)
+def test_a_node_started_with_other_settings_is_refused_by_name(nodes):
+    deadline = time.monotonic() + READY_S
+    while (before := nodes.engine())["state"] != "starting" and time.monotonic() < deadline:
+        time.sleep(0.1)  # rank 0, restarted since the last test, waits at the store for a rank 1
+    nodes.node1 = nodes.start_node1("--chunked-prefill-size", "512")
+    assert nodes.node1.proc.wait(60) == 2, nodes.node1.output()[-3000:]
+    assert ("rank 1 runs other engine settings than rank 0: chunked_prefill_size 512 (rank 0: 8192); every node "
+            "must run glmrt up with the same topology and flags") in nodes.node1.output()
+    after = nodes.engine()  # rank 0 was not disturbed: it still waits for a rank 1 of its settings
+    assert (after["pid"], after["restarts"], after["state"]) == (before["pid"], before["restarts"], before["state"])
 
 
 @pytest.mark.timeout(240)
