@@ -437,8 +437,9 @@ def _check_parallel(a: ActorSpec, num_gpus: int | None, nnodes: int = 1) -> None
     if a.gpus and len(set(a.gpus)) != len(a.gpus):
         raise TopologyError(f"{a.kind}: gpus = {list(a.gpus)} lists a GPU twice; each rank needs its own")
     if num_gpus and not a.gpus and need > num_gpus:
-        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} GPUs on each node, one per "
-                            f"rank; this machine has {num_gpus}")
+        each = " on each node" if nnodes > 1 else ""
+        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} GPUs{each}, one per rank; "
+                            f"this machine has {num_gpus}")
 
 
 def place_parallel_engines(topo: Topology, num_gpus: int) -> Topology:
