@@ -153,6 +153,7 @@ class RankGroup:
                 group.remote = [{"rank": r, **{k: info[k] for k in ("pid", "device", "host", "node")}}
                                 for r, info in sorted(group.link.peers.items()) if r >= local.stop]
                 return group.link
+
             def meet(store):  # before the group forms: the others check their settings against these
                 store.set(SETTINGS_KEY, json.dumps(group_settings(c.engine, c.tp, c.ep)))
         else:

@@ -121,6 +121,33 @@ def test_two_nodes_serve_one_ranks_greedy_tokens(nodes, one_rank):  # noqa: F811
         assert nodes.tokens(prompt) == ref.output_ids
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_without_the_key_is_refused_and_logged(nodes, one_rank):  # noqa: F811
+    import datetime
+
+    import torch.distributed as dist
+    import zmq
+
+    host, port = nodes.flags[nodes.flags.index("--dist-init-addr") + 1].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+    addr = json.loads(bytes(store.get("glmrt-link/addr")))  # the store is open: the link is what is keyed
+    ctx = zmq.Context()
+    try:
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.ROUTING_ID, b"rank1")  # posing as rank 1, without CURVE
+        plain.connect(addr["plan"])
+        plain.send_multipart([b"hello", b"{}"])
+        deadline = time.monotonic() + BOUND_S
+        while "refused a peer on the rank link" not in nodes.node0.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "refused a peer on the rank link" in nodes.node0.output(), nodes.node0.output()[-3000:]
+        assert nodes.tokens(prompts()[1]) == one_rank[1].output_ids  # the ranks went on undisturbed
+        assert not plain.poll(200)  # and none of their steps reached the stranger
+    finally:
+        ctx.destroy(linger=0)
+    assert nodes.engine()["restarts"] == 0
+
+
 def _held_stream(nodes, result: dict, started: threading.Event) -> None:
     body = {"model": nodes.node0.model_id(), "prompt": "a long story", "max_tokens": 3000, "temperature": 0,
             "ignore_eos": True, "stream": True}
