@@ -62,11 +62,16 @@ class RankSpec(msgspec.Struct):
     node_rank: int = 0
 
 
-def group_settings(engine: EngineConfig, tp: int, ep: int) -> dict:
+def group_settings(engine: EngineConfig, tp: int, ep: int, key_file: str | None) -> dict:
     """What every rank of a group over nodes must agree on (its node's `glmrt up` built it from the
-    same topology and flags), as JSON values."""
+    same topology and flags), as JSON values: the engine settings, and the link's public key when
+    it comes from a key file (a rank with another key would only be refused by the link later)."""
     values = {k: v for k, v in dataclasses.asdict(engine).items() if k not in NODE_LOCAL_FIELDS}
-    return json.loads(json.dumps({"tp": tp, "ep": ep, **values}))
+    key = None
+    if key_file:
+        from transport.node_link import load_key_file
+        key = load_key_file(key_file)[0].decode()
+    return json.loads(json.dumps({"tp": tp, "ep": ep, **values, "curve_key_file public key": key}))
 
 
 def settings_refusal(rank: int, ours: dict, rank0: dict) -> str | None:
@@ -155,7 +160,7 @@ class RankGroup:
                 return group.link
 
             def meet(store):  # before the group forms: the others check their settings against these
-                store.set(SETTINGS_KEY, json.dumps(group_settings(c.engine, c.tp, c.ep)))
+                store.set(SETTINGS_KEY, json.dumps(group_settings(c.engine, c.tp, c.ep, c.curve_key_file)))
         else:
             meet = None
             rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
@@ -268,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             return LinkClient(store, spec.rank, spec.curve_key_file, info, on_lost=lost, log=log)
 
         def meet(store):  # a rank built from other flags would compute garbage with the others
-            refusal = settings_refusal(spec.rank, group_settings(spec.engine, spec.tp_size, spec.ep_size),
-                                       json.loads(bytes(store.get(SETTINGS_KEY))))
+            ours = group_settings(spec.engine, spec.tp_size, spec.ep_size, spec.curve_key_file)
+            refusal = settings_refusal(spec.rank, ours, json.loads(bytes(store.get(SETTINGS_KEY))))
             if refusal:
                 log.error("%s", refusal)
                 os._exit(REFUSED)

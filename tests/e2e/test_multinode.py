@@ -204,10 +204,14 @@ def test_a_node_started_with_other_settings_is_refused_by_name(nodes):
     deadline = time.monotonic() + READY_S
     while (before := nodes.engine())["state"] != "starting" and time.monotonic() < deadline:
         time.sleep(0.1)  # rank 0, restarted since the last test, waits at the store for a rank 1
-    nodes.node1 = nodes.start_node1("--chunked-prefill-size", "512")
+    import zmq.auth
+    _, key_file = zmq.auth.create_certificates(str(nodes.tmp), "node1-only")  # a key node 0 does not use
+    public = zmq.auth.load_certificate(key_file)[0].decode()
+    nodes.node1 = nodes.start_node1("--chunked-prefill-size", "512", "--curve-key-file", key_file)
     assert nodes.node1.proc.wait(60) == 2, nodes.node1.output()[-3000:]
-    assert ("rank 1 runs other engine settings than rank 0: chunked_prefill_size 512 (rank 0: 8192); every node "
-            "must run glmrt up with the same topology and flags") in nodes.node1.output()
+    assert (f"rank 1 runs other engine settings than rank 0: chunked_prefill_size 512 (rank 0: 8192), "
+            f"curve_key_file public key {public!r} (rank 0: None); every node must run glmrt up with the same "
+            "topology and flags") in nodes.node1.output(), nodes.node1.output()[-3000:]
     after = nodes.engine()  # rank 0 was not disturbed: it still waits for a rank 1 of its settings
     assert (after["pid"], after["restarts"], after["state"]) == (before["pid"], before["restarts"], before["state"])
 
