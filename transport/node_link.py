@@ -38,7 +38,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 BEAT_S = 0.25          # ping interval, both ways
-BEAT_TIMEOUT_S = 3.0   # a peer silent this long is gone (a closed connection is seen at once)
+BEAT_TIMEOUT_S = 10.0  # a peer silent this long is gone (a closed connection is seen at once); long
+                       # enough for a busy rank whose beat thread waits for the GIL
 HELLO_TIMEOUT_S = 120.0  # the ranks are in the group already when they say hello
 ZAP_DOMAIN = "glmrt-ranks"
 PREFIX = "glmrt-link/"

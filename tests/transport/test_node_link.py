@@ -168,3 +168,30 @@ def test_a_key_file_is_the_only_key_accepted(tmp_path, caplog, monkeypatch):
     finally:
         ctx.destroy(linger=0)
     assert errors and "ranks [1] did not reach the rank link" in errors[0], errors
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_falls_silent_is_lost_after_the_beat_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_link, "BEAT_TIMEOUT_S", 1.0)
+    _, key_file = zmq.auth.create_certificates(str(tmp_path), "nodes")
+    public, secret = zmq.auth.load_certificate(key_file)
+    store, lost0, box = DictStore(), Lost(), {}
+    t = threading.Thread(target=lambda: box.setdefault("server", LinkServer(
+        store, BIND, 2, key_file, on_lost=lost0, log=logging.getLogger("test.link.rank0"))))
+    t.start()
+    addr = json.loads(store.get(PREFIX + "addr"))
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for name in ("plan", "beat"):  # a rank 1 that says hello, stays connected and never beats
+            s = ctx.socket(zmq.DEALER)
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = public, public, secret
+            s.setsockopt(zmq.ROUTING_ID, b"rank1")
+            s.connect(addr[name])
+            s.send_multipart([b"hello", b"{}"] if name == "plan" else [b"hello"])
+            socks.append(s)
+        t.join(20)
+        assert lost0.event.wait(5.0) and lost0.why == ["rank 1 did not answer for 1 s"], lost0.why
+    finally:
+        ctx.destroy(linger=0)
+    _close(box["server"])
