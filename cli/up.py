@@ -3,12 +3,13 @@
 Flags override the file. With no file and no model it serves the embedded default: one host,
 a unified engine, the `tiny` random checkpoint (generated on first use into the cache
 directory), the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
-stops. This process runs the supervisor and the api actor and never imports torch.
+stops. This process runs the supervisor and the api actor and never imports torch; on a node of
+rank > 0 (--node-rank, glmrt.nodes) it runs only that node's engine ranks (cli/nodes.py).
 
 What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
 (glmrt.topology.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
 build (cli/peer_flags.py), weights and cache pools the GPU (or --cache-memory-gb) cannot hold
-(glmrt.engine.fit).
+(glmrt.engine.fit), node flags that cannot work here (glmrt.nodes, cli/nodes.py).
 """
 
 from __future__ import annotations
