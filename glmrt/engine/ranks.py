@@ -186,17 +186,16 @@ def leave_group() -> None:
     abort in gloo's threads ("terminate called without an active exception"), so wait (a few
     seconds at most: a dead peer must not hold the exit) until every rank is leaving."""
     global _host_group, _wire
+    if not dist.is_initialized():
+        return
     if _wire is not None:
         _wire.quiet()
-    if dist.is_initialized():
-        try:
-            dist.monitored_barrier(group=_host_group, timeout=LEAVE_TIMEOUT)
-        except RuntimeError:
-            pass  # a rank is gone already: leave anyway
+    try:
+        dist.monitored_barrier(group=_host_group, timeout=LEAVE_TIMEOUT)
+    except RuntimeError:
+        pass  # a rank is gone already: leave anyway
     if _wire is not None:  # after the barrier: every rank has its stop by now (closing drops what is queued)
         _wire.close()
         _wire = None
-    if not dist.is_initialized():
-        return
     _host_group = None
     dist.destroy_process_group()
