@@ -141,7 +141,6 @@ class RankGroup:
         from glmrt.engine.ranks import join_group, rendezvous_path
 
         c = spec.config
-        wire = None
         if c.nnodes > 1:
             from glmrt.nodes import node_ranks, split_addr, tcp_url
             from transport.node_link import LinkServer
@@ -162,7 +161,7 @@ class RankGroup:
             def meet(store):  # before the group forms: the others check their settings against these
                 store.set(SETTINGS_KEY, json.dumps(group_settings(c.engine, c.tp, c.ep, c.curve_key_file)))
         else:
-            meet = None
+            wire = meet = None
             rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
             group = cls(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level, c.torch_threads,
                         log)
@@ -259,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     device = spec.engine.resolved_device()
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
-    wire = None
     if spec.nnodes > 1:
         from transport.node_link import LinkClient
         name = f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}" if device.startswith("cuda") else "cpu"
@@ -279,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("%s", refusal)
                 os._exit(REFUSED)
     else:
-        meet = None
+        wire = meet = None
     parallel, link = join_group(spec.rank, spec.tp_size, spec.ep_size, spec.rendezvous, device, wire=wire,
                                 meet=meet)
     rank = ModelRank(spec.engine, log=log.debug, parallel=parallel, link=link)

@@ -43,7 +43,8 @@ BEAT_TIMEOUT_S = 10.0  # a peer silent this long is gone (a closed connection is
 HELLO_TIMEOUT_S = 120.0  # the ranks are in the group already when they say hello
 ZAP_DOMAIN = "glmrt-ranks"
 PREFIX = "glmrt-link/"
-_REFUSALS = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "its handshake failed (no CURVE handshake with this engine's key)",
+_REFUSALS = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "its handshake failed (no CURVE handshake with this "
+                                                   "engine's key)",
              zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "its handshake broke the protocol (no CURVE handshake with this "
                                                   "engine's key)",
              zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its CURVE key was refused"}
