@@ -10,13 +10,21 @@ at once); rank 0 exits when one of its ranks dies (a watcher thread per rank: a 
 blocked on a dead peer cannot be interrupted, so the process ends instead), so the supervisor
 sees one engine fail, fails the requests it held at once and restarts the whole group. Both
 directions take well under a second (tests/e2e/test_engine_group_failure.py bounds them at 5 s).
+
+Ranks on several nodes (glmrt.nodes): rank 0 starts only the ranks of its own node; each other
+node's `glmrt up` starts its share (`RankGroup` with `ranks`, not watched by a rank 0). They meet
+at the TCP store of --dist-init-addr, and the step inputs and the liveness pings go on the CURVE
+link of transport/node_link.py: a rank that loses rank 0, or a rank 0 that loses a rank, exits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +36,10 @@ from actors.logs import configure_logging
 from actors.worker import die_with_parent
 from glmrt.engine.config import EngineConfig
 
+# What a node may set for itself; every other engine setting must be the same on every node.
+NODE_LOCAL_FIELDS = ("model", "device")
+SETTINGS_KEY = "glmrt-ranks/settings"  # rank 0's, in the store: the others check theirs against it
+REFUSED = 2  # the exit status of a rank whose settings are not rank 0's
 STOP_WAIT_S = 5.0  # a rank told to stop that has not exited by then is killed
 PARENT_POLL_S = 0.25  # how often a rank checks that rank 0 is still its parent
 
@@ -44,6 +56,33 @@ class RankSpec(msgspec.Struct):
     parent_pid: int
     log_level: str = "info"
     torch_threads: int = 1
+    nnodes: int = 1
+    """Nodes the group spans: > 1, the step inputs come on the CURVE link (transport/node_link.py)."""
+    curve_key_file: str | None = None
+    node_rank: int = 0
+
+
+def group_settings(engine: EngineConfig, tp: int, ep: int, key_file: str | None) -> dict:
+    """What every rank of a group over nodes must agree on (its node's `glmrt up` built it from the
+    same topology and flags), as JSON values: the engine settings, and the link's public key when
+    it comes from a key file (a rank with another key would only be refused by the link later)."""
+    values = {k: v for k, v in dataclasses.asdict(engine).items() if k not in NODE_LOCAL_FIELDS}
+    key = None
+    if key_file:
+        from transport.node_link import load_key_file
+        key = load_key_file(key_file)[0].decode()
+    return json.loads(json.dumps({"tp": tp, "ep": ep, **values, "curve_key_file public key": key}))
+
+
+def settings_refusal(rank: int, ours: dict, rank0: dict) -> str | None:
+    """Why rank `rank`, built with settings `ours`, cannot join the group of a rank 0 built with
+    `rank0`, or None."""
+    diff = [k for k in rank0 if ours.get(k) != rank0[k]]
+    if not diff:
+        return None
+    named = ", ".join(f"{k} {ours.get(k)!r} (rank 0: {rank0[k]!r})" for k in diff[:4])
+    return (f"rank {rank} runs other engine settings than rank 0: {named}; every node must run glmrt up with "
+            "the same topology and flags")
 
 
 def device_names(tp_size: int, gpus: list[int]) -> list[str]:
@@ -57,27 +96,39 @@ def device_names(tp_size: int, gpus: list[int]) -> list[str]:
 
 
 class RankGroup:
-    """Rank 0's handle on ranks 1..N-1: their processes, started and watched."""
+    """Rank 0's handle on ranks 1..N-1 (those of its node), or a node's on its share of the
+    ranks (`ranks`, `watch=False`: that node's `glmrt up` watches them): their processes."""
 
     def __init__(self, actor_id: str, tp_size: int, ep_size: int, rendezvous: str, engine: EngineConfig,
-                 gpus: list[int], log_level: str, torch_threads: int, log: logging.Logger):
-        self.devices = device_names(tp_size, gpus)
+                 gpus: list[int], log_level: str, torch_threads: int, log: logging.Logger, *,
+                 ranks: range | None = None, watch: bool = True, nnodes: int = 1, node_rank: int = 0,
+                 curve_key_file: str | None = None):
+        ranks = range(1, tp_size) if ranks is None else ranks
+        first = ranks.start if node_rank > 0 else 0  # the node's first rank: on its first device
+        self.devices = device_names(ranks.stop - first, gpus)
+        self.first = first
         self.log = log
         self.stopping = False
+        self.remote: list[dict] = []  # rank 0 of a group over nodes: the other nodes' ranks, once joined
+        self.link = None
         self.procs: list[subprocess.Popen] = []
+        self.rank_ids = list(ranks)
         if engine.device.startswith("cuda:"):  # each rank sees its one GPU only, as cuda:0
             engine = engine.replace(device="cuda")
-        for rank in range(1, tp_size):
+        for rank in ranks:
             spec = RankSpec(actor_id=actor_id, rank=rank, tp_size=tp_size, ep_size=ep_size, rendezvous=rendezvous,
-                            engine=engine, parent_pid=os.getpid(), log_level=log_level, torch_threads=torch_threads)
+                            engine=engine, parent_pid=os.getpid(), log_level=log_level, torch_threads=torch_threads,
+                            nnodes=nnodes, curve_key_file=curve_key_file, node_rank=node_rank)
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(torch_threads))
             if gpus:  # one GPU per rank: it is cuda:0 in the rank's own process
-                env["CUDA_VISIBLE_DEVICES"] = self.devices[rank].removeprefix("cuda:")
+                env["CUDA_VISIBLE_DEVICES"] = self.devices[rank - first].removeprefix("cuda:")
             # started from the main thread: PR_SET_PDEATHSIG fires when the starting thread ends
             self.procs.append(subprocess.Popen([sys.executable, "-m", "actors.engine_rank",
                                                 msgspec.json.encode(spec).decode()], env=env))
-        for rank, proc in enumerate(self.procs, start=1):
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"rank-{rank}-watch").start()
+        if watch:
+            for rank, proc in zip(self.rank_ids, self.procs):
+                threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
+                                 name=f"rank-{rank}-watch").start()
 
     @classmethod
     def start(cls, spec, log: logging.Logger):
@@ -90,18 +141,48 @@ class RankGroup:
         from glmrt.engine.ranks import join_group, rendezvous_path
 
         c = spec.config
-        rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
-        group = cls(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level, c.torch_threads, log)
-        log.info("tp %d, ep %d: ranks %s", c.tp, c.ep,
-                 ", ".join(f"{r['rank']} (pid {r['pid']}, {r['device']})" for r in group.ranks()))
+        if c.nnodes > 1:
+            from glmrt.nodes import node_ranks, split_addr, tcp_url
+            from transport.node_link import LinkServer
+            host, port = split_addr(c.dist_init_addr)
+            rendezvous = tcp_url(host, port)
+            local = node_ranks(c.tp, c.nnodes, 0)
+            group = cls(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level,
+                        c.torch_threads, log, ranks=range(1, local.stop), nnodes=c.nnodes,
+                        curve_key_file=c.curve_key_file)
+
+            def wire(store):  # the link binds on node 0's named address only
+                group.link = LinkServer(store, tcp_url(host, "*"), c.tp, c.curve_key_file,
+                                        on_lost=group.lost, log=log)
+                group.remote = [{"rank": r, **{k: info[k] for k in ("pid", "device", "host", "node")}}
+                                for r, info in sorted(group.link.peers.items()) if r >= local.stop]
+                return group.link
+
+            def meet(store):  # before the group forms: the others check their settings against these
+                store.set(SETTINGS_KEY, json.dumps(group_settings(c.engine, c.tp, c.ep, c.curve_key_file)))
+        else:
+            wire = meet = None
+            rendezvous = rendezvous_path(spec.run_dir, spec.actor_id)
+            group = cls(spec.actor_id, c.tp, c.ep, rendezvous, c.engine, spec.gpus, spec.log.level, c.torch_threads,
+                        log)
+        log.info("tp %d, ep %d: ranks %s%s", c.tp, c.ep,
+                 ", ".join(f"{r['rank']} (pid {r['pid']}, {r['device']})" for r in group.ranks()),
+                 f"; ranks {c.tp // c.nnodes}..{c.tp - 1} on the other {c.nnodes - 1} node(s), at {rendezvous}"
+                 if c.nnodes > 1 else "")
 
         def build():
             device = c.engine.resolved_device()
             if device.startswith("cuda"):
                 torch.cuda.set_device(spec.gpus[0] if spec.gpus else 0)  # the step thread's own current device
-            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device)
+            parallel, link = join_group(0, c.tp, c.ep, rendezvous, device, wire=wire, meet=meet)
             return Engine(c.engine, log=log.info, parallel=parallel, link=link)
         return group, build
+
+    def lost(self, why: str) -> None:
+        """The link lost a rank of another node: end the engine, as `_watch` does for a local one."""
+        self.log.error("%s; the engine stops", why)
+        self.kill()
+        os._exit(1)
 
     def stop(self, engine) -> None:
         """Step thread, as the engine ends: the other ranks leave their loop and exit."""
@@ -122,9 +203,11 @@ class RankGroup:
             os._exit(1)
 
     def ranks(self) -> list[dict]:
-        """Every rank's pid and device, rank 0 first."""
-        pids = [os.getpid()] + [p.pid for p in self.procs]
-        return [{"rank": r, "pid": pid, "device": dev} for r, (pid, dev) in enumerate(zip(pids, self.devices))]
+        """Every rank's pid and device, rank 0 first (ranks of other nodes: once they joined)."""
+        pids = ([os.getpid()] if self.first == 0 else []) + [p.pid for p in self.procs]
+        ids = ([0] if self.first == 0 else []) + self.rank_ids
+        local = [{"rank": r, "pid": pid, "device": self.devices[r - self.first]} for r, pid in zip(ids, pids)]
+        return local + self.remote
 
     def wait_stopped(self, timeout: float = STOP_WAIT_S) -> None:
         """After rank 0 told them to stop: wait for the ranks, killing those that linger."""
@@ -175,7 +258,28 @@ def main(argv: list[str] | None = None) -> int:
     device = spec.engine.resolved_device()
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
-    parallel, link = join_group(spec.rank, spec.tp_size, spec.ep_size, spec.rendezvous, device)
+    if spec.nnodes > 1:
+        from transport.node_link import LinkClient
+        name = f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}" if device.startswith("cuda") else "cpu"
+        info = {"pid": os.getpid(), "device": name, "host": socket.gethostname(), "node": spec.node_rank}
+
+        def lost(why: str) -> None:  # rank 0 is gone: its collectives will never come
+            log.error("%s; rank %d exits", why, spec.rank)
+            os._exit(1)
+
+        def wire(store):
+            return LinkClient(store, spec.rank, spec.curve_key_file, info, on_lost=lost, log=log)
+
+        def meet(store):  # a rank built from other flags would compute garbage with the others
+            ours = group_settings(spec.engine, spec.tp_size, spec.ep_size, spec.curve_key_file)
+            refusal = settings_refusal(spec.rank, ours, json.loads(bytes(store.get(SETTINGS_KEY))))
+            if refusal:
+                log.error("%s", refusal)
+                os._exit(REFUSED)
+    else:
+        wire = meet = None
+    parallel, link = join_group(spec.rank, spec.tp_size, spec.ep_size, spec.rendezvous, device, wire=wire,
+                                meet=meet)
     rank = ModelRank(spec.engine, log=log.debug, parallel=parallel, link=link)
     transfers = None
     if spec.engine.role != "unified":  # a PD engine: this rank writes (or receives) its own share

@@ -132,10 +132,7 @@ class Supervisor:
     def _config(self, spec: ActorSpec) -> ActorConfig:
         """The typed config section of one actor of `spec`, from the validated topology."""
         if kind_of(spec.kind).engine_role is not None:
-            engine = self.topo.engine_config(spec)
-            if engine.model is not None or engine.load_format != "dummy":
-                engine = engine.replace(model=self.model_path)
-            return EngineActorConfig(engine=engine, log_interval=self.topo.log.log_interval, tp=spec.tp, ep=spec.ep)
+            return engine_actor_config(self.topo, spec, self.model_path)
         if spec.kind == "vision":
             return VisionActorConfig(model_path=self.model_path, dtype=self.topo.model.dtype,
                                      feature_transport=self.topo.feature_transport)
@@ -297,6 +294,17 @@ class Supervisor:
             t.cancel()
         self.inbox.close()
         self.peers.close()
+
+
+def engine_actor_config(topo: Topology, spec: ActorSpec, model_path: str) -> EngineActorConfig:
+    """An engine entry's typed section (also what the ranks of another node are built from)."""
+    engine = topo.engine_config(spec)
+    if engine.model is not None or engine.load_format != "dummy":
+        engine = engine.replace(model=model_path)
+    nodes = topo.nodes
+    return EngineActorConfig(engine=engine, log_interval=topo.log.log_interval, tp=spec.tp, ep=spec.ep,
+                             nnodes=nodes.nnodes, dist_init_addr=nodes.dist_init_addr,
+                             curve_key_file=nodes.curve_key_file)
 
 
 def _kill_if_alive(pid: int | None, parent: int | None) -> None:

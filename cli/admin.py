@@ -56,7 +56,8 @@ def _ranks_line(a: dict) -> str | None:
     """An engine's ranks under its row: "tp 2, ep 1; rank 0: pid 41 on cuda:0, rank 1: ..."."""
     if a["kind"] not in ENGINE_KINDS or not a.get("ranks"):
         return None
-    ranks = ", ".join(f"rank {r['rank']}: pid {r['pid']} on {r['device']}" for r in a["ranks"])
+    ranks = ", ".join(f"rank {r['rank']}: pid {r['pid']} on {r['device']}"
+                      + (f" of node {r['node']} ({r['host']})" if "node" in r else "") for r in a["ranks"])
     return f"{'':<12} tp {a.get('tp')}, ep {a.get('ep')}; {ranks}"
 
 

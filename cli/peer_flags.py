@@ -4,7 +4,7 @@ each, saying what glmrt does instead.
 A user pastes a recipe's command line; each of these flags is refused in one line that names the
 glmrt way (`glmrt up: error: --tp-size: ...`, exit status 2) instead of argparse's bare
 "unrecognized arguments". A row may accept the values that name what glmrt already does
-(`--tool-call-parser glm47`, `--nnodes 1`). When glmrt builds one of these features, its flag
+(`--tool-call-parser glm47`). When glmrt builds one of these features, its flag
 moves out of this table into `glmrt up`'s own flags.
 """
 
@@ -33,7 +33,6 @@ _HICACHE_STORAGE = ("glmrt's third cache tier is a local-disk store: --hicache-s
                     "(--hicache-storage-size GB); no other storage backend is built")
 _CONTEXT_PARALLEL = ("context parallelism is not built yet; one engine prefills a prompt in chunks of "
                      "--chunked-prefill-size tokens")
-_ONE_HOST = "multi-node serving is not built yet; glmrt runs a deployment on one host"
 
 PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--enable-dp-attention",), _DP_ATTENTION, takes_value=False),
@@ -65,9 +64,6 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--trust-remote-code",), "glmrt runs no code from a checkpoint (the GLM-5.3 model is built in); drop "
              "the flag", takes_value=False),
     PeerFlag(("--chat-template",), "glmrt renders GLM-5.3's chat template (built in); drop the flag"),
-    PeerFlag(("--nnodes",), _ONE_HOST, accepts=("1",)),
-    PeerFlag(("--node-rank",), _ONE_HOST, accepts=("0",)),
-    PeerFlag(("--dist-init-addr",), _ONE_HOST),
     PeerFlag(("--decode-log-interval",), "glmrt prints each engine's stats line every --log-interval seconds "
              "(default 10; 0: off), not every N decode steps"),
 )

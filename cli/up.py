@@ -3,12 +3,13 @@
 Flags override the file. With no file and no model it serves the embedded default: one host,
 a unified engine, the shipped trained `tiny-trained` checkpoint (glmrt/checkpoint/tiny_trained),
 the best backend available, on 127.0.0.1:30000. SIGTERM or Ctrl-C drains and
-stops. This process runs the supervisor and the api actor and never imports torch.
+stops. This process runs the supervisor and the api actor and never imports torch; on a node of
+rank > 0 (--node-rank, glmrt.nodes) it runs only that node's engine ranks (cli/nodes.py).
 
 What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
 (glmrt.topology.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
 build (cli/peer_flags.py), weights and cache pools the GPU (or --cache-memory-gb) cannot hold
-(glmrt.engine.fit).
+(glmrt.engine.fit), node flags that cannot work here (glmrt.nodes, cli/nodes.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from glmrt import env
 from glmrt.devices import gpu_count
 from glmrt.actor_kinds import ENGINE_KINDS
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
+from glmrt.nodes import NodeSection
 from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError, default_topology,
                             load_topology, place_parallel_engines, validate)
 
@@ -96,6 +98,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=with_default("seconds the actors have to become ready", 600.0))
     for f in dataclasses.fields(LogSection):
         _add_field_flag(p, LogSection, f.name)
+    g = p.add_argument_group("nodes (one engine's ranks over several hosts; every node runs glmrt up with the "
+                             "same topology)")
+    for f in dataclasses.fields(NodeSection):
+        _add_field_flag(g, NodeSection, f.name)
     g = p.add_argument_group("engine flags (override [engine])")
     for f in dataclasses.fields(EngineConfig):
         if f.name not in _ENGINE_FLAG_SKIP:
@@ -147,7 +153,11 @@ def build_topology(args: argparse.Namespace):
     api = dataclasses.replace(api, **api_over)
     logs = dataclasses.replace(topo.log, **{f.name: getattr(args, f.name) for f in dataclasses.fields(LogSection)
                                             if getattr(args, f.name, None) is not None})
-    topo = dataclasses.replace(topo, model=model, engine=engine, api=api, log=logs)
+    nodes = dataclasses.replace(topo.nodes, **{f.name: getattr(args, f.name) for f in dataclasses.fields(NodeSection)
+                                               if getattr(args, f.name, None) is not None})
+    if nodes.curve_key_file:
+        nodes = dataclasses.replace(nodes, curve_key_file=os.path.abspath(os.path.expanduser(nodes.curve_key_file)))
+    topo = dataclasses.replace(topo, model=model, engine=engine, api=api, log=logs, nodes=nodes)
     topo = _apply_parallel_flags(topo, args)
     for flag, kind in (("tokenizer_replicas", "tokenizer"), ("engine_replicas", "engine")):
         n = getattr(args, flag)
@@ -347,6 +357,28 @@ def _fit_in_child(cfg: EngineConfig, gpu_bytes: int, tp: int, ep: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def check_model(topo, path: str):
+    """The checks only the checkpoint can answer, on every node -> its ModelConfig, or the exit
+    status of the refusal printed."""
+    from glmrt.config import ConfigError, load_model_config
+
+    try:
+        mc = load_model_config(path)
+    except ConfigError as e:
+        return refuse(str(e))
+    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
+               or check_parallel_shapes(topo, mc))
+    if refusal:
+        return refuse(refusal)
+    try:
+        refusal = check_memory_fit(topo, mc)
+    except TopologyError as e:
+        refusal = str(e)
+    if refusal:
+        return refuse(refusal)
+    return mc
+
+
 def refuse(message: str) -> int:
     """The one-line refusal of `glmrt up` (exit status 2), argparse's way."""
     return print_error("glmrt up", message)
@@ -383,13 +415,17 @@ def run(args: argparse.Namespace) -> int:
     path = topo.model.path
     if path is not None and not os.path.exists(os.path.join(path, "config.json")):
         return refuse(f"no config.json in {path}")
-    refusal = check_port_free(topo.api.host, topo.api.port)
+    from cli.nodes import check_node_addresses, serve_node
+    refusal = check_node_addresses(topo.nodes) or (topo.nodes.node_rank == 0
+                                                   and check_port_free(topo.api.host, topo.api.port))
     if refusal:
         return refuse(refusal)
     configure_logging(topo.log.log_level)
     if path is None:
         path = embedded_checkpoint()
         topo = dataclasses.replace(topo, model=dataclasses.replace(topo.model, path=path))
+    if topo.nodes.node_rank > 0:
+        return serve_node(topo, path)
     try:
         import uvloop
         return uvloop.run(serve(topo, path, args.ready_timeout))
@@ -400,23 +436,11 @@ def run(args: argparse.Namespace) -> int:
 async def serve(topo, path: str, ready_timeout: float) -> int:
     from actors.api import ApiServer
     from actors.supervisor import Supervisor
-    from glmrt.config import ConfigError, load_model_config
     from transport.channels import make_run_dir
 
-    try:
-        mc = load_model_config(path)
-    except ConfigError as e:
-        return refuse(str(e))
-    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
-               or check_parallel_shapes(topo, mc))
-    if refusal:
-        return refuse(refusal)
-    try:
-        refusal = check_memory_fit(topo, mc)
-    except TopologyError as e:
-        refusal = str(e)
-    if refusal:
-        return refuse(refusal)
+    mc = check_model(topo, path)
+    if isinstance(mc, int):
+        return mc
     gen_path = os.path.join(path, "generation_config.json")
     gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}
     served = topo.model.served_model_name or os.path.basename(os.path.normpath(path))

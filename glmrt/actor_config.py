@@ -80,6 +80,12 @@ class EngineActorConfig:
     """Ranks of the engine: the actor is rank 0 and starts the others (actors.engine_rank)."""
     ep: int = 1
     """Expert-parallel degree (1 or tp)."""
+    nnodes: int = 1
+    """Nodes the ranks span (glmrt.nodes): the actor starts only its own node's."""
+    dist_init_addr: str | None = None
+    """HOST:PORT of the ranks' store (rank 0 hosts it) and the host the CURVE link binds on."""
+    curve_key_file: str | None = None
+    """The link's CURVE key file (None: keys made at start, exchanged through the store)."""
 
 
 ActorConfig = TokenizerActorConfig | DetokenizerActorConfig | VisionActorConfig | EngineActorConfig

@@ -4,6 +4,7 @@
     [engine]    engine flags (glmrt.engine.config.EngineConfig fields)
     [api]       ApiSection: host, port, api_key, max_request_mb, max_queued_requests, media
     [log]       LogSection: log_level, log_interval, disable_log_requests (every process glmrt starts)
+    [nodes]     NodeSection: nnodes, node_rank, dist_init_addr, curve_key_file (glmrt.nodes)
     [[actors]]  ActorSpec: kind, replicas, gpus, tp, ep, process, engine (per-entry engine overrides)
 
 `Topology` is the root. `validate(topo)` is the pass `glmrt up` runs after the file and the flags
@@ -25,6 +26,7 @@ from glmrt.actor_kinds import (ENGINE_KINDS, KIND_NAMES, REQUIRED_KINDS, SCALABL
                                known_spellings)
 from glmrt.config_bounds import ConfigValueError, bounded, check_fields, flag_spelling, key_spelling
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
+from glmrt.nodes import NodesError, NodeSection, check_nodes
 
 FEATURE_TRANSPORTS = ("cpu", "cuda_ipc", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -125,6 +127,8 @@ class Topology:
     """The log lines of every process of the deployment."""
     actors: tuple[ActorSpec, ...] = ()
     """One entry per actor kind placed (glmrt.actor_kinds)."""
+    nodes: NodeSection = NodeSection()
+    """The nodes the deployment spans and this one's rank (glmrt.nodes)."""
 
     @property
     def feature_transport(self) -> str:
@@ -209,7 +213,7 @@ def _engine_flags(table: dict, where: str) -> dict:
 
 
 def parse_topology(data: dict) -> Topology:
-    known = {"model", "engine", "api", "log", "actors"}
+    known = {"model", "engine", "api", "log", "actors", "nodes"}
     for key in data:
         if key not in known:
             raise TopologyError(f"unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
@@ -217,6 +221,7 @@ def parse_topology(data: dict) -> Topology:
     engine = _engine_flags(_table(data, "engine"), "[engine]")
     api = ApiSection(**_expand_paths(_take(_table(data, "api"), ApiSection, "[api]"), "allowed_local_media_path"))
     logs = LogSection(**_take(_table(data, "log"), LogSection, "[log]"))
+    nodes = NodeSection(**_expand_paths(_take(_table(data, "nodes"), NodeSection, "[nodes]"), "curve_key_file"))
     actors = []
     entries = data.get("actors", [])
     if not isinstance(entries, list):
@@ -240,7 +245,7 @@ def parse_topology(data: dict) -> Topology:
             raise TopologyError(f"{where}: engine must be a table of engine flags")
         kw["engine"] = _engine_flags(kw.get("engine", {}), f"{where} engine")
         actors.append(ActorSpec(**kw))
-    topo = Topology(model, engine, api, logs, tuple(actors) if actors else default_topology().actors)
+    topo = Topology(model, engine, api, logs, tuple(actors) if actors else default_topology().actors, nodes)
     validate(topo)
     return topo
 
@@ -268,7 +273,12 @@ def validate(topo: Topology, num_gpus: int | None = None, *, flags: bool = False
     _check_section(topo.model, "" if flags else "[model] ", spell)
     _check_section(topo.api, "" if flags else "[api] ", spell)
     _check_section(topo.log, "" if flags else "[log] ", spell)
+    _check_section(topo.nodes, "" if flags else "[nodes] ", spell)
     _check_placement(topo, num_gpus)
+    try:
+        check_nodes(topo.nodes, topo.actors, spell)
+    except NodesError as e:
+        raise TopologyError(("" if flags else "[nodes] ") + str(e)) from None
     configs = {}
     for spec in topo.actors:
         if spec.kind in ENGINE_KINDS:
@@ -346,7 +356,7 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
             extra = " (leave the entry out to run the tower in the engine)" if a.kind == "vision" else ""
             raise TopologyError(f"{a.kind}: replicas must be >= {row.min_replicas}, got {a.replicas}{extra}")
         if a.kind not in ("prefill", "decode"):
-            _check_parallel(a, num_gpus)
+            _check_parallel(a, num_gpus, topo.nodes.nnodes)
         if a.gpus and not row.uses_gpus:
             raise TopologyError(f"{a.kind} does not run a model and takes no GPUs (gpus = {list(a.gpus)})")
         if num_gpus == 0 and a.gpus:
@@ -397,8 +407,9 @@ def _check_pd_parallel(topo: Topology, num_gpus: int | None) -> None:
             _check_parallel(a, num_gpus)
 
 
-def _check_parallel(a: ActorSpec, num_gpus: int | None) -> None:
-    """An entry's tp / ep and the GPUs its ranks need: replicas x tp of them, one per rank."""
+def _check_parallel(a: ActorSpec, num_gpus: int | None, nnodes: int = 1) -> None:
+    """An entry's tp / ep and the GPUs its ranks need on each node: replicas x tp / nnodes of
+    them, one per rank (glmrt.nodes checked that nnodes divides tp)."""
     if a.tp < 1:
         raise TopologyError(f"{a.kind}: tp must be >= 1, got {a.tp}")
     if a.ep < 1:
@@ -413,29 +424,34 @@ def _check_parallel(a: ActorSpec, num_gpus: int | None) -> None:
     if a.process is not None:
         raise TopologyError(f"{a.kind}: process = {a.process!r} co-locates actors in one process; an engine of "
                             f"tp {a.tp} runs {a.tp} processes")
-    need = a.replicas * a.tp
+    need = a.replicas * a.tp // nnodes
     if a.gpus and len(a.gpus) != need:
-        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} gpus, one per rank; "
+        per = f" / {nnodes} nodes" if nnodes > 1 else ""
+        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp}{per} need {need} gpus, one per rank; "
                             f"got gpus = {list(a.gpus)}")
     if a.gpus and len(set(a.gpus)) != len(a.gpus):
         raise TopologyError(f"{a.kind}: gpus = {list(a.gpus)} lists a GPU twice; each rank needs its own")
     if num_gpus and not a.gpus and need > num_gpus:
-        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} GPUs, one per rank; "
+        each = " on each node" if nnodes > 1 else ""
+        raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} GPUs{each}, one per rank; "
                             f"this machine has {num_gpus}")
 
 
 def place_parallel_engines(topo: Topology, num_gpus: int) -> Topology:
     """On a GPU machine, an engine entry of tp > 1 without `gpus` gets the next replicas x tp
-    GPUs not listed by another entry (validate() checked that the machine has that many)."""
+    (/ nnodes: this node's ranks) GPUs not listed by another entry (validate() checked that the
+    machine has that many)."""
     if not num_gpus:
         return topo
+    nnodes = topo.nodes.nnodes
     taken = {g for a in topo.actors for g in a.gpus}
     actors = []
     for a in topo.actors:
+        need = a.replicas * a.tp // (nnodes if a.kind == "engine" else 1)
         if a.tp > 1 and not a.gpus:
-            free = [g for g in range(num_gpus) if g not in taken][:a.replicas * a.tp]
-            if len(free) < a.replicas * a.tp:
-                raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {a.replicas * a.tp} GPUs "
+            free = [g for g in range(num_gpus) if g not in taken][:need]
+            if len(free) < need:
+                raise TopologyError(f"{a.kind}: {a.replicas} replicas x tp {a.tp} need {need} GPUs "
                                     f"that no other entry lists; this machine has {num_gpus}")
             taken.update(free)
             a = dataclasses.replace(a, gpus=tuple(free))
@@ -462,6 +478,9 @@ def validate_scale(topo: Topology, kind: str, n: int) -> str:
     if spec.process:
         raise ValueError(f"{name} shares process {spec.process!r} with other actors; co-located actors "
                          "are not scaled one kind at a time")
+    if topo.nodes.nnodes > 1 and name in ENGINE_KINDS:
+        raise ValueError(f"{name}: a deployment over {topo.nodes.nnodes} nodes runs one engine whose ranks span "
+                         "them; it is not scaled")
     if spec.tp > 1 and spec.gpus and n * spec.tp > len(spec.gpus):
         raise ValueError(f"{name}: {n} replicas x tp {spec.tp} need {n * spec.tp} GPUs, one per rank; its entry "
                          f"lists {len(spec.gpus)} (gpus = {list(spec.gpus)})")

@@ -16,13 +16,16 @@ gathered on the same link), so every copy a rank makes comes from rank 0's plan.
 
 The inputs travel as msgspec (never pickle) on a torch.distributed broadcast over a gloo group
 (the ranks' own group on the CPU, a second one beside NCCL on a GPU, as SGLang does): a length,
-then the bytes. At tp 1 there is no link and nothing is broadcast.
+then the bytes. At tp 1 there is no link and nothing is broadcast. When the ranks span nodes
+they meet at a TCP store on node 0 instead of a file, and the step inputs travel on an
+encrypted ZMQ link (`wire`, transport/node_link.py, built by actors/engine_rank.py) instead.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import msgspec
 import torch
@@ -122,16 +125,27 @@ _decoder = msgspec.msgpack.Decoder(ForwardInputs)
 class PlanLink:
     """Rank 0 publishes each step's ForwardInputs; the other ranks receive them, in order."""
 
-    def __init__(self, parallel: Parallel, host_group):
+    def __init__(self, parallel: Parallel, host_group, wire=None):
         self.parallel = parallel
         self.group = host_group  # gloo: host tensors
+        self.wire = wire  # ranks on several nodes: the inputs go on this link (send / recv of bytes)
 
     def publish(self, step: ForwardInputs) -> None:
         data = _encoder.encode(step)
+        if self.wire is not None:
+            if step.op == "stop":
+                self.wire.quiet()  # the ranks leave now: their going is not a failure
+            self.wire.send(data)
+            return
         dist.broadcast(torch.tensor([len(data)], dtype=torch.long), group_src=0, group=self.group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), group_src=0, group=self.group)
 
     def receive(self) -> ForwardInputs:
+        if self.wire is not None:
+            step = _decoder.decode(self.wire.recv())
+            if step.op == "stop":
+                self.wire.quiet()
+            return step
         size = torch.empty(1, dtype=torch.long)
         dist.broadcast(size, group_src=0, group=self.group)
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -177,34 +191,70 @@ def rendezvous_path(run_dir: str, actor_id: str) -> str:
     return os.path.join(run_dir, mine)
 
 
-def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: str) -> tuple[Parallel, PlanLink]:
+def join_group(rank: int, tp_size: int, ep_size: int, rendezvous: str, device: str,
+               wire=None, meet=None) -> tuple[Parallel, PlanLink]:
     """This process's rank in its engine's torch.distributed group (NCCL on CUDA, gloo on the
-    CPU) and the gloo link the step inputs travel on."""
+    CPU) and the link the step inputs travel on: gloo, or with a `tcp://HOST:PORT` rendezvous
+    (ranks on several nodes; rank 0 hosts the store) `wire(store)`'s. `meet(store)` runs before
+    the group forms, so a rank it refuses leaves without disturbing the others."""
     cuda = device.startswith("cuda")
     kw = {"device_id": torch.device(device if ":" in device else "cuda:0")} if cuda else {}
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=tp_size, timeout=GROUP_TIMEOUT, **kw)
+    store = None
+    if rendezvous.startswith("tcp://"):
+        host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
+        host = host.strip("[]")
+        listen = _listen(host, int(port)) if rank == 0 else None
+        store = dist.TCPStore(host, int(port), tp_size, is_master=rank == 0, timeout=GROUP_TIMEOUT,
+                              wait_for_workers=False, master_listen_fd=listen.fileno() if listen else None)
+        if meet is not None:
+            meet(store)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=tp_size,
+                                timeout=GROUP_TIMEOUT, **kw)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank,
+                                world_size=tp_size, timeout=GROUP_TIMEOUT, **kw)
     world = dist.group.WORLD
     host = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if cuda else world
-    global _host_group
+    global _host_group, _wire
     _host_group = host
+    _wire = wire(store) if wire is not None and store is not None else None
     parallel = Parallel(rank=rank, tp_size=tp_size, ep_size=ep_size, group=world)
-    return parallel, PlanLink(parallel, host)
+    return parallel, PlanLink(parallel, host, _wire)
 
 
 _host_group = None
+_wire = None
+_store_socket = None
+
+
+def _listen(host: str, port: int):
+    """Rank 0's store socket, bound on the named host only (TCPStore alone listens on every
+    interface); kept open for the process's life, as the store serves from it."""
+    global _store_socket
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 takes the port again at once
+    s.bind((host, port))
+    s.listen(128)
+    _store_socket = s
+    return s
 
 
 def leave_group() -> None:
     """Leave the group together: ranks that tear gloo down while a peer still sends on it can
     abort in gloo's threads ("terminate called without an active exception"), so wait (a few
     seconds at most: a dead peer must not hold the exit) until every rank is leaving."""
-    global _host_group
+    global _host_group, _wire
     if not dist.is_initialized():
         return
+    if _wire is not None:
+        _wire.quiet()
     try:
         dist.monitored_barrier(group=_host_group, timeout=LEAVE_TIMEOUT)
     except RuntimeError:
         pass  # a rank is gone already: leave anyway
+    if _wire is not None:  # after the barrier: every rank has its stop by now (closing drops what is queued)
+        _wire.close()
+        _wire = None
     _host_group = None
     dist.destroy_process_group()

@@ -112,6 +112,45 @@ def test_bad_parallel_sizes_are_one_line(flags, message):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "2", "--tp-size", "2"],
+     "--nnodes 2 needs --dist-init-addr HOST:PORT (node 0's address, which every node reaches)"),
+    (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:5000"],
+     "--node-rank 2 is out of range for --nnodes 2 (0..1)"),
+    (["--node-rank", "1"], "--node-rank 1 is out of range for --nnodes 1 (0..0)"),
+    (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "0.0.0.0:5000"],
+     "--dist-init-addr: '0.0.0.0:5000' names no host: give node 0's own address, which the other nodes connect "
+     "to (the link binds only there)"),
+    (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1"], "--dist-init-addr: '127.0.0.1' is not "
+     "HOST:PORT"),
+    (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "127.0.0.1:5000"],
+     "--nnodes 2 must divide the engine's tp (3): each node runs tp / nnodes of its ranks"),
+    (["--nnodes", "2", "--tp-size", "2", "--engine-replicas", "2", "--dist-init-addr", "127.0.0.1:5000"],
+     "--nnodes 2: the engine runs one replica over the nodes (got replicas 2)"),
+    (["--dist-init-addr", "127.0.0.1:5000"], "--dist-init-addr is for a deployment over several nodes; set "
+     "--nnodes too, or leave it out"),
+    (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:5000", "--curve-key-file", "/no/such"],
+     "--curve-key-file: cannot read the CURVE key file /no/such: Invalid certificate file: /no/such"),
+    (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "192.0.2.1:5000"],
+     "--dist-init-addr: 192.0.2.1 is not an address of this machine (Cannot assign requested address); node 0 runs "
+     "rank 0, which listens there: give this node's own address"),
+], ids=["no-addr", "rank-range", "rank-one-node", "wildcard", "no-port", "tp-split", "replicas", "addr-alone",
+        "key-file", "not-mine"])
+def test_bad_node_flags_are_one_line(flags, message):
+    assert one_line_refusal(glmrt_run("up", *flags)) == f"glmrt up: error: {message}"
+
+
+@pytest.mark.timeout(60)
+def test_a_prefill_decode_pair_over_nodes_is_one_line(tmp_path):
+    path = tmp_path / "pd.toml"
+    path.write_text('[nodes]\nnnodes = 2\ndist_init_addr = "127.0.0.1:5000"\n[[actors]]\nkind = "tokenizer"\n'
+                    '[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"\n[[actors]]\nkind = "detokenizer"\n')
+    line = one_line_refusal(glmrt_run("up", str(path)))
+    assert line == ("glmrt up: error: [nodes] nnodes 2: a deployment over several nodes runs one 'engine' entry "
+                    "whose ranks are spread over the nodes; prefill/decode over nodes is not built"), line
+
+
+@pytest.mark.timeout(60)
 def test_a_prefill_decode_pair_of_several_ranks_is_one_line(tmp_path):
     path = tmp_path / "pd.toml"
     path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"\n'

@@ -227,3 +227,42 @@ def test_sizes_the_model_does_not_divide_are_refused():
     assert check_parallel_shapes(_build(["--tp-size", "3"]), tiny) == (
         "engine: tp (--tp-size) = 3 does not divide the model's num_attention_heads (4); pick a size that divides it")
     assert "num_attention_heads (4)" in check_parallel_shapes(_build(["--tp-size", "8", "--ep-size", "8"]), tiny)
+
+
+def _over_nodes(nodes: dict, tp: int = 2) -> dict:
+    return {"nodes": nodes, "actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": tp}, {"kind": "detokenizer"}]}
+
+
+def test_a_nodes_section_is_read_checked_and_spells_its_keys():
+    topo = parse_topology(_over_nodes({"nnodes": 2, "node_rank": 1, "dist_init_addr": "[::1]:29500",
+                                       "curve_key_file": "~/k.key_secret"}, tp=4))
+    assert (topo.nodes.nnodes, topo.nodes.node_rank, topo.nodes.dist_init_addr) == (2, 1, "[::1]:29500")
+    assert not topo.nodes.curve_key_file.startswith("~")
+    from glmrt.nodes import node_ranks, split_addr, tcp_url
+    assert list(node_ranks(4, 2, 1)) == [2, 3] and split_addr("[::1]:29500") == ("::1", 29500)
+    assert tcp_url("::1", "*") == "tcp://[::1]:*" and tcp_url("10.0.0.1", 5) == "tcp://10.0.0.1:5"
+    with pytest.raises(TopologyError, match=r"unknown key 'nodes' in \[nodes\]"):
+        parse_topology(_over_nodes({"nodes": 2}))
+    with pytest.raises(TopologyError, match=r"^\[nodes\] node_rank 2 is out of range for nnodes 2 \(0\.\.1\)$"):
+        parse_topology(_over_nodes({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}))
+    with pytest.raises(TopologyError, match=r"^\[nodes\] nnodes must be >= 1 \(got 0\)$"):
+        parse_topology(_over_nodes({"nnodes": 0}))
+    with pytest.raises(TopologyError, match=r"port 0 of 'h:0' is not in 1\.\.65535"):
+        parse_topology(_over_nodes({"nnodes": 2, "dist_init_addr": "h:0"}))
+    topo = parse_topology(_over_nodes({"nnodes": 2, "dist_init_addr": "h:1"}))
+    with pytest.raises(ValueError, match="a deployment over 2 nodes runs one engine"):
+        validate_scale(topo, "engine", 2)
+    validate_scale(topo, "tokenizer", 2)
+
+
+def test_an_engine_over_nodes_takes_its_nodes_share_of_gpus():
+    from glmrt.topology import place_parallel_engines
+    data = _over_nodes({"nnodes": 2, "dist_init_addr": "h:1"}, tp=4)
+    data["actors"][1]["gpus"] = [2, 3]  # tp 4 over 2 nodes: 2 GPUs on each
+    validate(parse_topology(data), num_gpus=4)
+    data["actors"][1]["gpus"] = [0, 1, 2, 3]
+    with pytest.raises(TopologyError, match=r"1 replicas x tp 4 / 2 nodes need 2 gpus, one per rank"):
+        parse_topology(data)
+    del data["actors"][1]["gpus"]
+    topo = place_parallel_engines(parse_topology(data), 8)
+    assert topo.actor("engine").gpus == (0, 1)
