@@ -17,7 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "make-checkpoint", help="write a random-weight GLM-5.3-Flash checkpoint in HF format",
         description="Write config.json, safetensors weights, generation_config.json and a real tokenizer "
                     "for a preset shape with random weights, or print its sizes with --meta.")
-    p.add_argument("--preset", required=True, help="tiny | tiny-trained | flash-4l | flash")
+    p.add_argument("--preset", help="tiny | tiny-trained | flash-4l | flash (random weights)")
+    p.add_argument("--from", dest="from_dir", metavar="DIR",
+                   help="instead of a preset: DIR's own weights (an unquantised checkpoint, e.g. one `glmrt train` "
+                        "wrote), re-written in --dtype (fp8: block-scaled e4m3, since glmrt never quantises on load)")
     p.add_argument("--out", help="output directory (required unless --meta)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "fp8", "mxfp4", "nvfp4"],
@@ -132,10 +135,42 @@ def print_fit(plan, args: argparse.Namespace) -> None:
         print("  " + line)
 
 
+def convert(args: argparse.Namespace) -> int:
+    from glmrt.checkpoint.convert import convert_checkpoint
+
+    src = os.path.abspath(os.path.expanduser(args.from_dir))
+    if args.preset is not None or args.meta or args.no_weights:
+        print("error: --from takes its shape from DIR: no --preset, --meta or --no-weights with it", file=sys.stderr)
+        return 2
+    if not args.out:
+        print("error: --out DIR is required", file=sys.stderr)
+        return 2
+    if not os.path.exists(os.path.join(src, "config.json")):
+        print(f"error: no config.json in {src}", file=sys.stderr)
+        return 2
+    out = os.path.abspath(os.path.expanduser(args.out))
+    if out == src:
+        print("error: --out must differ from --from", file=sys.stderr)
+        return 2
+    try:
+        summary = convert_checkpoint(src, out, args.dtype)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {src}'s weights as {args.dtype} to {out}: {summary['tensors']} tensors, "
+          f"{summary['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from glmrt.checkpoint.presets import LARGE_PRESETS, preset_config
     from glmrt.checkpoint.writer import check_disk, checkpoint_bytes, write_checkpoint
 
+    if args.from_dir is not None:
+        return convert(args)
+    if args.preset is None:
+        print("error: give --preset NAME (random weights) or --from DIR (a checkpoint's own weights)", file=sys.stderr)
+        return 2
     try:
         config = preset_config(args.preset)
     except ValueError as e:
