@@ -67,17 +67,33 @@ def _identity(rank: int) -> bytes:
     return b"rank%d" % rank
 
 
-class LinkServer:
+class _LinkEnd:
+    """What both ends share: the loss callback, called once, and never after `quiet`."""
+
+    def __init__(self, on_lost: Callable[[str], None], log: logging.Logger):
+        self.log = log
+        self.on_lost = on_lost
+        self._quiet = False
+        self._closed = threading.Event()
+
+    def quiet(self) -> None:
+        """The group ends on purpose: a rank leaving from now on is not lost."""
+        self._quiet = True
+
+    def _lost(self, why: str) -> None:
+        if not self._quiet and not self._closed.is_set():
+            self._quiet = True
+            self.on_lost(why)
+
+
+class LinkServer(_LinkEnd):
     """Rank 0's end: binds `plan` and `beat` on `bind_url` ("tcp://HOST:*"), waits until ranks
     1..tp_size-1 have said hello on both, then pings them from a thread."""
 
     def __init__(self, store, bind_url: str, tp_size: int, key_file: str | None,
                  on_lost: Callable[[str], None], log: logging.Logger):
-        self.log = log
-        self.on_lost = on_lost
+        super().__init__(on_lost, log)
         self.ranks = list(range(1, tp_size))
-        self._quiet = False
-        self._closed = threading.Event()
         self.ctx = zmq.Context()
         if key_file:
             public, secret = load_key_file(key_file)
@@ -159,15 +175,6 @@ class LinkServer:
             except zmq.ZMQError as e:
                 raise RuntimeError(f"rank {r} is gone from the rank link: {e}") from None
 
-    def quiet(self) -> None:
-        """The group ends on purpose: a rank leaving from now on is not lost."""
-        self._quiet = True
-
-    def _lost(self, why: str) -> None:
-        if not self._quiet and not self._closed.is_set():
-            self._quiet = True
-            self.on_lost(why)
-
     def _beats(self) -> None:
         poller = zmq.Poller()
         poller.register(self.beat, zmq.POLLIN)
@@ -213,16 +220,13 @@ class LinkServer:
         self.ctx.term()
 
 
-class LinkClient:
+class LinkClient(_LinkEnd):
     """Another rank's end: connects to rank 0's `plan` and `beat`, says hello (`info`: its pid,
     device, host), answers pings from a thread, and receives the steps' inputs."""
 
     def __init__(self, store, rank: int, key_file: str | None, info: dict,
                  on_lost: Callable[[str], None], log: logging.Logger):
-        self.log = log
-        self.on_lost = on_lost
-        self._quiet = False
-        self._closed = threading.Event()
+        super().__init__(on_lost, log)
         if key_file:
             public, secret = load_key_file(key_file)
             server = public
@@ -252,14 +256,6 @@ class LinkClient:
     def recv(self) -> bytes:
         """The next step's inputs (this rank's main thread)."""
         return self.plan.recv()
-
-    def quiet(self) -> None:
-        self._quiet = True
-
-    def _lost(self, why: str) -> None:
-        if not self._quiet and not self._closed.is_set():
-            self._quiet = True
-            self.on_lost(why)
 
     def _beats(self) -> None:
         poller = zmq.Poller()

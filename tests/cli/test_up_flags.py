@@ -151,15 +151,6 @@ def test_a_prefill_decode_pair_over_nodes_is_one_line(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_prefill_decode_pair_of_several_ranks_is_one_line(tmp_path):
-    path = tmp_path / "pd.toml"
-    path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"\n'
-                    '[[actors]]\nkind = "detokenizer"\n')
-    line = one_line_refusal(glmrt_run("up", str(path), "--tp-size", "2"))
-    assert line.startswith("glmrt up: error: prefill: tp = 2 — a prefill or decode engine of several ranks"), line
-
-
-@pytest.mark.timeout(60)
 def test_a_prefill_and_decode_of_different_tp_sizes_are_one_line(tmp_path):
     path = tmp_path / "pd.toml"
     path.write_text('[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "prefill"\n[[actors]]\nkind = "decode"\n'
