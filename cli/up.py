@@ -280,6 +280,15 @@ def check_cache_layout(configs: dict[str, EngineConfig], model_config) -> str | 
     return None
 
 
+def check_speculative(configs: dict[str, EngineConfig], model_config) -> str | None:
+    """Speculative decoding drafts with the checkpoint's MTP layer: one without it is refused."""
+    for kind, cfg in configs.items():
+        if cfg.speculative_algorithm != "none" and model_config.text.num_nextn_predict_layers < 1:
+            return (f"{kind}: --speculative-algorithm {cfg.speculative_algorithm} needs the checkpoint's MTP layer, "
+                    "and this checkpoint has none (num_nextn_predict_layers 0 in config.json)")
+    return None
+
+
 def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> str | None:
     """An explicit --quantization must name the checkpoint's own weight format (glmrt does not re-quantise
     a checkpoint on load). Returns the refusal, or None."""
@@ -416,7 +425,8 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
         mc = load_model_config(path)
     except ConfigError as e:
         return refuse(str(e))
-    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
+    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_speculative(topo.engine_configs(), mc)
+               or check_cache_layout(topo.engine_configs(), mc)
                or check_parallel_shapes(topo, mc))
     if refusal:
         return refuse(refusal)
