@@ -32,6 +32,7 @@ from glmrt.engine.ranks import PlanLink
 from glmrt.engine.request import Request, Status
 from glmrt.engine.runner import PLACEHOLDER
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
+from glmrt.engine.speculative import SpecOutput, Speculator
 from glmrt.engine.structured import StructuredOutput
 from glmrt.parallel import Parallel
 from glmrt.sampling_params import Grammar, SamplingParams
@@ -89,7 +90,8 @@ class Engine(ModelRank):
             page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
             policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
-            self.pages, self.slots, self.tree)
+            self.pages, self.slots, self.tree, draft_depth=self._draft_depth if self.spec_steps else None)
+        self.spec = Speculator(self.runner, self.spec_steps, self.rollback_base) if self.spec_steps else None
         self.runner.structured = StructuredOutput(self._tokenizer_json(), self.model_config.text.vocab_size,
                                                   self.eos_ids)
         if self.runner.graphs is not None and config.cuda_graph_warmup_tokens > 0:
@@ -103,6 +105,8 @@ class Engine(ModelRank):
         self._inflight = None  # the launched decode step whose tokens are not read yet
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
+        if self.spec is not None:
+            self._step_body = self._spec_step
         self.requests: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}   # prefill role: finished prompts whose state awaits transfer
         self.imports: dict[str, Request] = {}    # decode role: reserved requests whose state is arriving
@@ -113,6 +117,11 @@ class Engine(ModelRank):
                  f"state {config.mamba_ssm_dtype}, decode CUDA graphs "
                  + (f"up to batch {self.runner.graphs.max_bs}" if self.runner.graphs else "off"))
         self.log(f"glmrt engine: {self.options.describe()}")
+        if self.spec is not None:
+            self.log(f"glmrt engine: speculative decoding EAGLE (the checkpoint's MTP layer), {self.spec_steps} draft "
+                     f"steps, topk 1, {self.spec_steps + 1} tokens verified per step; greedy requests draft, the "
+                     "others decode one token per step; the overlap schedule and decode CUDA graphs are off "
+                     "while speculating")
         for line in self.memory.describe().splitlines():
             self.log(line)
 
@@ -239,6 +248,40 @@ class Engine(ModelRank):
         return self._inflight is not None or self.scheduler.has_work()
 
     # ---- the step: schedule -> execute -> apply, in one of two loop bodies ---------------
+    def _draft_depth(self, req: Request) -> int:
+        """Draft tokens a decoding request verifies this step (0: it decodes one token): greedy and
+        unconstrained requests draft, as many as max_tokens and the context leave room for."""
+        if req.num_computed < len(req.prompt_ids) or not req.output_ids:
+            return 0  # the prompt's last token (a resumed prefill), not a decode
+        p = req.params
+        if not p.is_greedy or self.runner.structured.constrained(req):
+            return 0
+        room = min(p.max_tokens - len(req.output_ids), self.context_length - req.num_tokens) - 1
+        return max(0, min(self.spec_steps, room))
+
+    def _keep(self, req: Request, tokens: list[int]) -> int:
+        """How many of a drafting request's verified tokens it keeps: through the first that ends it."""
+        base = len(req.output_ids)
+        for j, tok in enumerate(tokens):
+            if self._finish_reason(req, tok, base + j + 1) is not None:
+                return j + 1
+        return len(tokens)
+
+    def _spec_step(self) -> list[RequestOutput]:
+        """The speculative step: decodes draft and verify (glmrt.engine.speculative), in one
+        synchronous step with the rest of the plan."""
+        plan = self._schedule()
+        if not plan:
+            return []
+        compile_watch.take()
+        t0 = time.perf_counter()
+        results = self.spec.execute(plan, self._keep)
+        took = time.perf_counter() - t0
+        if took > SLOW_STEP_S:
+            self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (speculative); "
+                     f"{compile_watch.summary(compile_watch.take())}")
+        return self._apply(plan, results)
+
     @property
     def overlap(self) -> bool:
         """Whether `step` runs the overlapped body (chosen at construction; a bench may switch
@@ -303,6 +346,9 @@ class Engine(ModelRank):
         the tree, saved states into checkpoints, sampled tokens to their requests."""
         for w in plan.work:
             w.req.num_computed = w.start + w.num
+        for res in results:  # a drafting request's kept tokens: its computed positions already count them
+            if isinstance(res, SpecOutput):
+                self._accept_tokens(res.req, res.tokens, res.logprobs, res.top_logprobs)
         for r in plan.restores:
             r.checkpoint.pins -= 1
         saving = {id(sv.req) for sv in plan.saves}
@@ -317,6 +363,9 @@ class Engine(ModelRank):
         outputs = []
         for res in results:
             req = res.req
+            if isinstance(res, SpecOutput):
+                outputs.append(self._emit_run(req, res))
+                continue
             if req.finished or req.finishing is not None:
                 continue  # finished by the step before (overlap): this token is past its end
             req.output_ids.append(res.token)
@@ -327,6 +376,34 @@ class Engine(ModelRank):
             outputs.append(self._emit(req, res.token, res.logprob, res.top_logprobs, len(req.output_ids)))
         self._step_done(plan)
         return outputs
+
+    def _accept_tokens(self, req: Request, tokens: list[int], logprobs, tops) -> None:
+        for j, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            self.runner.structured.accept(req, tok)
+            if req.params.logprobs:
+                req.logprobs.append(logprobs[j])
+                req.top_logprobs.append(tops[j])
+
+    def _emit_run(self, req: Request, res: SpecOutput) -> RequestOutput:
+        """Report a drafting request's kept tokens (already in its outputs) as one output; release
+        the pages the verify held past its next position."""
+        base = len(req.output_ids) - len(res.tokens)
+        outs = [self._emit(req, tok, res.logprobs[j], res.top_logprobs[j], base + j + 1)
+                for j, tok in enumerate(res.tokens)]
+        if not req.finished:
+            need = -(-(req.num_computed + 1) // self.config.page_size)
+            if len(req.pages) > need:
+                self.pages.release(req.pages[need:])
+                del req.pages[need:]
+        out = outs[-1]
+        out.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        out.new_logprobs = [x for o in outs for x in o.new_logprobs]
+        out.new_top_logprobs = [x for o in outs for x in o.new_top_logprobs]
+        return out
+
+    def info(self) -> dict:
+        return {**self._info(), **(self.spec.stats.as_dict() if self.spec is not None else {})}
 
     # ---- the overlapped step's bookkeeping -----------------------------------------------
     def _mark_launched(self, launched) -> None:
@@ -405,7 +482,7 @@ class Engine(ModelRank):
             out.append([self._completion(self.requests.pop(r)) for r in rids])
         return out
 
-    def info(self) -> dict:
+    def _info(self) -> dict:
         return {**self.memory.as_dict(), "context_length": self.context_length,
                 "pages_free": self.pages.num_free, "slots_free": self.slots.num_free,
                 "slots_checkpoint": self.slots.num_checkpoint, "slots_live": self.slots.num_live,

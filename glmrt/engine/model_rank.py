@@ -58,24 +58,37 @@ class ModelRank:
             self.backend.ops.fp8_activations = config.fp8_activations
         kv_dtype = self.options.kv_cache_dtype
         tp_size = self.model.parallel.tp_size  # the pools of this rank's shard (KDA state per rank)
+        # speculative decoding: the MTP draft layer's latent, pooled keys and indexer tail join the pools
+        self.spec_steps = config.speculative_steps
+        if self.spec_steps and self.model.mtp is None:
+            raise ValueError("speculative decoding drafts with the checkpoint's MTP layer, and this model has none "
+                             "(num_nextn_predict_layers 0)")
+        with_mtp = self.spec_steps > 0
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
                                               state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
-                                              tp_size=tp_size)
+                                              tp_size=tp_size, with_mtp=with_mtp)
         budget = self._cache_budget(device)
         if link is not None:  # every rank sizes its pools alike: the smallest budget of any rank
             budget = link.agree_min(budget)
         self.memory: MemoryPlan = plan_memory(
             self.layout, budget, ratio=config.mamba_full_memory_ratio,
-            max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
+            max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests,
+            rollback=with_mtp, draft_kv_bytes_per_token=self._draft_kv_bytes(text, kv_dtype, dtype_name, tp_size)
+            if with_mtp else 0.0)
         # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
         # allocated past the ones the managers hand out.
-        graphs = (device.startswith("cuda") and not config.disable_cuda_graph
+        # (Speculative decoding verifies several tokens per request: no decode graph runs it.)
+        graphs = (device.startswith("cuda") and not config.disable_cuda_graph and not with_mtp
                   and getattr(self.backend.ops, "decode_graph_safe", False))
         spare = 1 if graphs else 0
-        self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
+        # the rollback snapshots sit past the managed slots (and the graphs' spare): a verify step
+        # uses row r's for its r-th drafting request, and is done with them when it ends
+        self.rollback_base = self.memory.num_slots + spare
+        self.cache = ModelCache.allocate(text, self.memory.num_pages + spare,
+                                         self.memory.num_slots + spare + self.memory.rollback_slots, device,
                                          page_size=config.page_size, kv_dtype=kv_dtype,
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
-                                         tp_size=tp_size)
+                                         tp_size=tp_size, with_mtp=with_mtp)
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
@@ -84,6 +97,13 @@ class ModelRank:
             max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
             self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
                                       pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+
+    @staticmethod
+    def _draft_kv_bytes(text, kv_dtype: str, dtype_name: str, tp_size: int) -> float:
+        """KV bytes per token the MTP draft layer adds (its latent row and pooled-key share)."""
+        kw = dict(kv_dtype=kv_dtype, model_dtype=dtype_name, tp_size=tp_size, page_size=text.index_kpool)
+        return (CacheLayout.from_config(text, with_mtp=True, **kw).kv_bytes_per_token
+                - CacheLayout.from_config(text, **kw).kv_bytes_per_token)
 
     def _load_model(self, device: str):
         from glmrt.model.loader import load_checkpoint, load_dummy
@@ -94,11 +114,12 @@ class ModelRank:
             from glmrt.config import load_model_config
             mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
             return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
-                              seed=cfg.seed, with_mtp=False, with_vision=cfg.load_vision, parallel=self.parallel)
+                              seed=cfg.seed, with_mtp=cfg.speculative_steps > 0, with_vision=cfg.load_vision,
+                              parallel=self.parallel)
         if not cfg.model:
             raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
         model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
-                                   device=device, with_mtp=False, with_vision=cfg.load_vision,
+                                   device=device, with_mtp=cfg.speculative_steps > 0, with_vision=cfg.load_vision,
                                    parallel=self.parallel)
         return model
 

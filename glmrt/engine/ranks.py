@@ -42,7 +42,8 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step runs on every rank (op "forward"), or a command to all of them."""
 
     op: str = "forward"
-    """forward | capture (decode CUDA graphs, in `graphs`' order) | stop (the engine ends)."""
+    """forward | draft (one step of the MTP draft chain: one row per request, at the draft position
+    `prefix_lens[r]`) | capture (decode CUDA graphs, in `graphs`' order) | stop (the engine ends)."""
     ids: list[int] = []
     """Input token ids of the flat batch (a row fed from the previous step's tokens holds 0)."""
     prefix_lens: list[int] = []
@@ -71,6 +72,13 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Full hits: sampled from the hidden state kept in each slot, after the forward's rows."""
     sample_order: list[int] | None = None
     """With full hits: the sampled rows in plan order, as indices into [forward rows; hit rows]."""
+    draft_extend: bool = False
+    """Speculative decoding: after the forward, the MTP draft layer runs over the same positions
+    (position j's input: the final hidden state at j and token j + 1) and each request's last final
+    hidden state is kept in its slot, before the copies after the forward."""
+    chain_rows: list[int] | None = None
+    """op draft: row r continues row chain_rows[r] of the previous draft step (None: the chain's
+    first step, from the hidden state kept in each slot)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

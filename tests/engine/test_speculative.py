@@ -1,0 +1,217 @@
+"""Speculative decoding (EAGLE chain from the MTP layer) in the engine, on the tiny model (CPU, fp32).
+
+Greedy tokens equal a run without speculation; with the drafts replaced by the right tokens and
+the accepted count capped per step (the Speculator's test hooks), every count from 0 to k runs,
+and after each step the request's state — KDA recurrent state, conv window, indexer tails, KV
+rows and pooled keys, of the model and of the draft layer — equals a prefill of the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from backends.meta import BatchMeta  # noqa: E402
+from glmrt.cache.pools import ModelCache  # noqa: E402
+from glmrt.engine.config import EngineConfig  # noqa: E402
+from glmrt.engine.engine import Engine  # noqa: E402
+from glmrt.sampling_params import SamplingParams  # noqa: E402
+
+PS = 8   # small pages (and the tiny model's k-pools of 4): drafts cross both often
+
+
+@pytest.fixture(scope="module")
+def mtp_model(ckpt):
+    from backends.reference import ReferenceOps
+    from glmrt.model.loader import load_checkpoint
+    m, _ = load_checkpoint(ckpt, ReferenceOps(), dtype=torch.float32, with_mtp=True)
+    return m
+
+
+def make(ckpt, model, k=0, **kw) -> Engine:
+    kw.setdefault("page_size", PS)
+    if k:
+        kw.update(speculative_algorithm="EAGLE", speculative_num_steps=k)
+    return Engine(EngineConfig(model=ckpt, **kw), model=model, log=lambda *a: None)
+
+
+def toks(seed, n):
+    g = random.Random(seed)
+    return [g.randrange(1, 900) for _ in range(n)]
+
+
+def greedy(n=12, **kw):
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(temperature=0, max_tokens=n, logprobs=True, top_logprobs=2, **kw)
+
+
+def outputs(engine, prompts, params):
+    outs = engine.generate(prompts, params)
+    engine.check_invariants()
+    return [[(c.output_ids, c.finish_reason, c.logprobs) for c in group] for group in outs]
+
+
+def assert_same(got, want):
+    for g_group, w_group in zip(got, want):
+        for (g_ids, g_fin, g_lp), (w_ids, w_fin, w_lp) in zip(g_group, w_group):
+            assert g_ids == w_ids and g_fin == w_fin
+            assert g_lp == pytest.approx(w_lp, abs=1e-4)
+
+
+def oracle(reference: dict[tuple[int, ...], list[int]]):
+    """A draft hook giving each request the tokens the model will choose (a run without speculation)."""
+    def hook(req, drafts):
+        want = reference[tuple(req.prompt_ids)]
+        n = len(req.output_ids)
+        return (want[n:n + len(drafts)] + drafts)[:len(drafts)]
+    return hook
+
+
+PROMPTS = [toks(1, 13), toks(2, 27), toks(3, 6), toks(1, 13)[:9] + toks(4, 11)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_tokens_equal_without_speculation(ckpt, model, mtp_model, k):
+    """Random drafts (mostly rejected) and right drafts with every accepted count: the same tokens,
+    finish reasons and logprobs as a run without speculation, with chunked prefill, a prefix hit,
+    stop tokens, min_tokens and max_tokens landing inside an accepted run."""
+    base = make(ckpt, model, chunked_prefill_size=10)
+    plain = outputs(base, PROMPTS, greedy(17))
+    reference = {tuple(p): g[0][0] for p, g in zip(PROMPTS, plain)}
+    stop = plain[1][0][0][6]
+    params = [greedy(17), greedy(17, stop_token_ids=[stop], ignore_eos=False), greedy(11, min_tokens=4),
+              greedy(9)]
+    want = outputs(make(ckpt, model, chunked_prefill_size=10), PROMPTS, params)
+    assert want[1][0][1] == "stop" and len(want[1][0][0]) <= 7
+    spec = make(ckpt, mtp_model, k, chunked_prefill_size=10)
+    assert_same(outputs(spec, PROMPTS, params), want)
+    assert spec.spec.stats.cycles > 0
+    spec = make(ckpt, mtp_model, k, chunked_prefill_size=10)
+    spec.spec.draft_override = oracle(reference)
+    counts = iter(range(10**6))
+    spec.spec.accept_cap = lambda req, a: next(counts) % (k + 1)
+    assert_same(outputs(spec, PROMPTS, params), want)
+    st = spec.spec.stats
+    assert st.accepted > 0 and st.emitted > st.cycles
+
+
+# ---- state after each step against a prefill of the same tokens ---------------------------------
+def prefill_state(model, ids: list[int], ps: int):
+    """The model's and the draft layer's cache after a plain prefill of `ids` (one request, slot 0,
+    pages 0..)."""
+    text = model.config.text
+    n_pages = -(-len(ids) // ps) + 1
+    cache = ModelCache.allocate(text, n_pages, 1, "cpu", page_size=ps, kv_dtype="float32", model_dtype="float32",
+                                with_mtp=True)
+    pages = list(range(n_pages))
+    meta = BatchMeta.build([0], [len(ids)], [0], [pages], ps, "cpu")
+    t = torch.tensor(ids)
+    _, hidden = model(t, meta, cache)
+    if len(ids) > 1:
+        dmeta = BatchMeta.build([0], [len(ids) - 1], [0], [pages], ps, "cpu")
+        model.mtp(model.model.embed(t[1:]), hidden[:-1], dmeta, cache)
+    return cache, pages, hidden[-1]
+
+
+def assert_state_equal(engine, req, model):
+    """`req`'s state at its computed position equals a prefill's: the model's KDA state, conv window,
+    indexer tails, KV rows and complete pooled keys, and the draft layer's (one position behind)."""
+    n = req.num_computed
+    ids = (req.prompt_ids + req.output_ids)[:n]
+    ref, ref_pages, last = prefill_state(model, ids, engine.config.page_size)
+    text = model.config.text
+    got, slot, kp = engine.cache, req.slot, text.index_kpool
+    ps = engine.config.page_size
+    close = dict(atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(got.state.conv[:, slot], ref.state.conv[:, 0], **close)
+    torch.testing.assert_close(got.state.recurrent[:, slot], ref.state.recurrent[:, 0], **close)
+    torch.testing.assert_close(got.state.last_hidden[0, slot], last, **close)
+
+    def rows(cache, pages, layer, upto):
+        flat = cache.latent(layer)[pages].reshape(-1, cache.latent(layer).shape[-1])
+        return flat[:upto]
+
+    def pools(cache, pages, layer, upto):
+        pooled = cache.pooled(layer)[pages].reshape(-1, cache.pooled(layer).shape[-1])
+        return pooled[:upto // kp]
+
+    for layer in list(text.dsa_layers) + [text.num_hidden_layers]:
+        upto = n if layer < text.num_hidden_layers else n - 1   # the draft layer is one position behind
+        torch.testing.assert_close(rows(got, req.pages, layer, upto), rows(ref, ref_pages, layer, upto), **close)
+        if layer in text.indexer_layers or layer == text.num_hidden_layers:
+            torch.testing.assert_close(pools(got, req.pages, layer, upto), pools(ref, ref_pages, layer, upto),
+                                       **close)
+            t = upto % kp
+            for a, b in zip(got.tail(layer), ref.tail(layer)):
+                torch.testing.assert_close(a[slot, :t], b[0, :t], **close)
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_every_accepted_count_rolls_back_exactly(ckpt, model, mtp_model, k):
+    """Right drafts, accepted counts forced through 0..k in turn: after every step the request's
+    state equals a prefill of its tokens (a rollback that kept a rejected position's conv input,
+    recurrent update or indexer key, or a draft layer that missed an accepted token, shows here)."""
+    prompt = toks(7, 10)
+    want = outputs(make(ckpt, model, disable_radix_cache=True), [prompt], greedy(24))[0][0]
+    e = make(ckpt, mtp_model, k, disable_radix_cache=True)
+    e.spec.draft_override = oracle({tuple(prompt): want[0]})
+    cap = iter([a for _ in range(20) for a in range(k + 1)])
+    seen = set()
+
+    def capped(req, a):
+        c = next(cap)
+        seen.add(min(a, c))
+        return c
+    e.spec.accept_cap = capped
+    rid = e.add_request(prompt, greedy(24))[0]
+    req = e.requests[rid]
+    while e.has_work():
+        e.step()
+        if not req.finished and req.num_computed >= len(prompt):
+            assert_state_equal(e, req, mtp_model)
+    assert req.output_ids == want[0]
+    assert seen == set(range(k + 1))
+    e.check_invariants()
+
+
+def test_random_traffic_with_aborts_and_retractions_leaves_nothing(ckpt, mtp_model):
+    """Random requests (greedy ones drafting, sampled ones not, stops, n > 1), random aborts, pools
+    tight enough to retract: the invariants hold at every step, and after a cache flush every page
+    and slot is free."""
+    e0 = make(ckpt, mtp_model, 3)
+    lay = e0.layout
+    budget = 36 * lay.state_bytes_per_slot + 14 * lay.kv_bytes_per_page
+    e = make(ckpt, mtp_model, 3, max_mamba_cache_size=36, cache_memory_gb=budget / 2**30,
+             state_checkpoint_interval=8, chunked_prefill_size=16, max_prefill_tokens=48)
+    rng = random.Random(0)
+    shared = [toks(1000 + i, 24) for i in range(3)]
+    live: list[str] = []
+    submitted = 0
+    while submitted < 1000 or e.has_work():
+        for _ in range(rng.randrange(0, 12)):
+            if submitted >= 1000:
+                break
+            prompt = ((rng.choice(shared)[: rng.randrange(0, 24)] if rng.random() < 0.6 else [])
+                      + toks(submitted, rng.randrange(1, 10)))
+            params = SamplingParams(temperature=rng.choice([0.0, 0.0, 1.0]), max_tokens=rng.randrange(1, 14),
+                                    ignore_eos=rng.random() < 0.7, n=rng.choice([1, 1, 1, 2]),
+                                    seed=rng.randrange(100), stop_token_ids=[rng.randrange(1, 1000)])
+            live += e.add_request(prompt, params)
+            submitted += 1
+        if live and rng.random() < 0.3:
+            e.abort(live.pop(rng.randrange(len(live))))
+        e.step()
+        e.check_invariants()
+        for rid in [r for r in live if e.requests[r].finished]:
+            live.remove(rid)
+        for rid in [r for r, q in e.requests.items() if q.finished]:
+            del e.requests[rid]
+    assert e.counters["retractions"] > 0, "the pools were not tight enough to exercise retraction"
+    assert e.spec.stats.cycles > 100
+    e.flush_cache()
+    e.check_invariants()
+    assert e.pages.num_free == e.pages.num_pages and e.slots.num_free == e.slots.num_slots
