@@ -119,8 +119,8 @@ class Engine(ModelRank):
         self.log(f"glmrt engine: {self.options.describe()}")
         if self.spec is not None:
             self.log(f"glmrt engine: speculative decoding EAGLE (the checkpoint's MTP layer), {self.spec_steps} draft "
-                     f"steps, topk 1, {self.spec_steps + 1} tokens verified per step; greedy requests draft, the "
-                     "others decode one token per step; the overlap schedule and decode CUDA graphs are off "
+                     f"steps, topk 1, {self.spec_steps + 1} tokens verified per step (greedy: exact match; sampled: "
+                     "rejection sampling); requests with a grammar decode one token per step; the overlap schedule and decode CUDA graphs are off "
                      "while speculating")
         for line in self.memory.describe().splitlines():
             self.log(line)
@@ -249,13 +249,13 @@ class Engine(ModelRank):
 
     # ---- the step: schedule -> execute -> apply, in one of two loop bodies ---------------
     def _draft_depth(self, req: Request) -> int:
-        """Draft tokens a decoding request verifies this step (0: it decodes one token): greedy and
-        unconstrained requests draft, as many as max_tokens and the context leave room for."""
+        """Draft tokens a decoding request verifies this step (0: it decodes one token): requests
+        without a grammar draft, as many as max_tokens and the context leave room for."""
         if req.num_computed < len(req.prompt_ids) or not req.output_ids:
             return 0  # the prompt's last token (a resumed prefill), not a decode
         p = req.params
-        if not p.is_greedy or self.runner.structured.constrained(req):
-            return 0
+        if self.runner.structured.constrained(req):
+            return 0  # its mask at each position would need the matcher advanced by the drafts
         room = min(p.max_tokens - len(req.output_ids), self.context_length - req.num_tokens) - 1
         return max(0, min(self.spec_steps, room))
 

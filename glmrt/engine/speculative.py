@@ -10,9 +10,16 @@ A drafting request at `num_computed = c` (token x_c sampled, not computed) runs,
 2. verify: the slot is copied into the request's rollback snapshot, then one forward of the model
    computes x_c, d_1..d_k at positions c..c+k with logits at each (the draft layer's pass over the
    same positions follows it, `draft_extend`);
-3. accept: the sampler at each position, its output ids extended by the drafts before it, gives the
-   model's own tokens t_0..t_k; the kept run is t_0..t_a, where d_1..d_a equal t_0..t_{a-1} (a
-   stop token, max_tokens or the context may cut it shorter: the engine's `keep` says);
+3. accept: greedy, the sampler at each position, its output ids extended by the drafts before it,
+   gives the model's own tokens t_0..t_k; the kept run is t_0..t_a, where d_1..d_a equal
+   t_0..t_{a-1}. Sampled (temperature > 0), rejection sampling for a chain: the drafts were drawn
+   from the draft layer's distribution q_i (filtered as the request's sampling filters the model's),
+   d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) against the model's distribution p_i
+   at that position, the first rejection draws its replacement from max(0, p_i - q_i) renormalised
+   and a full acceptance draws one more from p_k, so each kept token follows the model's own
+   distribution; every draw comes from the request's generator (seeded as without speculation,
+   though the draws differ). A stop token, max_tokens or the context may cut the run shorter: the
+   engine's `keep` says;
 4. rollback: when n < k + 1 tokens are kept, the snapshot goes back into the slot and one more
    forward recomputes positions c..c+n-1 from it, so the KDA recurrent state, conv window, both
    indexer tails and the kept hidden state are exactly those after the last kept position. The KV
@@ -20,8 +27,8 @@ A drafting request at `num_computed = c` (token x_c sampled, not computed) runs,
    nothing reads them before a later forward rewrites them (a pooled key is read only once its pool
    is complete), and the engine releases the pages past the next position.
 
-Requests that are not greedy, or are constrained by a grammar, or have no room left (max_tokens,
-context) decode one token per step in the same batch.
+Requests constrained by a grammar, or with no room left (max_tokens, context), decode one token
+per step in the same batch.
 """
 
 from __future__ import annotations
@@ -92,9 +99,12 @@ class Speculator:
         self.rollback_base = rollback_base  # first rollback snapshot slot (past the managed ones)
         self.stats = SpecStats(steps)
         # Tests only: replace a request's drafts (so every acceptance count can be reached on a
-        # model whose draft layer is random), and cap the drafts accepted per step.
+        # model whose draft layer is random), and cap the drafts accepted per step (both for
+        # greedy requests only); and replace the draft layer's logits of a sampled request's chain
+        # step (a draft that disagrees with the model as often as a test wants).
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         self.accept_cap: Callable[[Request, int], int] | None = None
+        self.draft_logits: Callable[[Request, list[int], torch.Tensor], torch.Tensor] | None = None
 
     # ---- one step -------------------------------------------------------------------------
     @torch.no_grad()
@@ -104,7 +114,7 @@ class Speculator:
         forward of a speculating engine runs here, so the draft layer sees every computed position."""
         spec = [w for w in plan.work if w.draft > 0]
         t0 = time.perf_counter()
-        drafts = self._draft(spec) if spec else []
+        drafts, q = self._draft(spec) if spec else ([], [])
         t1 = time.perf_counter()
         for w in spec:
             w.num = 1 + w.draft
@@ -114,7 +124,7 @@ class Speculator:
         outputs = self._sample_normal(normal, logits, rows_of)
         if not spec:
             return outputs
-        verified = self._verify(spec, drafts, logits, rows_of)
+        verified = self._verify(spec, drafts, q, logits, rows_of)
         replay = []
         for i, (w, (tokens, logprobs, tops, accepted)) in enumerate(zip(spec, verified)):
             n = max(1, min(keep(w.req, tokens), len(tokens)))
@@ -129,9 +139,12 @@ class Speculator:
         self.stats.verify_s += time.perf_counter() - t1
         return outputs
 
-    def _draft(self, spec: list[Work]) -> list[list[int]]:
-        """The draft chain: w.draft tokens per request, greedy over the draft layer's logits."""
+    def _draft(self, spec: list[Work]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """The draft chain: w.draft tokens per request, greedy over the draft layer's logits, or for
+        a sampled request drawn from its filtered distribution q (kept for the verification)."""
+        runner = self.runner
         drafts: list[list[int]] = [[] for _ in spec]
+        q: list[list[torch.Tensor]] = [[] for _ in spec]
         prev: list[int] | None = None   # the rows of the previous step, as indices into spec
         for i in range(max(w.draft for w in spec)):
             rows = [j for j, w in enumerate(spec) if w.draft > i]
@@ -141,13 +154,25 @@ class Speculator:
             step = ForwardInputs(op="draft", ids=ids, prefix_lens=[spec[j].start - 1 + i for j in rows],
                                  slot_ids=[spec[j].req.slot for j in rows],
                                  page_tables=[spec[j].req.pages for j in rows], chain_rows=chain)
-            tokens = self.runner.run(step).argmax(dim=-1).tolist()
-            for j, t in zip(rows, tokens):
-                drafts[j].append(int(t))
+            logits = runner.run(step)
+            tokens = logits.argmax(dim=-1).tolist()
+            for row, j in enumerate(rows):
+                r = spec[j].req
+                if not r.params.is_greedy:
+                    x = logits[row:row + 1]
+                    if self.draft_logits is not None:
+                        x = self.draft_logits(r, drafts[j], x)
+                    gen = runner.generator(r)
+                    p = runner.sampler.probabilities(x, [SamplerRow(r.params, r.prompt_ids, r.output_ids + drafts[j],
+                                                                    gen, runner.eos_ids)])[0]
+                    q[j].append(p)
+                    tokens[row] = int(torch.multinomial(p, 1, generator=gen))
+                drafts[j].append(int(tokens[row]))
             prev = rows
         if self.draft_override is not None:
-            drafts = [list(self.draft_override(w.req, d))[:w.draft] for w, d in zip(spec, drafts)]
-        return drafts
+            drafts = [list(self.draft_override(w.req, d))[:w.draft] if w.req.params.is_greedy else d
+                      for w, d in zip(spec, drafts)]
+        return drafts, q
 
     def _verify_inputs(self, plan: StepPlan, spec: list[Work], drafts: list[list[int]]):
         """The verify forward: the plan's work (a drafting request's row carries its drafts, all
@@ -193,29 +218,61 @@ class Speculator:
         mask = runner.structured.fill(reqs) if runner.structured is not None else None
         return runner._sample(normal, logits[torch.tensor(rows, device=logits.device)], reqs, mask)
 
-    def _verify(self, spec: list[Work], drafts: list[list[int]], logits: torch.Tensor, rows_of):
-        """The model's own token at each verified position (the sampler, as if the drafts before it
-        had been emitted) -> per request (tokens t_0..t_a, their logprobs and top logprobs, a)."""
+    def _verify(self, spec: list[Work], drafts: list[list[int]], q: list[list[torch.Tensor]], logits: torch.Tensor,
+                rows_of):
+        """The kept run of each drafting request -> per request (tokens t_0..t_a, their logprobs and
+        top logprobs, a: the drafts accepted). Each position's sampler row sees the drafts before it
+        as outputs (penalties, min_tokens)."""
         runner = self.runner
-        rows, rows_in, spans = [], [], []
-        for w, d in zip(spec, drafts):
-            r = w.req
-            spans.append((len(rows), len(rows) + 1 + len(d)))
-            rows += rows_of[id(r)]
-            gen = runner.generator(r)
-            rows_in += [SamplerRow(r.params, r.prompt_ids, r.output_ids + d[:i], gen, runner.eos_ids)
-                        for i in range(1 + len(d))]
-        res = runner.sampler.sample(logits[torch.tensor(rows, device=logits.device)], rows_in)
-        out = []
-        for w, d, (s0, s1) in zip(spec, drafts, spans):
-            t = res.tokens[s0:s1]
-            a = 0
-            while a < len(d) and d[a] == t[a]:
-                a += 1
-            if self.accept_cap is not None:
-                a = min(a, self.accept_cap(w.req, a))
-            out.append((t[:a + 1], res.logprobs[s0:s0 + a + 1], res.top_logprobs[s0:s0 + a + 1], a))
+        out: list = [None] * len(spec)
+        greedy = [i for i, w in enumerate(spec) if w.req.params.is_greedy]
+        if greedy:
+            rows, rows_in, spans = [], [], []
+            for i in greedy:
+                r, d = spec[i].req, drafts[i]
+                spans.append((len(rows), len(rows) + 1 + len(d)))
+                rows += rows_of[id(r)]
+                rows_in += [SamplerRow(r.params, r.prompt_ids, r.output_ids + d[:j], None, runner.eos_ids)
+                            for j in range(1 + len(d))]
+            res = runner.sampler.sample(logits[torch.tensor(rows, device=logits.device)], rows_in)
+            for i, (s0, s1) in zip(greedy, spans):
+                t, d = res.tokens[s0:s1], drafts[i]
+                a = 0
+                while a < len(d) and d[a] == t[a]:
+                    a += 1
+                if self.accept_cap is not None:
+                    a = min(a, self.accept_cap(spec[i].req, a))
+                out[i] = (t[:a + 1], res.logprobs[s0:s0 + a + 1], res.top_logprobs[s0:s0 + a + 1], a)
+        for i, w in enumerate(spec):
+            if out[i] is None:
+                out[i] = self._rejection_sample(w.req, drafts[i], q[i],
+                                                logits[torch.tensor(rows_of[id(w.req)], device=logits.device)])
         return out
+
+    def _rejection_sample(self, r: Request, d: list[int], q: list[torch.Tensor], logits: torch.Tensor):
+        """Verify a sampled request's chain: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)),
+        replace the first rejected one from max(0, p_i - q_i) renormalised, or add one from p_k."""
+        runner = self.runner
+        gen = runner.generator(r)
+        rows_in = [SamplerRow(r.params, r.prompt_ids, r.output_ids + d[:j], gen, runner.eos_ids)
+                   for j in range(1 + len(d))]
+        p = runner.sampler.probabilities(logits, rows_in)
+        tokens = []
+        for i, tok in enumerate(d):
+            u = float(torch.rand(1, generator=gen, device=p.device))
+            if u * float(q[i][tok]) < float(p[i, tok]):
+                tokens.append(tok)
+                continue
+            residual = (p[i] - q[i].to(p.dtype)).clamp_min_(0)
+            if float(residual.sum()) <= 0:  # q >= p everywhere p has mass: p itself
+                residual = p[i]
+            tokens.append(int(torch.multinomial(residual, 1, generator=gen)))
+            break
+        else:
+            tokens.append(int(torch.multinomial(p[len(d)], 1, generator=gen)))
+        n = len(tokens)
+        res = runner.sampler.result(logits[:n], rows_in[:n], tokens)
+        return tokens, res.logprobs, res.top_logprobs, n - 1
 
     def _replay(self, replay: list[tuple[Work, int, int]], drafts: list[list[int]]) -> None:
         """Roll back: each snapshot into its slot, then recompute the kept positions from it."""

@@ -215,3 +215,85 @@ def test_random_traffic_with_aborts_and_retractions_leaves_nothing(ckpt, mtp_mod
     e.flush_cache()
     e.check_invariants()
     assert e.pages.num_free == e.pages.num_pages and e.slots.num_free == e.slots.num_slots
+
+
+# ---- temperature > 0: rejection sampling keeps the model's distribution --------------------------
+def last_logits(model, ids: list[int]) -> torch.Tensor:
+    text = model.config.text
+    n_pages = -(-len(ids) // PS)
+    cache = ModelCache.allocate(text, n_pages, 1, "cpu", page_size=PS, kv_dtype="float32", model_dtype="float32")
+    meta = BatchMeta.build([0], [len(ids)], [0], [list(range(n_pages))], PS, "cpu")
+    logits, _ = model(torch.tensor(ids), meta, cache, logits_indices=torch.tensor([len(ids) - 1]))
+    return logits
+
+
+def chi_square_p(counts: dict[int, int], probs: dict[int, float], total: int) -> float:
+    """Pearson's test of observed counts against probabilities (bins expecting < 5 merged) -> p-value."""
+    bins, rest_obs, rest_exp = [], 0, 0.0
+    for tok, p in probs.items():
+        if p * total >= 5:
+            bins.append((counts.get(tok, 0), p * total))
+        else:
+            rest_obs, rest_exp = rest_obs + counts.get(tok, 0), rest_exp + p * total
+    rest_obs += sum(c for t, c in counts.items() if t not in probs)
+    if rest_exp > 0 or rest_obs:
+        bins.append((rest_obs, rest_exp))
+    assert all(e > 0 for _, e in bins), f"observed tokens the model cannot sample: {bins}"
+    stat = sum((o - e) ** 2 / e for o, e in bins)
+    df = len(bins) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_tokens_follow_the_model_distribution(ckpt, mtp_model):
+    """Temperature 1, top-k 4 (a vocabulary slice of 4 tokens per position), 2,400 seeded requests,
+    with a draft that proposes a token outside the model's top 4 half the time and spreads the rest
+    unlike the model: the 2nd and 3rd tokens' frequencies match the model's exact distribution
+    (chi-square), while drafts are both accepted and rejected."""
+    from glmrt.engine.sampler import Sampler, SamplerRow
+
+    k, n = 2, 2400
+    prompt = toks(11, 9)
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True)
+    sampler = Sampler(use_kernel=False)
+
+    def dist(ctx):  # the model's filtered distribution after prompt + ctx, as {token: p}
+        p = sampler.probabilities(last_logits(mtp_model, prompt + ctx), [SamplerRow(params, prompt, ctx)])[0]
+        return {int(t): float(p[t]) for t in torch.nonzero(p).flatten()}
+
+    d1 = dist([])
+    d2 = {t1: dist([t1]) for t1 in d1}
+    d3 = {(t1, t2): dist([t1, t2]) for t1 in d1 for t2 in d2[t1]}
+    p2: dict[int, float] = {}
+    p3: dict[int, float] = {}
+    for t1, a in d1.items():
+        for t2, b in d2[t1].items():
+            p2[t2] = p2.get(t2, 0.0) + a * b
+            for t3, c in d3[(t1, t2)].items():
+                p3[t3] = p3.get(t3, 0.0) + a * b * c
+    vocab = mtp_model.config.text.vocab_size
+
+    def draft_logits(req, drafts, x):
+        ctx = tuple(req.output_ids + drafts)
+        top = sorted((d2.get(ctx[0]) if len(ctx) == 1 else d3.get(ctx, {})) or {}, key=lambda t: -t)
+        off = [t for t in range(1, 40) if t not in top][:4]
+        q = torch.full((1, vocab), float("-inf"))
+        for j, t in enumerate(top):   # the model's tokens, in proportions unlike the model's
+            q[0, t] = float(j)
+        for t in off:                 # and tokens it never samples, half the mass
+            q[0, t] = 1.0
+        return q
+
+    e = make(ckpt, mtp_model, k)
+    e.spec.draft_logits = draft_logits
+    outs = e.generate([prompt] * n, [params.replace(seed=i) for i in range(n)])
+    e.check_invariants()
+    seconds = [c[0].output_ids[1] for c in outs]
+    thirds = [c[0].output_ids[2] for c in outs]
+    st = e.spec.stats
+    assert 0 < st.accepted < st.drafted, (st.accepted, st.drafted)
+    for got, want in ((seconds, p2), (thirds, p3)):
+        counts: dict[int, int] = {}
+        for t in got:
+            counts[t] = counts.get(t, 0) + 1
+        assert chi_square_p(counts, want, n) > 1e-3, (counts, want)
