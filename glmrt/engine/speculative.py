@@ -63,7 +63,8 @@ class SpecStats:
     """Counters over the engine's life (the engine's stats and /metrics read them)."""
 
     steps: int
-    cycles: int = 0
+    batches: int = 0      # engine steps that drafted (their draft and verify times are summed below)
+    cycles: int = 0       # drafting requests verified (one per request and step)
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -85,11 +86,16 @@ class SpecStats:
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < accepted
 
-    def as_dict(self) -> dict:
-        return {"spec_cycles": self.cycles, "spec_draft_tokens": self.drafted, "spec_accepted_tokens": self.accepted,
-                "spec_emitted_tokens": self.emitted, "spec_draft_seconds": round(self.draft_s, 6),
-                "spec_verify_seconds": round(self.verify_s, 6), "spec_drafted_at": list(self.drafted_at),
-                "spec_accepted_at": list(self.accepted_at)}
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers (the engine's stats counters): per draft position i, spec_drafted_at_i and
+        spec_accepted_at_i."""
+        out = {"spec_steps": self.batches, "spec_cycles": self.cycles, "spec_draft_tokens": self.drafted,
+               "spec_accepted_tokens": self.accepted, "spec_emitted_tokens": self.emitted,
+               "spec_draft_seconds": round(self.draft_s, 6), "spec_verify_seconds": round(self.verify_s, 6)}
+        for i in range(self.steps):
+            out[f"spec_drafted_at_{i}"] = self.drafted_at[i]
+            out[f"spec_accepted_at_{i}"] = self.accepted_at[i]
+        return out
 
 
 class Speculator:
@@ -135,6 +141,7 @@ class Speculator:
             outputs.append(SpecOutput(w.req, tokens[:n], logprobs[:n], tops[:n], w.draft, accepted))
         if replay:
             self._replay(replay, drafts)
+        self.stats.batches += 1
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += time.perf_counter() - t1
         return outputs
