@@ -331,12 +331,14 @@ def check_memory_fit(topo, model_config, num_gpus: int | None = None, free_bytes
                                      model_dtype=dtype).kv_cache_dtype
             except BackendError:
                 continue
+            spec = cfg.speculative_steps > 0
             layout = CacheLayout.from_config(model_config.text, page_size=cfg.page_size, kv_dtype=kv,
-                                             state_dtype=cfg.mamba_ssm_dtype, model_dtype=dtype, tp_size=a.tp)
+                                             state_dtype=cfg.mamba_ssm_dtype, model_dtype=dtype, tp_size=a.tp,
+                                             with_mtp=spec)
             try:
                 plan = plan_memory(layout, int(cfg.cache_memory_gb * 2**30), ratio=cfg.mamba_full_memory_ratio,
                                    max_mamba_cache_size=cfg.max_mamba_cache_size,
-                                   max_running_requests=cfg.max_running_requests)
+                                   max_running_requests=cfg.max_running_requests, rollback=spec)
             except ValueError as e:
                 return f"{where}: --cache-memory-gb {cfg.cache_memory_gb}: {e}"
             if cfg.context_length is not None and plan.kv_tokens < cfg.context_length:

@@ -97,6 +97,13 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, *, ratio: float = 0.9,
                       draft_kv_bytes_per_token)
 
 
+def draft_kv_bytes(text, *, kv_dtype: str, model_dtype: str, tp_size: int = 1) -> float:
+    """KV bytes per token the MTP draft layer adds to the pool (its latent row and pooled-key share)."""
+    kw = dict(kv_dtype=kv_dtype, model_dtype=model_dtype, tp_size=tp_size, page_size=text.index_kpool)
+    return (CacheLayout.from_config(text, with_mtp=True, **kw).kv_bytes_per_token
+            - CacheLayout.from_config(text, **kw).kv_bytes_per_token)
+
+
 def balanced_ratio(layout: CacheLayout, mean_request_tokens: float) -> float:
     """The r that gives the KV pool exactly the tokens its slots' requests need on average.
 

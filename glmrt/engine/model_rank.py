@@ -13,7 +13,7 @@ import torch
 from glmrt.cache.layout import CacheLayout
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.config import EngineConfig
-from glmrt.engine.memory import MemoryPlan, plan_memory
+from glmrt.engine.memory import MemoryPlan, draft_kv_bytes, plan_memory
 from glmrt.engine.ranks import PlanLink
 from glmrt.engine.runner import ModelRunner
 from glmrt.parallel import Parallel
@@ -73,8 +73,8 @@ class ModelRank:
         self.memory: MemoryPlan = plan_memory(
             self.layout, budget, ratio=config.mamba_full_memory_ratio,
             max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests,
-            rollback=with_mtp, draft_kv_bytes_per_token=self._draft_kv_bytes(text, kv_dtype, dtype_name, tp_size)
-            if with_mtp else 0.0)
+            rollback=with_mtp, draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=dtype_name,
+                                                                       tp_size=tp_size) if with_mtp else 0.0)
         # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
         # allocated past the ones the managers hand out.
         # (Speculative decoding verifies several tokens per request: no decode graph runs it.)
@@ -97,13 +97,6 @@ class ModelRank:
             max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
             self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
                                       pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
-
-    @staticmethod
-    def _draft_kv_bytes(text, kv_dtype: str, dtype_name: str, tp_size: int) -> float:
-        """KV bytes per token the MTP draft layer adds (its latent row and pooled-key share)."""
-        kw = dict(kv_dtype=kv_dtype, model_dtype=dtype_name, tp_size=tp_size, page_size=text.index_kpool)
-        return (CacheLayout.from_config(text, with_mtp=True, **kw).kv_bytes_per_token
-                - CacheLayout.from_config(text, **kw).kv_bytes_per_token)
 
     def _load_model(self, device: str):
         from glmrt.model.loader import load_checkpoint, load_dummy

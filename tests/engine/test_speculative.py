@@ -297,3 +297,30 @@ def test_sampled_tokens_follow_the_model_distribution(ckpt, mtp_model):
         for t in got:
             counts[t] = counts.get(t, 0) + 1
         assert chi_square_p(counts, want, n) > 1e-3, (counts, want)
+
+
+def test_memory_plan_reserves_the_draft_kv_and_rollback_snapshots():
+    """The rollback snapshots come out of the state budget (one per running request, clamping
+    max_running_requests to a third of the slots), the draft layer's rows out of the KV budget,
+    and the fit of an engine counts the MTP layer's weights."""
+    from glmrt.cache.layout import CacheLayout
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.engine.fit import engine_fit
+    from glmrt.engine.memory import draft_kv_bytes, plan_memory
+
+    text = preset_config("tiny").text
+    plain = CacheLayout.from_config(text, page_size=PS)
+    mtp = CacheLayout.from_config(text, page_size=PS, with_mtp=True)
+    assert mtp.kv_bytes_per_token - plain.kv_bytes_per_token == draft_kv_bytes(
+        text, kv_dtype="bfloat16", model_dtype="bfloat16") > 0
+    budget = 30 * mtp.state_bytes_per_slot + 100 * mtp.kv_bytes_per_page
+    a = plan_memory(mtp, budget, max_mamba_cache_size=30)
+    b = plan_memory(mtp, budget, max_mamba_cache_size=30, rollback=True)
+    assert (a.max_running_requests, a.num_slots, a.rollback_slots) == (15, 30, 0)
+    assert (b.max_running_requests, b.num_slots, b.rollback_slots) == (10, 20, 10)
+    assert b.state_bytes + b.rollback_bytes == a.state_bytes and "rollback reserve" in b.describe()
+    mc = preset_config("tiny")
+    fits = [engine_fit(mc, EngineConfig(model=None, **kw), gpu_bytes=4 * 2**30, kv_dtype="bfloat16")
+            for kw in ({}, {"speculative_algorithm": "MTP", "speculative_num_steps": 2})]
+    assert fits[1].weight_bytes > fits[0].weight_bytes
+    assert fits[1].memory.rollback_slots == fits[1].memory.max_running_requests > 0
