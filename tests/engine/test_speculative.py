@@ -324,3 +324,64 @@ def test_memory_plan_reserves_the_draft_kv_and_rollback_snapshots():
             for kw in ({}, {"speculative_algorithm": "MTP", "speculative_num_steps": 2})]
     assert fits[1].weight_bytes > fits[0].weight_bytes
     assert fits[1].memory.rollback_slots == fits[1].memory.max_running_requests > 0
+
+
+# ---- an engine of two ranks speculates as one does -----------------------------------------------
+def _spec_serve(engine) -> list:
+    prompts = [toks(50 + i, 9 + 5 * i) for i in range(3)]
+    out = []
+    for group in engine.generate(prompts, greedy(10)):
+        out += [(c.output_ids, c.logprobs) for c in group]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=8, ignore_eos=True, logprobs=True)
+    for group in engine.generate(prompts[:2], seeded):
+        out += [(c.output_ids, c.logprobs) for c in group]
+    return out
+
+
+def _spec_rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
+    import json
+
+    torch.set_num_threads(1)
+    from glmrt.engine.model_rank import ModelRank
+    from glmrt.engine.ranks import join_group, leave_group
+    parallel, link = join_group(rank, 2, 1, rendezvous, "cpu")
+    cfg = EngineConfig(model=ckpt, page_size=PS, speculative_algorithm="EAGLE", speculative_num_steps=3)
+    if rank:
+        ModelRank(cfg, log=lambda *a: None, parallel=parallel, link=link).follow()
+    else:
+        engine = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
+        out = _spec_serve(engine)
+        engine.runner.stop_followers()
+        with open(result, "w") as f:
+            json.dump({"out": out, "cycles": engine.spec.stats.cycles}, f)
+    leave_group()
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_speculate_as_one_rank_does(ckpt, tmp_path):
+    """The draft chain, the verify forward and the rollback replay are published steps like any
+    other: an engine of two ranks (gloo) gives one rank's tokens and logprobs."""
+    import json
+    import multiprocessing
+
+    result = str(tmp_path / "result.json")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spec_rank_main, args=(r, str(tmp_path / "rendezvous"), ckpt, result))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    with open(result) as f:
+        two = json.load(f)
+    one = _spec_serve(Engine(EngineConfig(model=ckpt, page_size=PS, speculative_algorithm="EAGLE",
+                                          speculative_num_steps=3), log=lambda *a: None))
+    assert two["cycles"] > 0
+    assert [ids for ids, _ in two["out"]] == [ids for ids, _ in one]
+    for (_, lp2), (_, lp1) in zip(two["out"], one):
+        if lp1:
+            assert max(abs(a - b) for a, b in zip(lp2, lp1)) <= 1e-5 * max(abs(x) for x in lp1)
