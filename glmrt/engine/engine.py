@@ -249,15 +249,7 @@ class Engine(ModelRank):
 
     # ---- the step: schedule -> execute -> apply, in one of two loop bodies ---------------
     def _draft_depth(self, req: Request) -> int:
-        """Draft tokens a decoding request verifies this step (0: it decodes one token): requests
-        without a grammar draft, as many as max_tokens and the context leave room for."""
-        if req.num_computed < len(req.prompt_ids) or not req.output_ids:
-            return 0  # the prompt's last token (a resumed prefill), not a decode
-        p = req.params
-        if self.runner.structured.constrained(req):
-            return 0  # its mask at each position would need the matcher advanced by the drafts
-        room = min(p.max_tokens - len(req.output_ids), self.context_length - req.num_tokens) - 1
-        return max(0, min(self.spec_steps, room))
+        return self.spec.depth(req, self.context_length, self.runner.structured.constrained(req))
 
     def _keep(self, req: Request, tokens: list[int]) -> int:
         """How many of a drafting request's verified tokens it keeps: through the first that ends it."""
@@ -273,14 +265,7 @@ class Engine(ModelRank):
         plan = self._schedule()
         if not plan:
             return []
-        compile_watch.take()
-        t0 = time.perf_counter()
-        results = self.spec.execute(plan, self._keep)
-        took = time.perf_counter() - t0
-        if took > SLOW_STEP_S:
-            self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (speculative); "
-                     f"{compile_watch.summary(compile_watch.take())}")
-        return self._apply(plan, results)
+        return self._apply(plan, self._execute(plan, lambda p: self.spec.execute(p, self._keep)))
 
     @property
     def overlap(self) -> bool:
@@ -329,11 +314,12 @@ class Engine(ModelRank):
             w.req.inflight += 1
         return plan
 
-    def _execute(self, plan) -> list:
-        """Run the plan and wait for its tokens; a slow step is logged with its batch."""
+    def _execute(self, plan, run=None) -> list:
+        """Run the plan (`run`: the runner's execute) and wait for its tokens; a slow step is
+        logged with its batch."""
         compile_watch.take()
         t0 = time.perf_counter()
-        results = self.runner.execute(plan)  # host values: the step has finished
+        results = (run or self.runner.execute)(plan)  # host values: the step has finished
         took = time.perf_counter() - t0
         if took > SLOW_STEP_S:
             self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (a kernel variant compiled "

@@ -112,6 +112,15 @@ class Speculator:
         self.accept_cap: Callable[[Request, int], int] | None = None
         self.draft_logits: Callable[[Request, list[int], torch.Tensor], torch.Tensor] | None = None
 
+    def depth(self, req: Request, context_length: int, constrained: bool) -> int:
+        """Draft tokens a decoding request verifies this step (0: it decodes one token): requests
+        without a grammar (its mask at each position would need the matcher advanced by the
+        drafts) draft, as many as max_tokens and the context leave room for."""
+        if req.num_computed < len(req.prompt_ids) or not req.output_ids or constrained:
+            return 0  # also the prompt's last token (a resumed prefill): not a decode
+        room = min(req.params.max_tokens - len(req.output_ids), context_length - req.num_tokens) - 1
+        return max(0, min(self.steps, room))
+
     # ---- one step -------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan, keep: Callable[[Request, list[int]], int]) -> list[StepOutput | SpecOutput]:
