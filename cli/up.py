@@ -338,7 +338,8 @@ def check_memory_fit(topo, model_config, num_gpus: int | None = None, free_bytes
             try:
                 plan = plan_memory(layout, int(cfg.cache_memory_gb * 2**30), ratio=cfg.mamba_full_memory_ratio,
                                    max_mamba_cache_size=cfg.max_mamba_cache_size,
-                                   max_running_requests=cfg.max_running_requests, rollback=spec)
+                                   max_running_requests=cfg.max_running_requests,
+                                   rollback=spec and cfg.role != "prefill")
             except ValueError as e:
                 return f"{where}: --cache-memory-gb {cfg.cache_memory_gb}: {e}"
             if cfg.context_length is not None and plan.kv_tokens < cfg.context_length:

@@ -414,7 +414,14 @@ class KDARecurrent(StateComponent, tag="kda_recurrent"):
     TENSORS: ClassVar[tuple[str, ...]] = ("recurrent",)
 
 
-AnyStateComponent = MLALatentPages | IndexerKeyPages | IndexerTail | KDAConv | KDARecurrent
+class KeptHidden(StateComponent, tag="kept_hidden"):
+    """The final hidden state of the prompt's last position (a slot): the MTP draft layer's first
+    input on the decode side (speculative decoding only)."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("last_hidden",)
+
+
+AnyStateComponent = MLALatentPages | IndexerKeyPages | IndexerTail | KDAConv | KDARecurrent | KeptHidden
 
 
 class HandoffLayout(Part):

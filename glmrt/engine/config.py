@@ -189,10 +189,6 @@ class EngineConfig:
         elif self.speculative_num_draft_tokens != want:
             raise ConfigValueError("speculative_num_draft_tokens", self.speculative_num_draft_tokens,
                                    f"must be speculative_num_steps + 1 = {want} with a chain (topk 1)")
-        if self.role != "unified":
-            raise ConfigValueError("speculative_algorithm", self.speculative_algorithm,
-                                   f"is refused on a {self.role} engine: speculative decoding under "
-                                   "prefill/decode disaggregation is not built yet (unified engines only)")
 
     @property
     def speculative_steps(self) -> int:

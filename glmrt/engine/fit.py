@@ -167,7 +167,7 @@ def engine_fit(model_config, cfg, *, gpu_bytes: int, kv_dtype: str, model_dtype:
     return plan_fit(layout, weights, gpu_bytes, mem_fraction_static=cfg.mem_fraction_static,
                     ratio=cfg.mamba_full_memory_ratio, max_mamba_cache_size=cfg.max_mamba_cache_size,
                     max_running_requests=cfg.max_running_requests, context_length=cfg.context_length,
-                    max_position_embeddings=text.max_position_embeddings, rollback=spec,
+                    max_position_embeddings=text.max_position_embeddings, rollback=spec and cfg.role != "prefill",
                     draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=model_dtype,
                                                             tp_size=tp_size) if spec else 0.0)
 

@@ -73,7 +73,8 @@ class ModelRank:
         self.memory: MemoryPlan = plan_memory(
             self.layout, budget, ratio=config.mamba_full_memory_ratio,
             max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests,
-            rollback=with_mtp, draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=dtype_name,
+            # a prefill engine only runs the draft layer over prompts: it never verifies, so no snapshots
+            rollback=with_mtp and config.role != "prefill", draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=dtype_name,
                                                                        tp_size=tp_size) if with_mtp else 0.0)
         # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
         # allocated past the ones the managers hand out.

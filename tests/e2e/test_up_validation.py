@@ -171,7 +171,8 @@ SPEC_REFUSALS = [
 @pytest.mark.timeout(120)
 def test_speculative_flags_are_refused_in_one_line(tmp_path, e2e_env, tiny_checkpoint):
     """SGLang's MTP flags: what is not built (trees, DFlash2, a draft-token count off the chain) is refused in
-    one line before anything starts, as a flag and as an [engine] key; so is a checkpoint without an MTP layer."""
+    one line before anything starts, as a flag and as an [engine] key; so are a prefill and a decode that
+    do not both speculate, and a checkpoint without an MTP layer."""
     import json
 
     for args, text in SPEC_REFUSALS:
@@ -182,10 +183,11 @@ def test_speculative_flags_are_refused_in_one_line(tmp_path, e2e_env, tiny_check
     line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
     assert line == ("glmrt up: error: [engine] speculative_eagle_topk is refused: tree drafting is not supported "
                     "(use 1: a chain) (got 4)"), line
-    path.write_text('[engine]\nspeculative_algorithm = "EAGLE"\n' + ACTORS.replace(
-        'kind = "engine"\n', 'kind = "prefill"\n[[actors]]\nkind = "decode"\n'))
+    path.write_text(ACTORS.replace('kind = "engine"\n', 'kind = "prefill"\n[[actors]]\nkind = "decode"\n'
+                                   'engine = { speculative_algorithm = "EAGLE" }\n'))
     line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
-    assert "speculative decoding under prefill/decode disaggregation is not built yet" in line, line
+    assert line == ("glmrt up: error: prefill and decode must agree on speculative_algorithm: prefill 'none', "
+                    "decode 'EAGLE' (their state could not be handed over)"), line
     no_mtp = tmp_path / "no-mtp"
     no_mtp.mkdir()
     cfg = json.loads((__import__("pathlib").Path(tiny_checkpoint) / "config.json").read_text())

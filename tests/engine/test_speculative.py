@@ -385,3 +385,44 @@ def test_two_ranks_speculate_as_one_rank_does(ckpt, tmp_path):
     for (_, lp2), (_, lp1) in zip(two["out"], one):
         if lp1:
             assert max(abs(a - b) for a, b in zip(lp2, lp1)) <= 1e-5 * max(abs(x) for x in lp1)
+
+
+# ---- prefill/decode disaggregation ----------------------------------------------------------------
+def test_prefill_decode_speculation_equals_unified(ckpt, model, mtp_model):
+    """The prefill runs the draft layer over the prompt; its rows (the pools' last ordinals) and the
+    kept hidden state travel with the handoff; the decode drafts and verifies: the tokens of a
+    unified engine without speculation, and the decode side's draft state equals a prefill's."""
+    from glmrt.engine import handoff
+
+    prompts = [toks(60 + i, n) for i, n in enumerate([5, 17, 26])]
+    want = outputs(make(ckpt, model, disable_radix_cache=True), prompts, greedy(14))
+    reference = {tuple(p): w[0][0] for p, w in zip(prompts, want)}
+    prefill, decode = make(ckpt, mtp_model, 3, role="prefill"), make(ckpt, mtp_model, 3, role="decode")
+    assert prefill.memory.rollback_slots == 0 < decode.memory.rollback_slots
+    decode.spec.draft_override = oracle(reference)
+    counts = iter(range(10**6))
+    decode.spec.accept_cap = lambda req, a: next(counts) % 4
+    got = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        source, sink = handoff.HandoffSource(prefill), handoff.HandoffSink(decode)
+        prefill.add_request(p, greedy(14), rid=rid)
+        while not source.holds(rid):
+            prefill.step()
+        sink.reserve(rid, p, source.parked(rid).first_token, greedy(14))
+        assert "kept_hidden" in [c.kind for c in sink.reservation(rid).components]
+        handoff.copy_in_process(source, sink, rid)
+        source.release(rid)
+        sink.activate(rid)
+        req = decode.requests[rid]
+        while not req.finished:
+            decode.step()
+            if not req.finished:
+                assert_state_equal(decode, req, mtp_model)
+        # the first token's logprob is the prefill's (it reached the client from there)
+        assert len(req.logprobs) == len(req.output_ids) - 1
+        got.append([(req.output_ids, req.finish_reason, want[i][0][2][:1] + req.logprobs)])
+        prefill.check_invariants()
+        decode.check_invariants()
+    assert_same(got, want)
+    assert decode.spec.stats.accepted > 0
