@@ -220,6 +220,7 @@ class TokenOut(HotMsg):
     cached_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    spec_verify_ct: int = 0  # speculative decoding: the choice's decode steps so far (each verified a draft)
 
 
 class TokenBatch(HotMsg):
@@ -253,6 +254,7 @@ class Usage(HotPart):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    spec_verify_ct: int = 0
 
 
 class TopLogprob(HotPart):

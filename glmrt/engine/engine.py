@@ -64,6 +64,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0   # speculative decoding: the request's decode steps so far
 
 
 @dataclass
@@ -355,6 +356,8 @@ class Engine(ModelRank):
             if req.finished or req.finishing is not None:
                 continue  # finished by the step before (overlap): this token is past its end
             req.output_ids.append(res.token)
+            if self.spec is not None and len(req.output_ids) > 1:
+                req.spec_verify_ct += 1  # a decode step of a speculating engine (one that could not draft)
             self.runner.structured.accept(req, res.token)
             if req.params.logprobs:
                 req.logprobs.append(res.logprob)
@@ -375,6 +378,7 @@ class Engine(ModelRank):
         """Report a drafting request's kept tokens (already in its outputs) as one output; release
         the pages the verify held past its next position."""
         base = len(req.output_ids) - len(res.tokens)
+        req.spec_verify_ct += 1
         outs = [self._emit(req, tok, res.logprobs[j], res.top_logprobs[j], base + j + 1)
                 for j, tok in enumerate(res.tokens)]
         if not req.finished:
@@ -434,7 +438,7 @@ class Engine(ModelRank):
         reason = self._finish_reason(req, token, n_out)
         lp = req.params.logprobs
         out = RequestOutput(req.rid, [token], [logprob] if lp else [], [top] if lp else [], reason is not None,
-                            reason, len(req.prompt_ids), n_out, req.cached_tokens)
+                            reason, len(req.prompt_ids), n_out, req.cached_tokens, req.spec_verify_ct)
         if reason is not None:
             del req.output_ids[n_out:]  # a PLACEHOLDER of a step still in flight
             if req.inflight > 1 and reason != "handoff":

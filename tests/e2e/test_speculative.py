@@ -82,4 +82,6 @@ def test_greedy_chat_streams_through_drafted_steps(dep):
         "".join(d.content or "" for d in deltas)
     usage = [c.usage for c in parts if c.usage is not None][-1]
     assert usage.completion_tokens == whole.usage.completion_tokens <= 11
+    # SGLang's usage field: the decode steps (glmrt eval reads the accepted length from it)
+    assert 1 <= whole.usage.model_extra["spec_verify_ct"] <= whole.usage.completion_tokens - 1
     assert streamed == joined(whole.choices[0].message)

@@ -426,3 +426,19 @@ def test_prefill_decode_speculation_equals_unified(ckpt, model, mtp_model):
         decode.check_invariants()
     assert_same(got, want)
     assert decode.spec.stats.accepted > 0
+
+
+def test_usage_counts_the_decode_steps(ckpt, mtp_model):
+    """Each output reports the request's decode steps so far (SGLang's spec_verify_ct): with drafts
+    accepted, fewer steps than tokens after the first."""
+    e = make(ckpt, mtp_model, 3)
+    prompt = toks(70, 12)
+    want = outputs(make(ckpt, mtp_model, disable_radix_cache=True), [prompt], greedy(13))[0][0][0]
+    e.spec.draft_override = oracle({tuple(prompt): want})
+    rid = e.add_request(prompt, greedy(13))[0]
+    last = None
+    while e.has_work():
+        for o in e.step():
+            last = o
+    assert last.finished and last.completion_tokens == 13
+    assert last.spec_verify_ct == e.requests[rid].spec_verify_ct == 3   # 12 tokens after the first, 4 a step
