@@ -442,3 +442,21 @@ def test_usage_counts_the_decode_steps(ckpt, mtp_model):
             last = o
     assert last.finished and last.completion_tokens == 13
     assert last.spec_verify_ct == e.requests[rid].spec_verify_ct == 3   # 12 tokens after the first, 4 a step
+
+
+def test_retraction_and_n_choices_keep_the_tokens(ckpt, model, mtp_model):
+    """Pools so tight that drafting requests are retracted (and re-prefill, then draft again), and
+    n = 2 greedy choices sharing a prefill: the tokens of a run without speculation."""
+    prompts = [toks(80 + i, 12) for i in range(4)]
+    want = outputs(make(ckpt, model, disable_radix_cache=True), prompts, greedy(16))
+    reference = {tuple(p): w[0][0] for p, w in zip(prompts, want)}
+    e0 = make(ckpt, mtp_model, 3)
+    lay = e0.layout
+    budget = 64 * lay.state_bytes_per_slot + 6 * lay.kv_bytes_per_page
+    e = make(ckpt, mtp_model, 3, max_mamba_cache_size=64, cache_memory_gb=budget / 2**30, disable_radix_cache=True)
+    e.spec.draft_override = oracle(reference)
+    assert_same(outputs(e, prompts, greedy(16)), want)
+    assert e.counters["retractions"] > 0 and e.spec.stats.accepted > 0
+    e = make(ckpt, mtp_model, 3)
+    got = outputs(e, prompts[:2], greedy(16).replace(n=2))
+    assert_same([[g[0]] for g in got] + [[g[1]] for g in got], want[:2] + want[:2])
