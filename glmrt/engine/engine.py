@@ -106,8 +106,6 @@ class Engine(ModelRank):
         self._inflight = None  # the launched decode step whose tokens are not read yet
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
-        if self.spec is not None:
-            self._step_body = self._spec_step
         self.requests: dict[str, Request] = {}
         self.handoffs: dict[str, Request] = {}   # prefill role: finished prompts whose state awaits transfer
         self.imports: dict[str, Request] = {}    # decode role: reserved requests whose state is arriving
@@ -278,7 +276,9 @@ class Engine(ModelRank):
     def overlap(self, on: bool) -> None:
         if self._inflight is not None:
             raise RuntimeError("the step body cannot change while a launched step is in flight")
-        self._step_body = self._overlap_step if on else self._normal_step
+        if on and self.spec is not None:
+            raise ValueError("the overlap schedule is off while speculating")
+        self._step_body = self._overlap_step if on else self._spec_step if self.spec is not None else self._normal_step
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the tokens whose values are now known."""

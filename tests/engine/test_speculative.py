@@ -432,6 +432,8 @@ def test_usage_counts_the_decode_steps(ckpt, mtp_model):
     """Each output reports the request's decode steps so far (SGLang's spec_verify_ct): with drafts
     accepted, fewer steps than tokens after the first."""
     e = make(ckpt, mtp_model, 3)
+    with pytest.raises(ValueError, match="off while speculating"):
+        e.overlap = True
     prompt = toks(70, 12)
     want = outputs(make(ckpt, mtp_model, disable_radix_cache=True), [prompt], greedy(13))[0][0][0]
     e.spec.draft_override = oracle({tuple(prompt): want})
