@@ -172,17 +172,21 @@ class Speculator:
                                  page_tables=[spec[j].req.pages for j in rows], chain_rows=chain)
             logits = runner.run(step)
             tokens = logits.argmax(dim=-1).tolist()
+            sampled = [row for row, j in enumerate(rows) if not spec[j].req.params.is_greedy]
+            if sampled:  # one filtered distribution per sampled row, each drawn with its request's generator
+                x = logits[sampled]
+                if self.draft_logits is not None:
+                    x = torch.cat([self.draft_logits(spec[rows[row]].req, drafts[rows[row]], x[i:i + 1])
+                                   for i, row in enumerate(sampled)])
+                reqs = [spec[rows[row]].req for row in sampled]
+                probs = runner.sampler.probabilities(x, [SamplerRow(r.params, r.prompt_ids,
+                                                                    r.output_ids + drafts[rows[row]],
+                                                                    runner.generator(r), runner.eos_ids)
+                                                         for r, row in zip(reqs, sampled)])
+                for i, (r, row) in enumerate(zip(reqs, sampled)):
+                    q[rows[row]].append(probs[i])
+                    tokens[row] = int(torch.multinomial(probs[i], 1, generator=runner.generator(r)))
             for row, j in enumerate(rows):
-                r = spec[j].req
-                if not r.params.is_greedy:
-                    x = logits[row:row + 1]
-                    if self.draft_logits is not None:
-                        x = self.draft_logits(r, drafts[j], x)
-                    gen = runner.generator(r)
-                    p = runner.sampler.probabilities(x, [SamplerRow(r.params, r.prompt_ids, r.output_ids + drafts[j],
-                                                                    gen, runner.eos_ids)])[0]
-                    q[j].append(p)
-                    tokens[row] = int(torch.multinomial(p, 1, generator=gen))
                 drafts[j].append(int(tokens[row]))
             prev = rows
         if self.draft_override is not None:
