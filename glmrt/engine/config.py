@@ -133,8 +133,9 @@ class EngineConfig:
     speculative_algorithm: str = "none"
     """none | EAGLE (NEXTN and MTP are the same): each decode step, the checkpoint's MTP layer drafts
     `speculative_num_steps` tokens per request one after another and the model verifies them all in
-    one forward, keeping the longest prefix it agrees with plus its own next token. Greedy requests
-    speculate; the others decode one token per step. DFlash2 and tree drafting are not built."""
+    one forward, keeping the longest prefix it agrees with plus its own next token (sampled requests:
+    rejection sampling, so the model's distribution). Requests with a grammar decode one token per
+    step. A prefill and a decode engine must agree on it. DFlash2 and tree drafting are not built."""
     speculative_num_steps: int | None = bounded(None, ge=1, lt=SPEC_MAX_STEPS + 1)
     """Tokens the MTP layer drafts per request and step (default 3 with --speculative-algorithm)."""
     speculative_eagle_topk: int = bounded(1, ge=1)
