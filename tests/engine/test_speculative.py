@@ -462,3 +462,23 @@ def test_retraction_and_n_choices_keep_the_tokens(ckpt, model, mtp_model):
     e = make(ckpt, mtp_model, 3)
     got = outputs(e, prompts[:2], greedy(16).replace(n=2))
     assert_same([[g[0]] for g in got] + [[g[1]] for g in got], want[:2] + want[:2])
+
+
+def test_a_grammar_request_decodes_beside_drafting_ones(ckpt, model, mtp_model):
+    """A constrained request decodes one token per step in the batches that verify drafts: the
+    same answer as without speculation."""
+    from glmrt.sampling_params import Grammar
+
+    g = Grammar("regex", "[a-c]{3,6}")
+    got = []
+    for m, k in ((model, 0), (mtp_model, 3)):
+        e = make(ckpt, m, k)
+        a = e.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=12), grammar=g)[0]
+        b = e.add_request(toks(90, 8), greedy(12))[0]
+        while e.has_work():
+            e.step()
+        e.check_invariants()
+        got.append((e.requests[a].output_ids, e.requests[a].finish_reason, e.requests[b].output_ids))
+        if k:
+            assert e.spec.stats.cycles > 0 and e.requests[a].spec_verify_ct > 0
+    assert got[0] == got[1]
