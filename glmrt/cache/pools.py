@@ -86,6 +86,7 @@ class ModelCache:
         self._idx = {layer: i for i, layer in enumerate(text.indexer_layers)}
         self._kda = {layer: i for i, layer in enumerate(text.kda_layers)}
         self.mtp_layer = text.num_hidden_layers if with_mtp else None
+        self.capture = None  # a verify forward's glmrt.engine.rollback.Capture while it runs
         self.chain_tail_k = self.chain_tail_g = None
         if with_mtp:  # the draft layer takes the last DSA and indexer ordinals
             mtp = text.num_hidden_layers

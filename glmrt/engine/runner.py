@@ -22,6 +22,7 @@ import torch
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
+from glmrt.engine.rollback import Capture, roll_back
 from glmrt.engine.ranks import ForwardInputs, PlanLink, StateCopy
 from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
@@ -73,6 +74,7 @@ class ModelRunner:
         # where "launched" work has in fact already run).
         self.eager_async = False
         self._chain_hidden = None  # the draft chain's last hidden states (speculative decoding)
+        self._captured = None      # the last verify forward's kept inputs (glmrt.engine.rollback)
 
     def warm_prefill(self, pages, slots, max_tokens: int, max_batch_tokens: int | None = None,
                      max_reqs: int | None = None) -> list[int]:
@@ -250,6 +252,12 @@ class ModelRunner:
             return None
         if step.op == "draft":
             return self._draft_step(step)
+        if step.op == "rollback":
+            for c in step.before:
+                self._copy(c)
+            roll_back(self.model, self.cache, self._captured, step.capture, step.prefix_lens, step.seq_lens,
+                      step.slot_ids, step.page_tables)
+            return None
         for c in step.before:
             self._copy(c)
         logits = hidden = None
@@ -266,9 +274,13 @@ class ModelRunner:
                 src = torch.tensor(step.src_rows, dtype=torch.long, device=self.device)
                 ids = torch.where(src >= 0, prev_tokens.to(torch.long)[src.clamp(min=0)], ids)
             embeds = self._input_embeds(step, ids, feats)
+            capture = self._start_capture(step)
             logits, hidden = self.model(ids, meta, self.cache, input_embeds=embeds, logits_indices=idx)
+            if capture is not None:
+                capture.hidden = capture.select(hidden)
             if step.draft_extend:
                 self._draft_extend(step, self.model.model.embed(ids) if embeds is None else embeds, hidden)
+            self.cache.capture = None
             if step.keep_hidden:
                 hidden = hidden[idx]
         logits = self._full_hit_logits(step, logits, hidden)
@@ -277,6 +289,18 @@ class ModelRunner:
         return logits
 
     # ---- the MTP draft layer (speculative decoding) ------------------------------------------
+    def _start_capture(self, step: ForwardInputs) -> Capture | None:
+        """A verify forward: keep its drafting requests' stateful-op inputs (glmrt.engine.rollback)."""
+        if not step.capture:
+            return None
+        starts = [0]
+        for s in step.seq_lens:
+            starts.append(starts[-1] + s)
+        rows = [i for r in step.capture for i in range(starts[r], starts[r + 1])]
+        self.cache.capture = self._captured = Capture(torch.tensor(rows, dtype=torch.long, device=self.device),
+                                                      [step.seq_lens[r] for r in step.capture])
+        return self._captured
+
     def _draft_extend(self, step: ForwardInputs, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
         """The draft layer over the positions the forward computed, so its KV covers what the model
         has: draft position j takes the final hidden state at j and the embedding of token j + 1
@@ -287,12 +311,14 @@ class ModelRunner:
         n = hidden.shape[0]
         h_rows, e_rows, pre, seq, slots, tables, keep = [], [], [], [], [], [], []
         at = 0
+        draft_at = {}  # request -> its first row in the draft pass
         for r, (p, s) in enumerate(zip(step.prefix_lens, step.seq_lens)):
             if s == 0:
                 continue
             rows = list(range(at, at + s))
             at += s
             keep.append((rows[-1], step.slot_ids[r]))
+            draft_at[r] = len(e_rows)
             if p > 0:
                 h_rows += [n + r] + rows[:-1]
                 e_rows += rows
@@ -313,6 +339,10 @@ class ModelRunner:
             src = torch.cat([hidden, last[all_slots].to(hidden.dtype)])
             meta = BatchMeta.build(pre, seq, slots, tables, self.cache.page_size, self.device)
             h_idx, e_idx = (torch.tensor(x, dtype=torch.long, device=dev) for x in (h_rows, e_rows))
+            if self.cache.capture is not None:  # the drafting requests' rows of this pass (all at a prefix > 0)
+                self.cache.capture.rows = torch.tensor(
+                    [draft_at[r] + i for r in step.capture for i in range(step.seq_lens[r])], dtype=torch.long,
+                    device=dev)
             self.model.mtp(embeds[e_idx], src[h_idx], meta, self.cache)
         if keep:
             rows, kslots = zip(*keep)

@@ -20,9 +20,11 @@ A drafting request at `num_computed = c` (token x_c sampled, not computed) runs,
    distribution; every draw comes from the request's generator (seeded as without speculation,
    though the draws differ). A stop token, max_tokens or the context may cut the run shorter: the
    engine's `keep` says;
-4. rollback: when n < k + 1 tokens are kept, the snapshot goes back into the slot and one more
-   forward recomputes positions c..c+n-1 from it, so the KDA recurrent state, conv window, both
-   indexer tails and the kept hidden state are exactly those after the last kept position. The KV
+4. rollback: when n < k + 1 tokens are kept, the snapshot goes back into the slot and the
+   stateful ops alone (conv, KDA recurrence, indexer updates) run again over positions c..c+n-1
+   from the inputs the verify kept (glmrt.engine.rollback), so the KDA recurrent state, conv
+   window, both indexer tails and the kept hidden state are exactly those after the last kept
+   position. The KV
    rows and pooled keys the verify wrote past it belong to positions the request has not computed:
    nothing reads them before a later forward rewrites them (a pooled key is read only once its pool
    is complete), and the engine releases the pages past the next position.
@@ -225,7 +227,7 @@ class Speculator:
                              logits_rows=logits_rows, before=before, after=after, embed_rows=rows, keep_hidden=keep,
                              hit_slots=[w.req.slot for w in hits],
                              sample_order=list(range(len(logits_rows) + len(hits))) if hits else None,
-                             draft_extend=True)
+                             draft_extend=True, capture=[computed.index(w) for w in spec])
         return step, feats, rows_of
 
     def _sample_normal(self, normal: StepPlan, logits: torch.Tensor, rows_of) -> list[StepOutput]:
@@ -295,15 +297,10 @@ class Speculator:
         return tokens, res.logprobs, res.top_logprobs, n - 1
 
     def _replay(self, replay: list[tuple[Work, int, int]], drafts: list[list[int]]) -> None:
-        """Roll back: each snapshot into its slot, then recompute the kept positions from it."""
-        ids, pre, seq, slots, tables, before = [], [], [], [], [], []
-        for w, i, n in replay:
-            r = w.req
-            ids += ([r.token_slice(w.start, w.start + 1)[0]] + drafts[i])[:n]
-            pre.append(w.start)
-            seq.append(n)
-            slots.append(r.slot)
-            tables.append(r.pages)
-            before.append(StateCopy(self.rollback_base + i, r.slot))
-        self.runner.run(ForwardInputs(ids=ids, prefix_lens=pre, seq_lens=seq, slot_ids=slots, page_tables=tables,
-                                      logits_rows=[], before=before, draft_extend=True))
+        """Roll back: each snapshot into its slot, then the stateful ops over the kept positions
+        from the verify's own inputs (glmrt.engine.rollback; no other part of the model runs)."""
+        self.runner.run(ForwardInputs(
+            op="rollback", prefix_lens=[w.start for w, _, _ in replay], seq_lens=[n for _, _, n in replay],
+            slot_ids=[w.req.slot for w, _, _ in replay], page_tables=[w.req.pages for w, _, _ in replay],
+            before=[StateCopy(self.rollback_base + i, w.req.slot) for w, i, _ in replay],
+            capture=[i for _, i, _ in replay]))
