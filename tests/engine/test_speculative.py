@@ -125,7 +125,6 @@ def assert_state_equal(engine, req, model):
     ref, ref_pages, last = prefill_state(model, ids, engine.config.page_size)
     text = model.config.text
     got, slot, kp = engine.cache, req.slot, text.index_kpool
-    ps = engine.config.page_size
     close = dict(atol=2e-4, rtol=1e-3)
     torch.testing.assert_close(got.state.conv[:, slot], ref.state.conv[:, 0], **close)
     torch.testing.assert_close(got.state.recurrent[:, slot], ref.state.recurrent[:, 0], **close)
