@@ -142,7 +142,7 @@ class Speculator:
         if not spec:
             return outputs
         verified = self._verify(spec, drafts, q, logits, rows_of)
-        replay = []
+        replay = []  # (work, its snapshot row, tokens kept) of each partial acceptance
         for i, (w, (tokens, logprobs, tops, accepted)) in enumerate(zip(spec, verified)):
             n = max(1, min(keep(w.req, tokens), len(tokens)))
             self.stats.count(w.draft, accepted, n)
@@ -151,7 +151,7 @@ class Speculator:
             w.num = n
             outputs.append(SpecOutput(w.req, tokens[:n], logprobs[:n], tops[:n], w.draft, accepted))
         if replay:
-            self._replay(replay)
+            self._roll_back(replay)
         self.stats.batches += 1
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += time.perf_counter() - t1
@@ -296,7 +296,7 @@ class Speculator:
         res = runner.sampler.result(logits[:n], rows_in[:n], tokens)
         return tokens, res.logprobs, res.top_logprobs, n - 1
 
-    def _replay(self, replay: list[tuple[Work, int, int]]) -> None:
+    def _roll_back(self, replay: list[tuple[Work, int, int]]) -> None:
         """Roll back: each snapshot into its slot, then the stateful ops over the kept positions
         from the verify's own inputs (glmrt.engine.rollback; no other part of the model runs)."""
         self.runner.run(ForwardInputs(
