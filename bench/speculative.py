@@ -3,6 +3,7 @@ acceptance and decode speed against no speculation.
 
     python3 -m bench.speculative [--preset flash-4l-mtp] [--steps 1,3,5] [--batches 1,16]
                                  [--prompt-len 256] [--output-len 64] [--model DIR]
+                                 [--backend cuda-h200] [--compare reference] [--device cuda]
 
 Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
 runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
@@ -34,7 +35,7 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict
     kw = dict(model=args.model, load_format="auto") if args.model else dict(preset=args.preset, load_format="dummy")
     if steps:
         kw.update(speculative_algorithm="EAGLE", speculative_num_steps=steps)
-    e = Engine(EngineConfig(backend=backend, device="cuda", page_size=64, skip_server_warmup=True, **kw),
+    e = Engine(EngineConfig(backend=backend, device=args.device, page_size=64, skip_server_warmup=True, **kw),
                log=lambda *a: None)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     e.generate([prompts[0]], params)  # warm: compile the kernels of each shape once
@@ -43,10 +44,10 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict
         batch = prompts[:b]
         e.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefill (cached)
         before = e.spec.stats.as_dict() if e.spec else {}
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         done = e.generate(batch, params)
-        torch.cuda.synchronize()
+        sync()
         took = time.perf_counter() - t0
         row = {"tokens_per_s": b * (args.output_len - 1) / took, "outputs": [c[0].output_ids for c in done]}
         if e.spec:
@@ -61,8 +62,14 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict
         out["batches"][b] = row
     del e
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -78,14 +85,17 @@ def main() -> None:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--backend", default="cuda-h200", help="the kernel set measured")
+    p.add_argument("--compare", default="reference", help="the kernel set whose tokens it is held to")
+    p.add_argument("--device", default="cuda")
     args = p.parse_args()
     args.steps = [int(x) for x in args.steps.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 1000, (max(args.batches), args.prompt_len), generator=g).tolist()
-    runs = [run_engine(args, "cuda-h200", 0, prompts)]
-    runs += [run_engine(args, "cuda-h200", k, prompts) for k in args.steps]
-    runs.append(run_engine(args, "reference", max(args.steps), prompts))
+    runs = [run_engine(args, args.backend, 0, prompts)]
+    runs += [run_engine(args, args.backend, k, prompts) for k in args.steps]
+    runs.append(run_engine(args, args.compare, max(args.steps), prompts))
     base = runs[0]["batches"]
     print(f"{'backend':<10} {'K':>2} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'accepted':>8} "
           f"{'draft ms':>8} {'verify ms':>9} {'same tokens':>11}  acceptance per position")
