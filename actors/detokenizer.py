@@ -209,7 +209,7 @@ class DetokenizerActor(Actor):
         ch.done = finished
         lps = self._logprobs(it) if it.logprobs is not None else None
         usage = P.Usage(prompt_tokens=it.prompt_tokens or cfg.prompt_tokens, completion_tokens=it.completion_tokens,
-                        cached_tokens=it.cached_tokens) if finished else None
+                        cached_tokens=it.cached_tokens, spec_verify_ct=it.spec_verify_ct) if finished else None
         prompt_ids = None
         if cfg.prompt_token_ids is not None and not ch.sent_any and it.key.choice == 0:
             prompt_ids = list(cfg.prompt_token_ids)

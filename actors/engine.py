@@ -355,7 +355,7 @@ class EngineActor(HandoffMixin, Actor):
                 # n > 1: the prompt was computed once, by choice 0; report its cached count for all
                 cached_tokens=prompt_cached.get(key.request, o.cached_tokens) if key.choice else o.cached_tokens,
                 logprobs=[x if x is not None else 0.0 for x in o.new_logprobs] if o.new_logprobs else None,
-                top_logprobs=top)
+                top_logprobs=top, spec_verify_ct=o.spec_verify_ct)
             batches.setdefault(detok, []).append(out)
             if finished:
                 del self._routes[o.rid]

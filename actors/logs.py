@@ -67,6 +67,7 @@ class EngineStatsLog:
         self.interval = interval
         self._last: _Totals | None = None
         self._next = now + interval
+        self._spec = (0.0, 0.0)  # speculative decoding: (drafting steps, tokens they kept) at the last line
 
     def due(self, now: float) -> bool:
         return self.interval > 0 and now >= self._next
@@ -89,10 +90,16 @@ class EngineStatsLog:
         kv_used = max(0, stats.kv_pages_total - stats.kv_pages_free - cached_pages) * page
         slots_used = max(0, stats.state_slots_total - stats.state_slots_free - int(c.get("slots_checkpoint", 0)))
         hit = min(1.0, (cur.cached - last.cached) / prompt) if prompt > 0 else 0.0
-        return (f"running {stats.running}, queued {stats.waiting}, "
+        line = (f"running {stats.running}, queued {stats.waiting}, "
                 f"KV pool {_percent(kv_used, stats.kv_pages_total * page)} ({kv_used} tokens, "
                 f"{cached_pages * page} cached), state slots {_percent(slots_used, stats.state_slots_total)}, "
                 f"gen {generated / dt:.1f} tok/s, prompt {prompt / dt:.1f} tok/s, cache hit rate {hit:.1%}")
+        if "spec_cycles" in c:
+            spec = (c["spec_cycles"], c["spec_emitted_tokens"])
+            cycles, kept = spec[0] - self._spec[0], spec[1] - self._spec[1]
+            self._spec = spec
+            line += f", accept len {kept / cycles:.2f}" if cycles else ", accept len -"
+        return line
 
 
 def _percent(part: float, whole: float) -> str:

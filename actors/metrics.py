@@ -50,10 +50,22 @@ class Metrics:
         self.disk_bytes = Gauge("glmrt_disk_cache_bytes", "Disk tier bytes by state (used, capacity)",
                                 ["engine", "state"], registry=r)
 
+        # speculative decoding (--speculative-algorithm), per engine
+        self.spec_accept_len = Gauge("glmrt_spec_mean_accepted_length", "Tokens kept per drafting request and "
+                                     "step (accepted drafts + the model's own), since start", ["engine"], registry=r)
+        self.spec_accept_rate = Gauge("glmrt_spec_acceptance_rate", "Share of drafts at each draft position the "
+                                      "model accepted, since start", ["engine", "position"], registry=r)
+        self.spec_time = Gauge("glmrt_spec_seconds_per_step", "Mean seconds per speculative step, by phase "
+                               "(draft: the MTP layer's chain; verify: the model's forward, sampling, rollback)",
+                               ["engine", "phase"], registry=r)
+        self.spec_tokens = Gauge("glmrt_spec_tokens", "Speculative tokens since start, by kind (drafted, "
+                                 "accepted, emitted)", ["engine", "kind"], registry=r)
+        self._spec_positions: dict[str, int] = {}
+
     def _forget_engine(self, key: str) -> None:
         """An engine that is not serving (dead, restarting, retired) has no samples: its last
         counters (the pages and slots its requests held) are not its successor's."""
-        for g in (self.running, self.waiting, self.max_running, self.host_hit_tokens):
+        for g in (self.running, self.waiting, self.max_running, self.host_hit_tokens, self.spec_accept_len):
             try:
                 g.remove(key)
             except KeyError:
@@ -61,7 +73,9 @@ class Metrics:
         for g, states in ((self.kv_tokens, ("free", "cached", "in_use")),
                           (self.state_slots, ("free", "checkpoint", "in_use")), (self.host_pages, ("used", "free")),
                           (self.host_slots, ("used", "free")), (self.host_bytes, ("load", "store")),
-                          (self.disk_bytes, ("used", "capacity"))):
+                          (self.disk_bytes, ("used", "capacity")), (self.spec_time, ("draft", "verify")),
+                          (self.spec_tokens, ("drafted", "accepted", "emitted")),
+                          (self.spec_accept_rate, tuple(str(i) for i in range(self._spec_positions.pop(key, 0))))):
             for state in states:
                 try:
                     g.remove(key, state)
@@ -97,6 +111,22 @@ class Metrics:
                 max(0, s.state_slots_total - s.state_slots_free - ckpt))
             if "host_pages_total" in c:
                 self._host(key, c)
+            if "spec_cycles" in c:
+                self._spec(key, c)
+
+    def _spec(self, key: str, c: dict) -> None:
+        cycles, steps = c["spec_cycles"], c["spec_steps"]
+        self.spec_accept_len.labels(engine=key).set(c["spec_emitted_tokens"] / cycles if cycles else 0.0)
+        for kind in ("drafted", "accepted", "emitted"):
+            self.spec_tokens.labels(engine=key, kind=kind).set(c[f"spec_{'draft' if kind == 'drafted' else kind}_tokens"])
+        for phase in ("draft", "verify"):
+            self.spec_time.labels(engine=key, phase=phase).set(c[f"spec_{phase}_seconds"] / steps if steps else 0.0)
+        i = 0
+        while f"spec_drafted_at_{i}" in c:
+            n = c[f"spec_drafted_at_{i}"]
+            self.spec_accept_rate.labels(engine=key, position=str(i)).set(c[f"spec_accepted_at_{i}"] / n if n else 0.0)
+            i += 1
+        self._spec_positions[key] = i
 
     def _host(self, key: str, c: dict) -> None:
         used, total = int(c["host_pages_used"]), int(c["host_pages_total"])

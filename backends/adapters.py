@@ -15,8 +15,9 @@ one is refused with what glmrt runs instead. Only what exists in this build is a
 Triton kernels of `backends/kernels/` (DSA decode, fused MoE, KDA, norms, mHC) and the torch
 reference for the rest. `cuda-blackwell` and `rocm-mi355x` reuse those portable Triton kernels
 and have never run on their hardware; nothing here, or in their modules, claims anything about
-speed. Legal means built: speculative decoding and breakable prefill CUDA graphs are not built,
-so no adapter accepts them; a request naming them (`speculative_algorithm`,
+speed. Legal means built: chain speculative decoding (EAGLE, from the checkpoint's MTP layer) runs
+on every adapter, through the same ops as decoding; DFlash2 drafting and breakable prefill CUDA
+graphs are not built, so no adapter accepts them; a request naming them (`speculative_algorithm`,
 `cuda_graph_backend_prefill`) is refused with what glmrt runs instead.
 
 `quantization` is the weight format asked for (None: the checkpoint's own). FP4 formats have
@@ -53,8 +54,8 @@ class IllegalOption(BackendError):
         super().__init__(f"{label(option)} {value!r} is refused{where}. Rule: {rule}. Alternatives{where}: {alts}.")
 
 
-# option -> its `glmrt up` flag. speculative_algorithm and cuda_graph_backend_prefill have none: nothing is
-# built behind them, and a request naming them (through the Python API) is refused with what is built.
+# option -> its `glmrt up` flag. cuda_graph_backend_prefill has none: nothing is built behind it, and a
+# request naming it (through the Python API) is refused with what is built.
 OPTIONS = {
     "backend": "--backend",
     "kv_cache_dtype": "--kv-cache-dtype",
@@ -64,7 +65,7 @@ OPTIONS = {
     "dsa_decode_backend": "--dsa-decode-backend",
     "moe_runner_backend": "--moe-runner-backend",
     "linear_attn_backend": "--linear-attn-backend",
-    "speculative_algorithm": None,
+    "speculative_algorithm": "--speculative-algorithm",
     "cuda_graph_backend_prefill": None,
 }
 
@@ -113,8 +114,8 @@ NOT_SHIPPED = MappingProxyType({
 _KERNEL_OPTIONS = ("attention_backend", "dsa_prefill_backend", "dsa_decode_backend", "moe_runner_backend",
                    "linear_attn_backend")
 
-_NO_SPECULATIVE = ("speculative decoding is not built: glmrt decodes one token per request per step (no MTP / "
-                   "EAGLE or DFlash2 drafter)")
+_NO_SPECULATIVE = ("only chain drafting from the checkpoint's MTP layer is built (EAGLE; NEXTN and MTP are its "
+                   "other spellings): no DFlash2 or separate draft model")
 
 # Values glmrt knows but does not accept anywhere, with the reason (beyond "not on this adapter").
 _NOT_BUILT = {
@@ -126,7 +127,7 @@ _NOT_BUILT = {
     ("quantization", "bf16"): "unquantised weights need no --quantization: leave it auto (the checkpoint's format)",
     ("quantization", "bfloat16"): "unquantised weights need no --quantization: leave it auto (the checkpoint's "
                                   "format)",
-    **{("speculative_algorithm", algo): _NO_SPECULATIVE for algo in ("EAGLE", "DFLASH2", "STANDALONE")},
+    **{("speculative_algorithm", algo): _NO_SPECULATIVE for algo in ("DFLASH2", "STANDALONE")},
     ("cuda_graph_backend_prefill", "breakable"): "prefill always runs eagerly; the only CUDA graphs glmrt "
                                                  "builds are decode graphs (glmrt.engine.cuda_graphs)",
 }
@@ -362,7 +363,7 @@ def _legal_values(a: Adapter, option: str, model_dtype: str | None = None) -> tu
     if option == "quantization":
         return tuple(f for f in a.weights if f != "bf16")
     if option == "speculative_algorithm":
-        return ("none",)
+        return ("none", "EAGLE")
     if option == "cuda_graph_backend_prefill":
         return ("off",)
     return {"attention_backend": a.attention_backends, "dsa_prefill_backend": a.dsa_prefill_backends,

@@ -26,7 +26,7 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", metavar="DIR", help="checkpoint directory (HF format)")
-    m.add_argument("--preset", help="a named shape for --load-format dummy (tiny | flash-4l | flash)")
+    m.add_argument("--preset", help="a named shape for --load-format dummy (tiny | flash-4l | flash-4l-mtp | flash)")
     m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights in device memory (with --preset, or --model for its config)")
     w = p.add_argument_group("workload")

@@ -50,13 +50,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cli.bench_serving_client import Result, send_request
-from cli.bench_serving_report import format_summary, plot, summarize
+from cli.bench_serving_report import format_summary, plot, spec_counters, spec_summary, summarize
 from glmrt import env
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 DATASETS = ("random", "shared-prefix", "multi-turn")
 TOKEN_LOW = 10          # prompt ids come from [TOKEN_LOW, vocab_size - TOKEN_HEADROOM)
 TOKEN_HEADROOM = 100
+SPEC_STATS_WAIT_S = 1.2  # > the engines' stats period (actors/engine.py: STATS_S)
 
 # A fixed word list for chat prompts (the seed picks the words).
 WORDS = """
@@ -366,10 +367,17 @@ async def _main(args) -> int:
         for i, c in enumerate(args.concurrencies):
             convs = make_workload(args, i)
             label = f"concurrency {c if c else 'none'}"
+            spec_before = spec_counters(await _get_json(session, base + "/server_info", headers) if info else None)
             results, duration, peak = await run_once(client, session, convs, c, args.rate, args.seed, args.quiet,
                                                      label)
             summary = summarize(results, duration, concurrency=c, rate=args.rate, peak_inflight=peak,
                                 slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+            if "spec_cycles" in spec_before:
+                await asyncio.sleep(SPEC_STATS_WAIT_S)  # the engines' counters reach the api once a second
+                spec = spec_summary(spec_before, spec_counters(await _get_json(session, base + "/server_info",
+                                                                                headers)))
+                if spec is not None:
+                    summary["speculative"] = spec
             runs.append({"summary": summary, "requests": [r.to_json() for r in results]})
     config = {k: getattr(args, k) for k in (
         "url", "endpoint", "dataset", "num_prompts", "input_len", "output_len", "shared_prefix_ratio", "num_groups",

@@ -59,6 +59,49 @@ def summarize(results: list[Result], duration: float, *, concurrency: int | None
     }
 
 
+def spec_counters(info: dict | None) -> dict[str, float]:
+    """The speculative decoding counters of a /server_info answer, summed over its engines."""
+    out: dict[str, float] = {}
+    for eng in ((info or {}).get("engines") or {}).values():
+        if isinstance(eng, dict):
+            for k, v in eng.items():
+                if k.startswith("spec_") and isinstance(v, (int, float)):
+                    out[k] = out.get(k, 0) + v
+    return out
+
+
+def spec_summary(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """What the engines' speculation did during one run (None: no engine speculates): the mean
+    tokens kept per drafting request and step (the accepted length), the acceptance rate at each
+    draft position, and the mean draft and verify time per speculative step."""
+    if "spec_cycles" not in after:
+        return None
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    cycles, steps = d["spec_cycles"], d["spec_steps"]
+    rates = []
+    i = 0
+    while f"spec_drafted_at_{i}" in d:
+        n = d[f"spec_drafted_at_{i}"]
+        rates.append(d[f"spec_accepted_at_{i}"] / n if n else 0.0)
+        i += 1
+    return {"cycles": int(cycles), "mean_accepted_length": d["spec_emitted_tokens"] / cycles if cycles else 0.0,
+            "acceptance_rate": rates, "draft_tokens": int(d["spec_draft_tokens"]),
+            "accepted_tokens": int(d["spec_accepted_tokens"]),
+            "draft_ms_per_step": 1000 * d["spec_draft_seconds"] / steps if steps else 0.0,
+            "verify_ms_per_step": 1000 * d["spec_verify_seconds"] / steps if steps else 0.0}
+
+
+def _fmt_spec(s: dict, key: str) -> str:
+    sp = s.get("speculative")
+    if not sp:
+        return "-"
+    if key == "rate":
+        return "/".join(f"{100 * r:.0f}" for r in sp["acceptance_rate"]) or "-"
+    if key == "time":
+        return f"{sp['draft_ms_per_step']:.1f} / {sp['verify_ms_per_step']:.1f}"
+    return f"{sp['mean_accepted_length']:.2f}"
+
+
 def _fmt_lat(st: dict) -> str:
     if not st["count"]:
         return "-"
@@ -82,6 +125,10 @@ def format_summary(runs: list[dict], title: str) -> str:
         ("E2E ms mean/p50/p90/p99", lambda s: _fmt_lat(s["e2e_ms"])),
         ("goodput (req/s, % of reqs)", lambda s: f"{s['goodput']:.2f} ({100 * s['goodput_ratio']:.0f}%)"),
     ]
+    if any(r["summary"].get("speculative") for r in runs):
+        rows += [("spec: mean accepted length", lambda s: _fmt_spec(s, "length")),
+                 ("spec: acceptance % per position", lambda s: _fmt_spec(s, "rate")),
+                 ("spec: draft / verify ms per step", lambda s: _fmt_spec(s, "time"))]
     cells = [[name] + [f(r["summary"]) for r in runs] for name, f in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = [title]

@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "make-checkpoint", help="write a random-weight GLM-5.3-Flash checkpoint in HF format",
         description="Write config.json, safetensors weights, generation_config.json and a real tokenizer "
                     "for a preset shape with random weights, or print its sizes with --meta.")
-    p.add_argument("--preset", help="tiny | tiny-trained | flash-4l | flash (random weights)")
+    p.add_argument("--preset", help="tiny | tiny-trained | flash-4l | flash-4l-mtp | flash (random weights)")
     p.add_argument("--from", dest="from_dir", metavar="DIR",
                    help="instead of a preset: DIR's own weights (an unquantised checkpoint, e.g. one `glmrt train` "
                         "wrote), re-written in --dtype (fp8: block-scaled e4m3, since glmrt never quantises on load)")
@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="key layout: nested (model.language_model.*, as HF writes) or flat (model.layers.*)")
     p.add_argument("--shard-size-gb", type=float, default=4.0)
     p.add_argument("--meta", action="store_true", help="print parameter and per-request cache sizes, write nothing")
-    p.add_argument("--force", action="store_true", help="allow writing the large presets (flash-4l, flash)")
+    p.add_argument("--force", action="store_true", help="allow writing the large presets (flash-4l, flash-4l-mtp, flash)")
     p.add_argument("--no-weights", action="store_true",
                    help="write config.json, generation_config.json and the tokenizer only (for --load-format dummy)")
     g = p.add_argument_group("per-GPU memory plan (printed with the sizes: what one rank of an engine holds)")

@@ -28,7 +28,8 @@ class PeerFlag:
 
 _DP_ATTENTION = ("data-parallel attention is not built yet; an engine of --tp-size N splits attention heads over "
                  "its N ranks, and --dp-size N runs N engine replicas")
-_SPECULATIVE = "speculative decoding is not built yet; glmrt decodes one token per step"
+_DRAFT_MODEL = ("glmrt drafts with the checkpoint's own MTP layer (--speculative-algorithm EAGLE); a separate "
+                "draft model is not built")
 _HICACHE_STORAGE = ("glmrt's third cache tier is a local-disk store: --hicache-storage-dir DIR "
                     "(--hicache-storage-size GB); no other storage backend is built")
 _CONTEXT_PARALLEL = ("context parallelism is not built yet; one engine prefills a prompt in chunks of "
@@ -40,11 +41,7 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
              "rest of the model; drop the flag"),
     PeerFlag(("--attn-cp-size",), _CONTEXT_PARALLEL, accepts=("1",)),
     PeerFlag(("--enable-prefill-cp",), _CONTEXT_PARALLEL, takes_value=False),
-    PeerFlag(("--speculative-algorithm",), _SPECULATIVE, accepts=("none",)),
-    PeerFlag(("--speculative-num-steps",), _SPECULATIVE),
-    PeerFlag(("--speculative-eagle-topk",), _SPECULATIVE),
-    PeerFlag(("--speculative-num-draft-tokens",), _SPECULATIVE),
-    PeerFlag(("--speculative-draft-model-path",), _SPECULATIVE),
+    PeerFlag(("--speculative-draft-model-path",), _DRAFT_MODEL),
     PeerFlag(("--hicache-storage-backend",), _HICACHE_STORAGE),
     PeerFlag(("--cuda-graph-backend-prefill",), "glmrt captures CUDA graphs for decode only (--cuda-graph-max-bs, "
              "--disable-cuda-graph); prefill runs eagerly", accepts=("off",)),

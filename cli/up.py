@@ -281,6 +281,15 @@ def check_cache_layout(configs: dict[str, EngineConfig], model_config) -> str | 
     return None
 
 
+def check_speculative(configs: dict[str, EngineConfig], model_config) -> str | None:
+    """Speculative decoding drafts with the checkpoint's MTP layer: one without it is refused."""
+    for kind, cfg in configs.items():
+        if cfg.speculative_algorithm != "none" and model_config.text.num_nextn_predict_layers < 1:
+            return (f"{kind}: --speculative-algorithm {cfg.speculative_algorithm} needs the checkpoint's MTP layer, "
+                    "and this checkpoint has none (num_nextn_predict_layers 0 in config.json)")
+    return None
+
+
 def check_checkpoint_weights(configs: dict[str, EngineConfig], model_config) -> str | None:
     """An explicit --quantization must name the checkpoint's own weight format (glmrt does not re-quantise
     a checkpoint on load). Returns the refusal, or None."""
@@ -323,12 +332,15 @@ def check_memory_fit(topo, model_config, num_gpus: int | None = None, free_bytes
                                      model_dtype=dtype).kv_cache_dtype
             except BackendError:
                 continue
+            spec = cfg.speculative_steps > 0
             layout = CacheLayout.from_config(model_config.text, page_size=cfg.page_size, kv_dtype=kv,
-                                             state_dtype=cfg.mamba_ssm_dtype, model_dtype=dtype, tp_size=a.tp)
+                                             state_dtype=cfg.mamba_ssm_dtype, model_dtype=dtype, tp_size=a.tp,
+                                             with_mtp=spec)
             try:
                 plan = plan_memory(layout, int(cfg.cache_memory_gb * 2**30), ratio=cfg.mamba_full_memory_ratio,
                                    max_mamba_cache_size=cfg.max_mamba_cache_size,
-                                   max_running_requests=cfg.max_running_requests)
+                                   max_running_requests=cfg.max_running_requests,
+                                   rollback=spec and cfg.role != "prefill")
             except ValueError as e:
                 return f"{where}: --cache-memory-gb {cfg.cache_memory_gb}: {e}"
             if cfg.context_length is not None and plan.kv_tokens < cfg.context_length:
@@ -366,8 +378,8 @@ def check_model(topo, path: str):
         mc = load_model_config(path)
     except ConfigError as e:
         return refuse(str(e))
-    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_cache_layout(topo.engine_configs(), mc)
-               or check_parallel_shapes(topo, mc))
+    refusal = (check_checkpoint_weights(topo.engine_configs(), mc) or check_speculative(topo.engine_configs(), mc)
+               or check_cache_layout(topo.engine_configs(), mc) or check_parallel_shapes(topo, mc))
     if refusal:
         return refuse(refusal)
     try:

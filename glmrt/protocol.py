@@ -220,6 +220,7 @@ class TokenOut(HotMsg):
     cached_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    spec_verify_ct: int = 0  # speculative decoding: the choice's decode steps so far (each verified a draft)
 
 
 class TokenBatch(HotMsg):
@@ -253,6 +254,7 @@ class Usage(HotPart):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    spec_verify_ct: int = 0
 
 
 class TopLogprob(HotPart):
@@ -414,7 +416,14 @@ class KDARecurrent(StateComponent, tag="kda_recurrent"):
     TENSORS: ClassVar[tuple[str, ...]] = ("recurrent",)
 
 
-AnyStateComponent = MLALatentPages | IndexerKeyPages | IndexerTail | KDAConv | KDARecurrent
+class KeptHidden(StateComponent, tag="kept_hidden"):
+    """The final hidden state of the prompt's last position (a slot): the MTP draft layer's first
+    input on the decode side (speculative decoding only)."""
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("last_hidden",)
+
+
+AnyStateComponent = MLALatentPages | IndexerKeyPages | IndexerTail | KDAConv | KDARecurrent | KeptHidden
 
 
 class HandoffLayout(Part):

@@ -32,7 +32,7 @@ FEATURE_TRANSPORTS = ("cpu", "cuda_ipc", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A prefill hands its pages and state to a decode as they lie in memory: these must agree.
 PD_LAYOUT_FIELDS = ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page_size", "load_format", "preset",
-                    "quantization")
+                    "quantization", "speculative_algorithm")
 
 
 class TopologyError(ValueError):

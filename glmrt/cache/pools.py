@@ -7,7 +7,10 @@ StatePool request-local slots: KDA conv [L_kda, slots, K-1, 3*qkv] and recurrent
           and the final hidden state of the slot's last position [1, slots, D]: a prompt-end
           checkpoint keeps it, so an exact repeat of the prompt samples its first token
           without computing anything.
-ModelCache maps a model layer index to its view of both pools.
+ModelCache maps a model layer index to its view of both pools. With the MTP draft layer (speculative
+          decoding) it also holds the draft chain's indexer tail [slots, kpool, di] (k and g): the
+          draft steps of one decode step write their speculative keys there, never into the
+          slot's own tail, so the slot keeps the draft layer's state at its accepted position.
 """
 
 from __future__ import annotations
@@ -82,10 +85,15 @@ class ModelCache:
         self._dsa = {layer: i for i, layer in enumerate(text.dsa_layers)}
         self._idx = {layer: i for i, layer in enumerate(text.indexer_layers)}
         self._kda = {layer: i for i, layer in enumerate(text.kda_layers)}
+        self.mtp_layer = text.num_hidden_layers if with_mtp else None
+        self.capture = None  # a verify forward's glmrt.engine.rollback.Capture while it runs
+        self.chain_tail_k = self.chain_tail_g = None
         if with_mtp:  # the draft layer takes the last DSA and indexer ordinals
             mtp = text.num_hidden_layers
             self._dsa[mtp] = len(text.dsa_layers)
             self._idx[mtp] = len(text.indexer_layers)
+            self.chain_tail_k = torch.zeros_like(state.tail_k[self._idx[mtp]])
+            self.chain_tail_g = torch.zeros_like(self.chain_tail_k)
 
     @classmethod
     def allocate(cls, text: TextConfig, num_pages: int, num_slots: int, device: torch.device | str, *,
@@ -109,5 +117,40 @@ class ModelCache:
     def conv(self, layer: int) -> torch.Tensor:
         return self.state.conv[self._kda[layer]]
 
+    @property
+    def chain_bytes(self) -> int:
+        """The draft chain's tails (beside the pools; speculative decoding only)."""
+        return 0 if self.chain_tail_k is None else 2 * self.chain_tail_k.nbytes
+
+    def draft_chain(self, slots: torch.Tensor | None) -> "DraftChainCache":
+        """The cache the draft chain's steps run on; `slots` (the first step's): copy their draft
+        layer's accepted tail into the chain's tail first."""
+        if slots is not None:
+            k, g = self.tail(self.mtp_layer)
+            self.chain_tail_k[slots] = k[slots]
+            self.chain_tail_g[slots] = g[slots]
+        return DraftChainCache(self)
+
     def recurrent(self, layer: int) -> torch.Tensor:
         return self.state.recurrent[self._kda[layer]]
+
+
+class DraftChainCache:
+    """A ModelCache whose draft layer's indexer tail is the chain's: the latent and pooled keys the
+    chain writes past the accepted position are rewritten before anything reads them (the next
+    forward's draft pass recomputes every accepted position), but the tail would lose the keys of
+    accepted positions when a draft crosses a pool boundary."""
+
+    def __init__(self, cache: ModelCache):
+        self.cache = cache
+        self.page_size = cache.page_size
+
+    def latent(self, layer: int) -> torch.Tensor:
+        return self.cache.latent(layer)
+
+    def pooled(self, layer: int) -> torch.Tensor:
+        return self.cache.pooled(layer)
+
+    def tail(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert layer == self.cache.mtp_layer, "only the draft layer runs on the chain's cache"
+        return self.cache.chain_tail_k, self.cache.chain_tail_g

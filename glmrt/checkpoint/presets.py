@@ -1,10 +1,12 @@
-"""Named model shapes for random-weight checkpoints: `tiny`, `tiny-trained`, `flash-4l`, `flash`.
+"""Named model shapes for random-weight checkpoints: `tiny`, `tiny-trained`, `flash-4l`, `flash-4l-mtp`,
+`flash`.
 
 `tiny` is the CPU test model (seconds to build; every feature on: both attention and
 indexer types, dense + MoE with group routing, mHC, MTP, vision). `tiny-trained` is the shape
 `glmrt train` trains (glmrt/train/). `flash-4l` has the full
-layer widths with 4 layers (3 KDA + 1 DSA, all MoE; the GPU benchmark model). `flash` is
-the full 45-layer GLM-5.3-Flash.
+layer widths with 4 layers (3 KDA + 1 DSA, all MoE; the GPU benchmark model); `flash-4l-mtp` is
+`flash-4l` plus its MTP draft layer (speculative decoding on the GPU). `flash` is the full
+45-layer GLM-5.3-Flash.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _tiny_trained() -> dict:
     return {"text_config": text, **top}
 
 
-def _flash(layers: int | None) -> dict:
+def _flash(layers: int | None, mtp: bool = False) -> dict:
     text_ids, top = _ids(FULL_VOCAB)
     text: dict = {"vocab_size": FULL_VOCAB, **text_ids}
     if layers is None:
@@ -73,15 +75,16 @@ def _flash(layers: int | None) -> dict:
     else:
         text.update(num_hidden_layers=layers, layer_types=[KDA, KDA, KDA, DSA][:layers],
                     mlp_layer_types=["sparse"] * layers, indexer_types=["full"] * layers,
-                    num_nextn_predict_layers=0)
+                    num_nextn_predict_layers=1 if mtp else 0)
     # NOTE: the merged image features replace token embeddings, so out_hidden_size must be
     # the text hidden size (HF's vision default of 1536 cannot run an image).
     vision = {"out_hidden_size": 4096}
     return {"text_config": text, "vision_config": vision, **top}
 
 
-PRESETS = {"tiny": lambda: _tiny(), "tiny-trained": lambda: _tiny_trained(), "flash-4l": lambda: _flash(4), "flash": lambda: _flash(None)}
-LARGE_PRESETS = ("flash-4l", "flash")
+PRESETS = {"tiny": lambda: _tiny(), "tiny-trained": lambda: _tiny_trained(), "flash-4l": lambda: _flash(4),
+           "flash-4l-mtp": lambda: _flash(4, mtp=True), "flash": lambda: _flash(None)}
+LARGE_PRESETS = ("flash-4l", "flash-4l-mtp", "flash")
 
 
 def preset_config(name: str) -> ModelConfig:

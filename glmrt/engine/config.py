@@ -17,7 +17,12 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 
 _BACKEND_OPTIONS = ("backend", "kv_cache_dtype", "quantization", "attention_backend", "dsa_prefill_backend",
-                    "dsa_decode_backend", "moe_runner_backend", "linear_attn_backend")
+                    "dsa_decode_backend", "moe_runner_backend", "linear_attn_backend", "speculative_algorithm")
+
+# SGLang's spellings of chain drafting from the checkpoint's own MTP (NextN) layer
+EAGLE_SPELLINGS = ("EAGLE", "NEXTN", "MTP")
+SPEC_ALGORITHMS = ("none", *EAGLE_SPELLINGS)
+SPEC_MAX_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -127,12 +132,25 @@ class EngineConfig:
     then compiles on first use, stalling the requests running at that moment)."""
     disable_overlap_schedule: bool = False
     """Schedule step N+1 only after step N's tokens are on the host (no CPU/GPU overlap)."""
+    speculative_algorithm: str = "none"
+    """none | EAGLE (NEXTN and MTP are the same): each decode step, the checkpoint's MTP layer drafts
+    `speculative_num_steps` tokens per request one after another and the model verifies them all in
+    one forward, keeping the longest prefix it agrees with plus its own next token (sampled requests:
+    rejection sampling, so the model's distribution). Requests with a grammar decode one token per
+    step. A prefill and a decode engine must agree on it. DFlash2 and tree drafting are not built."""
+    speculative_num_steps: int | None = bounded(None, ge=1, lt=SPEC_MAX_STEPS + 1)
+    """Tokens the MTP layer drafts per request and step (default 3 with --speculative-algorithm)."""
+    speculative_eagle_topk: int = bounded(1, ge=1)
+    """Draft branches per step: 1 (a chain); tree drafting (> 1) is not built."""
+    speculative_num_draft_tokens: int | None = bounded(None, ge=1)
+    """Tokens verified per request and step: with a chain, speculative_num_steps + 1 (the default)."""
     role: str = bounded("unified", choices=ENGINE_ROLES)
     """unified | prefill (computes prompts, hands the state over after the first token) |
     decode (receives handed-over requests and continues them)."""
 
     def __post_init__(self):
         check_fields(self)
+        self._check_speculative()
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigValueError("enable_hierarchical_cache", True, "needs the prefix cache, which "
                                    "disable_radix_cache turns off")
@@ -144,6 +162,41 @@ class EngineConfig:
         if self.hicache_storage_dir is None and self.hicache_storage_size != 16.0:
             raise ConfigValueError("hicache_storage_size", self.hicache_storage_size,
                                    "is set only with a disk tier (hicache_storage_dir, --hicache-storage-dir)")
+
+    def _check_speculative(self) -> None:
+        algo = str(self.speculative_algorithm)
+        canon = "none" if algo.lower() in ("none", "off") else algo.upper()
+        if canon in ("DFLASH", "DFLASH2"):
+            raise ConfigValueError("speculative_algorithm", self.speculative_algorithm,
+                                   "is refused: DFlash2 drafting is not built (EAGLE drafts with the checkpoint's "
+                                   "MTP layer)")
+        if canon not in SPEC_ALGORITHMS:
+            raise ConfigValueError("speculative_algorithm", self.speculative_algorithm,
+                                   "must be one of none, EAGLE, NEXTN, MTP")
+        object.__setattr__(self, "speculative_algorithm", "EAGLE" if canon in EAGLE_SPELLINGS else "none")
+        if canon == "none":
+            for name, default in (("speculative_num_steps", None), ("speculative_eagle_topk", 1),
+                                  ("speculative_num_draft_tokens", None)):
+                if getattr(self, name) != default:
+                    raise ConfigValueError(name, getattr(self, name), "is set only with speculative_algorithm "
+                                           "EAGLE (--speculative-algorithm)")
+            return
+        if self.speculative_eagle_topk > 1:
+            raise ConfigValueError("speculative_eagle_topk", self.speculative_eagle_topk,
+                                   "is refused: tree drafting is not supported (use 1: a chain)")
+        if self.speculative_num_steps is None:
+            object.__setattr__(self, "speculative_num_steps", 3)
+        want = self.speculative_num_steps + 1
+        if self.speculative_num_draft_tokens is None:
+            object.__setattr__(self, "speculative_num_draft_tokens", want)
+        elif self.speculative_num_draft_tokens != want:
+            raise ConfigValueError("speculative_num_draft_tokens", self.speculative_num_draft_tokens,
+                                   f"must be speculative_num_steps + 1 = {want} with a chain (topk 1)")
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft tokens per request and step (0: no speculation)."""
+        return self.speculative_num_steps if self.speculative_algorithm == "EAGLE" else 0
 
     def resolved_device(self) -> str:
         if self.device != "auto":

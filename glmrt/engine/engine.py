@@ -32,6 +32,7 @@ from glmrt.engine.ranks import PlanLink
 from glmrt.engine.request import Request, Status
 from glmrt.engine.runner import PLACEHOLDER
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
+from glmrt.engine.speculative import SpecOutput, Speculator
 from glmrt.engine.structured import StructuredOutput
 from glmrt.parallel import Parallel
 from glmrt.sampling_params import Grammar, SamplingParams
@@ -63,6 +64,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0   # speculative decoding: the request's decode steps so far
 
 
 @dataclass
@@ -89,7 +91,8 @@ class Engine(ModelRank):
             page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
             policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
-            self.pages, self.slots, self.tree)
+            self.pages, self.slots, self.tree, draft_depth=self._draft_depth if self.spec_steps else None)
+        self.spec = Speculator(self.runner, self.spec_steps, self.rollback_base) if self.spec_steps else None
         self.runner.structured = StructuredOutput(self._tokenizer_json(), self.model_config.text.vocab_size,
                                                   self.eos_ids)
         if self.runner.graphs is not None and config.cuda_graph_warmup_tokens > 0:
@@ -113,6 +116,11 @@ class Engine(ModelRank):
                  f"state {config.mamba_ssm_dtype}, decode CUDA graphs "
                  + (f"up to batch {self.runner.graphs.max_bs}" if self.runner.graphs else "off"))
         self.log(f"glmrt engine: {self.options.describe()}")
+        if self.spec is not None:
+            self.log(f"glmrt engine: speculative decoding EAGLE (the checkpoint's MTP layer), {self.spec_steps} draft "
+                     f"steps, topk 1, {self.spec_steps + 1} tokens verified per step (greedy: exact match; sampled: "
+                     "rejection sampling); requests with a grammar decode one token per step; the overlap schedule and decode CUDA graphs are off "
+                     "while speculating")
         for line in self.memory.describe().splitlines():
             self.log(line)
 
@@ -240,6 +248,25 @@ class Engine(ModelRank):
         return self._inflight is not None or self.scheduler.has_work()
 
     # ---- the step: schedule -> execute -> apply, in one of two loop bodies ---------------
+    def _draft_depth(self, req: Request) -> int:
+        return self.spec.depth(req, self.context_length, self.runner.structured.constrained(req))
+
+    def _keep(self, req: Request, tokens: list[int]) -> int:
+        """How many of a drafting request's verified tokens it keeps: through the first that ends it."""
+        base = len(req.output_ids)
+        for j, tok in enumerate(tokens):
+            if self._finish_reason(req, tok, base + j + 1) is not None:
+                return j + 1
+        return len(tokens)
+
+    def _spec_step(self) -> list[RequestOutput]:
+        """The speculative step: decodes draft and verify (glmrt.engine.speculative), in one
+        synchronous step with the rest of the plan."""
+        plan = self._schedule()
+        if not plan:
+            return []
+        return self._apply(plan, self._execute(plan, lambda p: self.spec.execute(p, self._keep)))
+
     @property
     def overlap(self) -> bool:
         """Whether `step` runs the overlapped body (chosen at construction; a bench may switch
@@ -250,7 +277,9 @@ class Engine(ModelRank):
     def overlap(self, on: bool) -> None:
         if self._inflight is not None:
             raise RuntimeError("the step body cannot change while a launched step is in flight")
-        self._step_body = self._overlap_step if on else self._normal_step
+        if on and self.spec is not None:
+            raise ValueError("the overlap schedule is off while speculating")
+        self._step_body = self._overlap_step if on else self._spec_step if self.spec is not None else self._normal_step
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the tokens whose values are now known."""
@@ -287,11 +316,12 @@ class Engine(ModelRank):
             w.req.inflight += 1
         return plan
 
-    def _execute(self, plan) -> list:
-        """Run the plan and wait for its tokens; a slow step is logged with its batch."""
+    def _execute(self, plan, run=None) -> list:
+        """Run the plan (`run`: the runner's execute) and wait for its tokens; a slow step is
+        logged with its batch."""
         compile_watch.take()
         t0 = time.perf_counter()
-        results = self.runner.execute(plan)  # host values: the step has finished
+        results = (run or self.runner.execute)(plan)  # host values: the step has finished
         took = time.perf_counter() - t0
         if took > SLOW_STEP_S:
             self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (a kernel variant compiled "
@@ -304,6 +334,9 @@ class Engine(ModelRank):
         the tree, saved states into checkpoints, sampled tokens to their requests."""
         for w in plan.work:
             w.req.num_computed = w.start + w.num
+        for res in results:  # a drafting request's kept tokens: its computed positions already count them
+            if isinstance(res, SpecOutput):
+                self._accept_tokens(res.req, res.tokens, res.logprobs, res.top_logprobs)
         for r in plan.restores:
             r.checkpoint.pins -= 1
         saving = {id(sv.req) for sv in plan.saves}
@@ -318,9 +351,14 @@ class Engine(ModelRank):
         outputs = []
         for res in results:
             req = res.req
+            if isinstance(res, SpecOutput):
+                outputs.append(self._emit_run(req, res))
+                continue
             if req.finished or req.finishing is not None:
                 continue  # finished by the step before (overlap): this token is past its end
             req.output_ids.append(res.token)
+            if self.spec is not None and len(req.output_ids) > 1:
+                req.spec_verify_ct += 1  # a decode step of a speculating engine (one that could not draft)
             self.runner.structured.accept(req, res.token)
             if req.params.logprobs:
                 req.logprobs.append(res.logprob)
@@ -328,6 +366,35 @@ class Engine(ModelRank):
             outputs.append(self._emit(req, res.token, res.logprob, res.top_logprobs, len(req.output_ids)))
         self._step_done(plan)
         return outputs
+
+    def _accept_tokens(self, req: Request, tokens: list[int], logprobs, tops) -> None:
+        for j, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            self.runner.structured.accept(req, tok)
+            if req.params.logprobs:
+                req.logprobs.append(logprobs[j])
+                req.top_logprobs.append(tops[j])
+
+    def _emit_run(self, req: Request, res: SpecOutput) -> RequestOutput:
+        """Report a drafting request's kept tokens (already in its outputs) as one output; release
+        the pages the verify held past its next position."""
+        base = len(req.output_ids) - len(res.tokens)
+        req.spec_verify_ct += 1
+        outs = [self._emit(req, tok, res.logprobs[j], res.top_logprobs[j], base + j + 1)
+                for j, tok in enumerate(res.tokens)]
+        if not req.finished:
+            need = -(-(req.num_computed + 1) // self.config.page_size)
+            if len(req.pages) > need:
+                self.pages.release(req.pages[need:])
+                del req.pages[need:]
+        out = outs[-1]
+        out.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        out.new_logprobs = [x for o in outs for x in o.new_logprobs]
+        out.new_top_logprobs = [x for o in outs for x in o.new_top_logprobs]
+        return out
+
+    def info(self) -> dict:
+        return {**self._info(), **(self.spec.stats.as_dict() if self.spec is not None else {})}
 
     # ---- the overlapped step's bookkeeping -----------------------------------------------
     def _mark_launched(self, launched) -> None:
@@ -372,7 +439,7 @@ class Engine(ModelRank):
         reason = self._finish_reason(req, token, n_out)
         lp = req.params.logprobs
         out = RequestOutput(req.rid, [token], [logprob] if lp else [], [top] if lp else [], reason is not None,
-                            reason, len(req.prompt_ids), n_out, req.cached_tokens)
+                            reason, len(req.prompt_ids), n_out, req.cached_tokens, req.spec_verify_ct)
         if reason is not None:
             del req.output_ids[n_out:]  # a PLACEHOLDER of a step still in flight
             if req.inflight > 1 and reason != "handoff":
@@ -406,7 +473,7 @@ class Engine(ModelRank):
             out.append([self._completion(self.requests.pop(r)) for r in rids])
         return out
 
-    def info(self) -> dict:
+    def _info(self) -> dict:
         return {**self.memory.as_dict(), "context_length": self.context_length,
                 "pages_free": self.pages.num_free, "slots_free": self.slots.num_free,
                 "slots_checkpoint": self.slots.num_checkpoint, "slots_live": self.slots.num_live,

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 
 from glmrt.cache.layout import CacheLayout
-from glmrt.engine.memory import MemoryPlan, plan_memory
+from glmrt.engine.memory import MemoryPlan, draft_kv_bytes, plan_memory
 
 GB = 10**9
 GIB = 2**30
@@ -83,7 +83,8 @@ class FitPlan:
 def plan_fit(layout: CacheLayout, weight_bytes: int, gpu_bytes: int, *, mem_fraction_static: float = 0.85,
              ratio: float = 0.9, max_mamba_cache_size: int | None = None, max_running_requests: int | None = None,
              context_length: int | None = None, max_position_embeddings: int,
-             runtime_reserve: int = RUNTIME_RESERVE_BYTES) -> FitPlan:
+             runtime_reserve: int = RUNTIME_RESERVE_BYTES, rollback: bool = False,
+             draft_kv_bytes_per_token: float = 0.0) -> FitPlan:
     """The engine's pools on a GPU of `gpu_bytes` after `weight_bytes` of weights. A `context_length`
     asked for must fit in the KV pool; without one the engine serves what the pool holds, up to the
     model's `max_position_embeddings`."""
@@ -100,7 +101,8 @@ def plan_fit(layout: CacheLayout, weight_bytes: int, gpu_bytes: int, *, mem_frac
     budget = int(free * mem_fraction_static)
     try:
         memory = plan_memory(layout, budget, ratio=ratio, max_mamba_cache_size=max_mamba_cache_size,
-                             max_running_requests=max_running_requests)
+                             max_running_requests=max_running_requests, rollback=rollback,
+                             draft_kv_bytes_per_token=draft_kv_bytes_per_token)
     except ValueError as e:
         return refused(f"{need} leave {free / GIB:.2f} GiB of the GPU's {gpu_bytes / GIB:.2f} GiB, "
                        f"x mem_fraction_static {mem_fraction_static} = {budget / GIB:.2f} GiB of cache: {e}", budget)
@@ -154,15 +156,20 @@ def engine_fit(model_config, cfg, *, gpu_bytes: int, kv_dtype: str, model_dtype:
     """The fit of one engine (an EngineConfig) on a GPU of `gpu_bytes`: its largest shard of `ranks`
     (default: every rank)."""
     text = model_config.text
+    spec = cfg.speculative_steps > 0  # the MTP layer's weights, its KV and the rollback snapshots
     weights = shard_weight_bytes(model_config, dtype=model_dtype,
                                  fp8=weight_format(model_config, cfg.quantization, cfg.load_format) == "fp8",
-                                 tp_size=tp_size, ep_size=ep_size, with_vision=cfg.load_vision, ranks=ranks)
+                                 tp_size=tp_size, ep_size=ep_size, with_vision=cfg.load_vision, with_mtp=spec,
+                                 ranks=ranks)
     layout = CacheLayout.from_config(text, page_size=cfg.page_size, kv_dtype=kv_dtype,
-                                     state_dtype=cfg.mamba_ssm_dtype, model_dtype=model_dtype, tp_size=tp_size)
+                                     state_dtype=cfg.mamba_ssm_dtype, model_dtype=model_dtype, tp_size=tp_size,
+                                     with_mtp=spec)
     return plan_fit(layout, weights, gpu_bytes, mem_fraction_static=cfg.mem_fraction_static,
                     ratio=cfg.mamba_full_memory_ratio, max_mamba_cache_size=cfg.max_mamba_cache_size,
                     max_running_requests=cfg.max_running_requests, context_length=cfg.context_length,
-                    max_position_embeddings=text.max_position_embeddings)
+                    max_position_embeddings=text.max_position_embeddings, rollback=spec and cfg.role != "prefill",
+                    draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=model_dtype,
+                                                            tp_size=tp_size) if spec else 0.0)
 
 
 def check_engine_fits(cfg, *, device: str, kv_dtype: str, parallel) -> None:

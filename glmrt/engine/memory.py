@@ -3,7 +3,10 @@
     state : KV = r : 1   (--mamba-full-memory-ratio r)   =>  state gets r / (1 + r) of the budget
     or --max-mamba-cache-size S pins the slot count: state = S slots, KV = the rest.
 Each running request needs its live slot plus `checkpoint_headroom` slots for the prefix
-cache's state checkpoints, so max_running_requests <= slots / (1 + headroom).
+cache's state checkpoints, so max_running_requests <= slots / (1 + headroom). Speculative
+decoding reserves one more slot per running request out of the same state budget (`rollback`):
+a verify step snapshots each drafting request's state there and rolls back to it when the model
+rejects a draft, so the state slots then split into managed slots and that reserve.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ class MemoryPlan:
     page_size: int
     max_running_requests: int
     clamp_reason: str | None
+    rollback_slots: int = 0          # speculative decoding: one snapshot slot per running request
+    rollback_bytes: int = 0
+    draft_kv_bytes_per_token: float = 0.0  # the MTP draft layer's share of the KV pool
 
     @property
     def kv_tokens(self) -> int:
@@ -34,7 +40,8 @@ class MemoryPlan:
         return {"budget_bytes": self.budget_bytes, "kv_pool_bytes": self.kv_bytes, "kv_pool_pages": self.num_pages,
                 "kv_pool_tokens": self.kv_tokens, "page_size": self.page_size, "state_pool_bytes": self.state_bytes,
                 "state_pool_slots": self.num_slots, "max_running_requests": self.max_running_requests,
-                "max_running_requests_clamp": self.clamp_reason}
+                "max_running_requests_clamp": self.clamp_reason, "rollback_slots": self.rollback_slots,
+                "rollback_bytes": self.rollback_bytes}
 
     def describe(self) -> str:
         gib = 2**30
@@ -44,12 +51,19 @@ class MemoryPlan:
             f"max_running_requests: {self.max_running_requests}"
             + (f" (clamped: {self.clamp_reason})" if self.clamp_reason else ""),
         ]
+        if self.rollback_slots:
+            draft = self.draft_kv_bytes_per_token * self.kv_tokens
+            lines.append(f"speculative decoding: draft KV (the MTP layer's latent and pooled keys, in the KV pool) "
+                         f"{draft / gib:.3f} GiB ({self.draft_kv_bytes_per_token:.0f} B per token); rollback "
+                         f"reserve {self.rollback_bytes / gib:.3f} GiB, {self.rollback_slots} state slots "
+                         "(one snapshot per running request)")
         return "\n".join(lines)
 
 
 def plan_memory(layout: CacheLayout, budget_bytes: int, *, ratio: float = 0.9,
                 max_mamba_cache_size: int | None = None, max_running_requests: int | None = None,
-                checkpoint_headroom: int = 1) -> MemoryPlan:
+                checkpoint_headroom: int = 1, rollback: bool = False,
+                draft_kv_bytes_per_token: float = 0.0) -> MemoryPlan:
     if budget_bytes <= 0:
         raise ValueError("the cache budget must be positive")
     per_slot = layout.state_bytes_per_slot
@@ -66,13 +80,28 @@ def plan_memory(layout: CacheLayout, budget_bytes: int, *, ratio: float = 0.9,
     if slots < 1 or pages < 1:
         raise ValueError(f"cache budget {budget_bytes / 2**20:.1f} MiB is too small: one state slot needs "
                          f"{per_slot / 2**20:.2f} MiB and one KV page {per_page / 2**20:.3f} MiB")
-    bound = max(1, slots // (1 + checkpoint_headroom))
+    per_req = 1 + checkpoint_headroom + (1 if rollback else 0)
+    if rollback and slots < per_req:
+        raise ValueError(f"cache budget {budget_bytes / 2**20:.1f} MiB is too small: a request needs {per_req} state "
+                         f"slots of {per_slot / 2**20:.2f} MiB (live, checkpoint headroom, rollback snapshot)")
+    bound = max(1, slots // per_req)
     wanted = max_running_requests if max_running_requests is not None else DEFAULT_MAX_RUNNING
     reason = None
     if wanted > bound:
-        reason = (f"{slots} state slots / (1 live + {checkpoint_headroom} checkpoint headroom per request) = {bound}")
-    return MemoryPlan(budget_bytes, int(pages * per_page), int(slots * per_slot), int(pages), int(slots),
-                      layout.page_size, min(wanted, bound), reason)
+        reason = (f"{slots} state slots / (1 live + {checkpoint_headroom} checkpoint headroom"
+                  + (" + 1 rollback snapshot" if rollback else "") + f" per request) = {bound}")
+    running = min(wanted, bound)
+    reserve = running if rollback else 0
+    return MemoryPlan(budget_bytes, int(pages * per_page), int((slots - reserve) * per_slot), int(pages),
+                      int(slots - reserve), layout.page_size, running, reason, reserve, int(reserve * per_slot),
+                      draft_kv_bytes_per_token)
+
+
+def draft_kv_bytes(text, *, kv_dtype: str, model_dtype: str, tp_size: int = 1) -> float:
+    """KV bytes per token the MTP draft layer adds to the pool (its latent row and pooled-key share)."""
+    kw = dict(kv_dtype=kv_dtype, model_dtype=model_dtype, tp_size=tp_size, page_size=text.index_kpool)
+    return (CacheLayout.from_config(text, with_mtp=True, **kw).kv_bytes_per_token
+            - CacheLayout.from_config(text, **kw).kv_bytes_per_token)
 
 
 def balanced_ratio(layout: CacheLayout, mean_request_tokens: float) -> float:

@@ -13,7 +13,7 @@ import torch
 from glmrt.cache.layout import CacheLayout
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.config import EngineConfig
-from glmrt.engine.memory import MemoryPlan, plan_memory
+from glmrt.engine.memory import MemoryPlan, draft_kv_bytes, plan_memory
 from glmrt.engine.ranks import PlanLink
 from glmrt.engine.runner import ModelRunner
 from glmrt.parallel import Parallel
@@ -58,24 +58,38 @@ class ModelRank:
             self.backend.ops.fp8_activations = config.fp8_activations
         kv_dtype = self.options.kv_cache_dtype
         tp_size = self.model.parallel.tp_size  # the pools of this rank's shard (KDA state per rank)
+        # speculative decoding: the MTP draft layer's latent, pooled keys and indexer tail join the pools
+        self.spec_steps = config.speculative_steps
+        if self.spec_steps and self.model.mtp is None:
+            raise ValueError("speculative decoding drafts with the checkpoint's MTP layer, and this model has none "
+                             "(num_nextn_predict_layers 0)")
+        with_mtp = self.spec_steps > 0
         self.layout = CacheLayout.from_config(text, page_size=config.page_size, kv_dtype=kv_dtype,
                                               state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
-                                              tp_size=tp_size)
+                                              tp_size=tp_size, with_mtp=with_mtp)
         budget = self._cache_budget(device)
         if link is not None:  # every rank sizes its pools alike: the smallest budget of any rank
             budget = link.agree_min(budget)
         self.memory: MemoryPlan = plan_memory(
             self.layout, budget, ratio=config.mamba_full_memory_ratio,
-            max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests)
+            max_mamba_cache_size=config.max_mamba_cache_size, max_running_requests=config.max_running_requests,
+            # a prefill engine only runs the draft layer over prompts: it never verifies, so no snapshots
+            rollback=with_mtp and config.role != "prefill", draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=dtype_name,
+                                                                       tp_size=tp_size) if with_mtp else 0.0)
         # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
         # allocated past the ones the managers hand out.
-        graphs = (device.startswith("cuda") and not config.disable_cuda_graph
+        # (Speculative decoding verifies several tokens per request: no decode graph runs it.)
+        graphs = (device.startswith("cuda") and not config.disable_cuda_graph and not with_mtp
                   and getattr(self.backend.ops, "decode_graph_safe", False))
         spare = 1 if graphs else 0
-        self.cache = ModelCache.allocate(text, self.memory.num_pages + spare, self.memory.num_slots + spare, device,
+        # the rollback snapshots sit past the managed slots (and the graphs' spare): a verify step
+        # uses row r's for its r-th drafting request, and is done with them when it ends
+        self.rollback_base = self.memory.num_slots + spare
+        self.cache = ModelCache.allocate(text, self.memory.num_pages + spare,
+                                         self.memory.num_slots + spare + self.memory.rollback_slots, device,
                                          page_size=config.page_size, kv_dtype=kv_dtype,
                                          state_dtype=config.mamba_ssm_dtype, model_dtype=dtype_name,
-                                         tp_size=tp_size)
+                                         tp_size=tp_size, with_mtp=with_mtp)
         self.runner = ModelRunner(self.model, self.cache, self.eos_ids, parallel=self.parallel, link=link)
         self.host_pool = self._host_pool(config, link) if config.enable_hierarchical_cache else None
         self.runner.host_pool = self.host_pool
@@ -136,11 +150,12 @@ class ModelRank:
             from glmrt.config import load_model_config
             mc = load_model_config(cfg.model) if cfg.model else preset_config(cfg.preset or "tiny")
             return load_dummy(mc, self.backend.ops, dtype=self.dtype, device=device, quantization=cfg.quantization,
-                              seed=cfg.seed, with_mtp=False, with_vision=cfg.load_vision, parallel=self.parallel)
+                              seed=cfg.seed, with_mtp=cfg.speculative_steps > 0, with_vision=cfg.load_vision,
+                              parallel=self.parallel)
         if not cfg.model:
             raise ValueError("no model: give a checkpoint directory (or load_format='dummy' with a preset)")
         model, _ = load_checkpoint(os.path.expanduser(cfg.model), self.backend.ops, dtype=self.dtype,
-                                   device=device, with_mtp=False, with_vision=cfg.load_vision,
+                                   device=device, with_mtp=cfg.speculative_steps > 0, with_vision=cfg.load_vision,
                                    parallel=self.parallel)
         return model
 

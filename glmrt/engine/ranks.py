@@ -76,10 +76,12 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step runs on every rank (op "forward"), or a command to all of them."""
 
     op: str = "forward"
-    """forward | capture (decode CUDA graphs, in `graphs`' order) | stop (the engine ends) |
-    handoff_info (each rank gives rank 0 its transfer engine's peer info) | handoff_write (each
-    rank > 0 posts its part of `writes`) | handoff_poll (each rank > 0 reports the writes that
-    finished, `RankReport`s)."""
+    """forward | draft (one step of the MTP draft chain: one row per request, at the draft position
+    `prefix_lens[r]`) | rollback (speculative decoding: snapshots back, then the stateful ops over
+    the kept rows of the last verify forward, glmrt/engine/rollback.py) | capture (decode CUDA
+    graphs, in `graphs`' order) | stop (the engine ends) | handoff_info (each rank gives rank 0 its
+    transfer engine's peer info) | handoff_write (each rank > 0 posts its part of `writes`) |
+    handoff_poll (each rank > 0 reports the writes that finished, `RankReport`s)."""
     ids: list[int] = []
     """Input token ids of the flat batch (a row fed from the previous step's tokens holds 0)."""
     prefix_lens: list[int] = []
@@ -116,6 +118,16 @@ class ForwardInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     host_ready: list[int] = []
     """Host-tier loads (tickets, numbered alike on every rank) rank 0 has seen finish since the
     previous step: the forward may read their rows, so the other ranks' compute waits for them."""
+    draft_extend: bool = False
+    """Speculative decoding: after the forward, the MTP draft layer runs over the same positions
+    (position j's input: the final hidden state at j and token j + 1) and each request's last final
+    hidden state is kept in its slot, before the copies after the forward."""
+    capture: list[int] = []
+    """Speculative decoding: the requests (indices into this forward's) whose stateful ops' inputs
+    are kept for a rollback; op rollback: the kept request each row's request is."""
+    chain_rows: list[int] | None = None
+    """op draft: row r continues row chain_rows[r] of the previous draft step (None: the chain's
+    first step, from the hidden state kept in each slot)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -45,6 +45,7 @@ class Request:
     finishing: str | None = None          # finished, but a step in flight still uses its cache
     waits: list[int] = field(default_factory=list)  # host-tier load tickets its prefix waits for
     grammar: Grammar | None = None        # structured output: what its matcher enforces (a handoff sends it on)
+    spec_verify_ct: int = 0               # speculative decoding: decode steps that verified its drafts
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without concatenating the whole sequence (the per-step hot path)."""

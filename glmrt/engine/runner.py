@@ -25,6 +25,7 @@ import torch
 from backends.meta import BatchMeta, host_to_device
 from glmrt.cache.pools import ModelCache
 from glmrt.engine.request import Request
+from glmrt.engine.rollback import Capture, roll_back
 from glmrt.engine.ranks import ForwardInputs, PlanLink, RankReport, RankWrite, StateCopy
 from glmrt.engine.sampler import Sampler, SamplerRow, advance_generator
 from glmrt.engine.scheduler import StepPlan
@@ -82,6 +83,8 @@ class ModelRunner:
         # Tests: run the overlap schedule's bookkeeping with an eager forward (on the CPU,
         # where "launched" work has in fact already run).
         self.eager_async = False
+        self._chain_hidden = None  # the draft chain's last hidden states (speculative decoding)
+        self._captured = None      # the last verify forward's kept inputs (glmrt.engine.rollback)
 
     def warm_prefill(self, pages, slots, max_tokens: int, max_batch_tokens: int | None = None,
                      max_reqs: int | None = None) -> list[int]:
@@ -256,6 +259,14 @@ class ModelRunner:
         if step.op == "capture":
             self.graphs.warmup(step.graphs)
             return None
+        if step.op == "draft":
+            return self._draft_step(step)
+        if step.op == "rollback":
+            for c in step.before:
+                self._copy(c)
+            roll_back(self.model, self.cache, self._captured, step.capture, step.prefix_lens, step.seq_lens,
+                      step.slot_ids, step.page_tables)
+            return None
         for c in step.before:
             self._copy(c)
         logits = hidden = None
@@ -271,14 +282,99 @@ class ModelRunner:
             if step.src_rows is not None and prev_tokens is not None:
                 src = torch.tensor(step.src_rows, dtype=torch.long, device=self.device)
                 ids = torch.where(src >= 0, prev_tokens.to(torch.long)[src.clamp(min=0)], ids)
-            logits, hidden = self.model(ids, meta, self.cache, input_embeds=self._input_embeds(step, ids, feats),
-                                        logits_indices=idx)
+            embeds = self._input_embeds(step, ids, feats)
+            capture = self._start_capture(step)
+            logits, hidden = self.model(ids, meta, self.cache, input_embeds=embeds, logits_indices=idx)
+            if capture is not None:
+                capture.hidden = capture.select(hidden)
+            if step.draft_extend:
+                self._draft_extend(step, self.model.model.embed(ids) if embeds is None else embeds, hidden)
+            self.cache.capture = None
             if step.keep_hidden:
                 hidden = hidden[idx]
         logits = self._full_hit_logits(step, logits, hidden)
         for c in step.after:
             self._copy(c)
         return logits
+
+    # ---- the MTP draft layer (speculative decoding) ------------------------------------------
+    def _start_capture(self, step: ForwardInputs) -> Capture | None:
+        """A verify forward: keep its drafting requests' stateful-op inputs (glmrt.engine.rollback)."""
+        if not step.capture:
+            return None
+        starts = [0]
+        for s in step.seq_lens:
+            starts.append(starts[-1] + s)
+        rows = [i for r in step.capture for i in range(starts[r], starts[r + 1])]
+        self.cache.capture = self._captured = Capture(torch.tensor(rows, dtype=torch.long, device=self.device),
+                                                      [step.seq_lens[r] for r in step.capture])
+        return self._captured
+
+    def _draft_extend(self, step: ForwardInputs, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The draft layer over the positions the forward computed, so its KV covers what the model
+        has: draft position j takes the final hidden state at j and the embedding of token j + 1
+        (docs/MODEL.md §6), so a request's rows are its positions shifted back by one — the first
+        takes the hidden state its slot kept from the step before (none at position 0), the last
+        forward row's hidden state is kept for the next step. Runs on every rank alike."""
+        last = self.cache.state.last_hidden[0]
+        n = hidden.shape[0]
+        h_rows, e_rows, pre, seq, slots, tables, keep = [], [], [], [], [], [], []
+        at = 0
+        draft_at = {}  # request -> its first row in the draft pass
+        for r, (p, s) in enumerate(zip(step.prefix_lens, step.seq_lens)):
+            if s == 0:
+                continue
+            rows = list(range(at, at + s))
+            at += s
+            keep.append((rows[-1], step.slot_ids[r]))
+            draft_at[r] = len(e_rows)
+            if p > 0:
+                h_rows += [n + r] + rows[:-1]
+                e_rows += rows
+                pre.append(p - 1)
+                seq.append(s)
+            elif s > 1:
+                h_rows += rows[:-1]
+                e_rows += rows[1:]
+                pre.append(0)
+                seq.append(s - 1)
+            else:
+                continue
+            slots.append(step.slot_ids[r])
+            tables.append(step.page_tables[r])
+        if seq:
+            dev = hidden.device
+            all_slots = torch.tensor(step.slot_ids, dtype=torch.long, device=dev)
+            src = torch.cat([hidden, last[all_slots].to(hidden.dtype)])
+            meta = BatchMeta.build(pre, seq, slots, tables, self.cache.page_size, self.device)
+            h_idx, e_idx = (torch.tensor(x, dtype=torch.long, device=dev) for x in (h_rows, e_rows))
+            if self.cache.capture is not None:  # the drafting requests' rows of this pass (all at a prefix > 0)
+                self.cache.capture.rows = torch.tensor(
+                    [draft_at[r] + i for r in step.capture for i in range(step.seq_lens[r])], dtype=torch.long,
+                    device=dev)
+            self.model.mtp(embeds[e_idx], src[h_idx], meta, self.cache)
+        if keep:
+            rows, kslots = zip(*keep)
+            last[torch.tensor(kslots, device=last.device)] = \
+                hidden[torch.tensor(rows, device=hidden.device)].to(last.dtype)
+
+    def _draft_step(self, step: ForwardInputs) -> torch.Tensor:
+        """One step of the draft chain -> its logits, one row per request. The first step starts
+        from each slot's kept hidden state, later ones from the draft hidden state of the row they
+        continue; all run on the chain's own indexer tail (ModelCache.draft_chain)."""
+        n = len(step.ids)
+        dev = self.device
+        ids = torch.tensor(step.ids, dtype=torch.long, device=dev)
+        meta = BatchMeta.build(step.prefix_lens, [1] * n, step.slot_ids, step.page_tables, self.cache.page_size, dev)
+        if step.chain_rows is None:
+            slots = torch.tensor(step.slot_ids, dtype=torch.long, device=dev)
+            hidden = self.cache.state.last_hidden[0][slots].to(self.model.dtype)
+            cache = self.cache.draft_chain(slots)
+        else:
+            hidden = self._chain_hidden[torch.tensor(step.chain_rows, dtype=torch.long, device=dev)]
+            cache = self.cache.draft_chain(None)
+        self._chain_hidden = self.model.mtp(self.model.model.embed(ids), hidden, meta, cache)
+        return self.model.compute_logits(self._chain_hidden)
 
     def _full_hit_logits(self, step: ForwardInputs, logits, hidden):
         """A prompt end's save keeps its row's final hidden state (written into the live slot,

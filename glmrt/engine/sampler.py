@@ -100,6 +100,30 @@ class Sampler:
         _block_early_stops(x, rows)
         return _result(self._tokens(x, rows), raw_logprobs, rows)
 
+    def probabilities(self, logits: Tensor, rows: list[SamplerRow]) -> Tensor:
+        """[B, V] fp32: the distribution `sample` draws each row's token from (penalties,
+        min_tokens, temperature, top-k, top-p, min-p); a greedy row's is one-hot on its argmax.
+        Speculative decoding's rejection sampling reads it (glmrt.engine.speculative)."""
+        x = logits.to(torch.float32, copy=True)
+        _apply_penalties(x, rows)
+        _block_early_stops(x, rows)
+        out = torch.zeros_like(x)
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        randoms = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if greedy:
+            idx = _upload(torch.tensor(greedy), x.device)
+            out[idx, x[idx].argmax(dim=-1)] = 1.0
+        if randoms:
+            idx = _upload(torch.tensor(randoms), x.device)
+            out[idx] = _filter(x[idx], [rows[i] for i in randoms]).softmax(dim=-1)
+        return out
+
+    def result(self, logits: Tensor, rows: list[SamplerRow], tokens: list[int]) -> SampleResult:
+        """`tokens` chosen elsewhere (speculative decoding's verification), with the logprobs
+        `sample` would report for them."""
+        raw = torch.log_softmax(logits.float(), dim=-1) if any(r.params.logprobs for r in rows) else None
+        return _result(torch.tensor(tokens, dtype=torch.long, device=logits.device), raw, rows)
+
     def _tokens(self, x: Tensor, rows: list[SamplerRow]) -> Tensor:
         """One token per row of the penalised fp32 logits x, on x's device."""
         if all(r.params.is_greedy for r in rows):  # one argmax beats the kernels' three passes (H200: 0.17 vs 0.30 ms at B=1)

@@ -20,6 +20,7 @@ samples (from the restored last-position hidden state).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from glmrt.cache.page_manager import PageManager
 from glmrt.cache.radix import Checkpoint, RadixCache
@@ -44,6 +45,7 @@ class Work:
     start: int          # == req.num_computed when planned
     num: int            # 0: a full hit, sampled from the restored checkpoint's kept hidden state
     sample: bool        # the step computes the request's last uncomputed token -> sample one
+    draft: int = 0      # speculative decoding: draft tokens the step verifies after it (pages for them held)
 
 
 @dataclass
@@ -99,8 +101,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: PageManager, slots: SlotManager, tree: RadixCache):
+    def __init__(self, config: SchedulerConfig, pages: PageManager, slots: SlotManager, tree: RadixCache,
+                 draft_depth: Callable[[Request], int] | None = None):
         self.cfg = config
+        self.draft_depth = draft_depth  # speculative decoding: draft tokens a decoding request verifies
         self.pages = pages
         self.slots = slots
         self.tree = tree
@@ -188,8 +192,9 @@ class Scheduler:
         for req in sorted(decodes, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # retracted while making room for an earlier request
-            if self._ensure_pages(req, req.num_computed + 1, plan):
-                plan.work.append(Work(req, req.num_computed, 1, True))
+            depth = self.draft_depth(req) if self.draft_depth is not None else 0
+            if self._ensure_pages(req, req.num_computed + 1 + depth, plan):
+                plan.work.append(Work(req, req.num_computed, 1, True, depth))
         for req in sorted(prefills, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING or (budget <= 0 and req.num_uncomputed):
                 continue

@@ -68,10 +68,15 @@ class KDAAttention(nn.Module):
         shape = (n, self.num_heads, self.head_dim)
         q, k, v, f_a, g_a, b = self.in_proj(x)
         mixed = join_columns([q, k, v])  # a view of the fused product
+        capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
+        pre = capture.select(mixed) if capture is not None else None
         mixed = self.ops.causal_conv(mixed, cache.conv(self.layer), self.conv_weight(), meta)
         q, k, v = (t.reshape(shape) for t in mixed.chunk(3, dim=-1))
         beta = torch.sigmoid(b)  # model dtype, as the reference computes it
-        o = self.ops.kda(q, k, v, self.forget_gate(f_a), beta, cache.recurrent(self.layer), meta)
+        g = self.forget_gate(f_a)
+        if capture is not None:
+            capture.take(self.layer, pre, *(capture.select(t) for t in (q, k, v, g, beta)))
+        o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta)
         gate = self.g_b_proj(g_a).view(shape)
         o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

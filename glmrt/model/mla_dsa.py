@@ -38,6 +38,9 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, meta, cache) -> torch.Tensor:
         k = self.k_norm(self.wk(x))
         g = self.ops.linear(x, self.index_kpool_compress_gate)
+        capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
+        if capture is not None:
+            capture.take(self.layer, capture.select(k), capture.select(g))
         tail_k, tail_g = cache.tail(self.layer)
         pooled = cache.pooled(self.layer)
         self.ops.indexer_update(k, g, self.index_kpool_compress_ape, pooled, tail_k, tail_g, meta, self.kpool)

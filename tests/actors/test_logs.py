@@ -31,6 +31,15 @@ def test_stats_line_every_interval_while_working():
     assert "running 1, queued 0" in line and "gen 20.0 tok/s, prompt 0.0 tok/s, cache hit rate 0.0%" in line
 
 
+def test_stats_line_of_a_speculating_engine_adds_the_accepted_length():
+    log = EngineStatsLog(1.0, now=0.0)
+    s = _stats(generated=40, running=1)
+    s.counters.update(spec_cycles=10, spec_emitted_tokens=35)
+    assert log.line(s, now=1.0).endswith("cache hit rate 0.0%, accept len 3.50")
+    s.counters.update(generation_tokens=44, spec_cycles=14, spec_emitted_tokens=39)
+    assert log.line(s, now=2.0).endswith(", accept len 1.00")   # since the last line
+
+
 def test_no_stats_line_while_idle_nor_with_interval_zero():
     log = EngineStatsLog(1.0, now=0.0)
     assert log.line(_stats(prompt=10, generated=5), now=1.0) is not None

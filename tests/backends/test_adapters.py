@@ -122,6 +122,8 @@ LEGAL = [
     ("gfx950", {"quantization": "mxfp4"}, {"quantization": "mxfp4"}),
     ("sm90", {"quantization": "nvfp4"}, {"quantization": "nvfp4"}),              # dequantised on load
     ("sm90", {"speculative_algorithm": "off"}, {"speculative_algorithm": "none"}),
+    ("sm90", {"speculative_algorithm": "nextn"}, {"speculative_algorithm": "EAGLE"}),   # SGLang's spellings
+    ("cpu", {"speculative_algorithm": "MTP"}, {"speculative_algorithm": "EAGLE"}),
     ("sm100", {"cuda_graph_backend_prefill": "off"}, {"cuda_graph_backend_prefill": "off"}),
     ("sm90", {"backend": "reference", "dsa_decode_backend": "torch"}, {"backend": "reference"}),
     ("sm100", {"backend": "cuda-blackwell", "kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8_e4m3"}),
@@ -175,7 +177,7 @@ REFUSED = [
     ("cpu", {"moe_runner_backend": "triton"}, "moe_runner_backend", "torch only", ("auto", "torch")),
     ("cpu", {"linear_attn_backend": "triton"}, "linear_attn_backend", "torch only", ("auto", "torch")),
     # not built on any backend (legal means built)
-    ("gfx950", {"speculative_algorithm": "DFLASH2"}, "speculative_algorithm", "not built", ("auto", "none")),
+    ("gfx950", {"speculative_algorithm": "DFLASH2"}, "speculative_algorithm", "no DFlash2", ("auto", "none", "EAGLE")),
     ("gfx950", {"cuda_graph_backend_prefill": "breakable"}, "cuda_graph_backend_prefill",
      "decode graphs", ("auto", "off")),
     ("cpu", {"cuda_graph_backend_prefill": "breakable"}, "cuda_graph_backend_prefill", "eagerly", ("auto", "off")),
@@ -207,14 +209,14 @@ def test_refusals_name_the_rule_and_the_alternatives(hw, req, option, rule, alte
 
 @pytest.mark.parametrize("hw", ["sm90", "sm100", "gfx950", "cpu"])
 @pytest.mark.parametrize("option,value,words,alternatives", [
-    ("speculative_algorithm", "EAGLE", "one token per request per step", ("auto", "none")),
-    ("speculative_algorithm", "nextn", "no MTP / EAGLE or DFlash2 drafter", ("auto", "none")),
-    ("speculative_algorithm", "dflash2", "speculative decoding is not built", ("auto", "none")),
+    ("speculative_algorithm", "dflash2", "no DFlash2 or separate draft model", ("auto", "none", "EAGLE")),
+    ("speculative_algorithm", "STANDALONE", "only chain drafting from the checkpoint's MTP layer",
+     ("auto", "none", "EAGLE")),
     ("cuda_graph_backend_prefill", "breakable", "prefill always runs eagerly", ("auto", "off")),
 ])
 def test_unbuilt_features_are_refused_everywhere(hw, option, value, words, alternatives):
-    """Legal means built: no adapter accepts speculative decoding or prefill graphs, and the refusal
-    says what glmrt runs instead; without the hardware every backend refuses them."""
+    """Legal means built: no adapter accepts DFlash2 drafting or prefill graphs, and the refusal says what
+    glmrt runs instead; without the hardware every backend refuses them."""
     e = refused(hw, {option: value})
     assert e.option == option and words in e.rule and e.alternatives == alternatives
     with pytest.raises(IllegalOption, match="refused on every backend"):
@@ -224,16 +226,16 @@ def test_unbuilt_features_are_refused_everywhere(hw, option, value, words, alter
 def test_up_refuses_the_flags_of_unbuilt_features(up_cli, capsys, tmp_path):
     """`glmrt up` refuses their flags (SGLang's spellings) in one line saying what glmrt runs instead, and
     takes no topology key for them: both before anything starts."""
-    for flag, words in (("--speculative-algorithm", "decodes one token per step"),
-                        ("--cuda-graph-backend-prefill", "prefill runs eagerly")):
+    for flag, value, words in (("--speculative-draft-model-path", "/m", "checkpoint's own MTP layer"),
+                               ("--cuda-graph-backend-prefill", "breakable", "prefill runs eagerly")):
         with pytest.raises(SystemExit) as ei:
-            up_cli(flag, "EAGLE" if "speculative" in flag else "breakable", hardware="sm90")
+            up_cli(flag, value, hardware="sm90")
         err = capsys.readouterr().err
         assert ei.value.code == 2 and err.startswith(f"glmrt up: error: {flag}: ") and words in err, err
     path = tmp_path / "t.toml"
-    path.write_text('[engine]\nspeculative_algorithm = "EAGLE"\n')
+    path.write_text('[engine]\ncuda_graph_backend_prefill = "breakable"\n')
     assert up_cli(str(path), hardware="sm90") == 2
-    assert "unknown engine flag 'speculative_algorithm'" in capsys.readouterr().err
+    assert "unknown engine flag 'cuda_graph_backend_prefill'" in capsys.readouterr().err
 
 
 def test_every_unshipped_library_is_refused_for_every_kernel_option_everywhere():

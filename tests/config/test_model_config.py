@@ -211,7 +211,7 @@ def test_load_model_config_reads_dir_or_file(tmp_path):
 
 # ---- round trip -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tiny", "flash-4l", "flash"])
+@pytest.mark.parametrize("name", ["tiny", "flash-4l", "flash-4l-mtp", "flash"])
 def test_to_dict_from_dict_round_trip(name):
     cfg = preset_config(name)
     d = cfg.to_dict()
@@ -222,6 +222,9 @@ def test_to_dict_from_dict_round_trip(name):
     for f in ("layer_types", "indexer_types", "mlp_layer_types", "pad_token_id", "eos_token_id",
               "linear_lower_bound", "swiglu_limit", "num_nextn_predict_layers"):
         assert f in d["text_config"], f
+    if name.startswith("flash-4l"):  # flash-4l-mtp is flash-4l plus its draft layer
+        assert cfg.text.num_nextn_predict_layers == (name == "flash-4l-mtp")
+        assert cfg.replace_text(num_nextn_predict_layers=0) == preset_config("flash-4l")
 
 
 def test_round_trip_with_quantization_and_null_fields():

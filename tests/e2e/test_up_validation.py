@@ -150,3 +150,51 @@ def test_the_readme_topology_works_as_written(tmp_path, e2e_env, tiny_checkpoint
     line, _ = _refused([str(path), "--port", str(free_port()), "--quantization", "fp8"], {**e2e_env, "HOME": str(home)})
     assert "the checkpoint's weights are bf16" in line, line
 
+
+
+# speculative decoding flags, as SGLang's recipes spell them: the one-line refusal's text after "error: "
+SPEC_REFUSALS = [
+    (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "2"],
+     "--speculative-eagle-topk is refused: tree drafting is not supported (use 1: a chain) (got 2)"),
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "5", "--speculative-num-draft-tokens", "8"],
+     "--speculative-num-draft-tokens must be speculative_num_steps + 1 = 6 with a chain (topk 1) (got 8)"),
+    (["--speculative-algorithm", "DFLASH2"],
+     "--speculative-algorithm is refused: DFlash2 drafting is not built (EAGLE drafts with the checkpoint's MTP "
+     "layer) (got 'DFLASH2')"),
+    (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm must be one of none, EAGLE, NEXTN, MTP "
+                                            "(got 'MEDUSA')"),
+    (["--speculative-num-steps", "3"],
+     "--speculative-num-steps is set only with speculative_algorithm EAGLE (--speculative-algorithm) (got 3)"),
+    (["--speculative-algorithm", "MTP", "--speculative-num-steps", "0"], "--speculative-num-steps must be >= 1 and "
+                                                                          "< 17 (got 0)"),
+]
+
+
+@pytest.mark.timeout(120)
+def test_speculative_flags_are_refused_in_one_line(tmp_path, e2e_env, tiny_checkpoint):
+    """SGLang's MTP flags: what is not built (trees, DFlash2, a draft-token count off the chain) is refused in
+    one line before anything starts, as a flag and as an [engine] key; so are a prefill and a decode that
+    do not both speculate, and a checkpoint without an MTP layer."""
+    import json
+
+    for args, text in SPEC_REFUSALS:
+        line, _ = _refused(["--model", tiny_checkpoint, *args], e2e_env)
+        assert line == f"glmrt up: error: {text}", line
+    path = tmp_path / "topology.toml"
+    path.write_text('[engine]\nspeculative_algorithm = "EAGLE"\nspeculative_eagle_topk = 4\n' + ACTORS)
+    line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
+    assert line == ("glmrt up: error: [engine] speculative_eagle_topk is refused: tree drafting is not supported "
+                    "(use 1: a chain) (got 4)"), line
+    path.write_text(ACTORS.replace('kind = "engine"\n', 'kind = "prefill"\n[[actors]]\nkind = "decode"\n'
+                                   'engine = { speculative_algorithm = "EAGLE" }\n'))
+    line, _ = _refused([str(path), "--model", tiny_checkpoint], e2e_env)
+    assert line == ("glmrt up: error: prefill and decode must agree on speculative_algorithm: prefill 'none', "
+                    "decode 'EAGLE' (their state could not be handed over)"), line
+    no_mtp = tmp_path / "no-mtp"
+    no_mtp.mkdir()
+    cfg = json.loads((__import__("pathlib").Path(tiny_checkpoint) / "config.json").read_text())
+    cfg["text_config"]["num_nextn_predict_layers"] = 0
+    (no_mtp / "config.json").write_text(json.dumps(cfg))
+    line, _ = _refused(["--model", str(no_mtp), "--speculative-algorithm", "EAGLE"], e2e_env)
+    assert line == ("glmrt up: error: engine: --speculative-algorithm EAGLE needs the checkpoint's MTP layer, and "
+                    "this checkpoint has none (num_nextn_predict_layers 0 in config.json)"), line

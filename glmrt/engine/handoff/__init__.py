@@ -17,6 +17,10 @@ cache as any finished request does.
     IndexerTail        state.tail_k/g[:, slot]          state.tail_k/g[:, slot]
     KDAConv            state.conv[:, slot]              state.conv[:, slot]
     KDARecurrent       state.recurrent[:, slot]         state.recurrent[:, slot]
+    KeptHidden         state.last_hidden[:, slot]       state.last_hidden[:, slot]   (speculating engines)
+
+With speculative decoding the prefill runs the MTP draft layer over the prompt as it computes it;
+its rows are the pools' last ordinals, so they travel in the same components.
 """
 
 from __future__ import annotations

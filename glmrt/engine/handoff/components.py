@@ -23,10 +23,15 @@ class HandoffError(RuntimeError):
 
 
 def pool_tensors(engine) -> dict[str, torch.Tensor]:
-    """The engine's pool tensors by the ids the components name (registered once for transfers)."""
+    """The engine's pool tensors by the ids the components name (registered once for transfers).
+    A speculating engine's pools also hold the MTP draft layer's rows (the last latent, pooled-key
+    and tail ordinals, which travel with their tensors) and hand over the kept hidden state."""
     kv, st = engine.cache.kv, engine.cache.state
-    return {"latent": kv.latent, "pooled": kv.pooled, "tail_k": st.tail_k, "tail_g": st.tail_g,
-            "conv": st.conv, "recurrent": st.recurrent}
+    pools = {"latent": kv.latent, "pooled": kv.pooled, "tail_k": st.tail_k, "tail_g": st.tail_g,
+             "conv": st.conv, "recurrent": st.recurrent}
+    if getattr(engine, "spec_steps", 0):
+        pools["last_hidden"] = st.last_hidden
+    return pools
 
 
 def _rows_bytes(pools: dict[str, torch.Tensor], kind: type[P.StateComponent], num_rows: int) -> int:
@@ -38,7 +43,8 @@ def _rows_bytes(pools: dict[str, torch.Tensor], kind: type[P.StateComponent], nu
 def state_components(pools: dict[str, torch.Tensor], pages: list[int], slot: int) -> list[P.AnyStateComponent]:
     """The components of a request's state in `pages` and `slot`, in the order both sides use
     (no page components when every page is already on the decode side)."""
-    rows = [(kind, list(pages)) for kind in PAGE_KINDS if pages] + [(kind, [slot]) for kind in SLOT_KINDS]
+    slot_kinds = SLOT_KINDS + ((P.KeptHidden,) if "last_hidden" in pools else ())
+    rows = [(kind, list(pages)) for kind in PAGE_KINDS if pages] + [(kind, [slot]) for kind in slot_kinds]
     return [kind(rows=r, num_bytes=_rows_bytes(pools, kind, len(r))) for kind, r in rows]
 
 

@@ -31,10 +31,16 @@ def response_index(key: RequestKey, n: int) -> int:
     return key.prompt * n + key.choice
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+               spec_verify_ct: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; with speculative decoding also SGLang's `spec_verify_ct` (decode
+    steps, each verifying a draft: completion_tokens / spec_verify_ct is the accepted length)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if spec_verify_ct:
+        out["spec_verify_ct"] = spec_verify_ct
+    return out
 
 
 class UsageTotals:
@@ -44,11 +50,13 @@ class UsageTotals:
     def __init__(self) -> None:
         self._prompt: dict[Hashable, tuple[int, int]] = {}
         self.completion_tokens = 0
+        self.spec_verify_ct = 0
 
     def add(self, prompt: Hashable, usage: Usage) -> None:
         p, c = self._prompt.get(prompt, (0, 0))
         self._prompt[prompt] = (max(p, usage.prompt_tokens), max(c, usage.cached_tokens))
         self.completion_tokens += usage.completion_tokens
+        self.spec_verify_ct += usage.spec_verify_ct
 
     @property
     def prompt_tokens(self) -> int:
@@ -59,7 +67,7 @@ class UsageTotals:
         return sum(c for _, c in self._prompt.values())
 
     def to_json(self) -> dict[str, Any]:
-        return usage_json(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return usage_json(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.spec_verify_ct)
 
 
 def _finite(lp: float) -> float:

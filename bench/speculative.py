@@ -1,0 +1,117 @@
+"""Speculative decoding (the MTP layer's chain) on the GPU: tokens against the reference backend,
+acceptance and decode speed against no speculation.
+
+    python3 -m bench.speculative [--preset flash-4l-mtp] [--steps 1,3,5] [--batches 1,16]
+                                 [--prompt-len 256] [--output-len 64] [--model DIR]
+                                 [--backend cuda-h200] [--compare reference] [--device cuda]
+
+Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
+runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
+then with each K of `--steps`, then the `reference` backend (bf16 torch on the same GPU) with the
+largest K. Printed per run: decode tokens per second per batch size, the mean accepted length and
+the acceptance rate per draft position, the draft and verify milliseconds per step, and the share
+of output tokens equal to the `cuda-h200` run without speculation (bf16 noise flips a few near
+ties; a rollback bug makes whole requests diverge). Random weights draft badly, so the accepted
+length here measures the machinery; a trained checkpoint (`--model`) measures acceptance. JSON to
+$OUT/speculative.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from bench.h200 import write_out
+
+
+def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict:
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.engine import Engine
+    from glmrt.sampling_params import SamplingParams
+
+    kw = dict(model=args.model, load_format="auto") if args.model else dict(preset=args.preset, load_format="dummy")
+    if steps:
+        kw.update(speculative_algorithm="EAGLE", speculative_num_steps=steps)
+    e = Engine(EngineConfig(backend=backend, device=args.device, page_size=64, skip_server_warmup=True, **kw),
+               log=lambda *a: None)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    e.generate([prompts[0]], params)  # warm: compile the kernels of each shape once
+    out = {"backend": backend, "steps": steps, "batches": {}}
+    for b in args.batches:
+        batch = prompts[:b]
+        e.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefill (cached)
+        before = e.spec.stats.as_dict() if e.spec else {}
+        sync()
+        t0 = time.perf_counter()
+        done = e.generate(batch, params)
+        sync()
+        took = time.perf_counter() - t0
+        row = {"tokens_per_s": b * (args.output_len - 1) / took, "outputs": [c[0].output_ids for c in done]}
+        if e.spec:
+            after = e.spec.stats.as_dict()
+            d = {k: after[k] - before.get(k, 0) for k in after}
+            cyc, st = d["spec_cycles"], d["spec_steps"]
+            row.update(mean_accepted_length=d["spec_emitted_tokens"] / cyc if cyc else 0.0,
+                       acceptance_rate=[d[f"spec_accepted_at_{i}"] / d[f"spec_drafted_at_{i}"]
+                                        if d[f"spec_drafted_at_{i}"] else 0.0 for i in range(steps)],
+                       draft_ms=1000 * d["spec_draft_seconds"] / st if st else 0.0,
+                       verify_ms=1000 * d["spec_verify_seconds"] / st if st else 0.0)
+        out["batches"][b] = row
+    del e
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return same / max(1, sum(len(r) for r in a))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python3 -m bench.speculative")
+    p.add_argument("--preset", default="flash-4l-mtp")
+    p.add_argument("--model", default=None, help="a checkpoint directory instead of the preset's random weights")
+    p.add_argument("--steps", default="1,3,5")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--backend", default="cuda-h200", help="the kernel set measured")
+    p.add_argument("--compare", default="reference", help="the kernel set whose tokens it is held to")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    args.steps = [int(x) for x in args.steps.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 1000, (max(args.batches), args.prompt_len), generator=g).tolist()
+    runs = [run_engine(args, args.backend, 0, prompts)]
+    runs += [run_engine(args, args.backend, k, prompts) for k in args.steps]
+    runs.append(run_engine(args, args.compare, max(args.steps), prompts))
+    base = runs[0]["batches"]
+    print(f"{'backend':<10} {'K':>2} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'accepted':>8} "
+          f"{'draft ms':>8} {'verify ms':>9} {'same tokens':>11}  acceptance per position")
+    for r in runs:
+        for b, row in r["batches"].items():
+            row["same_tokens"] = agreement(base[b]["outputs"], row["outputs"])
+            row["speed_up"] = row["tokens_per_s"] / base[b]["tokens_per_s"]
+            rates = " ".join(f"{x:.2f}" for x in row.get("acceptance_rate", []))
+            print(f"{r['backend']:<10} {r['steps']:>2} {b:>5} {row['tokens_per_s']:>9.1f} {row['speed_up']:>8.2f} "
+                  f"{row.get('mean_accepted_length', 1.0):>8.2f} {row.get('draft_ms', 0):>8.2f} "
+                  f"{row.get('verify_ms', 0):>9.2f} {100 * row['same_tokens']:>10.1f}%  {rates}")
+    for r in runs:
+        for row in r["batches"].values():
+            row.pop("outputs")
+    write_out("speculative.json", {"args": vars(args), "runs": runs})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Speculative decoding's rollback from compact inputs, on every rank alike.
+
+A verify forward keeps, for the rows of its drafting requests only, the inputs of every stateful
+op: per KDA layer the conv's input and the recurrence's q, k, v, g, beta; per indexer (the
+model's and the draft layer's) its keys and gates; and the final hidden states. When a request
+keeps n of its k + 1 verified tokens, its slot gets its snapshot back (the state before the
+verify) and only those ops run again over the first n kept rows: the conv window, the recurrent
+state, both indexer tails and the kept hidden state are then exactly those after the last kept
+position, without recomputing projections, attention, MoE or mHC. (Pooled keys of pools the
+kept rows complete are rewritten with the values the verify wrote.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.meta import BatchMeta
+
+
+class Capture:
+    """What one verify forward keeps of its drafting requests' rows (`take`, from the layers)."""
+
+    def __init__(self, rows: torch.Tensor, lens: list[int]):
+        self.rows = rows          # flat rows of the pass running now (the model's, then the draft layer's)
+        self.offsets = [0]        # captured request j's rows start at offsets[j] of every kept tensor
+        for n in lens:
+            self.offsets.append(self.offsets[-1] + n)
+        self.kept: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.hidden: torch.Tensor | None = None
+
+    def select(self, t: torch.Tensor) -> torch.Tensor:
+        """The captured rows of `t`, copied (an op may later write `t` in place)."""
+        return t[self.rows]
+
+    def take(self, layer: int, *selected: torch.Tensor) -> None:
+        """Keep a layer's op inputs (each already `select`ed)."""
+        self.kept[layer] = selected
+
+
+def roll_back(model, cache, capture: Capture, which: list[int], prefix_lens: list[int], seq_lens: list[int],
+              slot_ids: list[int], page_tables: list[list[int]]) -> None:
+    """Recompute the state of each request r (captured as `which[r]`, its snapshot already back in
+    its slot) over its first `seq_lens[r]` verified rows, from `prefix_lens[r]` on."""
+    ops, text = model.ops, model.config.text
+    dev = capture.rows.device
+    sel = torch.cat([torch.arange(capture.offsets[j], capture.offsets[j] + n, device=dev)
+                     for j, n in zip(which, seq_lens)])
+    ps = cache.page_size
+    meta = BatchMeta.build(prefix_lens, seq_lens, slot_ids, page_tables, ps, dev)
+    ops.begin_forward(int(sel.shape[0]))
+    for layer in model.model.layers:
+        att = layer.self_attn
+        kept = capture.kept.get(layer.layer)
+        if kept is None:
+            continue
+        if not layer.is_dsa:
+            pre, q, k, v, g, beta = (t[sel] for t in kept)
+            ops.causal_conv(pre, cache.conv(layer.layer), att.conv_weight(), meta)
+            ops.kda(q, k, v, g, beta, cache.recurrent(layer.layer), meta)
+        else:
+            k, g = (t[sel] for t in kept)
+            ops.indexer_update(k, g, att.indexer.index_kpool_compress_ape, cache.pooled(layer.layer),
+                               *cache.tail(layer.layer), meta, text.index_kpool)
+    mtp = model.mtp.self_attn.indexer
+    k, g = (t[sel] for t in capture.kept[mtp.layer])
+    draft = BatchMeta.build([p - 1 for p in prefix_lens], seq_lens, slot_ids, page_tables, ps, dev)
+    ops.indexer_update(k, g, mtp.index_kpool_compress_ape, cache.pooled(mtp.layer), *cache.tail(mtp.layer), draft,
+                       text.index_kpool)
+    last = torch.tensor([capture.offsets[j] + n - 1 for j, n in zip(which, seq_lens)], device=dev)
+    cache.state.last_hidden[0][torch.tensor(slot_ids, device=dev)] = \
+        capture.hidden[last].to(cache.state.last_hidden.dtype)
