@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, cosine decay)")
     p.add_argument("--dense-steps", type=int, default=None,
                    help="steps of dense DSA attention while the indexer warms up (default: steps / 15)")
+    p.add_argument("--mtp-depth", type=int, default=1,
+                   help="draft steps the MTP layer is trained for, chained as speculative decoding runs it "
+                        "(each step: the previous step's hidden state and the next token)")
     p.add_argument("--seed", type=int, default=0, help="corpus, tokenizer and initialisation seed")
     p.add_argument("--eval-problems", type=int, default=500,
                    help="held-out problems scored (greedy exact match) at the end, and in held_out.jsonl")
@@ -53,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         return _refuse("--eval-problems and --eval-every must not be negative")
     if args.dense_steps is not None and args.dense_steps < 0:
         return _refuse("--dense-steps must not be negative")
+    if not 1 <= args.mtp_depth <= 8:
+        return _refuse(f"--mtp-depth must be in [1, 8], got {args.mtp_depth}")
     if args.data_workers is not None and args.data_workers < 0:
         return _refuse(f"--data-workers must not be negative, got {args.data_workers}")
     if args.threads is not None and args.threads < 1:
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=min(100, max(1, args.steps // 20)), dense_steps=dense, seed=args.seed,
                       device=str(dev), eval_every=args.eval_every, eval_problems=args.eval_problems, kda=args.kda,
-                      workers=workers)
+                      workers=workers, mtp_depth=args.mtp_depth)
     out = os.path.abspath(os.path.expanduser(args.out))
     os.makedirs(out, exist_ok=True)
     from glmrt.checkpoint.presets import preset_config

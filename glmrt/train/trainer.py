@@ -49,6 +49,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     dense_steps: int = 200         # DSA layers attend densely while the indexer warms up
     mtp_weight: float = 0.3
+    mtp_depth: int = 1             # draft steps the MTP layer is unrolled for (chain drafting's steps)
     indexer_weight: float = 0.1
     bias_rate: float = 1e-3        # router correction-bias step per update
     seed: int = 0
@@ -99,7 +100,8 @@ def build_model(config: ModelConfig, ops: TrainingOps, device: torch.device, see
     return model
 
 
-def forward_losses(model: Glm5NextForCausalLM, ops: TrainingOps, batch: Batch) -> dict[str, torch.Tensor]:
+def forward_losses(model: Glm5NextForCausalLM, ops: TrainingOps, batch: Batch,
+                   mtp_depth: int = 1) -> dict[str, torch.Tensor]:
     b, t = batch.input_ids.shape
     ids = batch.input_ids.reshape(-1)
     valid = _valid_mask(batch)
@@ -110,11 +112,24 @@ def forward_losses(model: Glm5NextForCausalLM, ops: TrainingOps, batch: Batch) -
     text = model.model
     hidden = text(text.embed(ids), meta, cache)
     lm = F.cross_entropy(model.compute_logits(hidden).float(), batch.labels.reshape(-1), ignore_index=IGNORE)
-    nxt = torch.cat([batch.input_ids[:, 1:], batch.input_ids[:, -1:]], dim=1).reshape(-1)
-    draft = model.mtp.draft(text.embed(nxt), hidden, meta, cache)
-    mtp = F.cross_entropy(model.compute_logits(draft).float(), batch.mtp_labels.reshape(-1), ignore_index=IGNORE)
+    # Step j of the draft chain at position t, as served: the embedding of token t+1+j and the
+    # hidden state of step j-1 (step 0: the model's) -> token t+2+j. Teacher-forced, unrolled
+    # mtp_depth times, gradients through the chain; the loss is the mean over the steps.
+    draft, mtp = hidden, []
+    for j in range(mtp_depth):
+        nxt = _shift(batch.input_ids, j + 1, batch.input_ids[:, -1:])
+        draft = model.mtp.draft(text.embed(nxt.reshape(-1)), draft, meta, cache)
+        labels = batch.mtp_labels if j == 0 else _shift(batch.mtp_labels, j, IGNORE)
+        mtp.append(F.cross_entropy(model.compute_logits(draft).float(), labels.reshape(-1), ignore_index=IGNORE))
+    mtp = torch.stack(mtp).mean()
     kl = indexer_kl(ops.records.indexer)
     return {"lm": lm, "mtp": mtp, "indexer": kl if kl is not None else lm.new_zeros(())}
+
+
+def _shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """[B, T] -> [B, T]: column t holds x[:, t + by]; the last `by` columns are `fill`."""
+    pad = fill.expand(-1, by) if torch.is_tensor(fill) else torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
 
 
 def _valid_mask(batch: Batch) -> torch.Tensor:
@@ -229,7 +244,7 @@ def _run_steps(cfg: TrainConfig, model, ops: TrainingOps, opt, stream: BatchStre
             group["lr"] = _lr(cfg, step)
         ops.dense_attention = step < cfg.dense_steps
         with _autocast(device):
-            parts = forward_losses(model, ops, batch)
+            parts = forward_losses(model, ops, batch, cfg.mtp_depth)
             loss = parts["lm"] + cfg.mtp_weight * parts["mtp"] + cfg.indexer_weight * parts["indexer"]
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -78,3 +78,18 @@ def test_bad_flags_are_refused_before_training(tmp_path, capsys, argv, msg):
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_the_mtp_chain_trains_on_the_tokens_each_draft_step_predicts(tok):
+    from glmrt.train.corpus import chat_stream
+    from glmrt.train.data import IGNORE, encode_chat, make_batch
+    from glmrt.train.trainer import _shift
+    chats = chat_stream(0, 0, 2)
+    batch = make_batch(tok, chats, 10_000)
+    second = _shift(batch.mtp_labels, 1, IGNORE)  # draft step 1 at position t predicts token t+3
+    for r, chat in enumerate(chats):
+        ids, out = encode_chat(tok, chat)
+        for t in range(len(ids) - 3):
+            assert second[r, t] == (ids[t + 3] if out[t + 3] else IGNORE)
+    _, res = train(_cfg(steps=3, mtp_depth=3), tok, progress=False)
+    assert all(torch.isfinite(torch.tensor([h.loss, h.mtp])).all() for h in res.history)
