@@ -1,7 +1,8 @@
 """E2E accuracy gate: the shipped trained model, served by `glmrt up` with no model argument,
 answers held-out arithmetic problems through `glmrt eval`, and keeps its accuracy in every
 placement and cache format that should not change answers: fp8 KV, bf16 recurrent state,
-prefill/decode disaggregation, two tensor-parallel ranks.
+prefill/decode disaggregation, two tensor-parallel ranks, speculative decoding with the
+model's own MTP layer.
 
 The baseline scores 500 problems (each needs two or three operations on operands up to 999);
 each variant scores the first 200 of them (a 3-point gap is ~3 standard errors there).
@@ -57,10 +58,12 @@ def test_the_shipped_model_answers_held_out_problems(baseline):
     assert baseline["accuracy"] >= MIN_ACCURACY, baseline
 
 
-@pytest.mark.parametrize("variant", ["fp8-kv", "bf16-state", "pd", "tp2"])
+@pytest.mark.parametrize("variant", ["fp8-kv", "bf16-state", "pd", "tp2", "mtp"])
 def test_accuracy_holds_in_every_placement(variant, baseline, start_deployment, tmp_path):
     args = {"fp8-kv": ["--kv-cache-dtype", "fp8_e4m3"], "bf16-state": ["--mamba-ssm-dtype", "bfloat16"],
-            "tp2": ["--tp-size", "2"]}.get(variant, [])
+            "tp2": ["--tp-size", "2"],
+            "mtp": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                    "--speculative-num-draft-tokens", "4"]}.get(variant, [])
     if variant == "pd":
         topo = tmp_path / "pd.toml"
         topo.write_text(PD)
@@ -72,3 +75,5 @@ def test_accuracy_holds_in_every_placement(variant, baseline, start_deployment, 
         dep.stop(term_wait=5)
     assert result["errors"] == 0
     assert result["accuracy"] >= baseline["accuracy"] - MAX_DROP, (variant, result, baseline["accuracy"])
+    if variant == "mtp":  # the drafts are accepted: more than one token per verify step
+        assert result["accept_length"] > 1.5, result
