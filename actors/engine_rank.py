@@ -189,9 +189,11 @@ class RankGroup:
         try:
             engine.runner.stop_followers()
         finally:
-            self.wait_stopped()
+            # the ranks wait for rank 0 in leave_group's barrier before they exit: meet them
+            # there first, then wait for their processes (the other order waits out the barrier)
             from glmrt.engine.ranks import leave_group
             leave_group()
+            self.wait_stopped()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         rc = proc.wait()
