@@ -191,7 +191,8 @@ def test_on_cuda_every_hit_through_pinned_host_memory(ckpt):
 
     def on_gpu(**kw):
         return Engine(EngineConfig(model=ckpt, page_size=8, device="cuda", backend="reference", dtype="float32",
-                                   disable_cuda_graph=True, skip_server_warmup=True, **kw), log=lambda *a: None)
+                                   disable_cuda_graph=True, skip_server_warmup=True, cache_memory_gb=0.05, **kw),
+                      log=lambda *a: None)  # small pools: the tier is 4x them, in pinned host memory
 
     def offload_all(engine):
         engine.tree.evict(need_pages=engine.pages.num_pages, need_slots=engine.slots.num_slots)
