@@ -102,15 +102,16 @@ def test_every_hit_forced_through_the_host(ckpt, model, cold, polls):
     assert e.info()["host_hit_tokens"] >= sum(c.cached_tokens for c in got[n:])
 
 
-def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
-    e = tight(ckpt, model, slots=8, pages=12, enable_hierarchical_cache=True, hicache_ratio=6.0,
-              chunked_prefill_size=16, max_prefill_tokens=40)
+def churn(e, steps: int, offload) -> dict:
+    """Random traffic on a host-tier engine whose loads stay in flight for steps: admissions,
+    aborts (half of them of a request whose load is in flight), `offload(e)` now and then so
+    admissions load. -> the counters, and what is still held on either tier once it drains."""
     slow_copies(e, 3)  # loads stay in flight for steps: aborts and retractions land on waiting requests
     rng = random.Random(1)
     waited = aborted_waiting = 0
     shared = [toks(3000 + i, 28) for i in range(4)]
     live: list[str] = []
-    for i in range(100):
+    for i in range(steps):
         for _ in range(rng.randrange(0, 4)):
             prompt = rng.choice(shared)[: rng.randrange(8, 29)] + toks(3100 + i, rng.randrange(0, 6))
             live += e.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 10),
@@ -121,25 +122,33 @@ def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
             live.remove(rid)
             aborted_waiting += bool(e.requests[rid].waits)
             e.abort(rid)
-        if rng.random() < 0.2:  # push the cache to the host, so admissions load
-            e.tree.evict(need_pages=e.pages.num_pages, need_slots=e.slots.num_slots)
+        if rng.random() < 0.2:
+            offload(e)
         waited += sum(1 for r in e.scheduler.running if r.waits)
         e.step()
         e.check_invariants()
-        for rid in [r for r in live if e.requests[r].finished]:
-            live.remove(rid)
+        live = [r for r in live if not e.requests[r].finished]
         for rid in [r for r, q in e.requests.items() if q.finished]:
             del e.requests[rid]
     while e.has_work():
         e.step()
-    info = e.info()
-    assert info["host_loads"] > 0 and e.counters["retractions"] > 0 and e.counters["aborted"] > 0 and waited > 0
-    assert aborted_waiting > 0, "no abort hit a request whose load was in flight"
+    counts = {"host_loads": e.info()["host_loads"], "retractions": e.counters["retractions"],
+              "aborted": e.counters["aborted"], "aborted_waiting": aborted_waiting, "waited": waited}
     e.flush_cache()
     e.check_invariants()
     host = e.tree.host
-    assert e.pages.num_free == e.pages.num_pages and e.slots.num_free == e.slots.num_slots
-    assert host.pages.num_free == host.pages.num_pages and host.slots.num_free == host.slots.num_slots
+    counts["leaked"] = [e.pages.num_used, e.slots.num_slots - e.slots.num_free,
+                        host.pages.num_used, host.slots.num_slots - host.slots.num_free]
+    return counts
+
+
+def test_aborts_and_retractions_during_loads_leave_nothing(ckpt, model):
+    e = tight(ckpt, model, slots=8, pages=12, enable_hierarchical_cache=True, hicache_ratio=6.0,
+              chunked_prefill_size=16, max_prefill_tokens=40)
+    c = churn(e, 100, lambda e: e.tree.evict(need_pages=e.pages.num_pages, need_slots=e.slots.num_slots))
+    assert c["host_loads"] > 0 and c["retractions"] > 0 and c["aborted"] > 0 and c["waited"] > 0, c
+    assert c["aborted_waiting"] > 0, "no abort hit a request whose load was in flight"
+    assert c["leaked"] == [0, 0, 0, 0], c
 
 
 def test_host_tier_flags_are_checked():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import random
 import re
 
 import pytest
@@ -21,8 +20,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from tests.engine.test_engine import PS, assert_same, greedy, make, toks  # noqa: E402
-from tests.engine.test_engine_hicache import conversations, serve, slow_copies  # noqa: E402
+from tests.engine.test_engine import PS, assert_same, greedy, make  # noqa: E402
+from tests.engine.test_engine_hicache import churn, conversations, serve  # noqa: E402
 
 
 class Out:
@@ -92,43 +91,6 @@ def _repeat(prompt):
     return work
 
 
-def _churn(e) -> dict:
-    from glmrt.sampling_params import SamplingParams
-    slow_copies(e, 3)  # loads stay in flight for steps: aborts and retractions land on waiting requests
-    rng = random.Random(1)
-    aborted_waiting = 0
-    shared = [toks(3000 + i, 28) for i in range(4)]
-    live: list[str] = []
-    for i in range(60):
-        for _ in range(rng.randrange(0, 4)):
-            prompt = rng.choice(shared)[: rng.randrange(8, 29)] + toks(3100 + i, rng.randrange(0, 6))
-            live += e.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randrange(1, 10),
-                                                         ignore_eos=True, n=rng.choice([1, 1, 2])))
-        loading = [r for r in live if e.requests[r].waits]
-        if live and rng.random() < 0.3:
-            rid = rng.choice(loading) if loading and rng.random() < 0.5 else rng.choice(live)
-            live.remove(rid)
-            aborted_waiting += bool(e.requests[rid].waits)
-            e.abort(rid)
-        if rng.random() < 0.2:
-            _offload_all(e)
-        e.step()
-        e.check_invariants()
-        live = [r for r in live if not e.requests[r].finished]
-        for rid in [r for r, q in e.requests.items() if q.finished]:
-            del e.requests[rid]
-    while e.has_work():
-        e.step()
-    counts = {"host_loads": e.info()["host_loads"], "retractions": e.counters["retractions"],
-              "aborted": e.counters["aborted"], "aborted_waiting": aborted_waiting}
-    e.flush_cache()
-    e.check_invariants()
-    host = e.tree.host
-    counts["leaked"] = [e.pages.num_used, e.slots.num_slots - e.slots.num_free,
-                        host.pages.num_used, host.slots.num_slots - host.slots.num_free]
-    return counts
-
-
 def _replicated_rows_differ(link, pool) -> dict:
     """Collective: how far rank 1's host copy of the replicated tensors is from rank 0's (and
     how much rank 0's holds, so an all-zero pair does not pass for equal); each rank's host bytes."""
@@ -171,7 +133,7 @@ def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str, l3: str) -> N
         e = Engine(cfg, log=lambda *a: None, parallel=parallel, link=link)
         if name == "disk_rank1_lost":
             out["rank0_checkpoint_files"] = len(_files(os.path.join(l3, "rank0"), "c"))
-        work = {"turns": _turns, "churn": _churn, "disk": _disk}.get(name) or _repeat(out["disk"]["last_prompt"])
+        work = {"turns": _turns, "churn": lambda e: churn(e, 60, _offload_all), "disk": _disk}.get(name) or _repeat(out["disk"]["last_prompt"])
         out[name] = work(e)
         e.runner.stop_followers()
         out[name]["replicated"], out[name]["rank_bytes"] = _replicated_rows_differ(link, e.host_pool)
