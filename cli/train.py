@@ -22,10 +22,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=704, help="longest chat in tokens")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, cosine decay)")
     p.add_argument("--dense-steps", type=int, default=None,
-                   help="steps of dense DSA attention while the indexer warms up (default: steps / 15)")
+                   help="steps of dense DSA attention while the indexer warms up (default: steps / 15; 0 with --init-from)")
     p.add_argument("--mtp-depth", type=int, default=1,
                    help="draft steps the MTP layer is trained for, chained as speculative decoding runs it "
                         "(each step: the previous step's hidden state and the next token)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start from this checkpoint's weights and tokenizer (one `glmrt train` wrote) instead of "
+                        "random ones")
+    p.add_argument("--train-only", choices=["all", "mtp"], default="all",
+                   help="mtp: train the MTP draft layer alone, the model frozen (its answers stay the same)")
     p.add_argument("--seed", type=int, default=0, help="corpus, tokenizer and initialisation seed")
     p.add_argument("--eval-problems", type=int, default=500,
                    help="held-out problems scored (greedy exact match) at the end, and in held_out.jsonl")
@@ -56,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
         return _refuse("--eval-problems and --eval-every must not be negative")
     if args.dense_steps is not None and args.dense_steps < 0:
         return _refuse("--dense-steps must not be negative")
+    init = os.path.abspath(os.path.expanduser(args.init_from)) if args.init_from else None
+    if init is not None and not os.path.exists(os.path.join(init, "tokenizer.json")):
+        return _refuse(f"--init-from {args.init_from}: no checkpoint with a tokenizer.json there")
+    if args.train_only == "mtp" and init is None:
+        return _refuse("--train-only mtp trains the draft layer of a trained model: give --init-from DIR")
     if not 1 <= args.mtp_depth <= 8:
         return _refuse(f"--mtp-depth must be in [1, 8], got {args.mtp_depth}")
     if args.data_workers is not None and args.data_workers < 0:
@@ -89,15 +99,21 @@ def run(args: argparse.Namespace) -> int:
     workers = args.data_workers
     if workers is None:
         workers = 0 if dev.type == "cpu" else max(0, min(8, (os.cpu_count() or 1) - 1))
-    dense = args.dense_steps if args.dense_steps is not None else args.steps // 15
+    # the dense warm-up is the indexer's first training: a trained model's indexers need none
+    dense = args.dense_steps if args.dense_steps is not None else (0 if init else args.steps // 15)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       warmup_steps=min(100, max(1, args.steps // 20)), dense_steps=dense, seed=args.seed,
                       device=str(dev), eval_every=args.eval_every, eval_problems=args.eval_problems, kda=args.kda,
-                      workers=workers, mtp_depth=args.mtp_depth)
+                      workers=workers, mtp_depth=args.mtp_depth,
+                      init_from=init, train_only=args.train_only)
     out = os.path.abspath(os.path.expanduser(args.out))
     os.makedirs(out, exist_ok=True)
     from glmrt.checkpoint.presets import preset_config
-    tok = train_tokenizer(preset_config(cfg.preset).text.vocab_size, args.seed)
+    if init is not None:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(init, "tokenizer.json"))
+    else:
+        tok = train_tokenizer(preset_config(cfg.preset).text.vocab_size, args.seed)
     model, result = train(cfg, tok, progress=not args.no_progress)
     save_checkpoint(model, tok, out)
     plot_losses(result, os.path.join(out, "loss.png"))

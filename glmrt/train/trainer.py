@@ -50,6 +50,8 @@ class TrainConfig:
     dense_steps: int = 200         # DSA layers attend densely while the indexer warms up
     mtp_weight: float = 0.3
     mtp_depth: int = 1             # draft steps the MTP layer is unrolled for (chain drafting's steps)
+    init_from: str | None = None   # start from this checkpoint's weights (None: random ones of `seed`)
+    train_only: str = "all"        # "all", or "mtp": the MTP draft layer alone, the model frozen
     indexer_weight: float = 0.1
     bias_rate: float = 1e-3        # router correction-bias step per update
     seed: int = 0
@@ -84,15 +86,22 @@ class TrainResult:
                 "evals": self.evals, "seconds": self.seconds, "expert_load": self.expert_load}
 
 
-def build_model(config: ModelConfig, ops: TrainingOps, device: torch.device, seed: int) -> Glm5NextForCausalLM:
-    """The serving model's modules, fp32, with gradients on every weight but the router bias."""
-    with torch.device(device):
-        model = Glm5NextForCausalLM(config, ops, torch.float32, with_vision=False, with_mtp=True)
-    init_random(model, seed)
-    with torch.no_grad():  # the random-checkpoint head is deliberately peaky; training starts flat
-        model.lm_head.weight.mul_(0.25)
+def build_model(config: ModelConfig, ops: TrainingOps, device: torch.device, seed: int, *,
+                init_from: str | None = None, train_only: str = "all") -> Glm5NextForCausalLM:
+    """The serving model's modules, fp32, with gradients on every weight but the router bias
+    (`train_only="mtp"`: on the MTP layer's alone). Random weights of `seed`, or a checkpoint's
+    (`init_from`: a directory `glmrt train` wrote)."""
+    if init_from is not None:
+        from glmrt.model.loader import load_checkpoint
+        model, _ = load_checkpoint(init_from, ops, dtype=torch.float32, device=device, with_vision=False)
+    else:
+        with torch.device(device):
+            model = Glm5NextForCausalLM(config, ops, torch.float32, with_vision=False, with_mtp=True)
+        init_random(model, seed)
+        with torch.no_grad():  # the random-checkpoint head is deliberately peaky; training starts flat
+            model.lm_head.weight.mul_(0.25)
     for name, p in model.named_parameters():
-        p.requires_grad_(not name.endswith("e_score_correction_bias"))
+        p.requires_grad_(not name.endswith("e_score_correction_bias") and (train_only == "all" or name.startswith("mtp.")))
     for mod in model.modules():
         if isinstance(mod, Indexer):  # the KL loss trains the indexer alone (DSA's detached input)
             mod.register_forward_pre_hook(lambda m, args: tuple(a.detach() if torch.is_tensor(a) else a
@@ -149,10 +158,12 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 def _update_router_bias(model, records, rate: float) -> None:
+    """Balance the routers being trained (a frozen router's weight takes no gradient: its bias stays)."""
     routers = {id(m.weight): m for m in model.modules() if isinstance(m, Router)}
     with torch.no_grad():
         for gate_w, load in records.routes:
-            routers[id(gate_w)].e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+            if gate_w.requires_grad:
+                routers[id(gate_w)].e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
 
 
 def expert_load(model, records) -> dict[str, list[float]]:
@@ -211,7 +222,9 @@ def train(cfg: TrainConfig, tok, *, progress: bool = True) -> tuple[Glm5NextForC
     if cfg.kda not in ("fla", "reference"):
         raise ValueError(f"kda must be fla or reference, got {cfg.kda!r}")
     ops = TrainingOps(use_fla=cfg.kda == "fla")
-    model = build_model(config, ops, device, cfg.seed)
+    if cfg.train_only not in ("all", "mtp"):
+        raise ValueError(f"train_only must be all or mtp, got {cfg.train_only!r}")
+    model = build_model(config, ops, device, cfg.seed, init_from=cfg.init_from, train_only=cfg.train_only)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

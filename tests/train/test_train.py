@@ -93,3 +93,20 @@ def test_the_mtp_chain_trains_on_the_tokens_each_draft_step_predicts(tok):
             assert second[r, t] == (ids[t + 3] if out[t + 3] else IGNORE)
     _, res = train(_cfg(steps=3, mtp_depth=3), tok, progress=False)
     assert all(torch.isfinite(torch.tensor([h.loss, h.mtp])).all() for h in res.history)
+
+
+def test_training_the_draft_layer_alone_leaves_the_model_as_it_was(tmp_path, capsys):
+    from cli.main import main
+    from safetensors.torch import load_file
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    common = ["--device", "cpu", "--batch-size", "2", "--max-len", "224", "--eval-problems", "0", "--no-progress"]
+    assert main(["train", "--out", str(base), "--steps", "2", *common]) == 0
+    assert main(["train", "--out", str(tuned), "--steps", "3", "--init-from", str(base), "--train-only", "mtp",
+                 "--mtp-depth", "2", *common]) == 0
+    a, b = load_file(str(base / "model.safetensors")), load_file(str(tuned / "model.safetensors"))
+    assert a.keys() == b.keys()
+    mtp = [k for k in a if ".layers.6." in k]  # the MTP layer is layer num_hidden_layers (6) on disk
+    assert mtp and any(not torch.equal(a[k], b[k]) for k in mtp)
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in mtp)
+    assert main(["train", "--out", str(tmp_path / "x"), "--train-only", "mtp", *common]) == 2
+    assert "--init-from" in capsys.readouterr().err
