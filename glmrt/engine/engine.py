@@ -91,7 +91,8 @@ class Engine(ModelRank):
             page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
             policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
-            self.pages, self.slots, self.tree, draft_depth=self._draft_depth if self.spec_steps else None)
+            self.pages, self.slots, self.tree, draft_depth=self._draft_depth if self.spec_steps else None,
+            max_drafting=self.memory.rollback_slots)
         self.spec = Speculator(self.runner, self.spec_steps, self.rollback_base) if self.spec_steps else None
         self.runner.structured = StructuredOutput(self._tokenizer_json(), self.model_config.text.vocab_size,
                                                   self.eos_ids)

@@ -102,9 +102,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pages: PageManager, slots: SlotManager, tree: RadixCache,
-                 draft_depth: Callable[[Request], int] | None = None):
+                 draft_depth: Callable[[Request], int] | None = None, max_drafting: int = 0):
         self.cfg = config
         self.draft_depth = draft_depth  # speculative decoding: draft tokens a decoding request verifies
+        # ... and how many decodes may draft in one step: each needs a rollback snapshot slot, and
+        # n > 1 forks or a decode side's handoffs can run more requests than the reserve
+        self.max_drafting = max_drafting
         self.pages = pages
         self.slots = slots
         self.tree = tree
@@ -189,12 +192,20 @@ class Scheduler:
         ready = [r for r in self.running if self._loaded(r)]
         decodes = [r for r in ready if r.num_uncomputed == 1]
         prefills = [r for r in ready if r.num_uncomputed != 1]  # 0: a full hit that waited for its load
+        drafting = 0
         for req in sorted(decodes, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # retracted while making room for an earlier request
-            depth = self.draft_depth(req) if self.draft_depth is not None else 0
-            if self._ensure_pages(req, req.num_computed + 1 + depth, plan):
+            depth = self.draft_depth(req) if self.draft_depth is not None and drafting < self.max_drafting else 0
+            if depth:  # pages for the drafts only if they are free: a draft never retracts a request
+                got = self._grab_pages(self._pages_needed(req, req.num_computed + 1 + depth))
+                if got is None:
+                    depth = 0
+                else:
+                    req.pages += got
+            if depth or self._ensure_pages(req, req.num_computed + 1, plan):
                 plan.work.append(Work(req, req.num_computed, 1, True, depth))
+                drafting += depth > 0
         for req in sorted(prefills, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING or (budget <= 0 and req.num_uncomputed):
                 continue

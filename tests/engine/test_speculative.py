@@ -481,3 +481,16 @@ def test_a_grammar_request_decodes_beside_drafting_ones(ckpt, model, mtp_model):
         if k:
             assert e.spec.stats.cycles > 0 and e.requests[a].spec_verify_ct > 0
     assert got[0] == got[1]
+
+
+def test_more_decodes_than_rollback_snapshots_draft_in_turn(ckpt, model, mtp_model):
+    """n = 4 forks on an engine of max_running_requests 2 run four decodes against a reserve of
+    two snapshot slots: at most two draft in a step, the rest decode one token; the tokens are
+    those of a run without speculation."""
+    prompt = toks(91, 10)
+    want = outputs(make(ckpt, model, disable_radix_cache=True), [prompt], greedy(12).replace(n=4))
+    e = make(ckpt, mtp_model, 3, max_running_requests=2)
+    assert e.memory.rollback_slots == 2
+    e.spec.draft_override = oracle({tuple(prompt): want[0][0][0]})
+    assert_same(outputs(e, [prompt], greedy(12).replace(n=4)), want)
+    assert e.spec.stats.accepted > 0
