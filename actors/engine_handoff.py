@@ -153,6 +153,11 @@ class HandoffMixin:
                 handles.append(self.xfer.write_components(name, shared, shared_at, checksum=checksum,
                                                           transfer_id=f"{rid}-r{r}"))
         except TransferError as e:
+            if handles:  # a write already posted may still land in the decode's rows: fail once it ended
+                self._moving[rid] = Moving(acc.decode, P.KVHandoff(rid=rid, components=acc.components), 1, 0,
+                                           errors=[str(e)])
+                self._transfers.append((rid, handles))
+                return []
             self._release_handoff(rid)
             return ([(acc.decode, P.HandoffDone(rid=rid, ok=False, reason=str(e)))]
                     + self._fail(rid, 503, f"handoff to {acc.decode} failed: {e}"))

@@ -57,16 +57,15 @@ class RankTransfers:
 
     def write(self, writes: list[RankWrite], rank: int) -> None:
         """Post this rank's part of each handoff (never raises: a failure is reported by `poll`)."""
-        from transport.kv import TransferError
         for w in writes:
-            peer, info = w.peers[rank], w.infos[rank]
             try:
+                peer, info = w.peers[rank], w.infos[rank]
                 if self._peers.get(peer) != info:
                     self.xfer.connect(peer, info)
                     self._peers[peer] = info
                 handle = self.xfer.write_components(peer, w.local, w.remote, checksum=w.checksum,
                                                     transfer_id=f"{w.rid}-r{rank}")
-            except TransferError as e:
+            except Exception as e:  # noqa: BLE001 — one write that cannot start fails its request, not the group
                 self._failed.append(RankReport(w.rid, False, error=f"rank {rank}: {e}"))
                 continue
             self._posted[w.rid] = (handle, time.monotonic())
