@@ -12,12 +12,12 @@ inputs reach them on one ZMQ CURVE link that rank 0 binds on HOST (transport/nod
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Callable
 
 from glmrt.config_bounds import bounded
 
-WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
 
 
 class NodesError(ValueError):
@@ -47,10 +47,28 @@ def split_addr(addr: str) -> tuple[str, int]:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not 0 < int(port) < 65536:
         raise ValueError(f"port {port} of {addr!r} is not in 1..65535")
-    if host in WILDCARD_HOSTS:
+    if is_wildcard(host):
         raise ValueError(f"{addr!r} names no host: give node 0's own address, which the other nodes connect to "
                          "(the link binds only there)")
     return host, int(port)
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding on `host` would listen on every interface: "", "*", or any spelling of
+    0.0.0.0 / :: ("0", "::ffff:0.0.0.0", a name that resolves to one)."""
+    if host in ("", "*"):
+        return True
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return False  # a name that does not resolve fails where it is used, with its own message
+    for text in found:
+        addr = ipaddress.ip_address(text.split("%", 1)[0])
+        if addr.version == 6 and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        if addr.is_unspecified:
+            return True
+    return False
 
 
 def tcp_url(host: str, port: int | str) -> str:

@@ -266,3 +266,11 @@ def test_an_engine_over_nodes_takes_its_nodes_share_of_gpus():
     del data["actors"][1]["gpus"]
     topo = place_parallel_engines(parse_topology(data), 8)
     assert topo.actor("engine").gpus == (0, 1)
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:5000", "0:5000", "[::]:5000", "[::ffff:0.0.0.0]:5000", "*:5000", ":5000"])
+def test_every_spelling_of_all_interfaces_is_refused_as_the_link_host(addr):
+    from glmrt.nodes import split_addr
+    with pytest.raises(ValueError, match="names no host"):
+        split_addr(addr)
+    assert split_addr("127.0.0.1:5000") == ("127.0.0.1", 5000)
