@@ -121,9 +121,11 @@ def forward_losses(model: Glm5NextForCausalLM, ops: TrainingOps, batch: Batch,
     text = model.model
     hidden = text(text.embed(ids), meta, cache)
     lm = F.cross_entropy(model.compute_logits(hidden).float(), batch.labels.reshape(-1), ignore_index=IGNORE)
-    # Step j of the draft chain at position t, as served: the embedding of token t+1+j and the
-    # hidden state of step j-1 (step 0: the model's) -> token t+2+j. Teacher-forced, unrolled
-    # mtp_depth times, gradients through the chain; the loss is the mean over the steps.
+    # Step j of the draft chain at position t: the embedding of token t+1+j and the hidden state
+    # of step j-1 (step 0: the model's) -> token t+2+j. Teacher-forced, unrolled mtp_depth times,
+    # gradients through the chain; the loss is the mean over the steps. An approximation of how
+    # the chain is served: there step j attends to step-0 entries of the earlier positions and
+    # the chain's own, here to step j's entries of every earlier position.
     draft, mtp = hidden, []
     for j in range(mtp_depth):
         nxt = _shift(batch.input_ids, j + 1, batch.input_ids[:, -1:])
