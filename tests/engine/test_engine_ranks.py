@@ -77,12 +77,12 @@ def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
     leave_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("ranks")
+def run_two_ranks(target, d, ckpt: str, *extra) -> dict:
+    """`target(rank, rendezvous, ckpt, result, *extra)` in two spawned processes (ranks 0 and 1,
+    gloo); both must exit 0 -> the JSON rank 0 wrote to `result`."""
     result = str(d / "result.json")
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "rendezvous"), ckpt, result)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, str(d / "rendezvous"), ckpt, result, *extra)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -93,6 +93,11 @@ def two_ranks(ckpt, tmp_path_factory):
     assert [p.exitcode for p in procs] == [0, 0]
     with open(result) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ckpt, tmp_path_factory):
+    return run_two_ranks(_rank_main, tmp_path_factory.mktemp("ranks"), ckpt)
 
 
 @pytest.mark.timeout(300)

@@ -21,6 +21,7 @@ import torch
 torch.set_num_threads(1)
 
 from tests.engine.test_engine import PS, assert_same, greedy, make  # noqa: E402
+from tests.engine.test_engine_ranks import run_two_ranks  # noqa: E402
 from tests.engine.test_engine_hicache import churn, conversations, serve  # noqa: E402
 
 
@@ -159,20 +160,7 @@ def _rank_main(rank: int, rendezvous: str, ckpt: str, result: str, l3: str) -> N
 @pytest.fixture(scope="module")
 def two_ranks(ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("hicache-ranks")
-    result = str(d / "result.json")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(d / "rendezvous"), ckpt, result, str(d / "l3")))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
-    with open(result) as f:
-        return json.load(f)
+    return run_two_ranks(_rank_main, d, ckpt, str(d / "l3"))
 
 
 @pytest.mark.timeout(300)

@@ -360,23 +360,8 @@ def _spec_rank_main(rank: int, rendezvous: str, ckpt: str, result: str) -> None:
 def test_two_ranks_speculate_as_one_rank_does(ckpt, tmp_path):
     """The draft chain, the verify forward and the rollback replay are published steps like any
     other: an engine of two ranks (gloo) gives one rank's tokens and logprobs."""
-    import json
-    import multiprocessing
-
-    result = str(tmp_path / "result.json")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_spec_rank_main, args=(r, str(tmp_path / "rendezvous"), ckpt, result))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
-    with open(result) as f:
-        two = json.load(f)
+    from tests.engine.test_engine_ranks import run_two_ranks
+    two = run_two_ranks(_spec_rank_main, tmp_path, ckpt)
     one = _spec_serve(Engine(EngineConfig(model=ckpt, page_size=PS, speculative_algorithm="EAGLE",
                                           speculative_num_steps=3), log=lambda *a: None))
     assert two["cycles"] > 0
