@@ -75,5 +75,5 @@ def test_accuracy_holds_in_every_placement(variant, baseline, start_deployment, 
         dep.stop(term_wait=5)
     assert result["errors"] == 0
     assert result["accuracy"] >= baseline["accuracy"] - MAX_DROP, (variant, result, baseline["accuracy"])
-    if variant == "mtp":  # the drafts are accepted: more than one token per verify step
-        assert result["accept_length"] > 1.5, result
+    if variant == "mtp":  # the shipped MTP layer drafts three tokens of which most are accepted (3.2 of 4 measured)
+        assert result["accept_length"] > 2.8, result
