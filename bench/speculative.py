@@ -4,6 +4,7 @@ acceptance and decode speed against no speculation.
     python3 -m bench.speculative [--preset flash-4l-mtp] [--steps 1,3,5] [--batches 1,16]
                                  [--prompt-len 256] [--output-len 64] [--model DIR]
                                  [--backend cuda-h200] [--compare reference] [--device cuda]
+                                 [--prompts random|chats]
 
 Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
 runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
@@ -14,12 +15,19 @@ of output tokens equal to the `cuda-h200` run without speculation (bf16 noise fl
 ties; a rollback bug makes whole requests diverge). Random weights draft badly, so the accepted
 length here measures the machinery; a trained checkpoint (`--model`) measures acceptance. JSON to
 $OUT/speculative.json when OUT is set.
+
+--prompts chats (with --model: the checkpoint's tokenizer.json) takes the prompts from the
+held-out chats of the training corpus (glmrt.train.corpus.held_out_chats, what `glmrt bench
+serving --dataset chats` sends), rendered by glmrt's chat template with thinking on, as the
+tokenizer actor renders them; each request then runs until the model stops (at most
+--output-len tokens) and tokens/s counts the tokens generated.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 
 import torch
@@ -37,7 +45,7 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict
         kw.update(speculative_algorithm="EAGLE", speculative_num_steps=steps)
     e = Engine(EngineConfig(backend=backend, device=args.device, page_size=64, skip_server_warmup=True, **kw),
                log=lambda *a: None)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.prompts == "random")
     e.generate([prompts[0]], params)  # warm: compile the kernels of each shape once
     out = {"backend": backend, "steps": steps, "batches": {}}
     for b in args.batches:
@@ -49,7 +57,10 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict
         done = e.generate(batch, params)
         sync()
         took = time.perf_counter() - t0
-        row = {"tokens_per_s": b * (args.output_len - 1) / took, "outputs": [c[0].output_ids for c in done]}
+        outputs = [c[0].output_ids for c in done]
+        # the first token of each request comes from the prefill, not from decoding
+        row = {"tokens_per_s": sum(len(o) - 1 for o in outputs) / took, "outputs": outputs,
+               "output_tokens": sum(len(o) for o in outputs)}
         if e.spec:
             after = e.spec.stats.as_dict()
             d = {k: after[k] - before.get(k, 0) for k in after}
@@ -77,6 +88,20 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, sum(len(r) for r in a))
 
 
+def chat_prompts(args, count: int) -> list[list[int]]:
+    """The first `count` held-out corpus chats, as the token ids the tokenizer actor sends."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from glmrt.serving.chat_template import render_chat
+    from glmrt.train.corpus import held_out_chats
+
+    tok = Tokenizer.from_file(os.path.join(os.path.expanduser(args.model), "tokenizer.json"))
+    return [tok.encode(render_chat(c.messages[:-1], c.tools, thinking=True), add_special_tokens=False).ids
+            for c in held_out_chats(0, count)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python3 -m bench.speculative")
     p.add_argument("--preset", default="flash-4l-mtp")
@@ -88,11 +113,21 @@ def main() -> None:
     p.add_argument("--backend", default="cuda-h200", help="the kernel set measured")
     p.add_argument("--compare", default="reference", help="the kernel set whose tokens it is held to")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prompts", choices=("random", "chats"), default="random",
+                   help="random: --prompt-len random ids, --output-len tokens each; chats: the held-out "
+                        "corpus chats (needs --model), each until the model stops")
     args = p.parse_args()
+    if args.prompts == "chats" and not args.model:
+        p.error("--prompts chats needs --model (a checkpoint with its tokenizer.json)")
+    if args.prompts == "chats" and any(a.startswith("--prompt-len") for a in sys.argv[1:]):
+        p.error("--prompt-len does not apply to --prompts chats")
     args.steps = [int(x) for x in args.steps.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 1000, (max(args.batches), args.prompt_len), generator=g).tolist()
+    if args.prompts == "chats":
+        prompts = chat_prompts(args, max(args.batches))
+    else:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(10, 1000, (max(args.batches), args.prompt_len), generator=g).tolist()
     runs = [run_engine(args, args.backend, 0, prompts)]
     runs += [run_engine(args, args.backend, k, prompts) for k in args.steps]
     runs.append(run_engine(args, args.compare, max(args.steps), prompts))

@@ -8,6 +8,15 @@ Workloads (--dataset):
                  turn k-1's answer and a new user message: an append-only prefix, as agentic
                  traces have. A conversation sends its turns one after the other; with R > 0 its
                  first R*L words are a system message shared by all conversations.
+  chats          N chats from the synthetic training corpus (glmrt/train/corpus.py) that the
+                 trained tiny model never trained on: mostly arithmetic problems of the held-out
+                 split (the ones `glmrt eval` asks first), some tool-call and JSON chats. Each is
+                 sent as messages (and tools) on /v1/chat/completions, thinking on, so the
+                 server's chat template renders it as training did; --seed picks them. The
+                 answers end by themselves: ignore_eos is not sent and --output-len O is only
+                 the max_tokens cap, so output lengths vary. The workload for speculative
+                 decoding's acceptance on text the model knows (--input-len, --num-turns,
+                 --turn-len, --num-groups, --shared-prefix-ratio and --vocab-size do not apply).
 
 Prompts: on /v1/completions (--endpoint completions, the default for random and shared-prefix)
 a prompt is a list of token ids drawn from [10, V-100) (--vocab-size V), so input lengths are
@@ -26,7 +35,7 @@ gaps between the next chunks carrying output (a chunk of k tokens counts k gaps 
 TPOT = (e2e - TTFT) / (output_tokens - 1), e2e = the whole request. Tokens are the server's:
 usage (prompt, completion and cached tokens, `stream_options.include_usage`) and the per-chunk
 `token_ids` (`return_token_ids`, sent in the body; ignored by servers without it); nothing is
-re-tokenised. `ignore_eos` is sent unless --no-ignore-eos (random weights stop early).
+re-tokenised. `ignore_eos` is sent unless --no-ignore-eos or --dataset chats (random weights stop early).
 Goodput: the completed requests with TTFT < --slo-ttft-ms and TPOT < --slo-tpot-ms, per second.
 
 Output: a tqdm progress bar on stderr (--quiet: none), --out FILE (JSON: the configuration, and
@@ -54,7 +63,10 @@ from cli.bench_serving_report import format_summary, plot, spec_counters, spec_s
 from glmrt import env
 
 DEFAULT_URL = "http://127.0.0.1:30000"
-DATASETS = ("random", "shared-prefix", "multi-turn")
+DATASETS = ("random", "shared-prefix", "multi-turn", "chats")
+# the workload flags that chats (a fixed corpus) has no use for, and their defaults elsewhere
+SHAPE_DEFAULTS = {"input_len": 256, "num_groups": 1, "num_turns": 3, "turn_len": None, "vocab_size": 512,
+                  "shared_prefix_ratio": None}
 TOKEN_LOW = 10          # prompt ids come from [TOKEN_LOW, vocab_size - TOKEN_HEADROOM)
 TOKEN_HEADROOM = 100
 SPEC_STATS_WAIT_S = 1.2  # > the engines' stats period (actors/engine.py: STATS_S)
@@ -94,25 +106,28 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=env.api_key(), help="default $GLMRT_API_KEY")
     s.add_argument("--endpoint", choices=["completions", "chat"],
                    help="completions: token-id prompts (default for random, shared-prefix); "
-                        "chat: text prompts (default for multi-turn)")
+                        "chat: text prompts (default for multi-turn; the only one for chats)")
     s.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (for servers without it, or real weights)")
+                   help="do not send ignore_eos (for servers without it, or real weights); "
+                        "chats never sends it")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", choices=DATASETS, default="random")
     w.add_argument("--num-prompts", type=int, default=32, metavar="N",
                    help="requests (multi-turn: conversations, of --num-turns requests each)")
-    w.add_argument("--input-len", type=int, default=256, metavar="L",
-                   help="prompt tokens (chat: words); multi-turn: of the first turn's prompt")
-    w.add_argument("--output-len", type=int, default=32, metavar="O", help="max_tokens of each request")
+    w.add_argument("--input-len", type=int, default=None, metavar="L",
+                   help="prompt tokens (chat: words); multi-turn: of the first turn's prompt (default 256)")
+    w.add_argument("--output-len", type=int, default=32, metavar="O",
+                   help="max_tokens of each request (chats: a cap, the answers stop by themselves)")
     w.add_argument("--shared-prefix-ratio", type=float, default=None, metavar="R",
                    help="the shared part of each prompt, in [0, 1) (shared-prefix default 0.5; else 0)")
-    w.add_argument("--num-groups", type=int, default=1, metavar="G", help="shared-prefix groups")
-    w.add_argument("--num-turns", type=int, default=3, metavar="K", help="multi-turn: turns per conversation")
+    w.add_argument("--num-groups", type=int, default=None, metavar="G", help="shared-prefix groups (default 1)")
+    w.add_argument("--num-turns", type=int, default=None, metavar="K",
+                   help="multi-turn: turns per conversation (default 3)")
     w.add_argument("--turn-len", type=int, metavar="T",
                    help="multi-turn: the new user message of each later turn, tokens or words (default L)")
-    w.add_argument("--vocab-size", type=int, default=512, metavar="V",
+    w.add_argument("--vocab-size", type=int, default=None, metavar="V",
                    help=f"token-id prompts use ids in [{TOKEN_LOW}, V-{TOKEN_HEADROOM}) (default 512)")
     w.add_argument("--seed", type=int, default=0)
     ld = p.add_argument_group("load")
@@ -165,6 +180,16 @@ def _parse_concurrency(text: str | None) -> list[int | None]:
 
 
 def _check_args(args) -> None:
+    if args.dataset == "chats":
+        given = [f for f in SHAPE_DEFAULTS if getattr(args, f) is not None]
+        if given:
+            raise _Usage(f"--{given[0].replace('_', '-')} does not apply to --dataset chats (its chats are fixed)")
+        if args.endpoint == "completions":
+            raise _Usage("--dataset chats sends messages: it needs --endpoint chat")
+        args.ignore_eos = False  # the trained model's answers end by themselves
+    for flag, default in SHAPE_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     for flag in ("num_prompts", "input_len", "output_len", "num_groups", "num_turns"):
         if getattr(args, flag) < 1:
             raise _Usage(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -177,7 +202,7 @@ def _check_args(args) -> None:
     if args.vocab_size < TOKEN_LOW + TOKEN_HEADROOM + 1:
         raise _Usage(f"--vocab-size must be > {TOKEN_LOW + TOKEN_HEADROOM}")
     if args.endpoint is None:
-        args.endpoint = "chat" if args.dataset == "multi-turn" else "completions"
+        args.endpoint = "chat" if args.dataset in ("multi-turn", "chats") else "completions"
     if args.request_timeout <= 0:
         raise _Usage("--request-timeout must be > 0")
     args.rate = _parse_rate(args.request_rate)
@@ -195,7 +220,8 @@ def _check_args(args) -> None:
 class Conversation:
     """One unit of arrival: a single request (random, shared-prefix) or a conversation whose
     turns go one after the other. `messages[k]` is turn k's new user message (chat: text;
-    completions: token ids); `system` is a shared system message (chat) or shared ids prefix."""
+    completions: token ids; chats: the whole request, {"messages", "tools"}); `system` is a
+    shared system message (chat) or shared ids prefix."""
 
     index: int
     system: Any
@@ -203,6 +229,14 @@ class Conversation:
 
 
 def make_workload(args, run_index: int) -> list[Conversation]:
+    if args.dataset == "chats":
+        from glmrt.train.corpus import held_out_chats
+
+        # run k of a sweep takes the k-th slice of the list, so no run hits an earlier run's cache
+        n = args.num_prompts
+        chats = held_out_chats(args.seed, n * (run_index + 1))[n * run_index:]
+        return [Conversation(i, None, [{"messages": c.messages[:-1], "tools": c.tools}])
+                for i, c in enumerate(chats)]
     g = random.Random(f"glmrt-bench-serving:{args.dataset}:{args.endpoint}:{args.seed}:{run_index}")
     chat = args.endpoint == "chat"
     hi = args.vocab_size - TOKEN_HEADROOM
@@ -242,11 +276,13 @@ class Client:
         self.url = base + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
-    def body(self, prompt: Any, max_tokens: int) -> dict:
+    def body(self, prompt: Any, max_tokens: int, tools: list | None = None) -> dict:
         b: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": self.args.temperature,
                              "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         if self.args.endpoint == "chat":
             b["messages"] = prompt
+            if tools:
+                b["tools"] = tools
         else:
             b["prompt"] = prompt
         if self.args.ignore_eos:
@@ -265,7 +301,10 @@ async def _conversation(client: Client, session, conv: Conversation, sem, t_run:
         else list(conv.system or [])
     async with sem if sem is not None else contextlib.nullcontext():
         for turn, msg in enumerate(conv.messages):
-            if chat:
+            tools = None
+            if args.dataset == "chats":
+                history, tools = list(msg["messages"]), msg["tools"]
+            elif chat:
                 history.append({"role": "user", "content": msg})
             else:
                 history.extend(msg)
@@ -274,8 +313,8 @@ async def _conversation(client: Client, session, conv: Conversation, sem, t_run:
             inflight["now"] += 1
             inflight["peak"] = max(inflight["peak"], inflight["now"])
             try:
-                await send_request(session, client.url, client.headers, client.body(prompt, args.output_len), res,
-                                   t_run, args.request_timeout)
+                await send_request(session, client.url, client.headers, client.body(prompt, args.output_len, tools),
+                                   res, t_run, args.request_timeout)
             finally:
                 inflight["now"] -= 1
             results.append(res)
@@ -392,8 +431,9 @@ async def _main(args) -> int:
     doc = {"config": config, "server": server, "runs": runs}
     shape = (f"{args.num_prompts} conversations x {args.num_turns} turns" if args.dataset == "multi-turn"
              else f"{args.num_prompts} requests")
-    title = (f"glmrt bench serving: {args.dataset} on {model} ({args.endpoint}), {shape}, "
-             f"input {args.input_len} {'words' if args.endpoint == 'chat' else 'tokens'}, output {args.output_len}"
+    lengths = (f"output up to {args.output_len}" if args.dataset == "chats" else
+               f"input {args.input_len} {'words' if args.endpoint == 'chat' else 'tokens'}, output {args.output_len}")
+    title = (f"glmrt bench serving: {args.dataset} on {model} ({args.endpoint}), {shape}, {lengths}"
              + (f", shared {args.shared_prefix_ratio:g}" if args.shared_prefix_ratio else "")
              + f", rate {args.request_rate}")
     if args.out:

@@ -211,6 +211,32 @@ def held_out_gsm8k(seed: int, count: int) -> list[dict[str, str]]:
     return [{"question": q, "answer": ar.working(p) + f"#### {p.answer}"} for p, q in held_out_problems(seed, count)]
 
 
+BENCH_KINDS = ("math", "tool", "json")
+BENCH_WEIGHTS = (0.8, 0.1, 0.1)
+
+
+def held_out_chats(seed: int, count: int) -> list[Chat]:
+    """`count` chats to benchmark the trained model on, in a fixed order for `seed`: mostly math
+    chats (thinking on) on the held-out problems, in held_out_problems' order (so the first ones
+    are those `glmrt eval` asks), plus tool and JSON chats. The request is every message before
+    the last reply, the last reply is the corpus's answer. Tool and JSON chats have no held-out
+    split: their values come from small ranges, so training has seen most of them; they measure
+    the formats, the math chats measure text training never saw. A shorter list is a prefix of a
+    longer one (each chat draws from its own generator), so a sweep can give each run its own slice."""
+    rngs = [random.Random(f"held-out-chats:{seed}:{i}") for i in range(count)]
+    kinds = [rng.choices(BENCH_KINDS, BENCH_WEIGHTS)[0] for rng in rngs]
+    problems = iter(held_out_problems(seed, kinds.count("math")))
+    out = []
+    for kind, rng in zip(kinds, rngs):
+        if kind == "math":
+            out.append(math_chat(*next(problems)))
+            continue
+        tools = TOOLS if kind == "tool" else None
+        messages = _tool_turn(rng, 0) if kind == "tool" else _json_turn(rng)
+        out.append(Chat(kind, messages, tools, True, _segments(messages, tools, True)))
+    return out
+
+
 def tokenizer_text(seed: int, count: int = 4000) -> list[str]:
     """Rendered chats to train the BPE on."""
     return [c.text for c in chat_stream(seed, 0, count)]

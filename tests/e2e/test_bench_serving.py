@@ -132,6 +132,29 @@ def test_multi_turn_later_turns_hit_the_cache(server, tmp_path):
     assert run["summary"]["cached_token_ratio"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_chats_send_the_held_out_corpus_chats_and_stop_by_themselves(server, tmp_path, tiny_checkpoint):
+    from tokenizers import Tokenizer
+
+    from glmrt.serving.chat_template import render_chat
+    from glmrt.train.corpus import held_out_chats
+
+    doc, _ = bench(server, tmp_path, "--dataset", "chats", "--num-prompts", "6", "--output-len", "8",
+                   "--max-concurrency", "3")
+    assert doc["config"]["endpoint"] == "chat" and doc["config"]["ignore_eos"] is False
+    run = doc["runs"][0]
+    s, reqs = run["summary"], run["requests"]
+    assert s["errors"] == 0 and s["completed"] == 6, s["error_messages"]
+    for r in reqs:  # ignore_eos not sent: a request ends at a stop token or at the cap
+        assert r["ok"] and 1 <= r["output_tokens"] == r["streamed_token_ids"] <= 8, r
+        assert r["finish_reason"] in ("stop", "length", "tool_calls"), r
+    # the prompts are the chats' requests (--seed 7), rendered by the chat template, thinking on
+    tok = Tokenizer.from_file(f"{tiny_checkpoint}/tokenizer.json")
+    want = [len(tok.encode(render_chat(c.messages[:-1], c.tools, thinking=True), add_special_tokens=False).ids)
+            for c in held_out_chats(7, 6)]
+    assert [r["prompt_tokens"] for r in sorted(reqs, key=lambda r: r["conversation"])] == want
+
+
 @pytest.mark.timeout(150)
 def test_concurrency_sweep_plots(server, tmp_path):
     png = tmp_path / "sweep.png"

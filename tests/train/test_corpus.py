@@ -93,3 +93,22 @@ def test_gsm8k_export_ends_with_the_answer():
         assert ar.extract_answer(rec["answer"]) == p.answer
     chat = math_chat(*probs[0])
     assert chat.messages[1]["content"] == f"The answer is {probs[0][0].answer}."
+
+
+def test_held_out_chats_are_deterministic_held_out_and_render_as_training_did(chats):
+    from glmrt.train.corpus import held_out_chats
+
+    bench = held_out_chats(0, 60)
+    assert [c.messages for c in held_out_chats(0, 60)] == [c.messages for c in bench]
+    assert [c.messages for c in held_out_chats(0, 20)] == [c.messages for c in bench[:20]]  # a prefix
+    assert [c.messages for c in held_out_chats(1, 20)] != [c.messages for c in bench[:20]]
+    kinds = [c.kind for c in bench]
+    assert kinds.count("math") > len(bench) // 2 and {"tool", "json"} & set(kinds)
+    # the math chats ask the held-out problems in eval's order, none of which training sees
+    math = [c for c in bench if c.kind == "math"]
+    assert [c.messages[0]["content"] for c in math] == [q for _, q in held_out_problems(0, len(math))]
+    train_keys = {k for c in chats if c.kind.startswith("math") for k in _problem_keys(c.text)}
+    assert not {k for c in math for k in _problem_keys(c.text)} & train_keys
+    for c in bench:  # the request renders as the context training put before the last reply
+        last = max(i for i, (_, is_out) in enumerate(c.segments) if is_out)
+        assert render_chat(c.messages[:-1], c.tools, thinking=True) == "".join(t for t, _ in c.segments[:last])
