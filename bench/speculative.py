@@ -4,11 +4,11 @@ acceptance and decode speed against no speculation.
     python3 -m bench.speculative [--preset flash-4l-mtp] [--steps 1,3,5] [--batches 1,16]
                                  [--prompt-len 256] [--output-len 64] [--model DIR]
                                  [--backend cuda-h200] [--compare reference] [--device cuda]
-                                 [--prompts random|chats]
+                                 [--prompts random|chats] [--profile N]
 
 Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
 runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
-then with each K of `--steps`, then the `reference` backend (bf16 torch on the same GPU) with the
+the same without CUDA graphs (speculation runs without them), then with each K of `--steps`, then the `reference` backend (bf16 torch on the same GPU) with the
 largest K. Printed per run: decode tokens per second per batch size, the mean accepted length and
 the acceptance rate per draft position, the draft and verify milliseconds per step, and the share
 of output tokens equal to the `cuda-h200` run without speculation (bf16 noise flips a few near
@@ -26,7 +26,10 @@ tokenizer actor renders them; each request then runs until the model stops (at m
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import sys
 import time
 
@@ -35,7 +38,7 @@ import torch
 from bench.h200 import write_out
 
 
-def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict:
+def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs: bool = True) -> dict:
     from glmrt.engine.config import EngineConfig
     from glmrt.engine.engine import Engine
     from glmrt.sampling_params import SamplingParams
@@ -43,20 +46,32 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]]) -> dict
     kw = dict(model=args.model, load_format="auto") if args.model else dict(preset=args.preset, load_format="dummy")
     if steps:
         kw.update(speculative_algorithm="EAGLE", speculative_num_steps=steps)
-    e = Engine(EngineConfig(backend=backend, device=args.device, page_size=64, skip_server_warmup=True, **kw),
-               log=lambda *a: None)
+    e = Engine(EngineConfig(backend=backend, device=args.device, page_size=64, skip_server_warmup=True,
+                            disable_cuda_graph=not graphs, **kw), log=lambda *a: None)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.prompts == "random")
     e.generate([prompts[0]], params)  # warm: compile the kernels of each shape once
-    out = {"backend": backend, "steps": steps, "batches": {}}
+    out = {"backend": backend + ("" if graphs else "/eager"), "steps": steps, "batches": {}}
     for b in args.batches:
         batch = prompts[:b]
         e.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefill (cached)
         before = e.spec.stats.as_dict() if e.spec else {}
         sync()
+        prof = cProfile.Profile() if args.profile and steps == max(args.steps) and b == args.batches[0] \
+            and backend == args.backend else None
         t0 = time.perf_counter()
+        if prof:
+            prof.enable()
         done = e.generate(batch, params)
         sync()
         took = time.perf_counter() - t0
+        if prof:
+            prof.disable()
+            text = io.StringIO()
+            st = pstats.Stats(prof, stream=text)
+            st.sort_stats("tottime").print_stats(args.profile)
+            text.write("the same, glmrt's own functions by time including callees:\n")
+            st.sort_stats("cumulative").print_stats(r"glmrt/|backends/", args.profile)
+            out["profile"] = f"{backend} K={steps} batch {b}, host functions by own time:\n" + text.getvalue()
         outputs = [c[0].output_ids for c in done]
         # the first token of each request comes from the prefill, not from decoding
         row = {"tokens_per_s": sum(len(o) - 1 for o in outputs) / took, "outputs": outputs,
@@ -116,6 +131,8 @@ def main() -> None:
     p.add_argument("--prompts", choices=("random", "chats"), default="random",
                    help="random: --prompt-len random ids, --output-len tokens each; chats: the held-out "
                         "corpus chats (needs --model), each until the model stops")
+    p.add_argument("--profile", type=int, default=0, help="print the N host functions of most own time in the "
+                   "largest K's first batch on --backend (cProfile; time waiting on the GPU lands on the syncs)")
     args = p.parse_args()
     if args.prompts == "chats" and not args.model:
         p.error("--prompts chats needs --model (a checkpoint with its tokenizer.json)")
@@ -129,9 +146,14 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(10, 1000, (max(args.batches), args.prompt_len), generator=g).tolist()
     runs = [run_engine(args, args.backend, 0, prompts)]
+    if args.device == "cuda":  # speculation runs without CUDA graphs: the plain decode step without them too
+        runs.append(run_engine(args, args.backend, 0, prompts, graphs=False))
     runs += [run_engine(args, args.backend, k, prompts) for k in args.steps]
     runs.append(run_engine(args, args.compare, max(args.steps), prompts))
     base = runs[0]["batches"]
+    for r in runs:
+        if "profile" in r:
+            print(r.pop("profile"))
     print(f"{'backend':<10} {'K':>2} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'accepted':>8} "
           f"{'draft ms':>8} {'verify ms':>9} {'same tokens':>11}  acceptance per position")
     for r in runs:
