@@ -74,6 +74,12 @@ def test_engine_config_refuses_unknown_policies_and_empty_budgets():
         EngineConfig(chunked_prefill_size=0)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         EngineConfig(max_prefill_tokens=0)
+    assert EngineConfig(max_running_requests=64, max_num_batched_tokens=64).max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_running_requests"):
+        EngineConfig(max_running_requests=64, max_num_batched_tokens=63)   # vLLM's rule
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be >= speculative_num_steps \+ 1 \(6\)"):
+        EngineConfig(speculative_algorithm="MTP", speculative_num_steps=5, max_num_batched_tokens=5)
+    assert EngineConfig(speculative_algorithm="MTP", max_num_batched_tokens=4).max_num_batched_tokens == 4
 
 
 def test_fcfs_admits_in_arrival_order_within_the_running_cap():
