@@ -278,9 +278,10 @@ def test_decodes_over_the_budget_run_alone_and_a_starved_prompt_gets_its_floor_t
     for _ in range(6):
         plan = s.schedule()
         assert [w.req for w in plan.work[:4]] == decodes
-        got.append([(w.start, w.num) for w in plan.work[4:]])
+        got.append([(w.req.rid, w.start, w.num) for w in plan.work[4:]])
         advance(s, plan)
-    assert got == [[], [(0, 2)], [], [(2, 2)], [], [(4, 2)]]   # a prompt waits one step at most
+    r = long.rid                                     # a prompt waits one step at most
+    assert got == [[], [(r, 0, 2)], [], [(r, 2, 2)], [], [(r, 4, 2)]]
 
 
 def test_without_a_token_budget_prefills_get_max_prefill_tokens_beside_any_decodes():
