@@ -195,7 +195,6 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.cfg.max_prefill_tokens
         ready = [r for r in self.running if self._loaded(r)]
         decodes = [r for r in ready if r.num_uncomputed == 1]
         prefills = [r for r in ready if r.num_uncomputed != 1]  # 0: a full hit that waited for its load
