@@ -88,8 +88,10 @@ class EngineConfig:
     Running decodes are counted first (1 + their draft tokens when speculating) and never dropped
     for it; prefill chunks and admissions get what is left, at most max_prefill_tokens. A step
     whose decodes leave nothing runs no prefill; the step after one that ran none while a prefill
-    waited gives prefills at least min(N, chunked_prefill_size) tokens, so a prefill waits one step
-    at most. Smaller: a steadier decode step time beside long prompts, a slower time to first token."""
+    waited gives prefills at least min(N, chunked_prefill_size) tokens (never past max_prefill_tokens),
+    so a prefill waits one step at most. At least max_running_requests when that is set, and
+    speculative_num_steps + 1 when speculating. Smaller: a steadier decode step time beside long
+    prompts, a slower time to first token."""
     schedule_policy: str = bounded("fcfs", choices=("fcfs", "lpm"))
     """fcfs | lpm (longest cached prefix first)."""
     state_checkpoint_interval: int = bounded(8192, ge=0)
