@@ -83,6 +83,15 @@ class EngineConfig:
     """Most prompt tokens of one request computed in one step (longer prompts are chunked)."""
     max_prefill_tokens: int = bounded(16384, ge=1)
     """Most prompt tokens of all requests together in one step."""
+    max_num_batched_tokens: int | None = bounded(None, ge=1)
+    """Most tokens one forward computes (vLLM's knob; None: no cap beyond max_prefill_tokens).
+    Running decodes are counted first (1 + their draft tokens when speculating) and never dropped
+    for it; prefill chunks and admissions get what is left, at most max_prefill_tokens. A step
+    whose decodes leave nothing runs no prefill; the step after one that ran none while a prefill
+    waited gives prefills at least min(N, chunked_prefill_size) tokens (never past max_prefill_tokens),
+    so a prefill waits one step at most. At least max_running_requests when that is set, and
+    speculative_num_steps + 1 when speculating. Smaller: a steadier decode step time beside long
+    prompts, a slower time to first token."""
     schedule_policy: str = bounded("fcfs", choices=("fcfs", "lpm"))
     """fcfs | lpm (longest cached prefix first)."""
     state_checkpoint_interval: int = bounded(8192, ge=0)
@@ -151,6 +160,7 @@ class EngineConfig:
     def __post_init__(self):
         check_fields(self)
         self._check_speculative()
+        self._check_batched_tokens()
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ConfigValueError("enable_hierarchical_cache", True, "needs the prefix cache, which "
                                    "disable_radix_cache turns off")
@@ -162,6 +172,19 @@ class EngineConfig:
         if self.hicache_storage_dir is None and self.hicache_storage_size != 16.0:
             raise ConfigValueError("hicache_storage_size", self.hicache_storage_size,
                                    "is set only with a disk tier (hicache_storage_dir, --hicache-storage-dir)")
+
+    def _check_batched_tokens(self) -> None:
+        """A token budget a full decode batch (vLLM's rule), or one drafting decode, uses up by itself
+        would run prompts only every other step, through the starvation rule: refused."""
+        n = self.max_num_batched_tokens
+        if n is None:
+            return
+        if self.max_running_requests is not None and n < self.max_running_requests:
+            raise ConfigValueError("max_num_batched_tokens", n, f"must be >= max_running_requests "
+                                   f"({self.max_running_requests}): a full decode batch alone would use it up")
+        if self.speculative_steps and n < self.speculative_steps + 1:
+            raise ConfigValueError("max_num_batched_tokens", n, f"must be >= speculative_num_steps + 1 "
+                                   f"({self.speculative_steps + 1}): one drafting decode alone would use it up")
 
     def _check_speculative(self) -> None:
         algo = str(self.speculative_algorithm)

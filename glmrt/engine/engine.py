@@ -90,7 +90,8 @@ class Engine(ModelRank):
         self.scheduler = Scheduler(SchedulerConfig(
             page_size=config.page_size, max_running_requests=self.memory.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size, max_prefill_tokens=config.max_prefill_tokens,
-            policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval),
+            policy=config.schedule_policy, state_checkpoint_interval=config.state_checkpoint_interval,
+            max_num_batched_tokens=config.max_num_batched_tokens),
             self.pages, self.slots, self.tree, draft_depth=self._draft_depth if self.spec_steps else None,
             max_drafting=self.memory.rollback_slots)
         self.spec = Speculator(self.runner, self.spec_steps, self.rollback_base) if self.spec_steps else None
@@ -128,13 +129,14 @@ class Engine(ModelRank):
     # ---- construction helpers ------------------------------------------------------------
 
     def _warm_prefill(self, config: EngineConfig) -> None:
-        """Run every prefill shape class once before traffic (ModelRunner.warm_prefill)."""
+        """Run every prefill shape class once before traffic (ModelRunner.warm_prefill), up to the
+        largest chunk and prefill batch the scheduler plans (max_num_batched_tokens caps both)."""
         t0 = time.perf_counter()
+        batch = min(config.max_prefill_tokens, config.max_num_batched_tokens or config.max_prefill_tokens)
         try:
             ran = self.runner.warm_prefill(
-                self.pages, self.slots,
-                min(config.chunked_prefill_size, config.max_prefill_tokens, self.context_length - 128),
-                max_batch_tokens=config.max_prefill_tokens, max_reqs=self.memory.max_running_requests)
+                self.pages, self.slots, min(config.chunked_prefill_size, batch, self.context_length - 128),
+                max_batch_tokens=batch, max_reqs=self.memory.max_running_requests)
             self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
                      f"{time.perf_counter() - t0:.1f} s")
         except Exception as e:  # an optimisation only: serve without it, and say why

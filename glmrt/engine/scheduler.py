@@ -11,6 +11,10 @@ One step, in order:
      a page shortage evicts the prefix cache, then retracts the newest running request;
   2. waiting requests are admitted by policy (FCFS, or LPM: longest cached prefix first)
      while the prefill token budget, pages, slots and max_running_requests allow.
+The prefill token budget is max_prefill_tokens; with max_num_batched_tokens N it is
+min(max_prefill_tokens, N - the decodes' tokens), none when the decodes use N up (they are never
+dropped for it). A step after one that ran no prefill while one waited for budget gives prefills
+at least min(N, chunked_prefill_size, max_prefill_tokens): a prompt waits one step at most.
 Chunks end at checkpoint positions (prompt end, divergence point, every
 `state_checkpoint_interval` tokens) so the state there can be saved. A new prompt equal to a
 prompt-end checkpoint that kept its output is a full hit: a work item of 0 tokens that only
@@ -36,6 +40,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     policy: str = "fcfs"                     # fcfs | lpm
     state_checkpoint_interval: int = 0       # 0 = off (EngineConfig's default is 8192)
+    max_num_batched_tokens: int | None = None  # tokens per forward, decodes first (None: no cap)
     # NOTE: built from an EngineConfig, whose declared bounds these values already meet
 
 
@@ -113,6 +118,8 @@ class Scheduler:
         self.tree = tree
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # the last step ran no prefill while one waited for the token budget: this one gives it the floor
+        self.starved = False
 
     # ---- queue management ----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -188,7 +195,6 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.cfg.max_prefill_tokens
         ready = [r for r in self.running if self._loaded(r)]
         decodes = [r for r in ready if r.num_uncomputed == 1]
         prefills = [r for r in ready if r.num_uncomputed != 1]  # 0: a full hit that waited for its load
@@ -206,6 +212,8 @@ class Scheduler:
             if depth or self._ensure_pages(req, req.num_computed + 1, plan):
                 plan.work.append(Work(req, req.num_computed, 1, True, depth))
                 drafting += depth > 0
+        num_decodes = len(plan.work)
+        budget = granted = self._prefill_budget(plan)
         for req in sorted(prefills, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING or (budget <= 0 and req.num_uncomputed):
                 continue
@@ -214,8 +222,29 @@ class Scheduler:
                 plan.work.append(Work(req, req.num_computed, n, n == req.num_uncomputed))
                 budget -= n
         self._admit(plan, budget)
+        if self.cfg.max_num_batched_tokens is not None:
+            ran = any(w.num for w in plan.work[num_decodes:])
+            self.starved = not ran and granted <= 0 and self._wants_prefill(prefills)
         self._plan_saves_and_forks(plan)
         return plan
+
+    def _prefill_budget(self, plan: StepPlan) -> int:
+        """Prefill tokens this step may compute, the decodes already planned (module docstring)."""
+        cap = self.cfg.max_num_batched_tokens
+        if cap is None:
+            return self.cfg.max_prefill_tokens
+        decode_tokens = sum(w.num + w.draft for w in plan.work)
+        budget = max(0, min(cap - decode_tokens, self.cfg.max_prefill_tokens))
+        if self.starved:
+            budget = max(budget, min(cap, self.cfg.chunked_prefill_size, self.cfg.max_prefill_tokens))
+        return budget
+
+    def _wants_prefill(self, prefills: list[Request]) -> bool:
+        """Whether a prompt token waits to be computed: a running prefill, or an admissible request."""
+        if any(r.status is Status.RUNNING and r.num_uncomputed for r in prefills):
+            return True
+        return (len(self.running) < self.cfg.max_running_requests
+                and any(r.fork_parent is None for r in self.waiting))
 
     def _ensure_pages(self, req: Request, upto: int, plan: StepPlan) -> bool:
         """Pages for positions < upto; retract the newest other running requests if needed."""

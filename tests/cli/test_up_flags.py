@@ -93,6 +93,14 @@ def test_help_shows_the_defaults_and_the_refusals():
     assert "--port PORT TCP port of the API (0: any free port). (default: 30000)" in text
     assert "--tp-size TP_SIZE, --tp TP_SIZE, --tensor-parallel-size TP_SIZE tensor-parallel degree" in text
     assert "--enable-dp-attention refused: data-parallel attention is not built yet" in text
+    assert "--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS Most tokens one forward computes" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_token_budget_a_full_decode_batch_uses_up_is_one_line():
+    line = one_line_refusal(glmrt_run("up", "--max-running-requests", "64", "--max-num-batched-tokens", "32"))
+    assert line == ("glmrt up: error: --max-num-batched-tokens must be >= max_running_requests (64): a full decode "
+                    "batch alone would use it up (got 32)")
 
 
 @pytest.mark.timeout(60)

@@ -20,6 +20,7 @@ BAD_ENGINE_VALUES = [
     ("schedule_policy", "random", "must be one of fcfs, lpm"),
     ("chunked_prefill_size", 0, "must be >= 1"),
     ("max_prefill_tokens", 0, "must be >= 1"),
+    ("max_num_batched_tokens", 0, "must be >= 1"),
     ("mamba_full_memory_ratio", -0.5, "must be > 0"),
     ("max_running_requests", 0, "must be >= 1"),
     ("context_length", 0, "must be >= 1"),
@@ -49,7 +50,8 @@ def test_engine_config_refuses_values_outside_their_bounds(name, value, requirem
 
 @pytest.mark.parametrize("name, value", [("max_running_requests", None), ("context_length", None),
                                          ("state_checkpoint_interval", 0), ("cuda_graph_warmup_tokens", 0),
-                                         ("mamba_full_memory_ratio", 3), ("schedule_policy", "lpm")])
+                                         ("mamba_full_memory_ratio", 3), ("schedule_policy", "lpm"),
+                                         ("max_num_batched_tokens", 1)])
 def test_engine_config_accepts_the_edges(name, value):
     assert getattr(EngineConfig(**{name: value}), name) == value
 
@@ -74,6 +76,10 @@ GOOD = [{"kind": "tokenizer"}, {"kind": "engine"}, {"kind": "detokenizer"}]
 @pytest.mark.parametrize("data, message", [
     ({"engine": {"chunked_prefill_size": 0}}, "[engine] chunked_prefill_size must be >= 1 (got 0)"),
     ({"engine": {"schedule_policy": "random"}}, "[engine] schedule_policy must be one of fcfs, lpm (got 'random')"),
+    ({"engine": {"max_running_requests": 64, "max_num_batched_tokens": 32}}, "[engine] max_num_batched_tokens must "
+     "be >= max_running_requests (64): a full decode batch alone would use it up (got 32)"),
+    ({"engine": {"speculative_algorithm": "EAGLE", "max_num_batched_tokens": 3}}, "[engine] max_num_batched_tokens "
+     "must be >= speculative_num_steps + 1 (4): one drafting decode alone would use it up (got 3)"),
     ({"model": {"load_format": "pt"}}, "[model] load_format must be one of auto, dummy (got 'pt')"),
     ({"api": {"port": 70000}}, "[api] port must be >= 0 and < 65536 (got 70000)"),
     ({"api": {"max_queued_requests": 0}}, "[api] max_queued_requests must be >= 1 (got 0)"),

@@ -71,6 +71,29 @@ def test_batch_and_chunk_invariance(ckpt, model, reference):
         assert_same(run(e, prompts), want)
 
 
+def test_a_token_budget_per_step_keeps_the_tokens(ckpt, model):
+    """--max-num-batched-tokens changes how prompts are cut into steps beside the decodes, never
+    the tokens: 48 bites while the long prompts prefill; 4 falls below the decode batch, whose
+    steps then alternate between decodes alone and decodes + the starvation floor (4 tokens)."""
+    prompts = [toks(50 + i, n) for i, n in enumerate([2, 3, 2, 3, 2, 40, 30])]
+    want = run(make(ckpt, model, disable_radix_cache=True), prompts)
+    for cap in (48, 4):
+        e = make(ckpt, model, max_num_batched_tokens=cap, disable_radix_cache=True)
+        steps, schedule = [], e.scheduler.schedule
+
+        def record():   # (decode tokens, prefill tokens) of each plan, as the scheduler counts them
+            plan = schedule()
+            decodes = sum(w.num for w in plan.work if w.req.num_uncomputed == 1)
+            steps.append((decodes, plan.num_tokens - decodes))
+            return plan
+        e.scheduler.schedule = record
+        assert_same(run(e, prompts), want)
+        for (_, before), (d, p) in zip([(0, 1)] + steps, steps):
+            # within the budget, decodes alone, or the floor right after a step without a prefill
+            assert d + p <= cap or p == 0 or (p <= cap and before == 0), steps
+        assert max(d + p for d, p in steps) == (48 if cap == 48 else 5 + 4), steps
+
+
 def test_prefix_hits_full_partial_and_divergence(ckpt, model, reference):
     e = make(ckpt, model)
     system = toks(100, 45)  # not page-aligned

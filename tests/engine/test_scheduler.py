@@ -74,6 +74,12 @@ def test_engine_config_refuses_unknown_policies_and_empty_budgets():
         EngineConfig(chunked_prefill_size=0)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         EngineConfig(max_prefill_tokens=0)
+    assert EngineConfig(max_running_requests=64, max_num_batched_tokens=64).max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_running_requests"):
+        EngineConfig(max_running_requests=64, max_num_batched_tokens=63)   # vLLM's rule
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be >= speculative_num_steps \+ 1 \(6\)"):
+        EngineConfig(speculative_algorithm="MTP", speculative_num_steps=5, max_num_batched_tokens=5)
+    assert EngineConfig(speculative_algorithm="MTP", max_num_batched_tokens=4).max_num_batched_tokens == 4
 
 
 def test_fcfs_admits_in_arrival_order_within_the_running_cap():
@@ -220,3 +226,70 @@ def test_free_request_gives_everything_back_and_forked_children_alone_are_no_wor
     waiting_child = Request("c", [1, 2], SamplingParams(), next(_arrival), fork_parent=parent)
     s.add(waiting_child)                             # waits for a parent's prefill: not work by itself
     assert not s.has_work()
+
+
+def decoding(s: Scheduler, n: int, length: int = 3) -> list[Request]:
+    """n running requests whose prompts are computed: each is a decode row in the next step."""
+    reqs = [submit(s, [50 + i] * length) for i in range(n)]
+    plan = s.schedule()
+    assert sorted(w.req.rid for w in plan.work) == sorted(r.rid for r in reqs)
+    advance(s, plan)
+    assert all(r.num_uncomputed == 1 for r in reqs)
+    return reqs
+
+
+def test_a_token_budget_gives_prefills_what_the_decodes_leave():
+    s = make(max_num_batched_tokens=20, chunked_prefill_size=100)
+    decodes = decoding(s, 4)
+    long = submit(s, list(range(200)))
+    for start in (0, 16):                            # admitted, then a running prefill chunk
+        plan = s.schedule()
+        assert work_of(plan) == [(r.rid, 3 + start // 16, 1, True) for r in decodes] + [(long.rid, start, 16, False)]
+        assert plan.num_tokens == 20
+        advance(s, plan)
+    s2 = make(max_num_batched_tokens=20, chunked_prefill_size=100)
+    submit(s2, list(range(200)))                     # no decode: min(N, max_prefill_tokens)
+    assert [w.num for w in s2.schedule().work] == [20]
+
+
+def test_a_drafting_decode_costs_its_draft_tokens_too():
+    pages, slots = PageManager(64), SlotManager(16)
+    s = Scheduler(SchedulerConfig(page_size=PS, max_running_requests=8, max_num_batched_tokens=12), pages, slots,
+                  RadixCache(PS, pages, slots), draft_depth=lambda r: 3, max_drafting=1)
+    a, b = decoding(s, 2)
+    long = submit(s, list(range(100)))
+    plan = s.schedule()                              # a: 1 + 3 drafts, b (no snapshot left): 1
+    assert [(w.req, w.num, w.draft) for w in plan.work] == [(a, 1, 3), (b, 1, 0), (long, 7, 0)]
+
+
+def test_decodes_over_the_budget_run_alone_and_a_starved_prompt_gets_its_floor_the_step_after():
+    s = make(max_num_batched_tokens=3, chunked_prefill_size=2)
+    decodes = decoding(s, 3, length=1)               # 3 decodes: the whole budget
+    late = submit(s, [90])
+    plan = s.schedule()
+    assert [w.req for w in plan.work] == decodes and s.starved   # no prefill; it waited for the budget
+    advance(s, plan)
+    plan = s.schedule()                              # the floor: min(N, chunked_prefill_size) = 2
+    assert [w.req for w in plan.work] == decodes + [late] and not s.starved
+    advance(s, plan)
+    decodes.append(late)                             # 4 decodes > N: never dropped for the budget
+    long = submit(s, list(range(100, 110)))
+    got = []
+    for _ in range(6):
+        plan = s.schedule()
+        assert [w.req for w in plan.work[:4]] == decodes
+        got.append([(w.req.rid, w.start, w.num) for w in plan.work[4:]])
+        advance(s, plan)
+    r = long.rid                                     # a prompt waits one step at most
+    assert got == [[], [(r, 0, 2)], [], [(r, 2, 2)], [], [(r, 4, 2)]]
+
+
+def test_without_a_token_budget_prefills_get_max_prefill_tokens_beside_any_decodes():
+    s = make(max_prefill_tokens=10, chunked_prefill_size=100)
+    decodes = decoding(s, 4, length=2)
+    long = submit(s, list(range(200)))
+    for start in (0, 10):
+        plan = s.schedule()
+        assert [w.req for w in plan.work[:4]] == decodes and work_of(plan)[4:] == [(long.rid, start, 10, False)]
+        assert not s.starved
+        advance(s, plan)
