@@ -1,6 +1,5 @@
 """Tile sweeps of the fused MoE: the alternatives to the tile table's entries (bf16, fp8 w8a16,
-fp8 w8a8; decode and prefill), each timed as a whole call, and the sorted-row TMA GEMMs against
-the pointer GEMMs (`--tma-sweep`). Driven by `python3 -m bench.moe_h200 --sweep / --tma-sweep`.
+fp8 w8a8; decode and prefill), each timed as a whole call. Driven by `python3 -m bench.moe_h200 --sweep`.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import time
 import torch
 
 from bench.h200 import CEILING_TBPS
-from bench.moe_cases import BLOCK, expert_bytes, make_inputs, rel, table_config, weights_of
+from bench.moe_cases import BLOCK, expert_bytes, make_inputs, table_config, weights_of
 from backends.kernels import fused_moe as fm
 
 def _smem_ok(c: dict) -> bool:
@@ -148,73 +147,6 @@ def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.G
     return res
 
 
-_TMA_KEYS = dict(bm="BLOCK_M", a="A_TMA", gn="gate_up.BLOCK_N", gk="gate_up.BLOCK_K", gw="gate_up.num_warps",
-                 gs="gate_up.num_stages", gg="gate_up.GROUP_M", gws="gate_up.WARP_SPECIALIZE",
-                 dn="down.BLOCK_N", dk="down.BLOCK_K", dw="down.num_warps", ds="down.num_stages",
-                 dg="down.GROUP_M", dws="down.WARP_SPECIALIZE")
-
-
-def tma_config(spec: str) -> dict:
-    """fused_moe_tma.CONFIG with a spec's changes: "bm=64,gn=128,gs=3,dws=1" (keys: _TMA_KEYS)."""
-    from backends.kernels import fused_moe_tma
-
-    c = fused_moe_tma.merged_config()
-    for item in filter(None, spec.split(",")):
-        key, val = item.split("=")
-        path = _TMA_KEYS[key.strip()].split(".")
-        v = int(val)
-        if path[-1] in ("A_TMA", "WARP_SPECIALIZE"):
-            v = bool(v)
-        (c[path[0]] if len(path) == 2 else c)[path[-1]] = v
-    return c
-
-
-def tma_sweep(n: int, w: dict, dims: dict, dev: torch.device, gd: torch.Generator, args, kernel_ms) -> list:
-    """bf16 at N tokens: the pointer GEMMs (the table's entry) against each --tma-sweep spec of the
-    sorted-row TMA GEMMs, whole fused_moe calls (alignment, gather, GEMMs, sum) each; every TMA
-    output compared with the pointer GEMMs' on the same inputs."""
-    from backends.kernels import fused_moe_tma
-
-    ws, _ = w["bf16"]
-    sets = make_inputs(n, dims, w, dev, gd, args.rotate)
-    flops = 6.0 * n * dims["k"] * dims["i"] * dims["d"]
-    outs = [torch.empty_like(x) for x, _, _ in sets]
-    x0, ids0, rw0 = sets[0]
-    ptr = fm.fused_moe(x0, ids0, rw0, *ws, dims["limit"], tma=False)
-    res = []
-    for spec in ["pointer"] + args.tma_sweep.split(";"):
-        cfg = None if spec == "pointer" else tma_config(spec)
-        it = [0]
-
-        def run():
-            j = it[0] % len(sets)
-            it[0] += 1
-            x, ids, rw = sets[j]
-            fm.fused_moe(x, ids, rw, *ws, dims["limit"], out=outs[j], tma=cfg is not None, config=cfg)
-
-        rec = dict(tokens=n, spec=spec)
-        refused = len(fused_moe_tma.refusals())
-        try:
-            t = time.time()
-            got = fm.fused_moe(x0, ids0, rw0, *ws, dims["limit"], tma=cfg is not None, config=cfg)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            rec["compile_s"] = time.time() - t
-            if cfg is not None and len(fused_moe_tma.refusals()) > refused:  # it fell back to the pointer GEMMs
-                raise RuntimeError(list(fused_moe_tma.refusals().values())[-1])
-            rec["rel_vs_pointer"] = rel(got, ptr)
-            ms = kernel_ms(run)
-            rec.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-        except Exception as err:  # noqa: BLE001 - a shape that does not compile is a result too
-            rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        res.append(rec)
-        print("tma", json.dumps(rec), flush=True)
-    del sets, outs
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return res
-
-
 def _cfg_str(c: dict) -> str:
     def one(p: dict) -> str:
         flags = ("S" if p.get("SWAP_AB") else "") + ("E" if p.get("scale_acc", True) is False else "")
@@ -251,15 +183,3 @@ def print_sweep(swept: list, sweep_tokens: list[int]) -> None:
         print(f"       {_cfg_str(b['config'])}")
         print(f"       {b['config']!r}")
 
-
-def print_tma(tma_rows: list) -> None:
-    """The pointer GEMMs against each TMA variant, per token count."""
-    print("\nbf16 fused MoE: pointer GEMMs vs sorted-row TMA GEMMs (whole call; TFLOP/s of the routed rows)")
-    for r in tma_rows:
-        base = next((b for b in tma_rows if b["tokens"] == r["tokens"] and b["spec"] == "pointer" and "ms" in b), None)
-        if "ms" not in r:
-            print(f"  N={r['tokens']:<6} {r['spec']:<40} FAILED {r['error']}")
-            continue
-        gain = f"x{base['ms'] / r['ms']:.3f}" if base is not None else ""
-        print(f"  N={r['tokens']:<6} {r['spec']:<40} {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s {gain:>7} "
-              f"rel {r['rel_vs_pointer']:.1e}")

@@ -101,8 +101,6 @@ def main(argv=None) -> list[dict]:
                    "kernel); the torch reference expands [H, T, T] scores: it does not fit at 16K in one forward")
     p.add_argument("--mla-chunk-rows", default="", help="sparse_mla.PREFILL_CHUNK_ROWS values (query tokens per "
                    "sparse-MLA prefill launch) also timed on the triton backend, e.g. 4096,16384")
-    p.add_argument("--moe-tma", action="store_true", help="also time the triton backend with the bf16 MoE on the "
-                   "sorted-row TMA GEMMs from 4096 tokens (fused_moe.TMA_MIN_TOKENS; fused_moe_tma), and compare logits")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -154,18 +152,6 @@ def main(argv=None) -> list[dict]:
                     print(f"triton {t}, sparse-MLA prefill in launches of {rows_per} query tokens: {ms:.1f} ms "
                           f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling)", flush=True)
                 sm.PREFILL_CHUNK_ROWS = keep
-            if name == "triton" and args.moe_tma:
-                from backends.kernels import fused_moe as fm, fused_moe_tma
-                keep = fm.TMA_MIN_TOKENS
-                fm.TMA_MIN_TOKENS = 4096
-                ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
-                fm.TMA_MIN_TOKENS = keep
-                row["triton_ms_moe_tma"] = ms
-                row["moe_tma_vs_pointer_rel"] = float((logits - got["triton"]).norm() / got["triton"].norm())
-                print(f"triton {t}, MoE on the TMA GEMMs: {ms:.1f} ms "
-                      f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling; logits vs the "
-                      f"pointer GEMMs' rel {row['moe_tma_vs_pointer_rel']:.2e}; refused configs: "
-                      f"{list(fused_moe_tma.refusals().values()) or 'none'})", flush=True)
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())

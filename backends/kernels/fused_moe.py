@@ -73,8 +73,7 @@ import triton.language as tl
 
 # the tile tables live in fused_moe_configs; re-exported here for tests and benches (fm.CONFIGS, ...)
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
-from . import fused_moe_tma, pdl
-from .fused_moe_tma import swiglu_clamped
+from . import pdl
 from .pdl import pdl_enter
 from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3
 from .interpreter import patch_interpreter
@@ -109,11 +108,6 @@ INKERNEL_QUANT_MAX_TOKENS = 1024
 # the last of ~2.2 waves mostly empty at batch 1 with the shared expert seated, 9 pairs). H200,
 # one MoE layer call in a CUDA graph: 128.8 -> 119.6 µs, the same output.
 PAIR_GATE_UP_16BIT = dict(BLOCK_N=32, num_stages=3)
-# 16-bit weights from this many tokens: the GEMMs on expert-sorted rows with TMA tile loads
-# (fused_moe_tma; its own tiles, fused_moe_tma.CONFIG). None: never unasked. Off until timed on an
-# H200 against the pointer GEMMs (bench.moe_h200 --tma-sweep, bench.prefill_model --moe-tma): so
-# far it is checked in Triton's interpreter only (bench/RESULTS.md, "Not measured").
-TMA_MIN_TOKENS: int | None = None
 
 def max_blocks(m: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the BLOCK_M blocks of the aligned list for m pairs (no data needed)."""
@@ -291,6 +285,20 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, mode: str | 
 # ---------------------------------------------------------------------------------------
 # grouped GEMMs
 # ---------------------------------------------------------------------------------------
+@triton.jit
+def swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """h = silu(min(g, limit)) · clamp(u, ±limit) from gate and up already rounded to the model
+    dtype, with the reference's roundings (silu(gate) and the product); h in that dtype."""
+    dt = g.dtype
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (s * u).to(dt)
+
+
 # fp8 weights (FP8) are applied in one of two ways, picked per launch (constexpr):
 #   SCALE_ACC  the K tile sits inside one scale block (BLOCK_K divides SCALE_BK): the fp8 tile
 #              is converted to the activation dtype (exact for e4m3/e5m2 -> bf16/fp16/fp32),
@@ -647,7 +655,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
               scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               block: tuple[int, int] = (128, 128), *, out: torch.Tensor | None = None,
               config: dict | None = None, pair_blocks: bool | None = None, act_fp8: bool = False,
-              reduce: bool = True, tma: bool | None = None) -> torch.Tensor | MoEPartials:
+              reduce: bool = True) -> torch.Tensor | MoEPartials:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
 
     `act_fp8` (where act_fp8_supported): w8a8, i.e. both GEMMs' inputs quantised per row and
@@ -659,9 +667,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
     (token, slot) pair without alignment (True) or the aligned blocks (False); None: pair blocks
     up to PAIR_BLOCKS_MAX_PAIRS pairs. `reduce=False`: no sum launch, MoEPartials (the weighted
-    per-pair rows) for a consumer that sums them itself (mhc.mhc_post). `tma`: the sorted-row TMA
-    GEMMs (fused_moe_tma; 16-bit weights, SM90+; `config` then in fused_moe_tma.CONFIG's layout)
-    forced on (True, where available) or off; None: from TMA_MIN_TOKENS tokens unless `config`."""
+    per-pair rows) for a consumer that sums them itself (mhc.mhc_post)."""
     n, d = x.shape
     top_k = ids.shape[1]
     e, i, _ = w_gate.shape
@@ -675,12 +681,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     m = n * top_k
     fp8 = scales is not None
     act_fp8 = act_fp8_supported(act_fp8, x.dtype, w_gate.dtype, block)
-    if tma is None:
-        tma = TMA_MIN_TOKENS is not None and n >= TMA_MIN_TOKENS and not pair_blocks and not config
-    if tma and not fp8 and fused_moe_tma.available(x, w_gate, w_up, w_down):
-        res = _fused_moe_tma(x, ids, weights, w_gate, w_up, w_down, limit, out, config, reduce)
-        if res is not None:
-            return res
     cfg = get_config(n, x.dtype, w_gate.dtype, act_fp8)
     if pair_blocks is None:
         pair_blocks = m <= PAIR_BLOCKS_MAX_PAIRS
@@ -705,7 +705,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
                            SWAP_AB=bool(c.get("SWAP_AB", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
-    flat_ids, rw = _flat_pairs(ids, weights)
+    flat_ids = ids.reshape(-1).contiguous()
+    rw = weights.reshape(-1).contiguous()
     if pair_blocks:  # block b = pair b, expert ids.flat[b]: no alignment launch, no buffers
         sorted_ids = block_expert = block_rows = flat_ids  # unused (PAIR_BLOCKS)
         nb = m
@@ -746,40 +747,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
              SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
-    return _finish(y, ids, flat_ids, e, out, reduce)
-
-
-def _flat_pairs(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and routing weights [N, k] as contiguous [N*k] vectors, one entry per (token, slot) pair."""
-    return ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-
-
-def _finish(y: torch.Tensor, ids: torch.Tensor, flat_ids: torch.Tensor, num_experts: int,
-            out: torch.Tensor | None, reduce: bool) -> torch.Tensor | MoEPartials:
-    """The pair rows y [N*top_k, D]: summed per token into out, or handed over unreduced."""
-    n, top_k = ids.shape
-    d = y.shape[1]
     if not reduce:
-        return MoEPartials(y.view(n, top_k, d), ids, num_experts)
+        return MoEPartials(y.view(n, top_k, d), ids, e)
     block_d = min(1024, triton.next_power_of_2(d))
-    _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, num_experts, top_k, y.stride(0),
-                                              out.stride(0), BLOCK_D=block_d, **pdl.launch(y.device), num_warps=4)
+    _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
+                                              BLOCK_D=block_d, **launch, num_warps=4)
     return out
-
-
-def _fused_moe_tma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                   w_up: torch.Tensor, w_down: torch.Tensor, limit: float | None, out: torch.Tensor | None,
-                   config: dict | None, reduce: bool) -> torch.Tensor | MoEPartials | None:
-    """fused_moe with 16-bit weights on fused_moe_tma's GEMMs: the same alignment and pair rows
-    (None: the config's kernels do not compile on this device; the caller falls back)."""
-    n, d = x.shape
-    top_k = ids.shape[1]
-    e = w_gate.shape[0]
-    cfg = fused_moe_tma.merged_config(config)
-    flat_ids, rw = _flat_pairs(ids, weights)
-    sorted_ids, block_expert, block_rows = moe_align(ids, e, cfg["BLOCK_M"])
-    y = torch.empty(n * top_k, d, dtype=x.dtype, device=x.device)
-    if not fused_moe_tma.launch_or_refuse(x, w_gate, w_up, w_down, rw, y, sorted_ids, block_expert, block_rows,
-                                          top_k, limit, cfg):
-        return None  # this tile does not compile here: fused_moe's pointer GEMMs instead
-    return _finish(y, ids, flat_ids, e, out, reduce)
