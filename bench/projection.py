@@ -24,14 +24,18 @@ all-gather of the logits (tokens x vocab x 2 bytes). Expert parallelism as glmrt
 same all-reduce, so EP changes which experts a rank reads (whole experts, the busiest rank
 setting the pace) and not the traffic.
 
-The collective times are ASSUMPTIONS unless --collectives gives measured ones: latency plus
-bytes over bus bandwidth, t = lat + S x 2(n-1)/n / busbw for an all-reduce of S bytes and
-t = lat + S x (n-1)/n / busbw for an all-gather of S bytes in all, the bus-bandwidth convention
-of NVIDIA's nccl-tests. Defaults: 8 us and 350 GB/s at 4 ranks, 10 us and 400 GB/s at 8 (NCCL
-inside a CUDA graph on one NVLink-4 / NVSwitch H200 host: the small-message latency of NCCL's
-LL protocol and a bus bandwidth below the ~450 GB/s peak that nccl-tests all_reduce_perf
-reaches at large sizes on 8 NVSwitch-connected H100/H200s; a decode step's messages are 8 KB
-to 40 MB, mostly latency-bound).
+The collective times are ASSUMPTIONS unless --collectives gives measured ones. All-reduce up
+to 1 MB: published H100 figures for 4 and 8 ranks on one NVSwitch host (SGLang's custom
+all-reduce pull request, its table of the vLLM custom all-reduce kernel without CUDA graphs:
+8.5-9.2 us from 512 B to 32 KB at 4 ranks, 20.6 us at 256 KB, 40.2 us at 1 MB; 9.3-11.8 us,
+24.1 and 45.0 us at 8), interpolated; a decode step's all-reduces are 8 KB (batch 1) to 1 MB
+(batch 128) and sit on those points. Above 1 MB (the verify forward's), and for the logits'
+all-gather, latency plus bytes over bus bandwidth in the convention of NVIDIA's nccl-tests:
+t = lat + S x 2(n-1)/n / busbw for an all-reduce of S bytes, lat + S x (n-1)/n / busbw for an
+all-gather of S bytes in all, with 8 us and 350 GB/s at 4 ranks, 10 us and 400 GB/s at 8 (below
+the ~450 GB/s that nccl-tests reaches at large sizes on 8 NVSwitch-connected H100s). glmrt
+calls NCCL through torch.distributed inside the decode CUDA graph, where NCCL's small-message
+latency is of the same order (~6 us measured for NVLink SHARP at 2 ranks in a graph).
 
 Speculation (MTP, K drafts, accepted length L, an assumption for the real model: the default
 3.7 is the shipped tiny model's measured 3.64-3.83 at K = 5): a cycle is the verify forward of
@@ -52,6 +56,10 @@ from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, write_out
 CEILING_FP8_TFLOPS = 1340.0  # the fp8 ceiling the prefill table of bench/RESULTS.md measures against
 HBM_BYTES = 141e9            # one H200
 DEFAULT_LINKS = {4: (8.0, 350.0), 8: (10.0, 400.0)}  # ranks -> (latency us, bus GB/s): assumed
+# ranks -> [(bytes, us)]: published H100 all-reduce times up to 1 MB (module docstring)
+DEFAULT_ALLREDUCE = {4: [(512, 9.1), (4096, 8.5), (32768, 9.2), (262144, 20.6), (524288, 26.9), (1048576, 40.2)],
+                     8: [(512, 10.1), (4096, 9.3), (32768, 11.8), (262144, 24.1), (524288, 30.4),
+                         (1048576, 45.0)]}
 SGLANG = ("SGLang's published 11,459 tok/s at ~128 running requests, with DFlash2 drafting: "
           "7.03 accepted tokens per 74 ms cycle")
 KINDS = ("allreduce", "all_gather")
@@ -60,10 +68,13 @@ KINDS = ("allreduce", "all_gather")
 class Collectives:
     """Time of one collective of S bytes on n ranks: measured tables where given (interpolated
     linearly between points; below the first point its time, above the last the last segment's
-    slope), else the assumed latency + bandwidth model."""
+    slope), else the assumed figures: the published all-reduce points up to their last size,
+    and beyond them (and for any all-gather) the latency + bandwidth model."""
 
-    def __init__(self, links: dict[int, tuple[float, float]] | None = None):
+    def __init__(self, links: dict[int, tuple[float, float]] | None = None,
+                 assumed: dict[int, list[tuple[float, float]]] | None = None):
         self.links = dict(DEFAULT_LINKS if links is None else links)
+        self.assumed = dict(DEFAULT_ALLREDUCE if assumed is None else assumed)
         self.tables: dict[tuple[str, int], list[tuple[float, float]]] = {}
 
     @staticmethod
@@ -114,7 +125,12 @@ class Collectives:
         if (kind, n) in self.tables:
             return "measured"
         lat, bw = self.link(n)
-        return f"assumed: {lat:g} us + bytes x {'2' if kind == 'allreduce' else '1'}(n-1)/n / {bw:g} GB/s"
+        model = f"{lat:g} us + bytes x {'2' if kind == 'allreduce' else '1'}(n-1)/n / {bw:g} GB/s"
+        if kind == "allreduce" and n in self.assumed:
+            pts = self.assumed[n]
+            return (f"assumed: published H100 points {pts[0][1]:g}-{pts[-1][1]:g} us up to "
+                    f"{pts[-1][0] / 2**20:g} MiB, beyond: + bytes x 2(n-1)/n / {bw:g} GB/s")
+        return f"assumed: {model}"
 
     def link(self, n: int) -> tuple[float, float]:
         if n in self.links:
@@ -132,6 +148,11 @@ class Collectives:
             return self.interpolate(self.tables[("allreduce", n)], size / 2)
         lat, bw = self.link(n)
         factor = 2 * (n - 1) / n if kind == "allreduce" else (n - 1) / n
+        if kind == "allreduce" and n in self.assumed:
+            pts = self.assumed[n]
+            if size <= pts[-1][0]:
+                return self.interpolate(pts, size)
+            return pts[-1][1] + (size - pts[-1][0]) * factor / (bw * 1e3)
         return lat + size * factor / (bw * 1e3)  # GB/s = 1e3 bytes/us
 
 
@@ -147,12 +168,13 @@ def collective_ms(rm, parts, tokens: int, links: Collectives) -> float:
 
 def forward(rm, parts, b: int, context: int, args, links: Collectives, tokens_per_req: int = 1) -> dict:
     """One forward of b requests x tokens_per_req tokens through `parts`."""
-    from bench.projection_parts import step_bytes, token_flops
+    from bench.projection_parts import cache_bytes, step_bytes, token_flops
 
     tokens = b * tokens_per_req
-    hbm = flop = layered = nbytes = 0.0
+    hbm = flop = layered = nbytes = cached = 0.0
     for p in parts:
         byt = step_bytes(rm, p, b, context, expert_tokens=tokens)
+        cached += cache_bytes(rm, p, b, context)
         f16, f8 = token_flops(rm, p, context)
         h = byt / (CEILING_TBPS * 1e12) * 1e3 * args.hbm_efficiency
         f = tokens * (f16 / (CEILING_TFLOPS * 1e12) + f8 / (CEILING_FP8_TFLOPS * 1e12)) * 1e3
@@ -161,7 +183,7 @@ def forward(rm, parts, b: int, context: int, args, links: Collectives, tokens_pe
         flop += f
         layered += max(h, f)
     coll = collective_ms(rm, parts, tokens, links)
-    return {"bytes": nbytes, "hbm_ms": hbm, "flop_ms": flop, "coll_ms": coll, "ms": layered + coll}
+    return {"bytes": nbytes, "cache_bytes": cached, "hbm_ms": hbm, "flop_ms": flop, "coll_ms": coll, "ms": layered + coll}
 
 
 def memory(rm, args) -> dict:
