@@ -315,7 +315,7 @@ def project(args) -> tuple[list[dict], list[str], Collectives]:
         "b x (K+1) tokens + K MTP-layer steps (with the shared LM head)",
         f"memory: {HBM_BYTES / 1e9:g} GB x mem_fraction {args.mem_fraction} per GPU; 4K reqs: requests of "
         f"{args.context} tokens the KV + state pools hold after the weights (no activation workspace counted)",
-        f"reference: {SGLANG} (4 x H200)",
+        f"reference, beside the four-GPU rows: {SGLANG}",
     ]
     return rows, notes, links
 
