@@ -115,8 +115,10 @@ class Collectives:
     @staticmethod
     def interpolate(pts: list[tuple[float, float]], size: float) -> float:
         xs = [s for s, _ in pts]
-        if size <= xs[0] or len(pts) == 1:
-            return pts[0][1] if size <= xs[0] else pts[0][1] * size / max(xs[0], 1.0)
+        if size <= xs[0]:
+            return pts[0][1]
+        if len(pts) == 1:  # one measured size: no slope to extend, so time in proportion to bytes
+            return pts[0][1] * size / max(xs[0], 1.0)
         i = min(bisect_left(xs, size), len(pts) - 1)
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
@@ -183,7 +185,8 @@ def forward(rm, parts, b: int, context: int, args, links: Collectives, tokens_pe
         flop += f
         layered += max(h, f)
     coll = collective_ms(rm, parts, tokens, links)
-    return {"bytes": nbytes, "cache_bytes": cached, "hbm_ms": hbm, "flop_ms": flop, "coll_ms": coll, "ms": layered + coll}
+    return {"bytes": nbytes, "cache_bytes": cached, "hbm_ms": hbm, "flop_ms": flop, "coll_ms": coll,
+            "ms": layered + coll}
 
 
 def memory(rm, args) -> dict:

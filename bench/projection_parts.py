@@ -42,10 +42,6 @@ class Part:
     embed_row_bytes: int = 0       # head: one embedding row (a step reads b of them)
     derived_bytes: int = 0         # FP8 kv_b_proj's kept bf16 copy: held and read instead of it
 
-    @property
-    def stored_bytes(self) -> int:
-        return self.dense_bytes + self.expert_bytes
-
 
 @dataclass
 class RankModel:
@@ -105,10 +101,10 @@ def rank_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, quantization: str = "
     """Build rank 0 of `cfg` at (tp, ep) on the meta device and count it (text model + MTP
     layer; the vision tower is left out). `quantization` "fp8": the linears and experts glmrt's
     `--quantization fp8` converts (block-scaled e4m3), the rest in bf16, as load_dummy does."""
-    dtype = torch.bfloat16
-    fp8 = default_fp8_modules(cfg, dtype) if quantization == "fp8" else []
     if quantization not in ("bf16", "fp8"):
         raise ValueError(f"--quantization {quantization!r}: choose bf16 or fp8")
+    dtype = torch.bfloat16
+    fp8 = default_fp8_modules(cfg, dtype) if quantization == "fp8" else []
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
     model = build_model(cfg, None, dtype, "meta", fp8_modules=fp8, fp8_block=tuple(block), with_vision=False,
                         with_mtp=True, parallel=Parallel(0, tp, ep))
