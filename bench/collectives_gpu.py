@@ -74,10 +74,10 @@ def main(argv=None) -> dict | None:
     dtype = torch.bfloat16
     rows = {"allreduce": [], "all_gather": []}
     for t in tokens:
-        x = torch.ones(t, args.hidden, dtype=dtype, device=dev)
+        x = torch.zeros(t, args.hidden, dtype=dtype, device=dev)
         rows["allreduce"].append((x.numel() * 2, _time_us(lambda: [par.all_reduce(x) for _ in range(reps)],
                                                           reps, cuda)))
-        part = torch.ones(t, args.vocab // n, dtype=dtype, device=dev)
+        part = torch.zeros(t, args.vocab // n, dtype=dtype, device=dev)
         rows["all_gather"].append((t * args.vocab * 2, _time_us(lambda: [par.all_gather(part, -1)
                                                                          for _ in range(reps)], reps, cuda)))
     times = torch.tensor([us for kind in rows.values() for _, us in kind], dtype=torch.float64,

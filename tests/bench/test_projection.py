@@ -95,6 +95,7 @@ def test_collective_tables_interpolate_and_refuse(tmp_path):
     assert links.us("allreduce", 4, 10) == pytest.approx(10)      # below the first point: its time
     assert links.us("allreduce", 4, 6000) == pytest.approx(28)    # above: the last segment's slope
     assert links.us("all_gather", 4, 3000) == pytest.approx(15)   # half an all-reduce's bytes
+    assert links.source("all_gather", 4).startswith("the measured all-reduce")
     assert links.source("allreduce", 8).startswith("assumed")     # other group sizes keep the assumptions
     assert links.us("allreduce", 8, 0) == pytest.approx(10.1)      # the published points up to 1 MiB,
     assert links.us("allreduce", 8, 2 << 20) == pytest.approx(45.0 + (1 << 20) * 1.75 / 400e3)  # then busbw
