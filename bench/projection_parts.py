@@ -57,6 +57,7 @@ class RankModel:
     weight_bytes: int              # everything this rank stores, kept derived copies included
     replicated_bytes: int          # tensors this rank holds whole although tp > 1
     layout: CacheLayout = field(repr=False, default=None)
+    model: torch.nn.Module = field(repr=False, default=None)  # the meta-device rank it counts
 
     def target(self) -> list[Part]:
         return [p for p in self.parts if p.kind != "mtp"]
@@ -140,7 +141,7 @@ def rank_model(cfg: ModelConfig, tp: int = 1, ep: int = 1, quantization: str = "
     params = sum(p.numel() for p in model.parameters())
     stored = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(p.derived_bytes for p in parts)
     layout = CacheLayout.from_config(t, page_size=page_size, kv_dtype=kv_dtype, model_dtype="bfloat16", tp_size=tp)
-    return RankModel(cfg, tp, ep, quantization, parts, params, stored, whole if tp > 1 else 0, layout)
+    return RankModel(cfg, tp, ep, quantization, parts, params, stored, whole if tp > 1 else 0, layout, model)
 
 
 def touched_fraction(cfg: ModelConfig, tokens: int) -> float:

@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from bench.h200 import CEILING_TBPS
 from bench.projection import Collectives, main
@@ -26,8 +25,20 @@ def flash():
 
 
 @pytest.fixture(scope="module")
-def whole(flash):
-    return rank_model(flash, 1, 1, "bf16")
+def ranks(flash):
+    """(tp, ep, quantization) -> rank 0 of flash, each built once."""
+    built = {}
+
+    def get(tp, ep, quant="bf16"):
+        if (tp, ep, quant) not in built:
+            built[(tp, ep, quant)] = rank_model(flash, tp, ep, quant)
+        return built[(tp, ep, quant)]
+    return get
+
+
+@pytest.fixture(scope="module")
+def whole(ranks):
+    return ranks(1, 1)
 
 
 def test_flash_parameter_count_and_experts(flash, whole):
@@ -36,36 +47,34 @@ def test_flash_parameter_count_and_experts(flash, whole):
     moe_layers = sum(t.is_moe(i) for i in range(t.num_hidden_layers)) + 1  # + the MTP layer
     experts = sum(p.expert_bytes for p in whole.parts)
     assert experts == moe_layers * t.n_routed_experts * 3 * t.hidden_size * t.moe_intermediate_size * 2
-    # TP1: this rank stores the whole model (fp32 mHC, conv, gate and router-bias tensors included)
-    from glmrt.model.loader import build_model
-
-    model = build_model(flash, None, torch.bfloat16, "meta", with_vision=False)
-    assert whole.params == sum(p.numel() for p in model.parameters())
-    assert whole.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    # TP1: the parts cover every stored tensor once (fp32 mHC, conv, gate and router-bias tensors
+    # included), the embedding (rows only, no FLOPs) beside them
+    embed = t.vocab_size * t.hidden_size * 2
+    assert sum(p.dense_bytes + p.expert_bytes for p in whole.parts) + embed == whole.weight_bytes
+    assert whole.weight_bytes == sum(p.numel() * p.element_size() for p in whole.model.parameters())
+    assert whole.head().dense_bytes >= t.vocab_size * t.hidden_size * 2  # the LM head
     assert whole.replicated_bytes == 0
 
 
 @pytest.mark.parametrize("tp,ep", [(4, 1), (8, 8)])
-def test_ranks_share_the_model_except_what_the_code_replicates(flash, whole, tp, ep):
-    from glmrt.model.loader import build_model, param_splits
-    from glmrt.parallel import Parallel
+def test_ranks_share_the_model_except_what_the_code_replicates(ranks, whole, tp, ep):
+    from glmrt.model.loader import param_splits
 
     whole = whole.weight_bytes
-    rm = rank_model(flash, tp, ep, "bf16")
+    rm = ranks(tp, ep)
     assert rm.weight_bytes * tp >= whole
     assert rm.weight_bytes * tp == whole + (tp - 1) * rm.replicated_bytes
-    model = build_model(flash, None, torch.bfloat16, "meta", with_vision=False, parallel=Parallel(0, tp, ep))
-    params = dict(model.named_parameters())
-    held_whole = {n for n, s in param_splits(model).items() if s is None}
+    params = dict(rm.model.named_parameters())
+    held_whole = {n for n, s in param_splits(rm.model).items() if s is None}
     assert {n for n in params if REPLICATED.search(n)} == held_whole
     assert sum(params[n].numel() * params[n].element_size() for n in held_whole) == rm.replicated_bytes
 
 
-def test_fp8_keeps_what_glmrt_keeps_and_tp4_bf16_does_not_fit(flash):
+def test_fp8_keeps_what_glmrt_keeps_and_tp4_bf16_does_not_fit(ranks):
     from bench.projection import memory
 
     args = type("A", (), {"mem_fraction": 0.9, "context": 4096})()
-    bf16, fp8 = rank_model(flash, 4, 1, "bf16"), rank_model(flash, 4, 1, "fp8")
+    bf16, fp8 = ranks(4, 1), ranks(4, 1, "fp8")
     assert not memory(bf16, args)["fits"]
     m = memory(fp8, args)
     assert m["fits"] and m["requests_4k"] > 128
