@@ -28,14 +28,15 @@ The collective times are ASSUMPTIONS unless --collectives gives measured ones. A
 to 1 MB: published H100 figures for 4 and 8 ranks on one NVSwitch host (SGLang's custom
 all-reduce pull request, its table of the vLLM custom all-reduce kernel without CUDA graphs:
 8.5-9.2 us from 512 B to 32 KB at 4 ranks, 20.6 us at 256 KB, 40.2 us at 1 MB; 9.3-11.8 us,
-24.1 and 45.0 us at 8), interpolated; a decode step's all-reduces are 8 KB (batch 1) to 1 MB
+24.1 and 45.0 us at 8; 8.7-9.5, 12.9 and 26.6 us at 2), interpolated; a decode step's all-reduces are 8 KB (batch 1) to 1 MB
 (batch 128) and sit on those points. Above 1 MB (the verify forward's), and for the logits'
 all-gather, latency plus bytes over bus bandwidth in the convention of NVIDIA's nccl-tests:
 t = lat + S x 2(n-1)/n / busbw for an all-reduce of S bytes, lat + S x (n-1)/n / busbw for an
-all-gather of S bytes in all, with 8 us and 350 GB/s at 4 ranks, 10 us and 400 GB/s at 8 (below
+all-gather of S bytes in all, with 8 us and 300 / 350 GB/s at 2 / 4 ranks, 10 us and 400 GB/s at 8 (below
 the ~450 GB/s that nccl-tests reaches at large sizes on 8 NVSwitch-connected H100s). glmrt
 calls NCCL through torch.distributed inside the decode CUDA graph, where NCCL's small-message
-latency is of the same order (~6 us measured for NVLink SHARP at 2 ranks in a graph).
+latency is of the same order (~6 us measured for NVLink SHARP at 2 ranks in a graph). Other
+group sizes (more than one host) have no assumed figures: they need --collectives.
 
 Speculation (MTP, K drafts, accepted length L, an assumption for the real model: the default
 3.7 is the shipped tiny model's measured 3.64-3.83 at K = 5): a cycle is the verify forward of
@@ -55,9 +56,10 @@ from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, write_out
 
 CEILING_FP8_TFLOPS = 1340.0  # the fp8 ceiling the prefill table of bench/RESULTS.md measures against
 HBM_BYTES = 141e9            # one H200
-DEFAULT_LINKS = {4: (8.0, 350.0), 8: (10.0, 400.0)}  # ranks -> (latency us, bus GB/s): assumed
+DEFAULT_LINKS = {2: (8.0, 300.0), 4: (8.0, 350.0), 8: (10.0, 400.0)}  # ranks -> (latency us, bus GB/s): assumed
 # ranks -> [(bytes, us)]: published H100 all-reduce times up to 1 MB (module docstring)
-DEFAULT_ALLREDUCE = {4: [(512, 9.1), (4096, 8.5), (32768, 9.2), (262144, 20.6), (524288, 26.9), (1048576, 40.2)],
+DEFAULT_ALLREDUCE = {2: [(512, 9.5), (4096, 8.8), (32768, 8.7), (262144, 12.9), (524288, 17.7), (1048576, 26.6)],
+                     4: [(512, 9.1), (4096, 8.5), (32768, 9.2), (262144, 20.6), (524288, 26.9), (1048576, 40.2)],
                      8: [(512, 10.1), (4096, 9.3), (32768, 11.8), (262144, 24.1), (524288, 30.4),
                          (1048576, 45.0)]}
 SGLANG = ("SGLang's published 11,459 tok/s at ~128 running requests, with DFlash2 drafting: "
@@ -136,11 +138,15 @@ class Collectives:
                     f"{pts[-1][0] / 2**20:g} MiB, beyond: + bytes x 2(n-1)/n / {bw:g} GB/s")
         return f"assumed: {model}"
 
+    def known(self, n: int) -> bool:
+        """Figures exist for a group of n ranks (assumed or measured)."""
+        return n <= 1 or n in self.links or ("allreduce", n) in self.tables
+
     def link(self, n: int) -> tuple[float, float]:
-        if n in self.links:
-            return self.links[n]
-        near = min(self.links, key=lambda k: abs(k - n))
-        return self.links[near]
+        if n not in self.links:
+            raise ValueError(f"no collective figures for {n} ranks (assumed ones exist for "
+                             f"{', '.join(map(str, sorted(self.links)))}, one host): give --collectives for {n}")
+        return self.links[n]
 
     def us(self, kind: str, n: int, size: float) -> float:
         if n <= 1:
@@ -277,6 +283,9 @@ def project(args) -> tuple[list[dict], list[str], Collectives]:
     links = Collectives()
     for path in args.collectives:
         links.load(path)
+    for _, tp, _ in args.config_list:
+        if not links.known(tp):
+            links.link(tp)  # raises: names the group sizes that have figures
     cfg = preset_config(args.preset)
     rows = []
     for quant in args.quant_list:

@@ -126,7 +126,7 @@ def test_cli_measured_collectives_change_the_step_and_bad_values_exit_2(tmp_path
     for a, s in zip(base, slow):
         assert s["coll_ms"] > a["coll_ms"] and s["ms"] - a["ms"] == pytest.approx(s["coll_ms"] - a["coll_ms"])
         assert s["tok_s"] == pytest.approx(a["batch"] / s["ms"] * 1e3)
-    for bad in (["--configs", "TP4+EP2"], ["--accept-length", "7"], ["--quantization", "fp4"],
+    for bad in (["--configs", "TP4+EP2"], ["--configs", "TP16"], ["--accept-length", "7"], ["--quantization", "fp4"],
                 ["--batches", "0"], ["--collectives", str(tmp_path / "missing.json")]):
         with pytest.raises(SystemExit) as e:
             main(["--preset", "tiny"] + bad)
