@@ -56,7 +56,8 @@ from bench.h200 import CEILING_TBPS, CEILING_TFLOPS, write_out
 
 CEILING_FP8_TFLOPS = 1340.0  # the fp8 ceiling the prefill table of bench/RESULTS.md measures against
 HBM_BYTES = 141e9            # one H200
-DEFAULT_LINKS = {2: (8.0, 300.0), 4: (8.0, 350.0), 8: (10.0, 400.0)}  # ranks -> (latency us, bus GB/s): assumed
+# ranks -> (latency us, bus GB/s): assumed
+DEFAULT_LINKS = {2: (8.0, 300.0), 4: (8.0, 350.0), 8: (10.0, 400.0)}
 # ranks -> [(bytes, us)]: published H100 all-reduce times up to 1 MB (module docstring)
 DEFAULT_ALLREDUCE = {2: [(512, 9.5), (4096, 8.8), (32768, 8.7), (262144, 12.9), (524288, 17.7), (1048576, 26.6)],
                      4: [(512, 9.1), (4096, 8.5), (32768, 9.2), (262144, 20.6), (524288, 26.9), (1048576, 40.2)],
