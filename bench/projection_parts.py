@@ -80,18 +80,11 @@ def _tally(part: Part, module: torch.nn.Module, prefix: str, experts: set[str], 
         fp8 = p.dtype == FP8
         if is_expert:
             part.expert_bytes += nbytes
-            if flops:
-                if fp8:
-                    part.expert_elems_fp8 += p.numel()
-                else:
-                    part.expert_elems_16 += p.numel()
         else:
             part.dense_bytes += nbytes
-            if flops:
-                if fp8:
-                    part.elems_fp8 += p.numel()
-                else:
-                    part.elems_16 += p.numel()
+        if flops:
+            elems = ("expert_" if is_expert else "") + ("elems_fp8" if fp8 else "elems_16")
+            setattr(part, elems, getattr(part, elems) + p.numel())
         if splits.get(name) is None:
             whole += nbytes
     return whole

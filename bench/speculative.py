@@ -8,8 +8,8 @@ acceptance and decode speed against no speculation.
 
 Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
 runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
-the same without CUDA graphs (speculation runs without them), then with each K of `--steps`, then the `reference` backend (bf16 torch on the same GPU) with the
-largest K. Printed per run: decode tokens per second per batch size, the mean accepted length and
+the same without CUDA graphs (speculation runs without them), then with each K of `--steps`,
+then the `reference` backend (bf16 torch on the same GPU) with the largest K. Printed per run: decode tokens per second per batch size, the mean accepted length and
 the acceptance rate per draft position, the draft and verify milliseconds per step, and the share
 of output tokens equal to the `cuda-h200` run without speculation (bf16 noise flips a few near
 ties; a rollback bug makes whole requests diverge). Random weights draft badly, so the accepted
@@ -66,12 +66,7 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs:
         took = time.perf_counter() - t0
         if prof:
             prof.disable()
-            text = io.StringIO()
-            st = pstats.Stats(prof, stream=text)
-            st.sort_stats("tottime").print_stats(args.profile)
-            text.write("the same, glmrt's own functions by time including callees:\n")
-            st.sort_stats("cumulative").print_stats(r"glmrt/|backends/", args.profile)
-            out["profile"] = f"{backend} K={steps} batch {b}, host functions by own time:\n" + text.getvalue()
+            out["profile"] = f"{backend} K={steps} batch {b}, " + profile_text(prof, args.profile)
         outputs = [c[0].output_ids for c in done]
         # the first token of each request comes from the prefill, not from decoding
         row = {"tokens_per_s": sum(len(o) - 1 for o in outputs) / took, "outputs": outputs,
@@ -91,6 +86,17 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def profile_text(prof: cProfile.Profile, n: int) -> str:
+    """The n host functions of most own time, then glmrt's own by time including callees."""
+    text = io.StringIO()
+    st = pstats.Stats(prof, stream=text)
+    text.write("host functions by own time:\n")
+    st.sort_stats("tottime").print_stats(n)
+    text.write("the same, glmrt's own functions by time including callees:\n")
+    st.sort_stats("cumulative").print_stats(r"glmrt/|backends/", n)
+    return text.getvalue()
 
 
 def sync() -> None:
