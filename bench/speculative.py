@@ -88,6 +88,45 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs:
     return out
 
 
+def teacher_forced(args, prompts: list[list[int]], runs: list[dict]) -> None:
+    """Each run's outputs scored by one forward of `--compare` without speculation over prompt +
+    output: per row, the share of output tokens that are that forward's top-1 (and within its
+    top 5) at their position ("forced top-1"). Teacher forcing keeps one near tie that bf16 noise
+    flips from diverging the rest of the request (what "same tokens" counts); a state bug makes
+    the tokens after it wrong under the scorer too. Random weights have near ties everywhere, so
+    this is the check that holds there."""
+    from glmrt.engine.config import EngineConfig
+    from glmrt.engine.engine import Engine
+    from glmrt.engine.ranks import ForwardInputs
+
+    kw = dict(model=args.model, load_format="auto") if args.model else dict(preset=args.preset, load_format="dummy")
+    e = Engine(EngineConfig(backend=args.compare, device=args.device, page_size=64, skip_server_warmup=True,
+                            disable_cuda_graph=True, **kw), log=lambda *a: None)
+    for r in runs:
+        for b, row in r["batches"].items():
+            top1 = top5 = total = 0
+            for prompt, out in zip(prompts[:b], row["outputs"]):
+                ids = prompt + out
+                pages, slot = e.pages.allocate(-(-len(ids) // 64)), e.slots.allocate()
+                try:
+                    logits = e.runner.run(ForwardInputs(ids=ids, prefix_lens=[0], seq_lens=[len(ids)],
+                                                        slot_ids=[slot], page_tables=[pages],
+                                                        logits_rows=list(range(len(prompt) - 1, len(ids) - 1))))
+                    top = logits.float().topk(5, dim=-1).indices.cpu()
+                finally:
+                    e.pages.release(pages)
+                    e.slots.free(slot)
+                want = torch.tensor(out, dtype=top.dtype)
+                top1 += int((top[:, 0] == want).sum())
+                top5 += int((top == want[:, None]).any(dim=1).sum())
+                total += len(out)
+            row["forced_top1"], row["forced_top5"] = top1 / max(1, total), top5 / max(1, total)
+    del e
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def profile_text(prof: cProfile.Profile, n: int) -> str:
     """The n host functions of most own time, then glmrt's own by time including callees."""
     text = io.StringIO()
@@ -156,12 +195,14 @@ def main() -> None:
         runs.append(run_engine(args, args.backend, 0, prompts, graphs=False))
     runs += [run_engine(args, args.backend, k, prompts) for k in args.steps]
     runs.append(run_engine(args, args.compare, max(args.steps), prompts))
+    teacher_forced(args, prompts, runs)
     base = runs[0]["batches"]
     for r in runs:
         if "profile" in r:
             print(r.pop("profile"))
     print(f"{'backend':<10} {'K':>2} {'batch':>5} {'tok/s':>9} {'speed-up':>8} {'accepted':>8} "
-          f"{'draft ms':>8} {'verify ms':>9} {'same tokens':>11}  acceptance per position")
+          f"{'draft ms':>8} {'verify ms':>9} {'same tokens':>11} {'forced top-1':>12} {'top-5':>6}  "
+          "acceptance per position")
     for r in runs:
         for b, row in r["batches"].items():
             row["same_tokens"] = agreement(base[b]["outputs"], row["outputs"])
@@ -169,7 +210,8 @@ def main() -> None:
             rates = " ".join(f"{x:.2f}" for x in row.get("acceptance_rate", []))
             print(f"{r['backend']:<10} {r['steps']:>2} {b:>5} {row['tokens_per_s']:>9.1f} {row['speed_up']:>8.2f} "
                   f"{row.get('mean_accepted_length', 1.0):>8.2f} {row.get('draft_ms', 0):>8.2f} "
-                  f"{row.get('verify_ms', 0):>9.2f} {100 * row['same_tokens']:>10.1f}%  {rates}")
+                  f"{row.get('verify_ms', 0):>9.2f} {100 * row['same_tokens']:>10.1f}% "
+                  f"{100 * row['forced_top1']:>11.1f}% {100 * row['forced_top5']:>5.1f}%  {rates}")
     for r in runs:
         for row in r["batches"].values():
             row.pop("outputs")
