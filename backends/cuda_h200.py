@@ -8,7 +8,8 @@ and the registry keeps the reference. Triton itself is imported on the first ker
 Overridden today (everything else is the reference):
   indexer_select  decode batches; prefill / mixed with prefill_kernels (default; one row per token):
                   Triton scores + tie-broken top-k
-  indexer_update  decode batches: tail append / pooled key of a completed pool, one launch
+  indexer_update  decode batches: tail append / pooled key of a completed pool, one launch; batches
+                  of short rows (speculative decoding's verify and rollback): one launch per token
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
@@ -26,7 +27,8 @@ Overridden today (everything else is the reference):
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
   kda             every batch, with fla-core: fused_recurrent in place (decode; our launch shape,
-                  kda.DECODE_LAUNCHES), chunk_kda (prefill)
+                  kda.DECODE_LAUNCHES; and batches of short rows, speculative decoding's verify and
+                  rollback), chunk_kda (prefill)
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -143,10 +145,11 @@ class CudaH200Ops(ReferenceOps):
 
     def indexer_update(self, k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
                        tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int) -> None:
-        if not _kernel_ok(k, meta):
-            return super().indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
-        from .kernels.indexer import indexer_update
-        return indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool, reference=self)
+        if _device_ok(k):
+            from .kernels import indexer
+            if indexer.update_takes(meta, pooled, tail_k, tail_g):
+                return indexer.indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
+        return super().indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
 
     def sparse_mla(self, q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                    sel: torch.Tensor | None, meta: BatchMeta, kpool: int, scale: float,
@@ -230,7 +233,7 @@ class CudaH200Ops(ReferenceOps):
         # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
         if (kk and (q.is_cuda or _interpreting()) and kk.supports(q, k, v, g, beta, state)
                 and meta.num_tokens == q.shape[0]
-                and (q.is_cuda or kk.INTERPRET_CHUNK or (meta.num_reqs and all(s == 1 for s in meta.seq_lens)))):
+                and (q.is_cuda or kk.INTERPRET_CHUNK or kk.short_rows(meta))):
             return kk.kda(q, k, v, g, beta, state, meta)
         return super().kda(q, k, v, g, beta, state, meta, chunk_size)
 

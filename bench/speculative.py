@@ -4,7 +4,7 @@ acceptance and decode speed against no speculation.
     python3 -m bench.speculative [--preset flash-4l-mtp] [--steps 1,3,5] [--batches 1,16]
                                  [--prompt-len 256] [--output-len 64] [--model DIR]
                                  [--backend cuda-h200] [--compare reference] [--device cuda]
-                                 [--prompts random|chats] [--profile N]
+                                 [--prompts random|chats] [--profile N] [--short-rows chunk,recurrent]
 
 Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
 runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
@@ -38,7 +38,18 @@ import torch
 from bench.h200 import write_out
 
 
-def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs: bool = True) -> dict:
+def set_short_rows(mode: str) -> None:
+    """How `cuda-h200` runs batches of short rows (the verify and the rollback): "recurrent" (the
+    default: fla's fused_recurrent in place, the indexer kernel a launch per token), "chunk" (the
+    earlier path: chunk_kda with gathered states, the reference indexer update)."""
+    from backends.kernels import indexer, kda
+
+    kda.RECURRENT_MAX_TOKENS = 8 if mode == "recurrent" else 0
+    indexer.SHORT_ROWS_MAX = 8 if mode == "recurrent" else 1
+
+
+def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs: bool = True,
+               short_rows: str | None = None) -> dict:
     from glmrt.engine.config import EngineConfig
     from glmrt.engine.engine import Engine
     from glmrt.sampling_params import SamplingParams
@@ -50,7 +61,8 @@ def run_engine(args, backend: str, steps: int, prompts: list[list[int]], graphs:
                             disable_cuda_graph=not graphs, **kw), log=lambda *a: None)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=args.prompts == "random")
     e.generate([prompts[0]], params)  # warm: compile the kernels of each shape once
-    out = {"backend": backend + ("" if graphs else "/eager"), "steps": steps, "batches": {}}
+    out = {"backend": backend + ("" if graphs else "/eager") + (f"/{short_rows}" if short_rows else ""),
+           "steps": steps, "batches": {}}
     for b in args.batches:
         batch = prompts[:b]
         e.generate(batch, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefill (cached)
@@ -178,7 +190,11 @@ def main() -> None:
                         "corpus chats (needs --model), each until the model stops")
     p.add_argument("--profile", type=int, default=0, help="print the N host functions of most own time in the "
                    "largest K's first batch on --backend (cProfile; time waiting on the GPU lands on the syncs)")
+    p.add_argument("--short-rows", default="", help="chunk,recurrent: the speculative rows on --backend once per "
+                   "way of running the verify's and rollback's short rows (bench.speculative.set_short_rows)")
     args = p.parse_args()
+    if any(m not in ("chunk", "recurrent") for m in filter(None, args.short_rows.split(","))):
+        p.error("--short-rows takes chunk and/or recurrent")
     if args.prompts == "chats" and not args.model:
         p.error("--prompts chats needs --model (a checkpoint with its tokenizer.json)")
     if args.prompts == "chats" and any(a.startswith("--prompt-len") for a in sys.argv[1:]):
@@ -193,7 +209,13 @@ def main() -> None:
     runs = [run_engine(args, args.backend, 0, prompts)]
     if args.device == "cuda":  # speculation runs without CUDA graphs: the plain decode step without them too
         runs.append(run_engine(args, args.backend, 0, prompts, graphs=False))
-    runs += [run_engine(args, args.backend, k, prompts) for k in args.steps]
+    modes = args.short_rows.split(",") if args.short_rows else [None]
+    for mode in modes:
+        if mode is not None:
+            set_short_rows(mode)
+        runs += [run_engine(args, args.backend, k, prompts, short_rows=mode if len(modes) > 1 else None)
+                 for k in args.steps]
+    set_short_rows("recurrent")
     runs.append(run_engine(args, args.compare, max(args.steps), prompts))
     teacher_forced(args, prompts, runs)
     base = runs[0]["batches"]

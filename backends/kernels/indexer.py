@@ -219,24 +219,29 @@ def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
 
 
 # ---------------------------------------------------------------------------------------
-# pooled-key update for decode batches (one new token per request)
+# pooled-key update for decode batches (one new token per request) and short rows (a few each)
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _indexer_update_decode_kernel(
-    K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE,
+    K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE, CU, J,
     stride_kn, stride_gn, stride_ape,
     stride_pool, stride_tslot, stride_trow, stride_tb,
     DI, ppp,
     KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """Token J of each request b (rows CU[b].., position PREFIX[b] + J); a request with J or fewer
+    new tokens does nothing."""
     pdl_enter(PDL)
     b = tl.program_id(0)
-    p0 = tl.load(PREFIX + b)
+    row = tl.load(CU + b) + J
+    if row >= tl.load(CU + b + 1):
+        return
+    p0 = tl.load(PREFIX + b) + J
     slot = tl.load(SLOTS + b).to(tl.int64)
     t0 = p0 % KPOOL
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < DI
-    k_new = tl.load(K + b.to(tl.int64) * stride_kn + offs_d, mask=d_ok, other=0.0)
-    g_new = tl.load(G + b.to(tl.int64) * stride_gn + offs_d, mask=d_ok, other=0.0)
+    k_new = tl.load(K + row.to(tl.int64) * stride_kn + offs_d, mask=d_ok, other=0.0)
+    g_new = tl.load(G + row.to(tl.int64) * stride_gn + offs_d, mask=d_ok, other=0.0)
     tail = slot * stride_tslot
     if t0 < KPOOL - 1:  # the pool stays incomplete: the token joins the tail
         tl.store(TAIL_K + tail + t0 * stride_trow + offs_d, k_new.to(TAIL_K.dtype.element_ty), mask=d_ok)
@@ -266,34 +271,46 @@ def _indexer_update_decode_kernel(
         tl.store(POOLED + dst + offs_d, key.to(k_new.dtype).to(POOLED.dtype.element_ty), mask=d_ok & (page >= 0))
 
 
+SHORT_ROWS_MAX = 8  # batches whose requests all have 1..8 new tokens take the kernel, a launch per token index
+
+
+def update_takes(meta: BatchMeta, pooled: torch.Tensor, tail_k: torch.Tensor, tail_g: torch.Tensor) -> bool:
+    """Whether indexer_update's kernel takes this batch (else it runs the reference)."""
+    return (meta.num_reqs > 0 and all(1 <= s <= SHORT_ROWS_MAX for s in meta.seq_lens)
+            and meta.prefix_lens_t is not None and meta.cu_seqlens_t is not None and pooled.is_contiguous()
+            and tail_k.stride() == tail_g.stride() and tail_k.stride(-1) == 1)
+
+
 def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
                    tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int, *,
                    reference: ReferenceOps | None = None) -> None:
-    """ReferenceOps.indexer_update with decode batches on one kernel launch (others: the reference).
+    """ReferenceOps.indexer_update with decode batches on one kernel launch, and batches of short
+    rows (every request 1..SHORT_ROWS_MAX new tokens: speculative decoding's verify and rollback)
+    on one launch per token index (others: the reference).
 
-    One program per request: the new key/gate joins its slot's tail, or, when it completes
-    the pool, the pooled key (softmax over the pool of gate + ape, per channel) is written
-    to its page. Reads only device tensors (prefix_lens_t, slot_ids, page_table), so it is
-    safe inside a CUDA graph.
+    One program per request and token: the new key/gate joins its slot's tail, or, when it
+    completes the pool, the pooled key (softmax over the pool of gate + ape, per channel) is
+    written to its page; a request's tokens go in order, one launch after the other. Reads only
+    device tensors (prefix_lens_t, cu_seqlens_t, slot_ids, page_table), so it is safe inside a
+    CUDA graph.
     """
-    if (not is_decode_batch(meta) or meta.prefix_lens_t is None or not pooled.is_contiguous()
-            or tail_k.stride() != tail_g.stride() or tail_k.stride(-1) != 1):
+    if not update_takes(meta, pooled, tail_k, tail_g):
         return (reference or ReferenceOps()).indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
-    b, di = k.shape
-    if b == 0:
-        return None
+    b, di = meta.num_reqs, k.shape[1]
+    seq = meta.seq_lens
     k = k if k.stride(-1) == 1 else k.contiguous()
     g = g if g.stride(-1) == 1 else g.contiguous()
     ape = ape.contiguous()
     table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
     flat = pooled.view(-1, di)
-    _indexer_update_decode_kernel[(b,)](
-        k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table,
-        k.stride(0), g.stride(0), ape.stride(0),
-        flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
-        di, meta.page_size // kpool,
-        KPOOL=kpool, BLOCK_K=triton.next_power_of_2(kpool), BLOCK_D=max(16, triton.next_power_of_2(di)),
-        **pdl.launch(k.device), num_warps=4,
-    )
+    for j in range(max(seq)):
+        _indexer_update_decode_kernel[(b,)](
+            k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t, j,
+            k.stride(0), g.stride(0), ape.stride(0),
+            flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
+            di, meta.page_size // kpool,
+            KPOOL=kpool, BLOCK_K=triton.next_power_of_2(kpool), BLOCK_D=max(16, triton.next_power_of_2(di)),
+            **pdl.launch(k.device), num_warps=4,
+        )
     return None
 __all__ = ["indexer_scores", "indexer_select", "indexer_update", "topk_lower_index_ties", "default_config"]

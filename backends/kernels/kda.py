@@ -27,6 +27,14 @@ fused_recurrent cannot take the multi-token rows in place: with 1-D ssm_state_in
 kernel stores the state after token i_t at indices[i_n + i_t] (a 2-D per-token index layout
 for speculative decoding), i.e. into the next request's slot.
 
+Short rows (speculative decoding's verify and rollback: every request 1..RECURRENT_MAX_TOKENS new
+tokens): fused_recurrent again, in place, with a 2-D [B, max_len] index whose every column is the
+request's slot, so the state after each token lands in the slot and the last one stays there (the
+kernel's own varlen loop over the request's tokens, cu_seqlens_t on the device). One launch and
+one state read per request instead of chunk_kda's gather, chunk kernels and scatter (and its
+blocking copy of chunk indices); the numerics are the decode step's, token by token, and the
+launch is graph-safe like the decode one. Its cost is one state store per token.
+
 fla's kernels run under TRITON_INTERPRET=1 (CPU tensors): fused_recurrent with the repo's
 interpreter patches; chunk_kda only after `enable_interpreted_chunk()` (three more interpreter
 fixes, all in backends/kernels/interpreter.py) and slowly (~10 s a call at toy sizes), so
@@ -66,6 +74,9 @@ DECODE_LAUNCHES: list[tuple[int, dict]] = [   # (up to this many rows, launch)
     (1 << 62, dict(BV=64, num_warps=2, num_stages=2)),
 ]
 DECODE_LAUNCH: dict | None = None  # a fixed launch for every batch (benches set it), else the table
+# Batches whose requests all have 1..RECURRENT_MAX_TOKENS new tokens run fused_recurrent in place
+# (the verify and rollback of speculative decoding); 0 sends multi-token rows to chunk_kda.
+RECURRENT_MAX_TOKENS = 8
 
 
 def decode_launch(rows: int) -> dict:
@@ -107,31 +118,37 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             and all(t.device == q.device for t in (k, v, g, beta, state)))
 
 
-def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, out=None) -> torch.Tensor:
-    """One token per request, in place on state[slot_ids]; returns [N, H, dv] in v.dtype."""
+def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, out=None,
+               max_len: int = 1) -> torch.Tensor:
+    """Up to `max_len` tokens per request (cu_seqlens_t), in place on state[slot_ids]; returns
+    [N, H, dv] in v.dtype."""
     zero_new_slots(state, prefix_lens_t, slot_ids)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o)
+    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o, max_len=max_len)
     return o
 
 
-def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launch: dict | None = None) -> None:
-    """fla's fused_recurrent_kda_fwd_kernel, in place on state[slot_ids], one token per request,
-    q/k l2-normalised inside (what fla's fused_recurrent_kda_fwd(..., inplace_final_state=True,
-    ssm_state_indices=slot_ids, use_qk_l2norm_in_kernel=True) launches), with decode_launch's
-    tile (or `launch`) instead of fla's fixed one."""
-    n, h, dk = q.shape
+def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launch: dict | None = None,
+                     max_len: int = 1) -> None:
+    """fla's fused_recurrent_kda_fwd_kernel, in place on state[slot_ids], q/k l2-normalised inside
+    (what fla's fused_recurrent_kda_fwd(..., inplace_final_state=True, ssm_state_indices=...,
+    use_qk_l2norm_in_kernel=True) launches), with decode_launch's tile (or `launch`) instead of
+    fla's fixed one. One token per request, or up to `max_len`: the kernel then stores the state
+    after token t at index[r, t], and every column of the index is the slot."""
+    _, h, dk = q.shape
+    n = slot_ids.shape[0]
     cfg = dict(decode_launch(n), **(launch or {}))
     dv = v.shape[-1]
     bv = min(cfg["BV"], triton.next_power_of_2(dv))
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    index = slot_ids if max_len == 1 else slot_ids[:, None].expand(n, max_len).contiguous()
     grid = (triton.cdiv(dv, bv) * n * h,)
     fused_recurrent_kda_fwd_kernel[grid](
         q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None, o=out, h0=state, ht=state,
-        cu_seqlens=cu_seqlens_t, ssm_state_indices=slot_ids, num_accepted_tokens=None, lower_bound=None,
-        scale=dk ** -0.5, N=n, T=n, H=h, HV=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        cu_seqlens=cu_seqlens_t, ssm_state_indices=index, num_accepted_tokens=None, lower_bound=None,
+        scale=dk ** -0.5, N=n, T=q.shape[0], H=h, HV=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
         stride_init_state_token=state.stride(0), stride_final_state_token=state.stride(0),
-        stride_indices_seq=slot_ids.stride(0), stride_indices_tok=1,
+        stride_indices_seq=index.stride(0), stride_indices_tok=1,
         IS_BETA_HEADWISE=False, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True,
         USE_GATE_IN_KERNEL=False, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -170,6 +187,11 @@ def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], h
     return o[0]
 
 
+def short_rows(meta: BatchMeta) -> bool:
+    """Every request of the batch has 1..RECURRENT_MAX_TOKENS new tokens (the in-place path)."""
+    return meta.num_reqs > 0 and all(1 <= s <= RECURRENT_MAX_TOKENS for s in meta.seq_lens)
+
+
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True) -> torch.Tensor:
     """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype."""
@@ -177,6 +199,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     seq = meta.seq_lens
     if meta.num_reqs and all(s == 1 for s in seq):
         return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t)
+    if short_rows(meta):
+        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=max(seq))
     cu = meta.cu_seqlens
     ones = [r for r, s in enumerate(seq) if s == 1] if split_decode else []
     many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]

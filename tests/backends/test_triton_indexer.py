@@ -122,16 +122,26 @@ def test_indexer_select_prefill_exact_ties(device):
 
 
 # ---- the pooled-key update and top-k ties --------------------------------------------------------
+# decode tokens that join a tail, that complete a pool (pooled key written once), and a one-token
+# prompt: positions 0, 2, 3 (completes), 7 (completes), 12, 15 (completes); then short rows (a
+# verify or rollback of speculative decoding): runs of 1..8 tokens over history or new, that
+# complete none, one or two pools, and end inside or on a pool's last token
+UPDATE_CASES = {"decode": [(n - 1, 1) for n in (1, 3, 4, 8, 13, 16)],
+                "short": [(0, 3), (2, 6), (5, 1), (7, 8), (12, 4), (0, 8)]}
+
+
+@pytest.mark.parametrize("case", sorted(UPDATE_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_indexer_update_decode_matches_reference(device, dtype):
-    """Decode tokens that join a tail, that complete a pool (pooled key written once), and a
-    one-token prompt; slots are poisoned where the reference never reads them."""
+def test_indexer_update_matches_reference(device, dtype, case):
+    """The kernel's tails and pooled keys against the reference's; slots are poisoned where the
+    reference never reads them."""
     kpool, di = 4, 16
-    lens = [1, 3, 4, 8, 13, 16]  # positions 0, 2, 3 (completes), 7 (completes), 12, 15 (completes)
-    meta, num_pages = decode_meta(lens, device, seed=77)
+    reqs = UPDATE_CASES[case]
+    meta, num_pages = prefill_meta(reqs, device, seed=77, spare_pages=3)
+    lens = [p + n for p, n in reqs]
     g = generator(78)
-    k = torch.randn(len(lens), di, generator=g).to(device, dtype)
-    gate = torch.randn(len(lens), di, generator=g).to(device, dtype)
+    k = torch.randn(meta.num_tokens, di, generator=g).to(device, dtype)
+    gate = torch.randn(meta.num_tokens, di, generator=g).to(device, dtype)
     ape = torch.randn(kpool, di, generator=g).to(device, dtype)
     pooled = torch.randn(num_pages, PAGE // kpool, di, generator=g).to(device, dtype)
     tail_k = torch.randn(len(lens), kpool, di, generator=g).to(device, dtype)

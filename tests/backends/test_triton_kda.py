@@ -187,6 +187,25 @@ def test_kda_decode_via_ops_uses_device_lengths(device):
     _kda_check(device, [2, 0, 6], [1, 1, 1], torch.float32, torch.float32, seed=12, run=run)
 
 
+@needs_fla
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_kda_short_rows_in_place(device, dtype, state_dtype):
+    """Every request 1..RECURRENT_MAX_TOKENS new tokens (a verify or rollback of speculative
+    decoding, over history or new): fused_recurrent in place over each request's run, through
+    CudaH200Ops with device lengths only (meta.prefix_lens are placeholders), no chunk_kda."""
+    from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import kda as kk
+
+    def run(q, k, v, gate, beta, st, meta):
+        assert kk.short_rows(meta)
+        meta.prefix_lens = [999] * meta.num_reqs
+        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta)
+
+    _kda_check(device, [4, 0, 1, 9, 0, 3], [6, 3, 1, kk.RECURRENT_MAX_TOKENS, 2, 4], dtype, state_dtype, seed=15,
+               run=run)
+
+
 @pytest.fixture
 def interpreted_chunk(device):
     """Interpreted prefill through chunk_kda for this test only: later CPU tests of whole models
