@@ -97,10 +97,10 @@ class Engine(ModelRank):
         self.spec = Speculator(self.runner, self.spec_steps, self.rollback_base) if self.spec_steps else None
         self.runner.structured = StructuredOutput(self._tokenizer_json(), self.model_config.text.vocab_size,
                                                   self.eos_ids)
-        if self.runner.graphs is not None and config.cuda_graph_warmup_tokens > 0:
-            t0 = time.perf_counter()
-            n = self.runner.capture_graphs(config.cuda_graph_warmup_tokens)
-            self.log(f"captured {n} decode CUDA graphs in {time.perf_counter() - t0:.1f} s")
+        if (self.runner.graphs or self.runner.spec_graphs) is not None and config.cuda_graph_warmup_tokens > 0:
+            t0 = time.perf_counter()  # (the f-string's parts run in order: capture, then the clock)
+            self.log(f"captured CUDA graphs of {self.runner.capture_graphs(config.cuda_graph_warmup_tokens)} batch "
+                     f"buckets in {time.perf_counter() - t0:.1f} s")
         if device.startswith("cuda"):
             compile_watch.install()  # names the kernels behind a slow step in the log
             if not config.skip_server_warmup:
@@ -121,8 +121,8 @@ class Engine(ModelRank):
         if self.spec is not None:
             self.log(f"glmrt engine: speculative decoding EAGLE (the checkpoint's MTP layer), {self.spec_steps} draft "
                      f"steps, topk 1, {self.spec_steps + 1} tokens verified per step (greedy: exact match; sampled: "
-                     "rejection sampling); requests with a grammar decode one token per step; the overlap schedule and decode CUDA graphs are off "
-                     "while speculating")
+                     "rejection sampling); requests with a grammar decode one token per step; no overlap schedule; "
+                     + (f"graphed greedy steps to batch {g.max_bs}" if (g := self.runner.spec_graphs) else "eager"))
         for line in self.memory.describe().splitlines():
             self.log(line)
 

@@ -77,11 +77,15 @@ class ModelRank:
             rollback=with_mtp and config.role != "prefill", draft_kv_bytes_per_token=draft_kv_bytes(text, kv_dtype=kv_dtype, model_dtype=dtype_name,
                                                                        tp_size=tp_size) if with_mtp else 0.0)
         # CUDA graphs pad a decode batch with rows that write to one spare slot and page,
-        # allocated past the ones the managers hand out.
-        # (Speculative decoding verifies several tokens per request: no decode graph runs it.)
-        graphs = (device.startswith("cuda") and not config.disable_cuda_graph and not with_mtp
-                  and getattr(self.backend.ops, "decode_graph_safe", False))
-        spare = 1 if graphs else 0
+        # allocated past the ones the managers hand out. A speculating engine on one rank has its
+        # own graphs (draft + verify, rollback: glmrt.engine.spec_graphs); the decode graphs run one
+        # token per request, which it never decodes alone.
+        graph_safe = (device.startswith("cuda") and not config.disable_cuda_graph
+                      and getattr(self.backend.ops, "decode_graph_safe", False))
+        graphs = graph_safe and not with_mtp
+        spec_graphs = (graph_safe and with_mtp and config.role != "prefill" and not self.parallel.active
+                       and config.page_size > self.spec_steps + 1)
+        spare = 1 if graphs or spec_graphs else 0
         # the rollback snapshots sit past the managed slots (and the graphs' spare): a verify step
         # uses row r's for its r-th drafting request, and is done with them when it ends
         self.rollback_base = self.memory.num_slots + spare
@@ -96,10 +100,15 @@ class ModelRank:
         self.context_length = min(config.context_length or text.max_position_embeddings,
                                   self.memory.kv_tokens)
         self.device_name, self.dtype_name, self.kv_dtype = device, dtype_name, kv_dtype
+        max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests, self.memory.rollback_slots
+                     if spec_graphs else 256)
+        pad = dict(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
+                   pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
         if graphs:
-            max_bs = min(config.cuda_graph_max_bs or 256, self.memory.max_running_requests)
-            self.runner.enable_graphs(max_bs=max_bs, max_pages=-(-self.context_length // config.page_size),
-                                      pad_slot=self.memory.num_slots, pad_page=self.memory.num_pages)
+            self.runner.enable_graphs(**pad)
+        if spec_graphs:
+            from glmrt.engine.spec_graphs import SpecGraphs
+            self.runner.spec_graphs = SpecGraphs(self.model, self.cache, self.spec_steps, **pad)
 
     def _host_pool(self, config: EngineConfig, link: PlanLink | None):
         """This rank's rows of the host tier, and its disk store (rank 0's tier decides the

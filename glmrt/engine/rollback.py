@@ -41,12 +41,22 @@ def roll_back(model, cache, capture: Capture, which: list[int], prefix_lens: lis
               slot_ids: list[int], page_tables: list[list[int]]) -> None:
     """Recompute the state of each request r (captured as `which[r]`, its snapshot already back in
     its slot) over its first `seq_lens[r]` verified rows, from `prefix_lens[r]` on."""
-    ops, text = model.ops, model.config.text
     dev = capture.rows.device
     sel = torch.cat([torch.arange(capture.offsets[j], capture.offsets[j] + n, device=dev)
                      for j, n in zip(which, seq_lens)])
     ps = cache.page_size
     meta = BatchMeta.build(prefix_lens, seq_lens, slot_ids, page_tables, ps, dev)
+    draft = BatchMeta.build([p - 1 for p in prefix_lens], seq_lens, slot_ids, page_tables, ps, dev)
+    last = torch.tensor([capture.offsets[j] + n - 1 for j, n in zip(which, seq_lens)], device=dev)
+    replay(model, cache, capture, sel, meta, draft, last, torch.tensor(slot_ids, device=dev))
+
+
+def replay(model, cache, capture: Capture, sel: torch.Tensor, meta: BatchMeta, draft_meta: BatchMeta,
+           last_rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """The stateful ops over the captured rows `sel`, laid out as `meta` says (the draft layer's
+    indexer as `draft_meta`, one position back), then each slot's kept hidden state from captured
+    row `last_rows[r]`. Reads only device tensors of the metas (the speculative CUDA graphs replay it)."""
+    ops, text = model.ops, model.config.text
     ops.begin_forward(int(sel.shape[0]))
     for layer in model.model.layers:
         att = layer.self_attn
@@ -63,9 +73,6 @@ def roll_back(model, cache, capture: Capture, which: list[int], prefix_lens: lis
                                *cache.tail(layer.layer), meta, text.index_kpool)
     mtp = model.mtp.self_attn.indexer
     k, g = (t[sel] for t in capture.kept[mtp.layer])
-    draft = BatchMeta.build([p - 1 for p in prefix_lens], seq_lens, slot_ids, page_tables, ps, dev)
-    ops.indexer_update(k, g, mtp.index_kpool_compress_ape, cache.pooled(mtp.layer), *cache.tail(mtp.layer), draft,
-                       text.index_kpool)
-    last = torch.tensor([capture.offsets[j] + n - 1 for j, n in zip(which, seq_lens)], device=dev)
-    cache.state.last_hidden[0][torch.tensor(slot_ids, device=dev)] = \
-        capture.hidden[last].to(cache.state.last_hidden.dtype)
+    ops.indexer_update(k, g, mtp.index_kpool_compress_ape, cache.pooled(mtp.layer), *cache.tail(mtp.layer),
+                       draft_meta, text.index_kpool)
+    cache.state.last_hidden[0][slots] = capture.hidden[last_rows].to(cache.state.last_hidden.dtype)

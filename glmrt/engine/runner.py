@@ -75,6 +75,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.mm: dict = {}  # rid -> glmrt.engine.mm.MMState
         self.graphs = None  # glmrt.engine.cuda_graphs.DecodeGraphs when enabled
+        self.spec_graphs = None  # glmrt.engine.spec_graphs.SpecGraphs (a speculating engine on one rank)
         self.structured = None  # glmrt.engine.structured.StructuredOutput, set by the engine
         # A PD engine's rank > 0: what posts its part of a handoff's writes and reports them
         # (actors/rank_handoff.py: RankTransfers; `info`, `write`, `poll`), set by the rank
@@ -165,7 +166,9 @@ class ModelRunner:
 
     def capture_graphs(self, upto_tokens: int) -> int:
         """Capture the decode graphs ahead of traffic, on every rank in one order (their
-        collectives are captured with them) -> how many."""
+        collectives are captured with them), or a speculating rank's graphs -> how many buckets."""
+        if self.spec_graphs is not None:
+            return self.spec_graphs.warmup(upto_tokens=upto_tokens)
         keys = self.graphs.warmup_keys(upto_tokens)
         self.run(ForwardInputs(op="capture", graphs=keys))
         return len(keys)

@@ -31,6 +31,11 @@ A drafting request at `num_computed = c` (token x_c sampled, not computed) runs,
 
 Requests constrained by a grammar, or with no room left (max_tokens, context), decode one token
 per step in the same batch.
+
+On one rank with CUDA graphs (glmrt.engine.spec_graphs), a step whose every request drafts K
+tokens greedily (no penalties, logprobs or pending min_tokens, no restores, saves or forks) runs
+as two graph replays instead: draft and verify together, then the rollback when any request keeps
+fewer than K + 1 tokens. Its cycle time counts as verify time (the draft runs inside that graph).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch
 from glmrt.engine.ranks import ForwardInputs, StateCopy
 from glmrt.engine.request import Request
 from glmrt.engine.runner import ModelRunner, StepOutput
-from glmrt.engine.sampler import SamplerRow
+from glmrt.engine.sampler import Sampler, SamplerRow
 from glmrt.engine.scheduler import StepPlan, Work
 
 
@@ -113,6 +118,7 @@ class Speculator:
         self.draft_override: Callable[[Request, list[int]], list[int]] | None = None
         self.accept_cap: Callable[[Request, int], int] | None = None
         self.draft_logits: Callable[[Request, list[int], torch.Tensor], torch.Tensor] | None = None
+        self.graphs = runner.spec_graphs  # glmrt.engine.spec_graphs.SpecGraphs, or None (eager)
 
     def depth(self, req: Request, context_length: int, constrained: bool) -> int:
         """Draft tokens a decoding request verifies this step (0: it decodes one token): requests
@@ -129,6 +135,9 @@ class Speculator:
         """Run a plan whose decodes may draft (`Work.draft`) -> the step's outputs. `keep(req,
         tokens)`: how many of a drafting request's tokens it keeps (a stop, max_tokens). Every
         forward of a speculating engine runs here, so the draft layer sees every computed position."""
+        key = self._graph_key(plan)
+        if key is not None:
+            return self._execute_graphed(plan, keep, key)
         spec = [w for w in plan.work if w.draft > 0]
         t0 = time.perf_counter()
         drafts, q = self._draft(spec) if spec else ([], [])
@@ -155,6 +164,47 @@ class Speculator:
         self.stats.batches += 1
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += time.perf_counter() - t1
+        return outputs
+
+    def _graph_key(self, plan: StepPlan) -> tuple[int, int] | None:
+        """The speculative graphs' bucket for this step, when every request in it drafts K tokens
+        greedily and nothing else happens in it (None: eager)."""
+        if (self.graphs is None or not plan.work or plan.restores or plan.saves or plan.forks
+                or self.draft_override is not None or self.accept_cap is not None or self.draft_logits is not None):
+            return None
+        mm = self.runner.mm
+        for w in plan.work:
+            r = w.req
+            if (w.draft != self.steps or w.num != 1 or not w.sample or not r.params.is_greedy
+                    or not Sampler.can_sample_async(r.params, len(r.output_ids))
+                    or (r.rid in mm and w.start < len(r.prompt_ids))):
+                return None
+        return self.graphs.key(len(plan.work), max(w.start for w in plan.work) + self.steps)
+
+    def _execute_graphed(self, plan: StepPlan, keep: Callable[[Request, list[int]], int],
+                         key: tuple[int, int]) -> list[SpecOutput]:
+        """`execute` for a step `_graph_key` accepts: two graph replays and one read of the tokens."""
+        t0 = time.perf_counter()
+        work, k = plan.work, self.steps
+        out = self.graphs.run(key, [w.req.token_slice(w.start, w.start + 1)[0] for w in work], [w.start for w in work],
+                              [w.req.slot for w in work], [self.rollback_base + i for i in range(len(work))],
+                              [w.req.pages for w in work])
+        outputs, kept = [], []
+        for w, row in zip(work, out.tolist()):
+            t, d = row[:k + 1], row[k + 1:]
+            a = 0
+            while a < k and d[a] == t[a]:
+                a += 1
+            tokens = t[:a + 1]
+            n = max(1, min(keep(w.req, tokens), len(tokens)))
+            self.stats.count(k, a, n)
+            w.num = n
+            kept.append(n)
+            outputs.append(SpecOutput(w.req, tokens[:n], [None] * n, [None] * n, k, a))
+        if min(kept) < k + 1:
+            self.graphs.roll_back(key, kept)
+        self.stats.batches += 1
+        self.stats.verify_s += time.perf_counter() - t0
         return outputs
 
     def _draft(self, spec: list[Work]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:

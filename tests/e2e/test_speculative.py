@@ -35,7 +35,7 @@ def dep(e2e_tmp, e2e_env, tiny_checkpoint):
 def test_boot_log_names_the_draft_kv_and_the_rollback_reserve(dep):
     out = dep.output()
     assert f"speculative decoding EAGLE (the checkpoint's MTP layer), {STEPS} draft steps" in out
-    assert "overlap schedule and decode CUDA graphs are off while speculating" in out
+    assert "no overlap schedule; eager" in out  # the CPU: no CUDA graphs
     assert "draft KV (the MTP layer's latent and pooled keys, in the KV pool)" in out
     assert "rollback reserve" in out and "one snapshot per running request" in out
 
