@@ -8,10 +8,13 @@ acceptance and decode speed against no speculation.
 
 Each engine is built alone (random weights of the preset by `--load-format dummy`, or `--model`),
 runs the same greedy prompts, and is freed before the next: `cuda-h200` without speculation,
-the same without CUDA graphs (speculation runs without them), then with each K of `--steps`,
-then the `reference` backend (bf16 torch on the same GPU) with the largest K. Printed per run: decode tokens per second per batch size, the mean accepted length and
-the acceptance rate per draft position, the draft and verify milliseconds per step, and the share
-of output tokens equal to the `cuda-h200` run without speculation (bf16 noise flips a few near
+the same without CUDA graphs (what a speculating step without graphs is held to: a sampled
+step, more than one rank), then with each K of `--steps` (greedy steps on one rank replay the
+speculative CUDA graphs), then the `reference` backend (bf16 torch on the same GPU) with the
+largest K. Printed per run: decode tokens per second per batch size, the mean accepted length
+and the acceptance rate per draft position, the draft and verify milliseconds per step (a
+graphed step counts its whole cycle as verify; `bench.spec_cycle` times its parts), and the
+share of output tokens equal to the `cuda-h200` run without speculation (bf16 noise flips a few near
 ties; a rollback bug makes whole requests diverge). Random weights draft badly, so the accepted
 length here measures the machinery; a trained checkpoint (`--model`) measures acceptance. JSON to
 $OUT/speculative.json when OUT is set.
@@ -207,7 +210,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(10, 1000, (max(args.batches), args.prompt_len), generator=g).tolist()
     runs = [run_engine(args, args.backend, 0, prompts)]
-    if args.device == "cuda":  # speculation runs without CUDA graphs: the plain decode step without them too
+    if args.device == "cuda":  # the plain decode step without graphs: what an eager speculative step is held to
         runs.append(run_engine(args, args.backend, 0, prompts, graphs=False))
     modes = args.short_rows.split(",") if args.short_rows else [None]
     for mode in modes:

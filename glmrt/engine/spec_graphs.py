@@ -93,22 +93,35 @@ class SpecGraphs:
     def _cycle(self, bs: int, pages: int) -> tuple[torch.Tensor, Capture]:
         """Draft and verify -> ([bs, T + K] the model's argmax at each verified row, then the
         drafts; the verify's capture)."""
+        drafts = self.draft_chain(bs, pages)
+        verified, cap = self.verify(bs, pages, drafts)
+        return torch.cat([verified, drafts], dim=1), cap
+
+    def draft_chain(self, bs: int, pages: int) -> torch.Tensor:
+        """K steps of the draft layer -> [bs, K] draft tokens (argmax)."""
         m, c = self.model, self.cache
-        k, t = self.k, self.t
-        tok, pre, slot, snap = (self.buf[f][:bs] for f in _FIELDS)
+        tok, pre, slot = (self.buf[f][:bs] for f in ("tok", "pre", "slot"))
         ar = self.arange
-        last = c.state.last_hidden[0]
-        hidden = last[slot].to(m.dtype)
+        hidden = c.state.last_hidden[0][slot].to(m.dtype)
         chain = c.draft_chain(slot)
         ids, drafts = tok, []
-        for i in range(k):
+        for i in range(self.k):
             pos = pre - 1 + i
             meta = self._meta(bs, pages, pos, ar[:bs], pos, ar[: bs + 1], 1)
             hidden = m.mtp(m.model.embed(ids), hidden, meta, chain)
             ids = m.compute_logits(hidden).argmax(dim=-1)
             drafts.append(ids)
             chain = c.draft_chain(None)
-        drafts = torch.stack(drafts, dim=1)
+        return torch.stack(drafts, dim=1)
+
+    def verify(self, bs: int, pages: int, drafts: torch.Tensor) -> tuple[torch.Tensor, Capture]:
+        """The model over each request's next token and its drafts, the draft layer over the same
+        positions -> ([bs, T] the model's argmax at each row, the capture the rollback replays)."""
+        m, c = self.model, self.cache
+        t = self.t
+        tok, pre, slot, snap = (self.buf[f][:bs] for f in _FIELDS)
+        ar = self.arange
+        last = c.state.last_hidden[0]
         ids = torch.cat([tok[:, None], drafts], dim=1).reshape(-1)
         n = bs * t
         req, j = self.req_of[:n], self.pos_of[:n]
@@ -128,9 +141,9 @@ class SpecGraphs:
         finally:
             c.capture = None
         last[slot] = hid[ar[:bs] * t + t - 1].to(last.dtype)
-        return torch.cat([logits.argmax(dim=-1).view(bs, t), drafts], dim=1), cap
+        return logits.argmax(dim=-1).view(bs, t), cap
 
-    def _rollback(self, bs: int, pages: int, cap: Capture) -> None:
+    def rollback(self, bs: int, pages: int, cap: Capture) -> None:
         """Every snapshot back into its slot, then the stateful ops over each request's first n rows."""
         t = self.t
         pre, slot, snap = (self.buf[f][:bs] for f in ("pre", "slot", "snap"))
@@ -170,13 +183,13 @@ class SpecGraphs:
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and autotune outside the capture
                 _, cap = self._cycle(bs, pages)
-                self._rollback(bs, pages, cap)
+                self.rollback(bs, pages, cap)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         cycle, rollback = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(cycle, pool=self.pool):
             out, cap = self._cycle(bs, pages)
         with torch.cuda.graph(rollback, pool=self.pool):
-            self._rollback(bs, pages, cap)
+            self.rollback(bs, pages, cap)
         self.graphs[(bs, pages)] = (cycle, rollback, out, cap)
 
     def warmup_keys(self, upto_tokens: int = 4096) -> list[tuple[int, int]]:
@@ -233,6 +246,6 @@ class SpecGraphs:
         self.n_dev[:bs].copy_(self._host_n[:bs], non_blocking=True)
         _, rollback, _, cap = self.graphs[key]
         if rollback is None:
-            self._rollback(bs, pages, cap)
+            self.rollback(bs, pages, cap)
         else:
             rollback.replay()
