@@ -41,9 +41,10 @@ def build(args, steps: int):
                                cuda_graph_warmup_tokens=0, **kw), log=lambda *a: None)
 
 
-def prefill(e, batch: int, context: int, extra: int, g: torch.Generator) -> list[tuple[list[int], int]]:
-    """`batch` requests of `context` random tokens, prefilled -> (pages, slot) of each, with room
-    for `extra` more positions."""
+def prefill(e, batch: int, context: int, extra: int, g: torch.Generator) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """`batch` requests of `context` random tokens, prefilled -> ((pages, slot) of each, with room
+    for `extra` more positions; a random next token of each: rows that route alike would reach
+    fewer experts than a real batch)."""
     from glmrt.engine.ranks import ForwardInputs
 
     ps = e.config.page_size
@@ -56,7 +57,7 @@ def prefill(e, batch: int, context: int, extra: int, g: torch.Generator) -> list
                                    page_tables=[pages], logits_rows=[context - 1]))
         reqs.append((pages, slot))
     torch.cuda.synchronize()
-    return reqs
+    return reqs, torch.randint(10, min(vocab, 1000) - 10, (batch,), generator=g).tolist()
 
 
 def release(e, reqs) -> None:
@@ -89,9 +90,9 @@ def plain_rows(args) -> dict[int, float]:
     g, out = torch.Generator().manual_seed(0), {}
     dg = e.runner.graphs
     for b in args.batches:
-        reqs = prefill(e, b, args.context, 2, g)
+        reqs, nxt = prefill(e, b, args.context, 2, g)
         key = dg.key(b, args.context // e.config.page_size + 1)
-        dg.run(key, [5] * b, [args.context] * b, [s for _, s in reqs], [p for p, _ in reqs])
+        dg.run(key, nxt, [args.context] * b, [s for _, s in reqs], [p for p, _ in reqs])
         out[b] = replay_ms(dg.graphs[key][0], n=args.replays, warm_s=1.0)
         if args.kernels and b == args.batches[0]:
             print(kernel_table(f"plain decode step, batch {b}", dg.graphs[key][0], args.kernels))
@@ -116,14 +117,14 @@ def spec_rows(args, steps: int) -> dict[int, dict]:
         raise SystemExit("this engine speculates eagerly (no speculative CUDA graphs): nothing to time")
     g, out = torch.Generator().manual_seed(0), {}
     for b in args.batches:
-        reqs = prefill(e, b, args.context, steps + 2, g)
+        reqs, nxt = prefill(e, b, args.context, steps + 2, g)
         key = sg.key(b, args.context + steps)
         if key is None:
             print(f"K={steps} batch {b}: past the largest speculative graph (batch {sg.max_bs}); skipped")
             release(e, reqs)
             continue
         bs, pages = key
-        sg.run(key, [5] * b, [args.context] * b, [s for _, s in reqs],
+        sg.run(key, nxt, [args.context] * b, [s for _, s in reqs],
                [e.rollback_base + i for i in range(b)], [p for p, _ in reqs])
         cycle, rollback, _, cap = sg.graphs[key]
         drafts = []
