@@ -13,7 +13,7 @@ location `out_loc[i] = page * page_size + offset` of the paged pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,9 @@ class BatchMeta:
     # cu_seqlens as a host tensor (BatchMeta.build's): one object per forward, which fla's
     # chunk_kda caches its chunk indices on (the same tensors in every KDA layer: one copy, not three)
     cu_seqlens_cpu: torch.Tensor | None = None
+    # What ops derive from the lists once per forward and share across layers (e.g. a mixed
+    # batch's row split for KDA), keyed by the op: built on the first layer, reused by the rest.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

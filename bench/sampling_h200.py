@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.h200 import CEILING_TBPS, interpret_if_smoke, write_out  # noqa: E402
+from bench.timing import profile_events  # noqa: E402
 
 interpret_if_smoke()
 
@@ -272,19 +273,7 @@ def _dev_us(fn, smoke):
 def _profile(fn, reps=10):
     """Mean device time per call of each kernel (name -> us) via torch.profiler, or {}."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        out = {}
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t:
-                out[ev.key[:40]] = t / reps
-        return out
+        return {k[:40]: us for k, (us, _) in profile_events(fn, reps)["kernels"].items()}
     except Exception as e:  # pragma: no cover - profiler availability varies
         return {"error": repr(e)[:200]}
 

@@ -27,7 +27,7 @@ import gc
 import torch
 
 from bench.h200 import write_out
-from bench.timing import replay_ms
+from bench.timing import profile_events, replay_ms
 
 
 def build(args, steps: int):
@@ -68,20 +68,9 @@ def release(e, reqs) -> None:
 
 def kernel_table(name: str, graph: torch.cuda.CUDAGraph, top: int, replays: int = 5) -> str:
     """The `top` kernels of most GPU time in one replay of `graph`, and its kernel count."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
-    launches = sum(e.count for e in events) / replays
-    busy = sum(e.device_time_total for e in events) / replays
-    lines = [f"{name}: {launches:.0f} kernels a replay, {busy:.0f} us of kernel time"]
-    lines += [f"  {e.device_time_total / replays:8.1f} us  {e.count / replays:5.1f}x  {e.key[:100]}" for e in events[:top]]
+    prof = profile_events(graph.replay, reps=replays)
+    lines = [f"{name}: {prof['launches']:.0f} kernels a replay, {prof['kernel_us']:.0f} us of kernel time"]
+    lines += [f"  {us:8.1f} us  {n:5.1f}x  {k[:100]}" for k, (us, n) in list(prof["kernels"].items())[:top]]
     return "\n".join(lines)
 
 

@@ -90,3 +90,33 @@ def kernel_us(prof) -> dict[str, float]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             acc[e.name] = acc.get(e.name, 0.0) + e.device_time
     return dict(sorted(acc.items(), key=lambda kv: -kv[1]))
+
+
+_HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_events(fn: Callable, reps: int = 1, host: bool = False) -> dict:
+    """fn once to warm, then `reps` calls under torch.profiler -> per call: "kernels" (name ->
+    (device µs, launches), most time first), "kernel_us" and "launches" (their totals); with
+    host=True also "syncs" (the host waiting for the GPU: stream, device and event syncs) and
+    "h2d_copies" (copies from pageable host memory, each of which waits for the queue to drain)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    us, count = kernel_us(prof), {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count[e.name] = count.get(e.name, 0) + 1
+    out = {"kernels": {k: (t / reps, count[k] / reps) for k, t in us.items()},
+           "kernel_us": sum(us.values()) / reps, "launches": sum(count.values()) / reps}
+    if host:
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+        out["syncs"] = sum(n in _HOST_WAITS for n in names) / reps
+        out["h2d_copies"] = sum(c for n, c in count.items() if n.startswith("Memcpy HtoD (Pageable")) / reps
+    return out

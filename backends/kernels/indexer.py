@@ -219,8 +219,25 @@ def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
 
 
 # ---------------------------------------------------------------------------------------
-# pooled-key update for decode batches (one new token per request) and short rows (a few each)
+# pooled-key update: decode batches (one new token per request), short rows (a few each), and
+# any batch (prefill and mixed: the pools launch, then the tails launch)
 # ---------------------------------------------------------------------------------------
+@triton.jit
+def _pooled_key(kk, gg, APE, stride_ape, rows, offs_d, d_ok, KPOOL: tl.constexpr):
+    """The pooled key of one complete pool, like the reference: softmax over the pool of gate +
+    ape per channel (fp32), the probabilities and their products with the keys rounded to the
+    model dtype (that of kk / gg before the fp32 cast), the sum in fp32."""
+    row_ok = (rows < KPOOL)[:, None] & d_ok[None, :]
+    ape = tl.load(APE + rows[:, None] * stride_ape + offs_d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    logits = tl.where(row_ok, gg.to(tl.float32) + ape, float("-inf"))
+    mx = tl.max(logits, 0)
+    e = tl.exp(logits - mx[None, :])
+    e = tl.where(row_ok, e, 0.0)
+    probs = (e / tl.sum(e, 0)[None, :]).to(kk.dtype).to(tl.float32)  # HF: probs in the model dtype
+    prod = (probs * kk.to(tl.float32)).to(kk.dtype).to(tl.float32)
+    return tl.sum(tl.where(row_ok, prod, 0.0), 0)
+
+
 @triton.jit
 def _indexer_update_decode_kernel(
     K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE, CU, J,
@@ -251,48 +268,104 @@ def _indexer_update_decode_kernel(
         old = (rows < KPOOL - 1)[:, None] & d_ok[None, :]
         ptr = tail + rows[:, None] * stride_trow + offs_d[None, :]
         # like the reference: the tail is read back in the model dtype (that of k and g)
-        kk = tl.load(TAIL_K + ptr, mask=old, other=0.0).to(k_new.dtype).to(tl.float32)
-        gg = tl.load(TAIL_G + ptr, mask=old, other=0.0).to(g_new.dtype).to(tl.float32)
+        kk = tl.load(TAIL_K + ptr, mask=old, other=0.0).to(k_new.dtype)
+        gg = tl.load(TAIL_G + ptr, mask=old, other=0.0).to(g_new.dtype)
         last = (rows == KPOOL - 1)[:, None]
-        kk = tl.where(last, k_new.to(tl.float32)[None, :], kk)
-        gg = tl.where(last, g_new.to(tl.float32)[None, :], gg)
-        row_ok = (rows < KPOOL)[:, None] & d_ok[None, :]
-        ape = tl.load(APE + rows[:, None] * stride_ape + offs_d[None, :], mask=row_ok, other=0.0).to(tl.float32)
-        logits = tl.where(row_ok, gg + ape, float("-inf"))
-        mx = tl.max(logits, 0)
-        e = tl.exp(logits - mx[None, :])
-        e = tl.where(row_ok, e, 0.0)
-        probs = (e / tl.sum(e, 0)[None, :]).to(k_new.dtype).to(tl.float32)  # HF: probs in the model dtype
-        prod = (probs * kk).to(k_new.dtype).to(tl.float32)
-        key = tl.sum(tl.where(row_ok, prod, 0.0), 0)
+        kk = tl.where(last, k_new[None, :], kk)
+        gg = tl.where(last, g_new[None, :], gg)
+        key = _pooled_key(kk, gg, APE, stride_ape, rows, offs_d, d_ok, KPOOL)
         pool = p0 // KPOOL
         page = tl.load(TABLE + b.to(tl.int64) * stride_tb + pool // ppp).to(tl.int64)
         dst = (page * ppp + pool % ppp) * stride_pool
         tl.store(POOLED + dst + offs_d, key.to(k_new.dtype).to(POOLED.dtype.element_ty), mask=d_ok & (page >= 0))
 
 
-SHORT_ROWS_MAX = 8  # batches whose requests all have 1..8 new tokens take the kernel, a launch per token index
+@triton.jit
+def _indexer_update_pools_kernel(
+    K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE, CU,
+    stride_kn, stride_gn, stride_ape,
+    stride_pool, stride_tslot, stride_trow, stride_tb,
+    DI, ppp,
+    KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, i): the i-th pool that request b's new tokens complete. Its tokens before the
+    request's first new position come from the tail (only the first pool has any), the rest from
+    this batch's rows. The tails are rewritten by the next launch, after every read here."""
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    r0 = tl.load(CU + b)
+    n = tl.load(CU + b + 1) - r0
+    p0 = tl.load(PREFIX + b)
+    base = p0 - p0 % KPOOL
+    pool = base // KPOOL + i
+    first = pool * KPOOL
+    if first + KPOOL > p0 + n:  # this pool is not complete after the batch
+        return
+    rows = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DI
+    pos = first + rows
+    from_tail = (pos < p0)[:, None] & d_ok[None, :]
+    from_new = (pos >= p0)[:, None] & (rows < KPOOL)[:, None] & d_ok[None, :]
+    tail = tl.load(SLOTS + b).to(tl.int64) * stride_tslot
+    t_ptr = tail + (pos - base)[:, None] * stride_trow + offs_d[None, :]
+    n_rows = (r0 + pos - p0).to(tl.int64)[:, None]
+    k_new = tl.load(K + n_rows * stride_kn + offs_d[None, :], mask=from_new, other=0.0)
+    g_new = tl.load(G + n_rows * stride_gn + offs_d[None, :], mask=from_new, other=0.0)
+    # like the reference: the tail is read back in the model dtype (that of k and g)
+    kk = tl.load(TAIL_K + t_ptr, mask=from_tail, other=0.0).to(k_new.dtype)
+    gg = tl.load(TAIL_G + t_ptr, mask=from_tail, other=0.0).to(g_new.dtype)
+    kk = tl.where(from_new, k_new, kk)
+    gg = tl.where(from_new, g_new, gg)
+    key = _pooled_key(kk, gg, APE, stride_ape, rows, offs_d, d_ok, KPOOL)
+    page = tl.load(TABLE + b.to(tl.int64) * stride_tb + pool // ppp).to(tl.int64)
+    dst = (page * ppp + pool % ppp) * stride_pool
+    tl.store(POOLED + dst + offs_d, key.to(k_new.dtype).to(POOLED.dtype.element_ty), mask=d_ok & (page >= 0))
+
+
+@triton.jit
+def _indexer_update_tails_kernel(
+    K, G, TAIL_K, TAIL_G, PREFIX, SLOTS, CU,
+    stride_kn, stride_gn, stride_tslot, stride_trow, DI,
+    KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program b: request b's new tokens of its last, incomplete pool -> their tail rows."""
+    b = tl.program_id(0)
+    r0 = tl.load(CU + b)
+    end = tl.load(PREFIX + b) + tl.load(CU + b + 1) - r0
+    p0 = tl.load(PREFIX + b)
+    rows = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = end - end % KPOOL + rows
+    ok = ((pos >= p0) & (pos < end))[:, None] & (offs_d < DI)[None, :]
+    n_rows = (r0 + pos - p0).to(tl.int64)[:, None]
+    k_new = tl.load(K + n_rows * stride_kn + offs_d[None, :], mask=ok, other=0.0)
+    g_new = tl.load(G + n_rows * stride_gn + offs_d[None, :], mask=ok, other=0.0)
+    t_ptr = tl.load(SLOTS + b).to(tl.int64) * stride_tslot + rows[:, None] * stride_trow + offs_d[None, :]
+    tl.store(TAIL_K + t_ptr, k_new.to(TAIL_K.dtype.element_ty), mask=ok)
+    tl.store(TAIL_G + t_ptr, g_new.to(TAIL_G.dtype.element_ty), mask=ok)
+
+
+SHORT_ROWS_MAX = 8  # batches whose requests all have 1..8 new tokens: a launch per token index
 
 
 def update_takes(meta: BatchMeta, pooled: torch.Tensor, tail_k: torch.Tensor, tail_g: torch.Tensor) -> bool:
-    """Whether indexer_update's kernel takes this batch (else it runs the reference)."""
-    return (meta.num_reqs > 0 and all(1 <= s <= SHORT_ROWS_MAX for s in meta.seq_lens)
-            and meta.prefix_lens_t is not None and meta.cu_seqlens_t is not None and pooled.is_contiguous()
-            and tail_k.stride() == tail_g.stride() and tail_k.stride(-1) == 1)
+    """Whether indexer_update's kernels take this batch (else it runs the reference)."""
+    return (meta.num_reqs > 0 and meta.prefix_lens_t is not None and meta.cu_seqlens_t is not None
+            and pooled.is_contiguous() and tail_k.stride() == tail_g.stride() and tail_k.stride(-1) == 1)
 
 
 def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
                    tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int, *,
                    reference: ReferenceOps | None = None) -> None:
-    """ReferenceOps.indexer_update with decode batches on one kernel launch, and batches of short
+    """ReferenceOps.indexer_update on kernels: decode batches in one launch, batches of short
     rows (every request 1..SHORT_ROWS_MAX new tokens: speculative decoding's verify and rollback)
-    on one launch per token index (others: the reference).
+    in one launch per token index, any other batch (prefill, and decodes mixed with prefill
+    chunks) in two launches: every pool the batch completes, then the tails.
 
-    One program per request and token: the new key/gate joins its slot's tail, or, when it
-    completes the pool, the pooled key (softmax over the pool of gate + ape, per channel) is
-    written to its page; a request's tokens go in order, one launch after the other. Reads only
-    device tensors (prefix_lens_t, cu_seqlens_t, slot_ids, page_table), so it is safe inside a
-    CUDA graph.
+    The per-token kernel: one program per request and token; the new key/gate joins its slot's
+    tail, or, when it completes the pool, the pooled key (softmax over the pool of gate + ape, per
+    channel) is written to its page; a request's tokens go in order, one launch after the other.
+    Every kernel reads only device tensors (prefix_lens_t, cu_seqlens_t, slot_ids, page_table),
+    so the short-row paths are safe inside a CUDA graph.
     """
     if not update_takes(meta, pooled, tail_k, tail_g):
         return (reference or ReferenceOps()).indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
@@ -303,14 +376,30 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: 
     ape = ape.contiguous()
     table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
     flat = pooled.view(-1, di)
-    for j in range(max(seq)):
-        _indexer_update_decode_kernel[(b,)](
-            k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t, j,
+    blocks = {"KPOOL": kpool, "BLOCK_K": triton.next_power_of_2(kpool),
+              "BLOCK_D": max(16, triton.next_power_of_2(di))}
+    if all(1 <= s <= SHORT_ROWS_MAX for s in seq):
+        for j in range(max(seq)):
+            _indexer_update_decode_kernel[(b,)](
+                k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t, j,
+                k.stride(0), g.stride(0), ape.stride(0),
+                flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
+                di, meta.page_size // kpool, **blocks, **pdl.launch(k.device), num_warps=4,
+            )
+        return None
+    pools = max((p % kpool + s) // kpool for p, s in zip(meta.prefix_lens, seq))
+    if pools:
+        _indexer_update_pools_kernel[(b, pools)](
+            k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t,
             k.stride(0), g.stride(0), ape.stride(0),
             flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
-            di, meta.page_size // kpool,
-            KPOOL=kpool, BLOCK_K=triton.next_power_of_2(kpool), BLOCK_D=max(16, triton.next_power_of_2(di)),
-            **pdl.launch(k.device), num_warps=4,
+            di, meta.page_size // kpool, **blocks, num_warps=4,
         )
+    _indexer_update_tails_kernel[(b,)](
+        k, g, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, meta.cu_seqlens_t,
+        k.stride(0), g.stride(0), tail_k.stride(0), tail_k.stride(1), di, **blocks, num_warps=4,
+    )
     return None
+
+
 __all__ = ["indexer_scores", "indexer_select", "indexer_update", "topk_lower_index_ties", "default_config"]

@@ -50,7 +50,7 @@ import triton.language as tl
 from fla.ops.kda import chunk_kda
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
 
-from ..meta import BatchMeta
+from ..meta import BatchMeta, host_to_device
 from .conv import device_lens
 from . import pdl
 from .pdl import pdl_enter
@@ -154,29 +154,19 @@ def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launc
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def kda_chunked(q, k, v, g, beta, state, reqs: list[int], seq_lens: list[int], has_hist: list[bool],
-                slot_ids: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Requests `reqs` (their tokens are q.. in order, seq_lens each) through chunk_kda with the
-    states gathered from and scattered back to their slots. Host lists: prefill is not captured.
-    `cu`: (cu_seqlens on the device, the same on the host) when the caller has them: no H2D copy
-    (a blocking one, a host wait), and the same two tensors in every KDA layer of a forward let
-    fla's identity cache keep its chunk indices (their own blocking copy) after the first layer."""
-    dev = q.device
-    if cu is None:
-        bounds = [0]
-        for n in seq_lens:
-            bounds.append(bounds[-1] + n)
-        cu_cpu = torch.tensor(bounds, dtype=torch.long)
-        cu = (cu_cpu.to(dev), cu_cpu)
+def kda_chunked(q, k, v, g, beta, state, slots: torch.Tensor, has_hist: list[bool], keep: torch.Tensor | None,
+                cu: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The multi-token requests (their tokens are q.. in order) through chunk_kda, their states
+    gathered from and scattered back to `slots`. `keep`: has_hist on the device (where a request
+    continues from its slot), needed only when some do and some do not. `cu`: cu_seqlens on the
+    device and on the host; the same two tensors in every KDA layer of a forward let fla's
+    identity cache keep its chunk indices (their own blocking copy) after the first layer."""
     cu_dev, cu_cpu = cu
-    slots = slot_ids[torch.tensor(reqs, dtype=torch.long, device=dev)] if len(reqs) != slot_ids.shape[0] \
-        else slot_ids
     init = None
     if any(has_hist):
         init = state.index_select(0, slots).float()
         if not all(has_hist):  # where, not a multiply: a stale slot may hold anything (NaN too)
-            keep = torch.tensor(has_hist, device=dev)[:, None, None, None]
-            init = torch.where(keep, init, 0.0)
+            init = torch.where(keep[:, None, None, None], init, 0.0)
     # q, k normalised by our l2norm (fla's formula): fla's in-kernel option autotunes its l2norm
     # per multiple of 1024 batch tokens (backends/kernels/norms.py, l2norm), a stall each
     q, k = l2norm(q), l2norm(k)
@@ -192,6 +182,50 @@ def short_rows(meta: BatchMeta) -> bool:
     return meta.num_reqs > 0 and all(1 <= s <= RECURRENT_MAX_TOKENS for s in meta.seq_lens)
 
 
+class _Split:
+    """A prefill or mixed batch split for KDA: one-token rows (decodes riding along, when split)
+    and multi-token requests. Built once per forward and kept on the meta, so every KDA layer
+    shares its index tensors, which reach the device in one pinned copy: a tensor built from a
+    Python list on the device is a copy from pageable memory, which waits for the GPU's queue
+    to drain, each one a host stall of the forward."""
+
+    def __init__(self, meta: BatchMeta, device: torch.device, split_decode: bool):
+        seq, cu = meta.seq_lens, meta.cu_seqlens
+        self.ones = [r for r, s in enumerate(seq) if s == 1] if split_decode else []
+        self.many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]
+        self.has_hist = [meta.prefix_lens[r] > 0 for r in self.many]
+        self.whole = len(self.many) == meta.num_reqs  # the multi-token rows are the batch's
+        host = {}
+        if self.ones:
+            host["ones_rows"] = torch.tensor([cu[r] for r in self.ones], dtype=torch.long)
+            host["ones_reqs"] = torch.tensor(self.ones, dtype=torch.long)
+            host["ones_cu"] = torch.arange(len(self.ones) + 1)
+        if self.many and not self.whole:
+            host["many_rows"] = torch.cat([torch.arange(cu[r], cu[r + 1]) for r in self.many])
+            host["many_reqs"] = torch.tensor(self.many, dtype=torch.long)
+            many_cu = torch.zeros(len(self.many) + 1, dtype=torch.long)
+            torch.cumsum(torch.tensor([seq[r] for r in self.many], dtype=torch.long), 0, out=many_cu[1:])
+            host["many_cu"] = many_cu
+        if any(self.has_hist) and not all(self.has_hist):
+            host["keep"] = torch.tensor(self.has_hist, dtype=torch.long)
+        dev = dict(zip(host, host_to_device(device, *host.values()))) if host else {}
+        self.ones_rows, self.ones_reqs, self.ones_cu = (dev.get(x) for x in ("ones_rows", "ones_reqs", "ones_cu"))
+        self.many_rows = dev.get("many_rows")
+        self.keep = dev["keep"].bool() if "keep" in dev else None
+        if self.whole:
+            cu_cpu = meta.cu_seqlens_cpu if meta.cu_seqlens_cpu is not None else torch.tensor(cu, dtype=torch.long)
+            self.many_slots, self.many_cu = meta.slot_ids, (device_lens(meta, device)[1], cu_cpu)
+        elif self.many:
+            self.many_slots, self.many_cu = meta.slot_ids[dev["many_reqs"]], (dev["many_cu"], host["many_cu"])
+
+    @classmethod
+    def of(cls, meta: BatchMeta, device: torch.device, split_decode: bool) -> "_Split":
+        key = ("kda_split", split_decode)
+        if key not in meta.derived:
+            meta.derived[key] = cls(meta, device, split_decode)
+        return meta.derived[key]
+
+
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True) -> torch.Tensor:
     """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype."""
@@ -201,35 +235,27 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t)
     if short_rows(meta):
         return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=max(seq))
-    cu = meta.cu_seqlens
-    ones = [r for r, s in enumerate(seq) if s == 1] if split_decode else []
-    many = [r for r, s in enumerate(seq) if s > 1 or (s == 1 and not split_decode)]
-    if many and len(many) == meta.num_reqs and not ones:
+    sp = _Split.of(meta, q.device, split_decode)
+    if sp.whole:
         # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours
-        # (no [N, H, dv] copy), and meta's cu_seqlens (device and host) are chunk_kda's: no H2D
-        # copy per layer
-        cu_cpu = meta.cu_seqlens_cpu if meta.cu_seqlens_cpu is not None else torch.tensor(cu, dtype=torch.long)
-        o = kda_chunked(q, k, v, g, beta, state, many, list(seq), [p > 0 for p in meta.prefix_lens],
-                        meta.slot_ids, (cu_t, cu_cpu))
+        # (no [N, H, dv] copy), and meta's cu_seqlens (device and host) are chunk_kda's
+        o = kda_chunked(q, k, v, g, beta, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu)
         return o if o.dtype == v.dtype else o.to(v.dtype)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Requests with no new token keep their state untouched (as the reference does).
-    if ones:
-        idx = torch.tensor([cu[r] for r in ones], dtype=torch.long, device=q.device)
-        rt = torch.tensor(ones, dtype=torch.long, device=q.device)
+    if sp.ones:
+        idx, rt = sp.ones_rows, sp.ones_reqs
         out[idx] = kda_decode(q[idx], k[idx], v[idx], g[idx], beta[idx], state, meta.slot_ids[rt], pre_t[rt],
-                              torch.arange(len(ones) + 1, device=q.device))
-    if many:
+                              sp.ones_cu)
+    if sp.many:
         args = (q, k, v, g, beta)
-        if ones:  # gather the multi-token rows (q, k, v are copied to contiguous anyway)
-            rows = torch.cat([torch.arange(cu[r], cu[r + 1]) for r in many]).to(q.device)
-            args = tuple(t[rows] for t in args)
-        o = kda_chunked(*args, state, many, [seq[r] for r in many], [meta.prefix_lens[r] > 0 for r in many],
-                        meta.slot_ids)
-        if ones:
-            out[rows] = o.to(out.dtype)
+        if sp.many_rows is not None:  # gather the multi-token rows (q, k, v are copied to contiguous anyway)
+            args = tuple(t[sp.many_rows] for t in args)
+        o = kda_chunked(*args, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu)
+        if sp.many_rows is not None:
+            out[sp.many_rows] = o.to(out.dtype)
         else:
-            out.copy_(o)  # every token belongs to a multi-token request
+            out.copy_(o)
     return out
 
 

@@ -125,9 +125,12 @@ def test_indexer_select_prefill_exact_ties(device):
 # decode tokens that join a tail, that complete a pool (pooled key written once), and a one-token
 # prompt: positions 0, 2, 3 (completes), 7 (completes), 12, 15 (completes); then short rows (a
 # verify or rollback of speculative decoding): runs of 1..8 tokens over history or new, that
-# complete none, one or two pools, and end inside or on a pool's last token
+# complete none, one or two pools, and end inside or on a pool's last token; then prefill chunks
+# beside decodes (a serving step): long runs from a pool boundary, from inside a pool, with and
+# without a tail left, an empty row (a full hit), and one-token rows
 UPDATE_CASES = {"decode": [(n - 1, 1) for n in (1, 3, 4, 8, 13, 16)],
-                "short": [(0, 3), (2, 6), (5, 1), (7, 8), (12, 4), (0, 8)]}
+                "short": [(0, 3), (2, 6), (5, 1), (7, 8), (12, 4), (0, 8)],
+                "mixed": [(0, 37), (63, 1), (6, 70), (16, 0), (130, 38), (2, 1), (9, 2), (40, 9)]}
 
 
 @pytest.mark.parametrize("case", sorted(UPDATE_CASES))
