@@ -9,7 +9,8 @@ Overridden today (everything else is the reference):
   indexer_select  decode batches; prefill / mixed with prefill_kernels (default; one row per token):
                   Triton scores + tie-broken top-k
   indexer_update  decode batches: tail append / pooled key of a completed pool, one launch; batches
-                  of short rows (speculative decoding's verify and rollback): one launch per token
+                  of short rows (speculative decoding's verify and rollback): one launch per token;
+                  any other batch (prefill, decodes beside prefill chunks): two launches, pools then tails
   sparse_mla      decode batches, and with prefill_kernels prefill / mixed batches with a
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
