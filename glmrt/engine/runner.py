@@ -279,12 +279,12 @@ class ModelRunner:
         elif step.ids:
             meta = BatchMeta.build(step.prefix_lens, step.seq_lens, step.slot_ids, step.page_tables,
                                    self.cache.page_size, self.device)
-            ids = torch.tensor(step.ids, dtype=torch.long)
-            idx = torch.tensor(step.logits_rows, dtype=torch.long)
-            ids, idx = host_to_device(self.device, ids, idx)  # one non-blocking copy, no host wait
+            host = [torch.tensor(step.ids, dtype=torch.long), torch.tensor(step.logits_rows, dtype=torch.long)]
             if step.src_rows is not None and prev_tokens is not None:
-                src = torch.tensor(step.src_rows, dtype=torch.long, device=self.device)
-                ids = torch.where(src >= 0, prev_tokens.to(torch.long)[src.clamp(min=0)], ids)
+                host.append(torch.tensor(step.src_rows, dtype=torch.long))
+            ids, idx, *src = host_to_device(self.device, *host)  # one non-blocking copy, no host wait
+            if src:  # the previous step's tokens, still on the device (the overlap schedule)
+                ids = torch.where(src[0] >= 0, prev_tokens.to(torch.long)[src[0].clamp(min=0)], ids)
             embeds = self._input_embeds(step, ids, feats)
             capture = self._start_capture(step)
             logits, hidden = self.model(ids, meta, self.cache, input_embeds=embeds, logits_indices=idx)
