@@ -140,7 +140,7 @@ def long_prompt(engine, prompts, tokens: int) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="flash-4l")
-    p.add_argument("--quantization", default="bf16")
+    p.add_argument("--quantization", default=None, help="fp8: block-scaled e4m3 weights (default: bf16)")
     p.add_argument("--decodes", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--chunks", default="1024,4096,8192,16384", help="prompt tokens arriving in one step")
@@ -169,7 +169,7 @@ def main(argv=None) -> dict:
     for r in decodes:
         engine.abort(r)
     write_out("mixed_step.json", out)
-    print(f"\n{args.preset} ({args.quantization}), {args.decodes} decodes at {args.context} tokens, "
+    print(f"\n{args.preset} ({args.quantization or 'bf16'}), {args.decodes} decodes at {args.context} tokens, "
           f"step wall ms (median of {args.reps}):")
     print("| prompt tokens | prefill alone | decode | sum | mixed | mixed / sum | mixed kernels | syncs | H2D copies |")
     print("|---|---|---|---|---|---|---|---|---|")
