@@ -330,8 +330,8 @@ def _indexer_update_tails_kernel(
     """Program b: request b's new tokens of its last, incomplete pool -> their tail rows."""
     b = tl.program_id(0)
     r0 = tl.load(CU + b)
-    end = tl.load(PREFIX + b) + tl.load(CU + b + 1) - r0
     p0 = tl.load(PREFIX + b)
+    end = p0 + tl.load(CU + b + 1) - r0
     rows = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
     pos = end - end % KPOOL + rows

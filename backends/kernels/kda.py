@@ -247,15 +247,10 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         idx, rt = sp.ones_rows, sp.ones_reqs
         out[idx] = kda_decode(q[idx], k[idx], v[idx], g[idx], beta[idx], state, meta.slot_ids[rt], pre_t[rt],
                               sp.ones_cu)
-    if sp.many:
-        args = (q, k, v, g, beta)
-        if sp.many_rows is not None:  # gather the multi-token rows (q, k, v are copied to contiguous anyway)
-            args = tuple(t[sp.many_rows] for t in args)
+    if sp.many:  # gather the multi-token rows (q, k, v are copied to contiguous anyway)
+        args = tuple(t[sp.many_rows] for t in (q, k, v, g, beta))
         o = kda_chunked(*args, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu)
-        if sp.many_rows is not None:
-            out[sp.many_rows] = o.to(out.dtype)
-        else:
-            out.copy_(o)
+        out[sp.many_rows] = o.to(out.dtype)
     return out
 
 
