@@ -15,7 +15,9 @@ schedule so each step is timed alone: wall time of `engine.step()` between two d
 "mixed / sum" is the mixed step over prefill + decode run one after the other: under 1 the
 step shares the weight reads of its two parts; over 1 it costs more than running them apart.
 One profiled mixed step per chunk gives its kernel time and the host calls that wait for the
-GPU (stream syncs, and copies from pageable host memory, which wait for the queue to drain).
+GPU (stream syncs, and copies from pageable host memory, which wait for the queue to drain); one
+more under torch's sync debug mode says where in the code each wait is, and one under cProfile
+where its host time goes (both printed for the first chunk).
 `--long T`: one prompt of T tokens alone through the engine's chunked prefill
 (`--chunked-prefill-size`), its useful TFLOP/s over 779 (bench.prefill_model's count).
 Prints a short table last; JSON to $OUT/mixed_step.json when OUT is set.
@@ -30,7 +32,7 @@ import time
 import torch
 
 from bench.h200 import CEILING_TFLOPS, write_out
-from bench.timing import profile_events
+from bench.timing import host_profile, profile_events, wait_sites
 
 
 def build(args):
@@ -115,6 +117,8 @@ def mixed(engine, prompts, tokens: int, prompt_len: int, reps: int, decodes: lis
         new.extend(arrivals(engine, prompts, tokens, prompt_len))
         engine.step()
     prof = profile_events(step, reps=1, host=True)
+    prof["wait_sites"] = wait_sites(step)
+    prof["host"] = host_profile(step)
     assert all(engine.requests.pop(r).finished for r in new), "not one mixed step"
     return statistics.median(times), prof
 
@@ -165,7 +169,8 @@ def main(argv=None) -> dict:
         ms, prof = mixed(engine, prompts, c, args.prompt_len, args.reps, decodes)
         out["rows"].append({"chunk": c, "prefill_ms": alone[c], "decode_ms": dec, "mixed_ms": ms,
                             "mixed_over_sum": ms / (alone[c] + dec), "kernels_ms": prof["kernel_us"] / 1e3,
-                            "syncs": prof["syncs"], "h2d_copies": prof["h2d_copies"]})
+                            "syncs": prof["syncs"], "h2d_copies": prof["h2d_copies"], "wait_sites": prof["wait_sites"],
+                            "host_profile": prof["host"]})
     for r in decodes:
         engine.abort(r)
     write_out("mixed_step.json", out)
@@ -177,6 +182,13 @@ def main(argv=None) -> dict:
         s = r["prefill_ms"] + r["decode_ms"]
         print(f"| {r['chunk']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | {s:.1f} | {r['mixed_ms']:.1f} | "
               f"{r['mixed_over_sum']:.2f} | {r['kernels_ms']:.1f} | {r['syncs']} | {r['h2d_copies']} |")
+    for r in out["rows"][:1]:
+        print(f"\nwhere the mixed step of {r['chunk']} prompt tokens waits for the GPU (count, innermost frames):")
+        for site, n in r["wait_sites"].items():
+            print(f"  {n:3d}  {site}")
+        print(f"its host time by function under cProfile (own ms, cumulative ms, calls):")
+        for own, cum, calls, where in r["host_profile"]:
+            print(f"  {own:7.2f} {cum:8.2f} {calls:6d}  {where}")
     if "long" in out:
         lg = out["long"]
         print(f"\none prompt of {lg['tokens']} tokens in {lg['steps']} chunks of {lg['chunk']}: {lg['ms']:.0f} ms, "

@@ -120,3 +120,58 @@ def profile_events(fn: Callable, reps: int = 1, host: bool = False) -> dict:
         out["syncs"] = sum(n in _HOST_WAITS for n in names) / reps
         out["h2d_copies"] = sum(c for n, c in count.items() if n.startswith("Memcpy HtoD (Pageable")) / reps
     return out
+
+
+def wait_sites(fn: Callable, roots: tuple[str, ...] = ("glmrt", "backends", "fla", "bench")) -> dict[str, int]:
+    """Where one call of fn makes the host wait for the GPU: torch's sync debug mode warns at each
+    synchronizing call (a stream sync, an `.item()`, a copy to or from pageable memory); each is
+    counted at the two innermost Python frames under `roots` ("path:line function < its caller")."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(f"/{r}/" in f.filename for r in roots) and "/bench/timing.py" not in f.filename]
+        key = " < ".join(f"{_short(f.filename, roots)}:{f.lineno} {f.name}" for f in reversed(frames[-2:]))
+        sites[key] = sites.get(key, 0) + 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
+def _short(path: str, roots: tuple[str, ...]) -> str:
+    for r in roots:
+        if f"/{r}/" in path:
+            return r + "/" + path.rsplit(f"/{r}/", 1)[1]
+    return path
+
+
+def host_profile(fn: Callable, top: int = 25,
+                 roots: tuple[str, ...] = ("glmrt", "backends", "fla", "torch", "triton")) -> list[tuple]:
+    """One call of fn under cProfile (the GPU synced before and after) -> its `top` functions by
+    own host time: (own ms, cumulative ms, calls, "path:line function")."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [(tt * 1e3, ct * 1e3, nc, f"{_short(path, roots)}:{line} {name}")
+            for (path, line, name), (cc, nc, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r[0])[:top]

@@ -387,16 +387,19 @@ class ModelRunner:
         if not (step.keep_hidden or step.hit_slots):
             return logits
         last = self.cache.state.last_hidden[0]
+        # the indices in one pinned copy: a copy from pageable memory would wait here for the
+        # whole forward, and the host's sampling set-up would then run with the GPU idle
+        rows, slots = zip(*step.keep_hidden) if step.keep_hidden else ((), ())
+        rows, slots, hits, order = host_to_device(last.device, *(torch.tensor(x, dtype=torch.long) for x in (
+            rows, slots, step.hit_slots, step.sample_order if step.hit_slots else ())))
         if step.keep_hidden:  # one indexed copy for every save of the step (each a distinct live slot)
-            rows, slots = zip(*step.keep_hidden)
-            last[torch.tensor(slots, device=last.device)] = \
-                hidden[torch.tensor(rows, device=hidden.device)].to(last.dtype)
+            last[slots] = hidden[rows].to(last.dtype)
         if not step.hit_slots:
             return logits
-        kept = self.model.compute_logits(last[list(step.hit_slots)])
+        kept = self.model.compute_logits(last[hits])
         if logits is None:
             return kept
-        return torch.cat([logits, kept])[torch.tensor(step.sample_order, device=logits.device)]
+        return torch.cat([logits, kept])[order]
 
     def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
         """Rank 0's sampled tokens [n] (int64, on the device) on every rank, in stream order."""
@@ -579,10 +582,13 @@ class ModelRunner:
         row_of = {id(r): k for k, r in enumerate(sampled)}
         if not reqs:
             return []
-        sel = torch.tensor(list(range(len(sampled))) + [row_of[id(f.parent)] for f in plan.forks
-                                                        if id(f.parent) in row_of], device=logits.device)
+        if plan.forks:  # n > 1: each child samples from its parent's row (pinned: no wait for the forward)
+            sel, = host_to_device(logits.device, torch.tensor(
+                list(range(len(sampled))) + [row_of[id(f.parent)] for f in plan.forks if id(f.parent) in row_of]))
+            logits = logits[sel]
+        else:
+            logits = logits[:len(sampled)]
         rows_in = [SamplerRow(r.params, r.prompt_ids, r.output_ids, self.generator(r), self.eos_ids) for r in reqs]
-        logits = logits[sel]
         if mask is not None:  # after the model, before penalties and the draw (as vLLM and SGLang order it)
             bits, mask_rows = mask.to(logits.device)
             self.model.ops.apply_token_bitmask(logits, bits, mask_rows)

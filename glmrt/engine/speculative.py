@@ -46,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from backends.meta import host_to_device
 from glmrt.engine.ranks import ForwardInputs, StateCopy
 from glmrt.engine.request import Request
 from glmrt.engine.runner import ModelRunner, StepOutput
@@ -288,7 +289,8 @@ class Speculator:
             return []
         rows = [rows_of[id(w.req)][0] for w in normal.work if w.sample]
         mask = runner.structured.fill(reqs) if runner.structured is not None else None
-        return runner._sample(normal, logits[torch.tensor(rows, device=logits.device)], reqs, mask)
+        sel, = host_to_device(logits.device, torch.tensor(rows, dtype=torch.long))  # pinned: no wait for the verify
+        return runner._sample(normal, logits[sel], reqs, mask)
 
     def _verify(self, spec: list[Work], drafts: list[list[int]], q: list[list[torch.Tensor]], logits: torch.Tensor,
                 rows_of):
