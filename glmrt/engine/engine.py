@@ -326,10 +326,13 @@ class Engine(ModelRank):
         t0 = time.perf_counter()
         results = (run or self.runner.execute)(plan)  # host values: the step has finished
         took = time.perf_counter() - t0
+        compiled = compile_watch.take()
         if took > SLOW_STEP_S:
             self.log(f"slow step: {took:.1f} s for {describe_plan(plan)} (a kernel variant compiled "
                      f"on first use stalls like this; the start-up warm-up should have run it); "
-                     f"{compile_watch.summary(compile_watch.take())}")
+                     f"{compile_watch.summary(compiled)}")
+        elif compiled:  # a shorter stall (a fast compile, a cache load, an autotune) is still a warm-up gap
+            self.log(f"step compiled kernels: {took:.2f} s for {describe_plan(plan)}; {compile_watch.summary(compiled)}")
         return results
 
     def _apply(self, plan, results) -> list[RequestOutput]:

@@ -140,12 +140,14 @@ class ModelRunner:
             forward([longest, 0, 40], [min(33, 64), 17, 1], [sa, sb, sc], [pa, pb, pc])
             forward([0, 0], [min(longest, 64), min(longest, 128) - 1], [sb, sa], [pb, pa])  # two prefills
             # many prefills in one batch (the request count reaches fla's varlen kernels and
-            # ours as an integer argument: 3 and 17 are neither 1 nor a multiple of 16, 32 and
-            # 64 are), chunks of up to 1024 tokens within the batch budget; c adds a decode row
-            for n_req, decode in ((3, False), (8, True), (17, False), (32, True), (64, False)):
+            # ours as an integer argument: 3 and 17 are neither 1 nor a multiple of 16, 16, 32
+            # and 64 are), chunks of up to 1024 tokens within the batch budget; c adds a decode
+            # row on top of the budget, as the scheduler plans decodes beside a full prefill
+            # budget (a step of 16 x 1024 prompt tokens and a decode was a mid-traffic stall)
+            for n_req, decode in ((3, False), (8, True), (16, True), (17, False), (32, True), (64, False)):
                 if max_reqs is not None and n_req + decode > max_reqs:
                     break
-                per = min(1024, max_tokens, (batch_cap - decode) // n_req)
+                per = min(1024, max_tokens, batch_cap // n_req)
                 if per < 2:
                     break
                 got = [take(per) for _ in range(n_req)]
