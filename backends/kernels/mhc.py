@@ -196,7 +196,9 @@ def _mhc_post_comb(zp, zc, tok64, n_ok, BASE, SCALE, POST, COMB, M, iters, hc_ep
              mask=n_ok[:, None, None] & v3)
 
 
-@triton.jit
+# n_split unspecialised: it follows the token count, and a multiple of 16 compiled its own
+# variant mid-traffic (a step of 2048 tokens)
+@triton.jit(do_not_specialize=["n_split"])
 def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
                     N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,

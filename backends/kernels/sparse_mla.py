@@ -158,14 +158,16 @@ def _sparse_mla_decode_kernel(
                  out.to(O.dtype.element_ty), mask=hr_ok)
 
 
-@triton.jit
+# NUM_SPLITS a plain argument, unspecialised: the split count follows the batch, and an eager
+# mixed step's decode rows (any count) compiled a variant per count mid-traffic
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _merge_splits_kernel(
     OPART, LSE, O,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    R,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    R, NUM_SPLITS,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -412,8 +414,8 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
             opart.stride(0), opart.stride(1), opart.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            r,
-            NUM_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r,
+            r, num_splits,
+            BLOCK_S=max(32, triton.next_power_of_2(num_splits)), BLOCK_R=block_r,
             **pdl.launch(out.device), num_warps=4 if block_r >= 256 else 2,
         )
     return out
