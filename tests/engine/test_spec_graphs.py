@@ -60,7 +60,7 @@ def h200_model():
 
 def test_graph_bodies_give_the_tokens_of_decoding_without_speculation(h200_model):
     prompts = chats(3)  # a bucket of 4: one pad row
-    params = SamplingParams(temperature=0, max_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=24)
     plain = Engine(EngineConfig(model=TRAINED, page_size=16, skip_server_warmup=True), model=h200_model,
                    log=lambda *a: None)
     want = [c[0].output_ids for c in plain.generate(prompts, params)]
