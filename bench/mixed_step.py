@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
         print(f"\nwhere the mixed step of {r['chunk']} prompt tokens waits for the GPU (count, innermost frames):")
         for site, n in r["wait_sites"].items():
             print(f"  {n:3d}  {site}")
-        print(f"its host time by function under cProfile (own ms, cumulative ms, calls):")
+        print("its host time by function under cProfile (own ms, cumulative ms, calls):")
         for own, cum, calls, where in r["host_profile"]:
             print(f"  {own:7.2f} {cum:8.2f} {calls:6d}  {where}")
     if "long" in out:

@@ -152,10 +152,9 @@ def wait_sites(fn: Callable, roots: tuple[str, ...] = ("glmrt", "backends", "fla
 
 
 def _short(path: str, roots: tuple[str, ...]) -> str:
-    for r in roots:
-        if f"/{r}/" in path:
-            return r + "/" + path.rsplit(f"/{r}/", 1)[1]
-    return path
+    """path from the root that appears last in it (".../torch/.venv/.../triton/jit.py" -> "triton/jit.py")."""
+    at = max(((path.rfind(f"/{r}/"), r) for r in roots), default=(-1, ""))
+    return path if at[0] < 0 else path[at[0] + 1:]
 
 
 def host_profile(fn: Callable, top: int = 25,
