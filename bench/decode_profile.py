@@ -77,9 +77,27 @@ def profile_batch(model, b: int, ctx: int, args) -> dict:
         torch.cuda.synchronize()
     kernels = {k: v / args.reps for k, v in kernel_us(prof).items()}
     launches = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) / args.reps
+    if args.trace:
+        print_trace(prof, args.reps, f"batch {b}")
     return {"batch": b, "context": ctx, "replay_ms": rep, "graph_kernels_ms": sum(kernels.values()) / 1e3,
             "kernels_per_step": launches, "experts_touched": touched,
             "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+
+
+def print_trace(prof, reps: int, label: str) -> None:
+    """The kernels of the last replay in the order they ran: start, device µs and the idle gap
+    before each (a graph's dependent launches wait on the one before)."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    one = ev[len(ev) - len(ev) // reps:]
+    t0, end, busy = one[0].time_range.start, one[0].time_range.start, 0.0
+    print(f"  trace of one replay, {label}: {len(one)} kernels")
+    print(f"  {'#':>3} {'start':>7} {'µs':>6} {'gap':>5}  kernel")
+    for i, e in enumerate(one):
+        gap = max(0.0, e.time_range.start - end)
+        print(f"  {i:>3} {e.time_range.start - t0:>7.1f} {e.device_time:>6.1f} {gap:>5.1f}  {e.name[:90]}")
+        end, busy = max(end, e.time_range.end), busy + e.device_time
+    print(f"  span {end - t0:.1f} µs, kernels {busy:.1f} µs, gaps {end - t0 - busy:.1f} µs", flush=True)
 
 
 def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float:
@@ -164,6 +182,8 @@ def main(argv=None) -> list[dict]:
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
+    p.add_argument("--trace", action="store_true",
+                   help="print every kernel of one replay in order: device µs and the gap before it")
     p.add_argument("--warm-s", type=float, default=0.0,
                    help="replay each captured step back to back this long before timing it (timed right after "
                         "capture, from idle clocks, the batch-1 step reads ~8%% slower: bench/RESULTS.md)")

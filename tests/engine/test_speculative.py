@@ -190,9 +190,9 @@ def test_random_traffic_with_aborts_and_retractions_leaves_nothing(ckpt, mtp_mod
     shared = [toks(1000 + i, 24) for i in range(3)]
     live: list[str] = []
     submitted = 0
-    while submitted < 1000 or e.has_work():
+    while submitted < 500 or e.has_work():
         for _ in range(rng.randrange(0, 12)):
-            if submitted >= 1000:
+            if submitted >= 500:
                 break
             prompt = ((rng.choice(shared)[: rng.randrange(0, 24)] if rng.random() < 0.6 else [])
                       + toks(submitted, rng.randrange(1, 10)))
