@@ -22,6 +22,7 @@ Overridden today (everything else is the reference):
   moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
                   (+ the shared expert's column when it is seated among the routed experts)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse (bf16x3 products
+                  from 1024 tokens); at decode sizes the sublayer's input RMSNorm inside the collapse
                   from 1024 tokens)
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
                   rows (MoEPartials) and does its top-k sum on the way in
@@ -188,14 +189,16 @@ class CudaH200Ops(ReferenceOps):
         return super().gated_rms_norm(x, gate, weight, eps)
 
     def mhc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                norm: tuple[torch.Tensor, float] | None = None):
         m = streams.shape[1] if streams.dim() == 3 else 0
         if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8
                 or tuple(fn.shape) != ((2 + m) * m, m * streams.shape[2])
-                or any(t.device != streams.device for t in (fn, base, scale))):
-            return super().mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+                or any(t.device != streams.device for t in (fn, base, scale))
+                or (norm is not None and (norm[0].shape != (streams.shape[2],) or norm[0].device != streams.device))):
+            return super().mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
         from .kernels.mhc import mhc_pre
-        return mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+        return mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
 
     def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
                  comb: torch.Tensor) -> torch.Tensor:

@@ -172,8 +172,11 @@ class ReferenceOps:
 
     # ---- mHC ------------------------------------------------------------------------------
     def mhc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-        """streams [N, M, D] -> (post [N, M] f32, comb [N, M, M] f32, collapsed [N, D] model dtype)."""
+                sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                norm: tuple[torch.Tensor, float] | None = None):
+        """streams [N, M, D] -> (post [N, M] f32, comb [N, M, M] f32, collapsed [N, D] model dtype).
+        `norm` = (weight, eps): the collapse passed through rms_norm (the sublayer's input norm),
+        which a backend may fuse into the collapse."""
         m = streams.shape[1]
         flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
@@ -189,6 +192,8 @@ class ReferenceOps:
             comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        if norm is not None:
+            collapsed = self.rms_norm(collapsed, norm[0], norm[1])
         return post, comb, collapsed
 
     def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,

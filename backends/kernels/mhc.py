@@ -65,6 +65,11 @@ _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode 
 # one-program-per-token epilogue, which 4 warps at 4096 are).
 _SPLIT_TILE = 4096
 _SPLIT_WARPS = 4
+# With the layer's RMSNorm fused in (mhc_pre(norm=...)), one program collapses a token's whole
+# row (the norm needs all of it): up to _NORM_TILE stream elements (4 x 4096), on 8 warps
+# (64 fp32 registers a thread for the tile).
+_NORM_TILE = 16384
+_NORM_WARPS = 8
 
 
 @triton.jit
@@ -199,15 +204,19 @@ def _mhc_post_comb(zp, zc, tok64, n_ok, BASE, SCALE, POST, COMB, M, iters, hc_ep
 # n_split unspecialised: it follows the token count, and a multiple of 16 compiled its own
 # variant mid-traffic (a step of 2048 tokens)
 @triton.jit(do_not_specialize=["n_split"])
-def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
-                    N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps,
+def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
+                    N, stride_xn, stride_fn, stride_un, M, D, n_split, iters, hc_eps, norm_eps, out_eps,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Fused (SPLIT=False): grid (token blocks,), each program does the whole token block.
     Split epilogue (SPLIT=True): grid (token blocks, D tiles of BLOCK_D); every program sums the
     partials it needs for r and pre and collapses its own D tile; the D-tile-0 programs also do
-    post and comb (the Sinkhorn), in parallel with the other tiles' collapse."""
+    post and comb (the Sinkhorn), in parallel with the other tiles' collapse.
+    Split with NORM: grid (tokens, 2): program 1 collapses the whole row (BLOCK_D >= D) and
+    applies the layer's RMSNorm (weight NW, eps out_eps, ReferenceOps.rms_norm's cast order)
+    before the store; program 0 does the Sinkhorn alone, concurrently."""
     pdl_enter(PDL)
     nb = tl.program_id(0)
     tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -225,10 +234,13 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
     if SPLIT:
         db = tl.program_id(1)
         # this program's D tile of the streams, loaded first: independent of the partials, its
-        # latency overlaps theirs
-        dd = db * BLOCK_D + offs_d
+        # latency overlaps theirs (with NORM the one tile is the whole row)
+        dd = offs_d if NORM else db * BLOCK_D + offs_d
         d_ok = dd < D
-        x = tl.load(x_base + dd[None, None, :], mask=xm & d_ok[None, None, :], other=0.0).to(tl.float32)
+        ld_ok = d_ok
+        if NORM:  # program 0 only does the Sinkhorn
+            ld_ok = d_ok & (db == 1)
+        x = tl.load(x_base + dd[None, None, :], mask=xm & ld_ok[None, None, :], other=0.0).to(tl.float32)
         # all partials in one load each and a tree sum: a loop over the splits costs a dependent
         # round trip per split (~0.25 µs each on the H200, 8 µs a call at 32 splits)
         offs_s = tl.arange(0, BLOCK_S)
@@ -240,9 +252,16 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U,
         r = tl.rsqrt(ss / K + norm_eps)
         zp = zp * r[:, None]
         pre = _mhc_gate_pre(zp, BASE, SCALE, M, hc_eps, BLOCK_M, BLOCK_PP)
-        u = tl.sum(x * pre[:, :, None], 1)
-        tl.store(U + tok64[:, None] * stride_un + dd[None, :], u.to(U.dtype.element_ty),
-                 mask=n_ok[:, None] & d_ok[None, :])
+        if (not NORM) or db == 1:
+            u = tl.sum(x * pre[:, :, None], 1)
+            if NORM:  # u rounded to the stream dtype, then RMSNorm as ReferenceOps.rms_norm
+                xdt = X.dtype.element_ty
+                u = u.to(xdt).to(tl.float32)
+                rn = tl.rsqrt(tl.sum(u * u, 1) / D + out_eps)
+                w = tl.load(NW + dd, mask=d_ok, other=0.0).to(xdt).to(tl.float32)
+                u = w[None, :] * (u * rn[:, None]).to(xdt).to(tl.float32)
+            tl.store(U + tok64[:, None] * stride_un + dd[None, :], u.to(U.dtype.element_ty),
+                     mask=n_ok[:, None] & d_ok[None, :])
         if db == 0:
             zc = tl.sum(tl.load(ZC + row[:, :, None] * BMM + offs_q[None, None, :], mask=ok[:, :, None],
                                 other=0.0), 0)
@@ -277,7 +296,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             sinkhorn_iters: int, hc_eps: float, norm_eps: float, *, split: int | None = None,
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             block_n: int | None = None, block_k: int = 64, precision: str | None = None,
-            num_warps: int | None = None, num_stages: int | None = None):
+            num_warps: int | None = None, num_stages: int | None = None,
+            norm: tuple[torch.Tensor, float] | None = None):
     """ReferenceOps.mhc_pre: streams [N, M, D] -> (post [N, M] f32, comb [N, M, M] f32,
     collapsed [N, D] streams.dtype). fn [(2+M)M, M*D], base [(2+M)M], scale [3], any float dtype
     (used in fp32). `split` = number of K splits (1 = one fused launch; None = by heuristic);
@@ -285,6 +305,8 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     for the fp32 products ("ieee" = exact fp32 FMAs; "tf32x3" is faster at ~fp32 accuracy; "bf16x3",
     bf16 streams only, splits fn in three bf16 parts: bf16 products at ~fp32 accuracy);
     num_warps / num_stages override the mixing launch's (bench.mhc_h200 sweeps them).
+    `norm` = (weight, eps): the collapse comes back through that RMSNorm (the layer's input norm);
+    at decode sizes inside the epilogue (one launch less per call), else by norms.rms_norm after.
     By default decode sizes take 16-token blocks and DECODE_PRECISION. Prefill sizes (>= _LARGE_N
     tokens) take PREFILL_PRECISION; there the ieee FMA products made mhc_pre 16% of a 16K-token
     prefill on the H200 (39 ms, ~3 TFLOP/s). Their blocks: 128 tokens per mixing program with K
@@ -335,9 +357,12 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     # of (tokens, D tiles) (see _SPLIT_TILE for the tile size).
     split_epi = n_split > 1
     bn_fin = 1 if split_epi else block_n
+    fuse_norm = norm is not None and split_epi and bm * triton.next_power_of_2(d) <= _NORM_TILE
     if split_epi:
         block_d = max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
         grid = (n, triton.cdiv(d, block_d))
+        if fuse_norm:
+            block_d, grid = triton.next_power_of_2(d), (n, 2)
         zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
         zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
         ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
@@ -349,14 +374,18 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
         grid = (triton.cdiv(n, bn_fin),)
         zp = zc = ss = post  # unused
-    _mhc_pre_kernel[grid](x, fn, base, scale, zp, zc, ss, post, comb, u,
+    nw, out_eps = (norm[0], float(norm[1])) if fuse_norm else (u, 0.0)
+    _mhc_pre_kernel[grid](x, fn, base, scale, zp, zc, ss, post, comb, u, nw,
                           n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
-                          int(sinkhorn_iters), float(hc_eps), float(norm_eps),
+                          int(sinkhorn_iters), float(hc_eps), float(norm_eps), out_eps,
                           BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                           BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
-                          PRECISION=precision, **pdl.launch(x.device),
-                          num_warps=_SPLIT_WARPS if split_epi else num_warps or 4,
+                          PRECISION=precision, NORM=fuse_norm, **pdl.launch(x.device),
+                          num_warps=(_NORM_WARPS if fuse_norm else _SPLIT_WARPS) if split_epi else num_warps or 4,
                           **({"num_stages": num_stages} if num_stages and not split_epi else {}))
+    if norm is not None and not fuse_norm:
+        from .norms import rms_norm
+        u = rms_norm(u, norm[0], float(norm[1]))
     return post, comb, u
 
 

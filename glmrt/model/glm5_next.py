@@ -51,21 +51,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, ops, dtype, parallel) if cfg.is_moe(layer) else \
             SwiGLUMLP(ops, d, cfg.intermediate_size, cfg.swiglu_limit, dtype=dtype, parallel=parallel)
 
-    def _hc_pre(self, streams, fn, base, scale):
+    def _hc_pre(self, streams, fn, base, scale, norm: RMSNorm):
+        """mHC pre, its collapse through the sublayer's input norm (one op: the kernels fuse it)."""
         c = self.cfg
-        return self.ops.mhc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        return self.ops.mhc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                                norm=(norm.weight, norm.eps))
 
     def forward(self, streams: torch.Tensor, meta, cache, carried_sel):
-        post, comb, u = self._hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        h = self.input_layernorm(u)
+        post, comb, h = self._hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                     self.input_layernorm)
         sel = None
         if self.is_dsa:
             h, sel = self.self_attn(h, meta, cache, carried_sel)
         else:
             h = self.self_attn(h, meta, cache)
         streams = self.ops.mhc_post(h, streams, post, comb)
-        post, comb, u = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        x = self.post_attention_layernorm(u)
+        post, comb, x = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                     self.post_attention_layernorm)
         # the MoE's top-k sum is left to mhc_post where the ops can (one launch less per layer)
         h = self.mlp(x, defer_sum=True) if isinstance(self.mlp, MoE) else self.mlp(x)
         return self.ops.mhc_post(h, streams, post, comb), sel

@@ -34,9 +34,14 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(ops, d, self.n_heads, dtype=dtype)
         self.index_kpool_compress_gate = _param(self.head_dim, d, dtype=dtype)
         self.index_kpool_compress_ape = _param(self.kpool, self.head_dim, dtype=dtype)
+        # the two projections of the layer input, one GEMV once fused (weights_proj last: its 32
+        # rows are no whole FP8 scale block)
+        self.x_proj = LinearGroup(self.wk, self.weights_proj)
+        self.weight_groups = (self.x_proj,)
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, meta, cache) -> torch.Tensor:
-        k = self.k_norm(self.wk(x))
+        k, w = self.x_proj(x)
+        k = self.k_norm(k)
         g = self.ops.linear(x, self.index_kpool_compress_gate)
         capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
         if capture is not None:
@@ -45,7 +50,7 @@ class Indexer(nn.Module):
         pooled = cache.pooled(self.layer)
         self.ops.indexer_update(k, g, self.index_kpool_compress_ape, pooled, tail_k, tail_g, meta, self.kpool)
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        w = w.float() * self.n_heads ** -0.5
         return self.ops.indexer_select(q, w, pooled, meta, self.kpool, self.topk_pools)
 
 

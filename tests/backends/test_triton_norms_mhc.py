@@ -268,6 +268,26 @@ def test_mhc_post_sums_moe_partials(device, dtype):
     ref = REF.mhc_post(MoEPartials(y, ids, e), streams, post, comb)
     assert _rel(fused, ref) < _tol(dtype)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,d,n,split", [(4, 1100, 1, None), (3, 96, 3, None), (4, 96, 2, 1), (8, 2100, 1, None)])
+def test_mhc_pre_with_the_input_norm(device, dtype, m, d, n, split):
+    """mhc_pre(norm=(w, eps)) returns the collapse through that RMSNorm: fused into the split
+    epilogue (one program per token collapses its whole row; the first two cases), after the
+    one-launch path (split 1), or after a row too wide for one program (M 8 x 4096 columns)."""
+    g = _gen("pre-norm", str(dtype), m, d, n, str(split))
+    streams = torch.randn(n, m, d, generator=g).to(dtype)
+    fn, base, scale = _hc_params(m, d, g)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    ref = REF.mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, norm=(w, 1e-5))
+    got = mhc_pre(*(t.to(device) for t in (streams, fn, base, scale)), 20, 1e-6, 1e-6, split=split,
+                  norm=(w.to(device), 1e-5))
+    unfused = mhc_pre(*(t.to(device) for t in (streams, fn, base, scale)), 20, 1e-6, 1e-6, split=split)
+    assert _rel(got[0], ref[0]) < 1e-5 and _rel(got[1], ref[1]) < 1e-5
+    assert got[2].dtype == dtype and _rel(got[2], ref[2]) < _tol(dtype)
+    # the norm really applied: the un-normed collapse is far from it
+    assert _rel(unfused[2], ref[2]) > 0.05
+    assert _rel(got[2], rms_norm(unfused[2], w.to(device), 1e-5)) < _tol(dtype)
+
 
 # ---- the ops ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -285,7 +305,8 @@ def test_cuda_h200_ops_chain(device, dtype):
     def layer(o, s, f, b, sc, ww):
         post, comb, u = o.mhc_pre(s, f, b, sc, 20, 1e-6, 1e-6)
         y = o.rms_norm(u, ww, 1e-6)
-        return post, comb, u, y, o.mhc_post(y, s, post, comb)
+        normed = o.mhc_pre(s, f, b, sc, 20, 1e-6, 1e-6, norm=(ww, 1e-6))[2]
+        return post, comb, u, y, normed, o.mhc_post(y, s, post, comb)
 
     ref = layer(REF, streams, fn, base, scale, w)
     out = layer(ops, *(t.to(device) for t in (streams, fn, base, scale, w)))
@@ -310,3 +331,5 @@ def test_full_size_mhc_gpu():
         assert _rel(mhc_post(y, streams, out[0], out[1]), REF.mhc_post(y, streams, out[0], out[1])) < 1e-2
         w = torch.randn(d, generator=g).to(torch.bfloat16).cuda()
         assert _rel(rms_norm(y, w, 1e-6), REF.rms_norm(y, w, 1e-6)) < 1e-2
+        normed = mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, norm=(w, 1e-5))[2]
+        assert _rel(normed, REF.mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, norm=(w, 1e-5))[2]) < 1e-2

@@ -253,9 +253,9 @@ def test_leak_random_traffic_with_aborts_and_retractions(ckpt, model):
     live: list[str] = []
     submitted = 0
     steps = 0
-    while submitted < 800 or e.has_work():
+    while submitted < 500 or e.has_work():
         for _ in range(rng.randrange(0, 12)):
-            if submitted >= 800:
+            if submitted >= 500:
                 break
             prompt = (rng.choice(shared)[: rng.randrange(0, 24)] if rng.random() < 0.6 else []) + toks(submitted, rng.randrange(1, 10))
             params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 14),
