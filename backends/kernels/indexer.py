@@ -238,7 +238,9 @@ def _pooled_key(kk, gg, APE, stride_ape, rows, offs_d, d_ok, KPOOL: tl.constexpr
     return tl.sum(tl.where(row_ok, prod, 0.0), 0)
 
 
-@triton.jit
+# J (the token index of a per-token launch) and the page-table width unspecialised: 0, 1 and
+# other values, and widths that are a multiple of 16 or not, each compiled a variant mid-traffic
+@triton.jit(do_not_specialize=["J", "stride_tb"])
 def _indexer_update_decode_kernel(
     K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE, CU, J,
     stride_kn, stride_gn, stride_ape,

@@ -188,7 +188,9 @@ def _merge_splits_kernel(
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_r, out.to(O.dtype.element_ty), mask=r_ok)
 
 
-@triton.jit
+# the page-table width unspecialised: an eager step's width follows its longest request, and a
+# width that was a multiple of 16 or not compiled a variant mid-traffic
+@triton.jit(do_not_specialize=["stride_tb", "n_pages"])
 def _decode_rows_kernel(SEL, POS, TABLE, IDX, NTOK, stride_sb, stride_tb, stride_ib, NSEL, n_pages, page_size,
                         KPOOL: tl.constexpr, BLOCK_SEL: tl.constexpr, WITH_TAIL: tl.constexpr,
                         PDL: tl.constexpr = False):

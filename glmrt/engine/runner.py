@@ -34,7 +34,10 @@ from glmrt.parallel import Parallel
 
 # Token counts warm_prefill runs (up to the chunked-prefill size): both sides of each fused-MoE
 # tile bucket (32, 256, 1024, 4096), multiples of 16 and not, and mhc's one-launch size (1024+).
-PREFILL_WARMUP_SIZES = (1, 31, 32, 255, 256, 1023, 1024, 1100, 4095, 4096, 4097, 8192)
+# 4: a short prompt takes KDA's in-place recurrent path (backends/kernels/kda.py short_rows) and
+# the indexer's per-token update launches: variants of their own (an H200 server compiled them
+# on its first 4-token prompt)
+PREFILL_WARMUP_SIZES = (1, 4, 31, 32, 255, 256, 1023, 1024, 1100, 4095, 4096, 4097, 8192)
 
 _encoder = msgspec.msgpack.Encoder()
 _reports = msgspec.msgpack.Decoder(list[RankReport])  # a rank's answer to op handoff_poll
