@@ -23,7 +23,6 @@ Overridden today (everything else is the reference):
                   (+ the shared expert's column when it is seated among the routed experts)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse (bf16x3 products
                   from 1024 tokens); at decode sizes the sublayer's input RMSNorm inside the collapse
-                  from 1024 tokens)
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
                   rows (MoEPartials) and does its top-k sum on the way in
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post

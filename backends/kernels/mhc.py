@@ -383,9 +383,9 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                           PRECISION=precision, NORM=fuse_norm, **pdl.launch(x.device),
                           num_warps=(_NORM_WARPS if fuse_norm else _SPLIT_WARPS) if split_epi else num_warps or 4,
                           **({"num_stages": num_stages} if num_stages and not split_epi else {}))
-    if norm is not None and not fuse_norm:
+    if norm is not None and not fuse_norm:  # in place: `out`'s collapse is the normed one either way
         from .norms import rms_norm
-        u = rms_norm(u, norm[0], float(norm[1]))
+        u = rms_norm(u, norm[0], float(norm[1]), out=u)
     return post, comb, u
 
 

@@ -213,8 +213,11 @@ class LinearGroup:
         return True
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's output, in order (column views of one product when fused)."""
-        if self.weight is None:
+        """Each member's output, in order (column views of one product when fused). Training
+        (grad on, members' parameters requiring it) runs the members one by one: the shared
+        tensor is no Parameter, so a product through it would leave theirs without gradients."""
+        if self.weight is None or (torch.is_grad_enabled() and any(
+                p is not None and p.requires_grad for m in self.members for p in (m.weight, m.bias))):
             return [m(x) for m in self.members]
         m0 = self.members[0]
         y = m0.ops.linear(x, self.weight, self.bias, self.scale_inv, m0.block)

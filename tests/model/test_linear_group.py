@@ -54,6 +54,25 @@ def test_fused_group_equals_the_members(bias):
     assert torch.equal(join_columns([outs[1], outs[0]]), torch.cat([outs[1], outs[0]], -1))  # not adjacent: a copy
 
 
+def test_a_fused_group_trains_every_member():
+    """With grad on and the members' parameters requiring it (training), each member gets its
+    gradient; under no_grad the group is one product."""
+    g = torch.Generator().manual_seed(1)
+    ms = _linears([48, 16, 8])
+    group = LinearGroup(*ms)
+    assert group.fuse()
+    _fill(ms, g)
+    x = torch.randn(5, 32, generator=g)
+    for m in ms:
+        m.weight.requires_grad_(True)
+    sum(y.square().sum() for y in group(x)).backward()
+    for m in ms:
+        assert m.weight.grad is not None and torch.allclose(m.weight.grad, 2 * m(x).detach().T @ x, atol=1e-4)
+    with torch.no_grad():
+        outs = group(x)
+    assert outs[1].untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr()
+
+
 def test_fp8_groups_fuse_only_on_whole_scale_blocks():
     g = torch.Generator().manual_seed(1)
     ms = _linears([256, 128, 64], d=256, fp8=(128, 128))  # a partial block only at the end

@@ -107,6 +107,10 @@ def test_training_the_draft_layer_alone_leaves_the_model_as_it_was(tmp_path, cap
     assert a.keys() == b.keys()
     mtp = [k for k in a if ".layers.6." in k]  # the MTP layer is layer num_hidden_layers (6) on disk
     assert mtp and any(not torch.equal(a[k], b[k]) for k in mtp)
+    # the grouped projections (one product when fused) train too, each member its own weight
+    grouped = [k for k in mtp if k.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight", "indexer.wk.weight",
+                                             "indexer.weights_proj.weight"))]
+    assert len(grouped) == 4 and all(not torch.equal(a[k], b[k]) for k in grouped), grouped
     assert all(torch.equal(a[k], b[k]) for k in a if k not in mtp)
     assert main(["train", "--out", str(tmp_path / "x"), "--train-only", "mtp", *common]) == 2
     assert "--init-from" in capsys.readouterr().err
