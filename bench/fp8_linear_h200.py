@@ -74,6 +74,9 @@ def flash_shapes() -> list[tuple[str, int, int]]:
         ("kda.b", d, t.linear_num_heads), ("kda.o", qkv, d),
         ("shexp.gate,up", d, shared), ("shexp.down", shared, d),
         ("lm_head(bf16 in ckpt)", d, t.vocab_size),
+        # the LinearGroups a decode step runs as one product
+        ("kda.in_proj(q,k,v,f_a,g_a,b)", d, 3 * qkv + 2 * t.linear_head_dim + t.linear_num_heads),
+        ("dsa.in_proj(q_a,kv_a)", d, t.q_lora_rank + t.kv_lora_rank + t.qk_rope_head_dim),
     ]
     merged: dict[tuple[int, int], str] = {}
     for name, i, o in raw:

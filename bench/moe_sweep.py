@@ -96,6 +96,12 @@ SWEEP_FP8["decode-a8"] = [c for c in (
     _cfg8(16, (128, 128, 8, 4), (128, 128, 8, 5)),                     # mma.sync on f16-converted fp8
     _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4)),
     _cfg8(32, (128, 128, 4, 4), (128, 128, 4, 4), SWAP_AB=True),
+    # a batch-1 step reaches 8 experts + the shared one: 64-wide tiles give 2-4 programs per SM
+    _cfg8(16, (64, 128, 4, 4), (64, 128, 4, 4), SWAP_AB=True),
+    _cfg8(16, (64, 128, 4, 6), (64, 128, 4, 6), SWAP_AB=True),
+    _cfg8(16, (64, 128, 4, 3), (128, 128, 4, 3), SWAP_AB=True),
+    _cfg8(16, (128, 128, 4, 4), (64, 128, 4, 6), SWAP_AB=True),
+    _cfg8(16, (128, 128, 8, 3), (64, 128, 4, 4), SWAP_AB=True),
 ) if _smem_ok_fp8(c)]
 SWEEP_FP8["prefill-a8"] = [c for c in (
     _cfg8(128, (64, 128, 8, 3), (128, 128, 8, 3), 8),
@@ -137,7 +143,10 @@ def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.G
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             rec["compile_s"] = time.time() - t
-            ms = kernel_ms(run)
+            # decode sizes: a CUDA graph of 2 calls per input set (as in a decode step; eager
+            # timing of a few-token call is the host's launch time, not the kernels')
+            ms = graph_ms(run, 2 * len(sets), kernel_ms) if dev.type == "cuda" and n <= args.graph_max \
+                else kernel_ms(run)
             rec.update(ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12, pct_bw=100 * nbytes / (ms * 1e-3) / 1e12 / CEILING_TBPS,
                        tflops=6.0 * n * dims["k"] * dims["i"] * dims["d"] / (ms * 1e-3) / 1e12)
         except Exception as err:  # noqa: BLE001 - a shape that does not compile is a result too
@@ -145,6 +154,19 @@ def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.G
         res.append(rec)
         print("sweep", json.dumps(rec), flush=True)
     return res
+
+
+def graph_ms(run, calls: int, kernel_ms) -> float:
+    """ms per call of `calls` back-to-back calls of run, captured in one CUDA graph."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = kernel_ms(graph.replay) / calls
+    del graph
+    return ms
 
 
 def _cfg_str(c: dict) -> str:

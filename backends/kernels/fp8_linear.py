@@ -56,6 +56,12 @@ CONFIGS: list[tuple[int, dict]] = [
     (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)),
     (1 << 62, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)),
 ]
+# w8a8 (act_fp8) up to 16 rows: the weight rows on the MMA's M side (SWAP_AB, as the fused MoE's
+# decode tiles), the few tokens on its N side. `bench.fp8_linear_h200 --act dynamic --tokens 1,16
+# --sweep --sweep-tiles ...` on an H200, 2026-12-03, µs at 1 row (this tile / the table's 16x64):
+# KDA in_proj 32.3 / 43.4, dsa o 24.1 / 30.1, kda o 13.9 / 17.3, dsa q_b 11.1 / 12.0; 16 rows alike
+A8_DECODE_MAX_ROWS = 16
+A8_DECODE_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=True)
 # w8a8 (act_fp8) past the table's 256-row entry: `bench.fp8_linear_h200 --act dynamic --sweep
 # --sweep-tokens 16384` on an H200, 2026-11-30 (ms, this tile / the 16-bit table's 128x128x64 with
 # 8 warps): kda q,k,v 1.65 / 1.98, kda o 1.64 / 1.77, dsa o 3.30 / 3.56, dsa q_b 1.43 / 1.45
@@ -89,6 +95,8 @@ def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16, act_fp8: 
     """The tile table's entry for N tokens (a fresh copy; callers may edit it)."""
     if act_dtype == torch.float32:
         return dict(FP32_CONFIG)
+    if act_fp8 and n_tokens <= A8_DECODE_MAX_ROWS:
+        return dict(A8_DECODE_CONFIG)
     lim, cfg = next((lim, c) for lim, c in CONFIGS if n_tokens <= lim)
     return dict(A8_PREFILL_CONFIG if act_fp8 and lim == CONFIGS[-1][0] else cfg)
 

@@ -63,6 +63,9 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 # activation group per K tile). Decode rows: SWAP_AB, where the product is an fp8 wgmma (the weight
 # tile is its M side, never converted); at BLOCK_M 16 without the swap Triton converts both
 # operands to f16 for mma.sync. Prefill rows: BLOCK_M 64/128, an fp8 wgmma as they stand.
+# One token: a 64-wide gate/up tile (two programs per SM) times 0.062 ms isolated against this
+# table's 0.065, yet the captured flash-4l decode step reads 1.16-1.18 ms with it against 1.12
+# (`bench.decode_profile --batches 1 --quantization fp8`, H200, 2026-12-04), so it is not here.
 FP8A8_CONFIGS: list[tuple[int, dict]] = [
     # the best of `bench.moe_h200 --sweep --kinds fp8a8` on an H200, 2026-11-30 (N=64: 1.123 ms,
     # 98% of 4.09 TB/s, 2 programs per SM; the 1-per-SM 4/5 stages 1.148-1.188 ms; fp8 w8a16's

@@ -120,10 +120,15 @@ def test_fp8_linear_w8a8_cublas_blockwise(device, monkeypatch, bias):
     assert _rel(got, ref) < 5e-3 and _rel(got, triton_out) < 5e-3
 
 
-def test_w8a8_prefill_tile_choice():
-    """w8a8 past the table's 256-row entry takes its own measured tile; w8a16 keeps the table's."""
+def test_w8a8_tile_choice():
+    """w8a8 takes its own measured tiles up to 16 rows (swapped) and past the table's 256-row
+    entry; between them, and for w8a16 everywhere, the table's."""
     assert f8.get_config(16384, act_fp8=True) == f8.A8_PREFILL_CONFIG
     assert f8.get_config(16384) == f8.CONFIGS[-1][1]
+    for n in (1, 16):
+        assert f8.get_config(n, act_fp8=True) == f8.A8_DECODE_CONFIG and f8.A8_DECODE_CONFIG["SWAP_AB"]
+        assert not f8.get_config(n).get("SWAP_AB")
+    assert f8.get_config(17, act_fp8=True) == f8.get_config(17)
     assert f8.get_config(64, act_fp8=True) == f8.get_config(64)
 
 
