@@ -112,9 +112,11 @@ def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-              scaling: float, *, append_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scaling: float, *, append_expert: int | None = None,
+              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (weights [N, top_k] fp32, ids [N, top_k] int64), as ReferenceOps.moe_route (n_group 1);
-    with `append_expert`, [N, top_k + 1] whose last column is that id with weight 1."""
+    with `append_expert`, [N, top_k + 1] whose last column is that id with weight 1. `splits`
+    forces the logits' K split count (at most MAX_SPLIT; bench.decode_ops sweeps it)."""
     n, d = x.shape
     e = gate_w.shape[0]
     extra = append_expert is not None
@@ -133,6 +135,8 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     # H200), 32 of them over D 4096 without a split, 19 µs a call
     tiles = triton.cdiv(n, bn) * triton.cdiv(e, be)
     split = max(1, min(_MAX_SPLIT, 2 * _NUM_SMS_GUESS // tiles, triton.cdiv(d, bk)))
+    if splits is not None:
+        split = max(1, min(_MAX_SPLIT, int(splits), triton.cdiv(d, bk)))
     k_per = triton.cdiv(triton.cdiv(d, split), bk) * bk
     split = triton.cdiv(d, k_per)
     logits = torch.empty(split, n, e, dtype=torch.float32, device=x.device)
