@@ -92,6 +92,12 @@ class MoEPartials(NamedTuple):
         return acc.to(self.y.dtype)
 
 
+def head_weights(w: torch.Tensor, index_heads: int) -> torch.Tensor:
+    """The indexer's per-head weights of the pool score: the projection's output in fp32 times
+    Hi^-0.5 (one fp32 rounding, as the reference model computes them)."""
+    return w.float() * index_heads ** -0.5
+
+
 class ReferenceOps:
     """Every op the GLM-5.3-Flash model needs, in plain torch."""
 
@@ -341,10 +347,12 @@ class ReferenceOps:
                        kpool: int, topk_pools: int) -> torch.Tensor:
         """Top pools per query -> [N, topk_pools] pool indices (-1 = none), ties to the lower index.
 
-        q [N, Hi, di]; w [N, Hi] fp32 head weights (already scaled by Hi^-0.5). A pool is eligible
+        q [N, Hi, di]; w [N, Hi] head weights as the weights projection gives them (any float
+        dtype; scaled here by Hi^-0.5 in fp32, only when pools are scored). A pool is eligible
         for the query at position t iff it is complete and its last token is <= t.
         """
         n = q.shape[0]
+        w = head_weights(w, q.shape[1])
         sel = torch.full((n, topk_pools), -1, dtype=torch.long, device=q.device)
         pools_per_page = meta.page_size // kpool
         scale = q.shape[-1] ** -0.5

@@ -371,6 +371,14 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = Fal
 SKINNY_MAX_ROWS = 8
 SKINNY_TILE_BYTES = 16384
 SKINNY_SPLIT_BELOW = 0.5   # split K when the out tiles fill fewer than this x the SMs
+# Out widths that leave only 16/32-wide tiles for every SM twice (2K-8K outputs) over K >= 4096
+# stream better as 64-wide tiles with K split in 4 (one reduce launch more): `bench.decode_ops
+# --only linear` on the H200, one row, µs in a PDL graph chain against the tile above: the KDA
+# o_proj (4096 x 8192) 20.1 vs 24.0, the MLA q_a+kv_a (2048 x 4096) 8.2 vs 11.0, the MLA o_proj
+# (4096 x 16384) 35.2 vs 43.7 (cuBLAS 22.1 / 9.8 / 36.2). Shorter K (the indexer's and MLA's
+# 1536-wide q_b) stays with cuBLAS.
+SKINNY_LONG_K = 4096
+SKINNY_LONG_K_SPLITS = 4
 
 
 def skinny_supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -403,6 +411,10 @@ def skinny_config(n_tokens: int, out_f: int, in_f: int, sms: int) -> tuple[dict,
     s = 1
     if tiles < SKINNY_SPLIT_BELOW * sms and kb > 1:
         s = min(kb, triton.cdiv(sms, tiles))
+    elif bn < 64 and triton.cdiv(out_f, 64) <= sms and in_f >= SKINNY_LONG_K:
+        # a long K behind a few thousand outputs: 64-wide tiles, K in SKINNY_LONG_K_SPLITS
+        bn, bk, s = 64, SKINNY_TILE_BYTES // 128, SKINNY_LONG_K_SPLITS
+        cfg.update(BLOCK_N=bn, BLOCK_K=bk)
     return (cfg, *split_layout(in_f, bk, s))
 
 

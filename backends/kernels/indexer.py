@@ -41,7 +41,7 @@ def _indexer_scores_kernel(
     stride_tb,
     stride_ob,
     HI, DI, P_OUT, ppp,
-    scale,
+    scale, w_scale,
     BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
     HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
@@ -68,10 +68,46 @@ def _indexer_scores_kernel(
     q = q.to(keys.dtype)
     s = tl.dot(keys, tl.trans(q), input_precision=PRECISION)  # [BLOCK_P, BLOCK_HI]
     s = tl.maximum(s * scale, 0.0)
-    w = tl.load(W + b.to(tl.int64) * stride_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    w = tl.load(W + b.to(tl.int64) * stride_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32) * w_scale
     score = tl.sum(s * w[None, :], 1)
     score = tl.where(ok, score, float("-inf"))
     tl.store(OUT + b.to(tl.int64) * stride_ob + offs_p, score, mask=offs_p < P_OUT)
+
+
+@triton.jit
+def _decode_select_kernel(POS, TOP, OUT, stride_top, stride_ob, TOPK, kpool,
+                          HAS_TOP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """sel[b, j] = j if pool j is complete at the request's position, else -1 (a request with at
+    most TOPK pools takes them all, in order); with TOP, a request with more takes TOP[b]."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    n = (tl.load(POS + b).to(tl.int64) + 1) // kpool
+    sel = tl.where(j < n, j, -1).to(tl.int64)
+    if HAS_TOP:
+        top = tl.load(TOP + b * stride_top + j, mask=j < TOPK, other=-1)
+        sel = tl.where(n > TOPK, top, sel)
+    tl.store(OUT + b * stride_ob + j, sel, mask=j < TOPK)
+
+
+def decode_select(positions: torch.Tensor, kpool: int, topk_pools: int,
+                  top: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, topk_pools] long selection of decode queries at `positions` (one launch): every complete
+    pool in index order, or `top`'s row where the request has more than topk_pools pools."""
+    b = positions.shape[0]
+    out = torch.empty(b, topk_pools, dtype=torch.long, device=positions.device)
+    if b == 0 or topk_pools == 0:
+        return out
+    if positions.stride(0) != 1:
+        positions = positions.contiguous()
+    if top is not None and top.stride(-1) != 1:
+        top = top.contiguous()
+    _decode_select_kernel[(b,)](
+        positions, top if top is not None else out, out,
+        top.stride(0) if top is not None else 0, out.stride(0), topk_pools, kpool,
+        HAS_TOP=top is not None, BLOCK=max(16, triton.next_power_of_2(topk_pools)),
+        **pdl.launch(positions.device), num_warps=1)
+    return out
 
 
 def default_config(hi: int, di: int) -> dict:
@@ -87,7 +123,8 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
     req_index [B] (optional): row b reads page_table[req_index[b]] instead of page_table[b]
     (one row per prefill token; n_pools[b] is then that token's visible pools).
 
-    q [B, Hi, di] (any float dtype); w [B, Hi] (fp32 head weights, already scaled by Hi^-0.5);
+    q [B, Hi, di] (any float dtype); w [B, Hi] head weights as the weights projection gives them
+    (any float dtype; the kernel takes them to fp32 and scales by Hi^-0.5, as head_weights does);
     pooled [num_pages, pools_per_page, di] contiguous; page_table [B, max_pages] (-1 = none);
     n_pools [B] int (complete pools per request, all eligible). With q and pooled both
     bf16/fp16 the product runs on the tensor cores (exact products, fp32 sums); otherwise in
@@ -131,7 +168,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         page_table.stride(0),
         out.stride(0),
         hi, di, max_pools, pools_per_page,
-        float(di ** -0.5),
+        float(di ** -0.5), float(hi ** -0.5),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
         BLOCK_P=cfg["BLOCK_P"], PRECISION=precision, HAS_REQ=req_index is not None,
         **pdl.launch(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -167,16 +204,12 @@ def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta:
         return (reference or ReferenceOps()).indexer_select(q, w, pooled, meta, kpool, topk_pools)
     if not is_decode_batch(meta):
         return _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
-    dev = q.device
-    n_pools = torch.div(meta.positions + 1, kpool, rounding_mode="floor")  # decode: all complete pools visible
     max_pools = max(t // kpool for t in meta.total_lens)
-    j = torch.arange(topk_pools, device=dev)
-    sel = torch.where(j[None, :] < n_pools[:, None], j[None, :], -1)  # <= topk pools: all, in order
-    if max_pools > topk_pools:
-        scores = indexer_scores(q, w, pooled, meta.page_table, n_pools, meta.page_size // kpool, max_pools)
-        top = topk_lower_index_ties(scores, topk_pools)
-        sel = torch.where((n_pools > topk_pools)[:, None], top, sel)
-    return sel.to(torch.long)
+    if max_pools <= topk_pools:  # decode: every complete pool is visible, and all are taken
+        return decode_select(meta.positions, kpool, topk_pools)
+    n_pools = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
+    scores = indexer_scores(q, w, pooled, meta.page_table, n_pools, meta.page_size // kpool, max_pools)
+    return decode_select(meta.positions, kpool, topk_pools, topk_lower_index_ties(scores, topk_pools))
 
 
 def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes):
@@ -404,4 +437,4 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: 
     return None
 
 
-__all__ = ["indexer_scores", "indexer_select", "indexer_update", "topk_lower_index_ties", "default_config"]
+__all__ = ["indexer_scores", "indexer_select", "decode_select", "indexer_update", "topk_lower_index_ties", "default_config"]

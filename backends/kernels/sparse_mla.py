@@ -241,13 +241,24 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def default_config(h: int, r: int, cache_dtype: torch.dtype) -> dict:
-    """Block shapes per problem; the bench sweeps alternatives (bench/kernels_h200.py)."""
+# Up to this many requests a decode launch takes 16 heads per program: at batch 1 the four head
+# blocks x splits fill the chip with programs that each hold a quarter of the accumulator.
+# `bench.decode_ops --only mla` on the H200 (batch 1, 64 heads x 512, bf16 latent, row list +
+# attention + merge in a PDL graph chain): 20.7 µs at 16 heads x 32 rows, 4 warps, against
+# 26.3-26.5 µs for all 64 heads in one program (contexts 1024 and 4096).
+FEW_ROWS_BATCH = 2
+
+
+def default_config(h: int, r: int, cache_dtype: torch.dtype, batch: int | None = None) -> dict:
+    """Block shapes per problem; the bench sweeps alternatives (bench/kernels_h200.py,
+    bench/decode_ops.py). `batch` (requests of the launch) picks the few-row shape."""
     block_r = max(16, triton.next_power_of_2(r))
     block_h = min(64, max(16, triton.next_power_of_2(h)))
     if cache_dtype == torch.float32:
         # fp32 is the parity/test path (FMA dots): keep the tiles small.
         return dict(BLOCK_H=min(block_h, 32), BLOCK_N=16, num_warps=4 if block_r <= 128 else 8, num_stages=1)
+    if batch is not None and batch <= FEW_ROWS_BATCH:
+        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
     big = block_h * block_r >= 64 * 256  # e.g. 64 heads x 512: split the accumulator over 8 warps
     return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8 if big else 4, num_stages=2)
 
@@ -368,7 +379,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
         return out
 
     compute = q_abs.dtype if fp8 else flat.dtype
-    cfg = dict(default_config(h, r, compute))
+    cfg = dict(default_config(h, r, compute, None if fp8 else b))  # few-row shape: timed on 16-bit rows
     if config:
         cfg.update(config)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]

@@ -50,7 +50,8 @@ class Indexer(nn.Module):
         pooled = cache.pooled(self.layer)
         self.ops.indexer_update(k, g, self.index_kpool_compress_ape, pooled, tail_k, tail_g, meta, self.kpool)
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        w = w.float() * self.n_heads ** -0.5
+        # w goes unscaled: the op scales it by n_heads^-0.5 in fp32 where it scores pools (a
+        # decode batch of short requests takes all pools and never reads it)
         return self.ops.indexer_select(q, w, pooled, meta, self.kpool, self.topk_pools)
 
 

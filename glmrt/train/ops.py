@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backends.reference import ReferenceOps, kda_chunked
+from backends.reference import ReferenceOps, head_weights, kda_chunked
 
 _FLOOR = -1e30
 
@@ -144,7 +144,7 @@ class TrainingOps(ReferenceOps):
         scale = q.shape[-1] ** -0.5
         qb = q.view(b, t, q.shape[1], -1).float()
         scores = torch.relu(torch.einsum("bthd,bpd->bthp", qb, keys) * scale)
-        index = torch.einsum("bth,bthp->btp", w.view(b, t, -1).float(), scores)
+        index = torch.einsum("bth,bthp->btp", head_weights(w, q.shape[1]).view(b, t, -1), scores)
         eligible = _eligible(t, p, kpool, q.device)  # [T, P]
         # NOTE: a finite floor, not -inf: a query with no eligible pool must not give NaN gradients
         index = index.masked_fill(~eligible, _FLOOR)

@@ -111,7 +111,7 @@ def indexer_inputs(lens, dtype, device, seed, hi=16, di=32, kpool=4):
     meta, num_pages = decode_meta(lens, device, seed)
     pooled = torch.randn(num_pages, PAGE // kpool, di, generator=g).to(dtype).to(device)
     q = torch.randn(len(lens), hi, di, generator=g).to(dtype).to(device)
-    w = (torch.randn(len(lens), hi, generator=g) * hi ** -0.5).to(device)
+    w = torch.randn(len(lens), hi, generator=g).to(dtype).to(device)  # the weights projection's output
     return meta, pooled, q, w
 
 

@@ -311,12 +311,15 @@ def test_skinny_linear(device, n, in_f, out_f, bias, splits):
 
 def test_skinny_config_shapes():
     """The tile rule at the decode shapes of the real model, on 132 SMs: wide out tiles where the
-    out dim alone fills the SMs twice, a K tile of ~16 KB of weight, K split only when needed."""
+    out dim alone fills the SMs twice, a K tile of ~16 KB of weight, K split when the out tiles
+    are few or K is long."""
     cases = {  # (out, in) -> (BLOCK_N, splits)
         (154880, 4096): (128, 1),    # LM head
         (24896, 4096): (64, 1),      # KDA in_proj (q, k, v, f_a, g_a, b)
-        (4096, 8192): (16, 1),       # KDA o_proj
-        (2048, 4096): (16, 1),       # MLA q_a + kv_a
+        (4096, 8192): (64, 4),       # KDA o_proj: long K behind 4K outputs, 64-wide tiles, K in 4
+        (2048, 4096): (64, 4),       # MLA q_a + kv_a
+        (4096, 16384): (64, 4),      # MLA o_proj
+        (4096, 1536): (16, 1),       # indexer wq_b: short K stays unsplit (and with cuBLAS)
         (128, 4096): (16, 8),        # indexer wk: 8 out tiles, K split
     }
     for (out_f, in_f), (bn, s) in cases.items():

@@ -40,7 +40,8 @@ def test_indexer_scores_kernel(device, dtype):
     for r, n in enumerate(n_pools.tolist()):
         ids = torch.arange(n)
         keys = pooled.cpu()[meta.page_table[r].cpu()[ids // (PAGE // kpool)], ids % (PAGE // kpool)].double()
-        want = (torch.relu(q[r].cpu().double() @ keys.T * di ** -0.5) * w[r].cpu().double()[:, None]).sum(0)
+        hw = w[r].cpu().double() * q.shape[1] ** -0.5  # the kernel scales the head weights
+        want = (torch.relu(q[r].cpu().double() @ keys.T * di ** -0.5) * hw[:, None]).sum(0)
         got = out[r].cpu()
         assert torch.isinf(got[n:]).all() and (got[n:] < 0).all()
         if n:
@@ -57,6 +58,23 @@ def test_indexer_select_matches_reference(device, dtype, seed):
     want = ReferenceOps().indexer_select(q, w, pooled, meta, kpool, topk)
     assert got.dtype == want.dtype == torch.long
     assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_decode_select_short_requests_take_every_pool(device):
+    """A decode batch whose requests all have <= topk pools: one launch lists every complete
+    pool in order (-1 after), like the reference; 16-bit head weights go in unscaled."""
+    from backends.kernels.indexer import decode_select
+
+    kpool, topk = 4, 8
+    lens = [1, 3, 4, 17, 32]
+    meta, pooled, q, w = indexer_inputs(lens, torch.bfloat16, device, seed=7)
+    got = h200_ops().indexer_select(q, w, pooled, meta, kpool, topk)
+    assert torch.equal(got.cpu(), ReferenceOps().indexer_select(q, w, pooled, meta, kpool, topk).cpu())
+    assert got.cpu().tolist()[3] == [0, 1, 2, 3, -1, -1, -1, -1]
+    top = torch.arange(len(lens) * topk, device=device).view(len(lens), topk)
+    mixed = decode_select(meta.positions, kpool, 6, top[:, :6])  # requests past 6 pools take `top`
+    assert mixed.cpu().tolist()[4] == top[4, :6].cpu().tolist()
+    assert mixed.cpu().tolist()[2] == [0, -1, -1, -1, -1, -1]
 
 
 def test_indexer_select_exact_ties_and_fallback(device):
