@@ -181,11 +181,6 @@ def _mhc_post_mix_kernel(Y, X, POST, COMB, IDS, XN, FN, ZP, ZC, SS, N, stride_yn
     cij = tl.load(COMB + tok64[:, None, None] * (M * M) + (offs_m[:, None] * M + offs_m[None, :])[None, :, :],
                   mask=cm, other=0.0).to(dt).to(tl.float32)
     x_row = tok64[:, None, None] * stride_xn + offs_m[None, :, None] * D                  # [BN, BM, 1]
-    # the tile's flat columns j*D + d, stream-major: one [BN, BM*BK] product per tile
-    FLAT: tl.constexpr = BLOCK_M * BLOCK_K
-    offs_f = tl.arange(0, FLAT)
-    fj = offs_f // BLOCK_K
-    fd = offs_f % BLOCK_K
     zp = tl.zeros([BLOCK_N, BLOCK_PP], dtype=tl.float32)
     zc = tl.zeros([BLOCK_N, BLOCK_M * BLOCK_M], dtype=tl.float32)
     ss = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -207,25 +202,29 @@ def _mhc_post_mix_kernel(Y, X, POST, COMB, IDS, XN, FN, ZP, ZC, SS, N, stride_yn
         else:
             y = tl.load(Y + tok64[:, None] * stride_yn + dd[None, :], mask=n_ok[:, None] & d_ok[None, :],
                         other=0.0).to(dt).to(tl.float32)
-        a = (pj[:, :, None] * y[:, None, :]).to(dt).to(tl.float32)                          # [BN, BM(j), BK]
-        b = tl.sum(cij[:, :, :, None] * x[:, :, None, :], 1).to(dt).to(tl.float32)          # [BN, BM(j), BK]
-        xn = (a + b).to(dt)
-        tl.store(XN + x_row + dd[None, None, :], xn, mask=xm)
-        xf = tl.reshape(xn.to(tl.float32), [BLOCK_N, FLAT])
-        ss += tl.sum(xf * xf, 1)
-        kk = fj * D + d0 + fd
-        f_ok = (fj < M) & (d0 + fd < d_hi)
-        fp = tl.load(FN + offs_pp[:, None] * stride_fn + kk[None, :], mask=pp_ok[:, None] & f_ok[None, :],
-                     other=0.0).to(tl.float32)
-        fc = tl.load(FN + q_row[:, None] * stride_fn + kk[None, :], mask=q_ok[:, None] & f_ok[None, :],
-                     other=0.0).to(tl.float32)
-        if PRECISION == "bf16x3":
-            xb = tl.reshape(xn, [BLOCK_N, FLAT])
-            zp = _dot_bf16x3(xb, fp, zp)
-            zc = _dot_bf16x3(xb, fc, zc)
-        else:
-            zp += tl.dot(xf, tl.trans(fp), input_precision=PRECISION)
-            zc += tl.dot(xf, tl.trans(fc), input_precision=PRECISION)
+        for j in tl.static_range(BLOCK_M):
+            if j < M:
+                sel_j = (offs_m == j)[None, :]
+                post_j = tl.sum(tl.where(sel_j, pj, 0.0), 1)                                 # [BN]
+                c_j = tl.sum(tl.where(sel_j[:, None, :], cij, 0.0), 2)                       # [BN, BM(i)]
+                a = (post_j[:, None] * y).to(dt).to(tl.float32)
+                b = tl.sum(c_j[:, :, None] * x, 1).to(dt).to(tl.float32)
+                xn = (a + b).to(dt)
+                tl.store(XN + tok64[:, None] * stride_xn + j * D + dd[None, :], xn,
+                         mask=n_ok[:, None] & d_ok[None, :])
+                xf = xn.to(tl.float32)
+                ss += tl.sum(xf * xf, 1)
+                kk = j * D + dd
+                fp = tl.load(FN + offs_pp[:, None] * stride_fn + kk[None, :], mask=pp_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)
+                fc = tl.load(FN + q_row[:, None] * stride_fn + kk[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)
+                if PRECISION == "bf16x3":
+                    zp = _dot_bf16x3(xn, fp, zp)
+                    zc = _dot_bf16x3(xn, fc, zc)
+                else:
+                    zp += tl.dot(xf, tl.trans(fp), input_precision=PRECISION)
+                    zc += tl.dot(xf, tl.trans(fc), input_precision=PRECISION)
     row = (s * N + tok).to(tl.int64)
     tl.store(ZP + row[:, None] * BLOCK_PP + offs_pp[None, :], zp, mask=n_ok[:, None])
     BMM: tl.constexpr = BLOCK_M * BLOCK_M
