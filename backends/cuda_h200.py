@@ -213,26 +213,6 @@ class CudaH200Ops(ReferenceOps):
             return mhc_post(parts.y, streams, post, comb, ids=parts.ids, num_experts=parts.num_experts)
         return mhc_post(y, streams, post, comb)
 
-    def mhc_post_pre(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                     norm: tuple[torch.Tensor, float] | None = None):
-        m = streams.shape[1] if streams.dim() == 3 else 0
-        parts = y if isinstance(y, MoEPartials) else None
-        y2 = parts.y[:, 0] if parts is not None else y
-        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8 or y2.dtype != streams.dtype
-                or tuple(y2.shape) != (streams.shape[0], streams.shape[2])
-                or tuple(fn.shape) != ((2 + m) * m, m * streams.shape[2])
-                or any(t.device != streams.device for t in (y2, post, comb, fn, base, scale))
-                or (norm is not None and (norm[0].shape != (streams.shape[2],) or norm[0].device != streams.device))):
-            return super().mhc_post_pre(y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
-                                        norm)
-        from .kernels.mhc import mhc_post_pre
-        if parts is not None:
-            return mhc_post_pre(parts.y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
-                                norm=norm, ids=parts.ids, num_experts=parts.num_experts)
-        return mhc_post_pre(y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
-
     # ---- KDA (every batch; in place on the state slots; backends/kernels/{conv,kda}.py) -------
     def causal_conv(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                     meta: BatchMeta) -> torch.Tensor:

@@ -148,91 +148,6 @@ def _mhc_mix_kernel(X, FN, ZP, ZC, SS, N, stride_xn, stride_fn, M, K, k_per,
 
 
 @triton.jit
-def _mhc_post_mix_kernel(Y, X, POST, COMB, IDS, XN, FN, ZP, ZC, SS, N, stride_yn, stride_xn, stride_fn,
-                         M, D, E, d_per,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_PP: tl.constexpr, PRECISION: tl.constexpr, TOP_K: tl.constexpr = 0,
-                         PDL: tl.constexpr = False):
-    """mhc_post into XN, then the next mix's partials over it: split s owns the columns
-    [s·d_per, (s+1)·d_per) of every stream, so it reads each old stream tile once, writes the
-    new one (XN may be X: no other program touches those columns) and adds its dot products
-    for all M streams to one partial. The post's roundings are _mhc_post_kernel's."""
-    pdl_enter(PDL)
-    nb = tl.program_id(0)
-    s = tl.program_id(1)
-    tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = tok < N
-    tok64 = tok.to(tl.int64)
-    dt = XN.dtype.element_ty
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_pp = tl.arange(0, BLOCK_PP)
-    pp_ok = offs_pp < 2 * M
-    offs_q = tl.arange(0, BLOCK_M * BLOCK_M)
-    qi = offs_q // BLOCK_M
-    qj = offs_q % BLOCK_M
-    q_ok = (qi < M) & (qj < M)
-    q_row = tl.where(q_ok, 2 * M + qi * M + qj, 0)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    # post [BN, BM(j)] and comb [BN, BM(i), BM(j)] in the model dtype, as the post kernel rounds them
-    pj = tl.load(POST + tok64[:, None] * M + offs_m[None, :], mask=n_ok[:, None] & m_ok[None, :],
-                 other=0.0).to(dt).to(tl.float32)
-    cm = n_ok[:, None, None] & (m_ok[:, None] & m_ok[None, :])[None, :, :]
-    cij = tl.load(COMB + tok64[:, None, None] * (M * M) + (offs_m[:, None] * M + offs_m[None, :])[None, :, :],
-                  mask=cm, other=0.0).to(dt).to(tl.float32)
-    x_row = tok64[:, None, None] * stride_xn + offs_m[None, :, None] * D                  # [BN, BM, 1]
-    zp = tl.zeros([BLOCK_N, BLOCK_PP], dtype=tl.float32)
-    zc = tl.zeros([BLOCK_N, BLOCK_M * BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_N], dtype=tl.float32)
-    d_lo = s * d_per
-    d_hi = tl.minimum(d_lo + d_per, D)
-    for d0 in range(d_lo, d_hi, BLOCK_K):
-        dd = d0 + offs_k
-        d_ok = dd < d_hi
-        xm = n_ok[:, None, None] & m_ok[None, :, None] & d_ok[None, None, :]
-        x = tl.load(X + x_row + dd[None, None, :], mask=xm, other=0.0).to(tl.float32)   # [BN, BM(i), BK]
-        if TOP_K > 0:
-            y = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k in range(0, TOP_K):
-                e = tl.load(IDS + tok64 * TOP_K + k, mask=n_ok, other=-1)
-                routed = n_ok & (e >= 0) & (e < E)
-                y += tl.load(Y + (tok64 * TOP_K + k)[:, None] * stride_yn + dd[None, :],
-                             mask=routed[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            y = y.to(dt).to(tl.float32)
-        else:
-            y = tl.load(Y + tok64[:, None] * stride_yn + dd[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                        other=0.0).to(dt).to(tl.float32)
-        for j in tl.static_range(BLOCK_M):
-            if j < M:
-                sel_j = (offs_m == j)[None, :]
-                post_j = tl.sum(tl.where(sel_j, pj, 0.0), 1)                                 # [BN]
-                c_j = tl.sum(tl.where(sel_j[:, None, :], cij, 0.0), 2)                       # [BN, BM(i)]
-                a = (post_j[:, None] * y).to(dt).to(tl.float32)
-                b = tl.sum(c_j[:, :, None] * x, 1).to(dt).to(tl.float32)
-                xn = (a + b).to(dt)
-                tl.store(XN + tok64[:, None] * stride_xn + j * D + dd[None, :], xn,
-                         mask=n_ok[:, None] & d_ok[None, :])
-                xf = xn.to(tl.float32)
-                ss += tl.sum(xf * xf, 1)
-                kk = j * D + dd
-                fp = tl.load(FN + offs_pp[:, None] * stride_fn + kk[None, :], mask=pp_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(tl.float32)
-                fc = tl.load(FN + q_row[:, None] * stride_fn + kk[None, :], mask=q_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(tl.float32)
-                if PRECISION == "bf16x3":
-                    zp = _dot_bf16x3(xn, fp, zp)
-                    zc = _dot_bf16x3(xn, fc, zc)
-                else:
-                    zp += tl.dot(xf, tl.trans(fp), input_precision=PRECISION)
-                    zc += tl.dot(xf, tl.trans(fc), input_precision=PRECISION)
-    row = (s * N + tok).to(tl.int64)
-    tl.store(ZP + row[:, None] * BLOCK_PP + offs_pp[None, :], zp, mask=n_ok[:, None])
-    BMM: tl.constexpr = BLOCK_M * BLOCK_M
-    tl.store(ZC + row[:, None] * BMM + offs_q[None, :], zc, mask=n_ok[:, None])
-    tl.store(SS + row, ss, mask=n_ok)
-
-
-@triton.jit
 def _mhc_gate_pre(zp, BASE, SCALE, M, hc_eps, BLOCK_M: tl.constexpr, BLOCK_PP: tl.constexpr):
     """pre [BN, BM] (0 in the padded streams) from the r-scaled pre|post columns zp [BN, BPP]."""
     offs_pp = tl.arange(0, BLOCK_PP)
@@ -442,7 +357,12 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     # of (tokens, D tiles) (see _SPLIT_TILE for the tile size).
     split_epi = n_split > 1
     bn_fin = 1 if split_epi else block_n
+    fuse_norm = norm is not None and split_epi and bm * triton.next_power_of_2(d) <= _NORM_TILE
     if split_epi:
+        block_d = max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
+        grid = (n, triton.cdiv(d, block_d))
+        if fuse_norm:
+            block_d, grid = triton.next_power_of_2(d), (n, 2)
         zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
         zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
         ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
@@ -451,103 +371,22 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                                             PRECISION=precision, **pdl.launch(x.device), num_warps=num_warps or 4,
                                             **({"num_stages": num_stages} if num_stages else {}))
     else:
+        block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
+        grid = (triton.cdiv(n, bn_fin),)
         zp = zc = ss = post  # unused
-    _epilogue(x, fn, base, scale, (zp, zc, ss), (post, comb, u), n_split, sinkhorn_iters, hc_eps, norm_eps,
-              norm, precision, block_n=bn_fin, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-    return post, comb, u
-
-
-def _epilogue(x, fn, base, scale, partials, out, n_split, sinkhorn_iters, hc_eps, norm_eps, norm, precision, *,
-              block_n, block_k, num_warps=None, num_stages=None):
-    """The pre kernel: over the mix's partials (n_split > 1: the split epilogue's 2-D grid) or
-    the whole mix in one launch; then the input norm where the epilogue did not fuse it."""
-    n, m, d = x.shape
-    bm = _block_m(m)
-    zp, zc, ss = partials
-    post, comb, u = out
-    split_epi = n_split > 1
-    fuse_norm = norm is not None and split_epi and bm * triton.next_power_of_2(d) <= _NORM_TILE
-    if split_epi:
-        block_d = max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
-        grid = (n, triton.cdiv(d, block_d))
-        if fuse_norm:
-            block_d, grid = triton.next_power_of_2(d), (n, 2)
-    else:
-        block_d = min(triton.next_power_of_2(d), max(32, 4096 // (block_n * bm)))
-        grid = (triton.cdiv(n, block_n),)
     nw, out_eps = (norm[0], float(norm[1])) if fuse_norm else (u, 0.0)
     _mhc_pre_kernel[grid](x, fn, base, scale, zp, zc, ss, post, comb, u, nw,
                           n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
                           int(sinkhorn_iters), float(hc_eps), float(norm_eps), out_eps,
-                          BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                          BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                           BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
                           PRECISION=precision, NORM=fuse_norm, **pdl.launch(x.device),
                           num_warps=(_NORM_WARPS if fuse_norm else _SPLIT_WARPS) if split_epi else num_warps or 4,
                           **({"num_stages": num_stages} if num_stages and not split_epi else {}))
     if norm is not None and not fuse_norm:  # in place: `out`'s collapse is the normed one either way
         from .norms import rms_norm
-        rms_norm(u, norm[0], float(norm[1]), out=u)
-
-
-# mhc_post_pre's split over D: each program owns _POST_MIX_BLOCK_K columns of every stream per
-# K tile (M x 32 = 128 flat columns at M 4, the plain mix's 64-wide tile twice)
-_POST_MIX_BLOCK_K = 32
-
-
-def mhc_post_pre(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                 fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-                 hc_eps: float, norm_eps: float, *, norm: tuple[torch.Tensor, float] | None = None,
-                 ids: torch.Tensor | None = None, num_experts: int = 0, split: int | None = None):
-    """mhc_post then mhc_pre on its result -> (new streams, (post, comb, collapsed)).
-
-    At decode sizes (the split mix) the post runs inside the mix kernel: a split owns a range
-    of D columns of every stream, combines the old streams there into the new ones, stores them
-    and adds their products with fn to its partial (one launch less per mHC boundary; the
-    partials sum in another order than mhc_pre's, equal up to fp32 rounding). Other sizes run
-    the two kernels. `ids` / `num_experts`: y is an MoE's unsummed rows, as in mhc_post."""
-    n, m, d = streams.shape
-    k = m * d
-    if n == 0 or n >= _LARGE_N:
-        new = mhc_post(y, streams, post, comb, ids=ids, num_experts=num_experts)
-        return new, mhc_pre(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
-    bm = _block_m(m)
-    assert fn.shape == ((2 + m) * m, k), (fn.shape, m, d)
-    block_n = 16
-    nblocks = triton.cdiv(n, block_n)
-    bk = _POST_MIX_BLOCK_K
-    if split is None:
-        split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(d, bk),
-                                                                    2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
-    d_per = triton.cdiv(triton.cdiv(d, max(1, split)), bk) * bk
-    n_split = triton.cdiv(d, d_per)
-    if n_split < 2:
-        new = mhc_post(y, streams, post, comb, ids=ids, num_experts=num_experts)
-        return new, mhc_pre(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
-    top_k = 0 if ids is None else ids.shape[1]
-    assert y.shape == ((n, top_k, d) if top_k else (n, d)) and post.shape == (n, m) and comb.shape == (n, m, m)
-    x = streams if streams.is_contiguous() else streams.contiguous()
-    y = y.reshape(n * top_k, d) if top_k else y
-    y = y if y.stride(-1) == 1 else y.contiguous()
-    ids = (ids if ids.is_contiguous() else ids.contiguous()) if top_k else post  # unused when TOP_K = 0
-    fn = fn if fn.is_contiguous() else fn.contiguous()
-    dev = streams.device
-    precision = DECODE_PRECISION
-    if precision == "bf16x3" and streams.dtype != torch.bfloat16:
-        precision = "tf32x3"
-    new = torch.empty(n, m, d, dtype=streams.dtype, device=dev)
-    zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
-    zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
-    ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
-    _mhc_post_mix_kernel[(nblocks, n_split)](
-        y, x, post.contiguous(), comb.contiguous(), ids, new, fn, zp, zc, ss, n, y.stride(0), x.stride(0),
-        fn.stride(0), m, d, num_experts, d_per,
-        BLOCK_N=block_n, BLOCK_K=bk, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP, PRECISION=precision, TOP_K=top_k,
-        **pdl.launch(dev), num_warps=4)
-    out = (torch.empty(n, m, dtype=torch.float32, device=dev), torch.empty(n, m, m, dtype=torch.float32, device=dev),
-           torch.empty(n, d, dtype=streams.dtype, device=dev))
-    _epilogue(new, fn, base.contiguous(), scale.contiguous(), (zp, zc, ss), out, n_split, sinkhorn_iters,
-              hc_eps, norm_eps, norm, precision, block_n=1, block_k=64)
-    return new, out
+        u = rms_norm(u, norm[0], float(norm[1]), out=u)
+    return post, comb, u
 
 
 @triton.jit

@@ -57,33 +57,20 @@ class DecoderLayer(nn.Module):
         return self.ops.mhc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
                                 norm=(norm.weight, norm.eps))
 
-    def _hc_boundary(self, pending, streams, fn, base, scale, norm: RMSNorm):
-        """The previous sublayer's mhc_post (pending = its (y, post, comb)) and this one's pre as
-        one op (the kernels run them as one pass at decode sizes) -> (streams, (post, comb, x))."""
-        c = self.cfg
-        y, post, comb = pending
-        return self.ops.mhc_post_pre(y, streams, post, comb, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                     c.rms_norm_eps, norm=(norm.weight, norm.eps))
-
-    def forward(self, streams: torch.Tensor, meta, cache, carried_sel, pending=None):
-        """streams [N, M, D] -> (streams, pending, sel). The MoE's mhc_post is left pending, (y,
-        post, comb), for the next layer's boundary (TextModel applies the last one)."""
-        if pending is None:
-            post, comb, h = self._hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
-                                         self.input_layernorm)
-        else:
-            streams, (post, comb, h) = self._hc_boundary(pending, streams, self.hc_attn_fn, self.hc_attn_base,
-                                                         self.hc_attn_scale, self.input_layernorm)
+    def forward(self, streams: torch.Tensor, meta, cache, carried_sel):
+        post, comb, h = self._hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                     self.input_layernorm)
         sel = None
         if self.is_dsa:
             h, sel = self.self_attn(h, meta, cache, carried_sel)
         else:
             h = self.self_attn(h, meta, cache)
-        streams, (post, comb, x) = self._hc_boundary((h, post, comb), streams, self.hc_ffn_fn, self.hc_ffn_base,
-                                                     self.hc_ffn_scale, self.post_attention_layernorm)
+        streams = self.ops.mhc_post(h, streams, post, comb)
+        post, comb, x = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                     self.post_attention_layernorm)
         # the MoE's top-k sum is left to mhc_post where the ops can (one launch less per layer)
         h = self.mlp(x, defer_sum=True) if isinstance(self.mlp, MoE) else self.mlp(x)
-        return streams, (h, post, comb), sel
+        return self.ops.mhc_post(h, streams, post, comb), sel
 
 
 class TextModel(nn.Module):
@@ -111,12 +98,9 @@ class TextModel(nn.Module):
         """embeds [N, D] -> final normed hidden states [N, D] (the lm_head input)."""
         self.ops.begin_forward(embeds.shape[0])
         streams = embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        sel = pending = None
+        sel = None
         for layer in self.layers:
-            streams, pending, sel = layer(streams, meta, cache, sel, pending)
-        if pending is not None:
-            y, post, comb = pending
-            streams = self.ops.mhc_post(y, streams, post, comb)
+            streams, sel = layer(streams, meta, cache, sel)
         return self.norm(streams.mean(dim=1))
 
 
