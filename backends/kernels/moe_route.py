@@ -28,37 +28,12 @@ patch_interpreter()
 
 _MAX_SPLIT = 8  # K splits of the logits at most (the selection sums their partials, unrolled)
 _NUM_SMS_GUESS = 132
-# Up to this many tokens the selection runs in the logits launch's last program (one launch
-# instead of two: the decode step at batch 1); it selects the tokens one after another.
-FUSED_MAX_TOKENS = 1
-# The fused launch's completion counters, per device: a call takes the next of _COUNTERS slots
-# (each left at zero by its call's last program), so calls in flight on two streams at once,
-# or captured one after another in a graph, do not share one.
-_COUNTERS = 64
-_counters: dict[torch.device, list] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    entry = _counters.get(device)
-    if entry is None:
-        entry = _counters[device] = [torch.zeros(_COUNTERS, dtype=torch.int32, device=device), 0]
-    buf, i = entry
-    entry[1] = (i + 1) % _COUNTERS
-    return buf[i:i + 1]
 
 
 @triton.jit
 def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-    _route_logits_body(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
-                       BLOCK_N, BLOCK_E, BLOCK_K, PRECISION, PDL)
-
-
-@triton.jit
-def _route_logits_body(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
-                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Partial logits over K split s = program_id(2): L[s, rows, cols]."""
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,11 +58,12 @@ def _route_logits_body(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
 
 
 @triton.jit
-def _select(L, BIAS, WOUT, IDS, rows, N, E, n_split, stride_l, scaling, extra_id,
-            TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-            BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr, CACHE: tl.constexpr):
-    """The selection of `rows` from the K splits' partial logits (CACHE: the partials' load
-    cache modifier; ".cg" where other programs of the same launch wrote them)."""
+def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id,
+                         TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
     cols = tl.arange(0, BLOCK_E)
     c_ok = cols < E
@@ -95,7 +71,7 @@ def _select(L, BIAS, WOUT, IDS, rows, N, E, n_split, stride_l, scaling, extra_id
     logit = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
     for s in tl.static_range(MAX_SPLIT):
         logit += tl.load(L + (s * N + rows).to(tl.int64)[:, None] * stride_l + cols[None, :],
-                         mask=(r_ok[:, None] & c_ok[None, :]) & (s < n_split), other=0.0, cache_modifier=CACHE)
+                         mask=(r_ok[:, None] & c_ok[None, :]) & (s < n_split), other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-logit))  # torch's sigmoid
     bias = tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)
     choice = tl.where(c_ok[None, :], scores + bias[None, :], float("-inf"))
@@ -125,40 +101,6 @@ def _select(L, BIAS, WOUT, IDS, rows, N, E, n_split, stride_l, scaling, extra_id
     tl.store(IDS + off, picked_ids.to(tl.int64), mask=out_ok)
 
 
-@triton.jit
-def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id,
-                         TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    _select(L, BIAS, WOUT, IDS, rows, N, E, n_split, stride_l, scaling, extra_id,
-            TOP_K, NORM, BLOCK_N, BLOCK_E, BLOCK_TOPK, MAX_SPLIT, EXTRA, "")
-
-
-@triton.jit
-def _route_fused_kernel(X, W, L, BIAS, WOUT, IDS, COUNTER, N, E, D, k_per, stride_x, stride_w, stride_l,
-                        scaling, extra_id,
-                        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, TOP_K: tl.constexpr, NORM: tl.constexpr,
-                        BLOCK_EA: tl.constexpr, BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr,
-                        EXTRA: tl.constexpr, PDL: tl.constexpr = False):
-    """The logits' partials, then the selection in the launch's last program to finish (a
-    counter: each program adds one after its partial is stored; the one that sees the total
-    selects from the partials in L2 and resets the counter for the next call)."""
-    _route_logits_body(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
-                       BLOCK_N, BLOCK_E, BLOCK_K, PRECISION, PDL)
-    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    tl.debug_barrier()  # every thread's partial stores come before this program's count
-    done = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-    if done == total - 1:
-        tl.atomic_xchg(COUNTER, 0, sem="relaxed", scope="gpu")
-        for r in range(0, N):
-            rows = r + tl.arange(0, 1)
-            _select(L, BIAS, WOUT, IDS, rows, N, E, tl.num_programs(2), stride_l, scaling, extra_id,
-                    TOP_K, NORM, 1, BLOCK_EA, BLOCK_TOPK, MAX_SPLIT, EXTRA, ".cg")
-
-
 def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int) -> bool:
     e = gate_w.shape[0] if gate_w.dim() == 2 else 0
     return (x.dim() == 2 and gate_w.dim() == 2 and gate_w.shape[1] == x.shape[1] and n_group <= 1
@@ -171,11 +113,10 @@ def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float, *, append_expert: int | None = None,
-              splits: int | None = None, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (weights [N, top_k] fp32, ids [N, top_k] int64), as ReferenceOps.moe_route (n_group 1);
     with `append_expert`, [N, top_k + 1] whose last column is that id with weight 1. `splits`
-    forces the logits' K split count (at most MAX_SPLIT; bench.decode_ops sweeps it); `fused`
-    False keeps the two launches at FUSED_MAX_TOKENS tokens or fewer."""
+    forces the logits' K split count (at most MAX_SPLIT; bench.decode_ops sweeps it)."""
     n, d = x.shape
     e = gate_w.shape[0]
     extra = append_expert is not None
@@ -201,16 +142,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     logits = torch.empty(split, n, e, dtype=torch.float32, device=x.device)
     # fp32 operands: exact fp32 products (ieee); 16-bit ones are exact in any mode
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(n, bn), triton.cdiv(e, be), split)
-    if n <= FUSED_MAX_TOKENS and fused is not False:
-        _route_fused_kernel[grid](
-            x, w, logits, bias, weights, ids, _counter(x.device), n, e, d, k_per, x.stride(0), w.stride(0),
-            logits.stride(1), float(scaling), int(append_expert) if extra else 0,
-            BLOCK_N=bn, BLOCK_E=be, BLOCK_K=bk, PRECISION=precision, TOP_K=top_k, NORM=bool(norm_topk_prob),
-            BLOCK_EA=triton.next_power_of_2(e), BLOCK_TOPK=triton.next_power_of_2(top_k + extra),
-            MAX_SPLIT=_MAX_SPLIT, EXTRA=extra, **pdl.launch(x.device), num_warps=4)
-        return weights, ids
-    _route_logits_kernel[grid](
+    _route_logits_kernel[(triton.cdiv(n, bn), triton.cdiv(e, be), split)](
         x, w, logits, n, e, d, k_per, x.stride(0), w.stride(0), logits.stride(1),
         BLOCK_N=bn, BLOCK_E=be, BLOCK_K=bk, PRECISION=precision, **pdl.launch(x.device), num_warps=4)
     # one token per program on one warp: the k picks are k rounds of row reductions, and
