@@ -18,7 +18,6 @@ Overridden today (everything else is the reference):
                   block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
-  kda_forget_gate with fused_small_ops, 16-bit weight, up to 8 rows: the forget-gate projection inside that launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
                   (+ the shared expert's column when it is seated among the routed experts)
@@ -180,16 +179,6 @@ class CudaH200Ops(ReferenceOps):
             if kg.supported(f, dt_bias, a_log, num_heads):
                 return kg.kda_gate(f, dt_bias, a_log, lower_bound, num_heads)
         return super().kda_gate(f, dt_bias, a_log, lower_bound, num_heads)
-
-    def kda_forget_gate(self, f_a: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None,
-                        block: tuple[int, int], dt_bias: torch.Tensor, a_log: torch.Tensor,
-                        lower_bound: float | None, num_heads: int) -> torch.Tensor:
-        if self.fused_small_ops and scale_inv is None and (f_a.is_cuda or _interpreting()):
-            from .kernels import kda_gate as kg
-            x = f_a.reshape(-1, f_a.shape[-1])
-            if kg.proj_supported(x, weight, dt_bias, a_log, num_heads):
-                return kg.kda_gate_proj(x, weight, dt_bias, a_log, lower_bound, num_heads)
-        return super().kda_forget_gate(f_a, weight, scale_inv, block, dt_bias, a_log, lower_bound, num_heads)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.fused_small_ops and (x.is_cuda or _interpreting()):

@@ -150,14 +150,6 @@ class ReferenceOps:
         y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return weight.to(x.dtype) * y
 
-    def kda_forget_gate(self, f_a: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None,
-                        block: tuple[int, int], dt_bias: torch.Tensor, a_log: torch.Tensor,
-                        lower_bound: float | None, num_heads: int) -> torch.Tensor:
-        """kda_gate of the forget gate's projection f = linear(f_a, weight) (a backend may run
-        the two as one pass)."""
-        return self.kda_gate(self.linear(f_a, weight, None, scale_inv, block), dt_bias, a_log, lower_bound,
-                             num_heads)
-
     def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
                  num_heads: int) -> torch.Tensor:
         """KDA's per head and channel log-decay g (< 0), fp32 [N, H, d], from the forget-gate

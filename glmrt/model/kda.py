@@ -61,9 +61,7 @@ class KDAAttention(nn.Module):
 
     def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
         """Per head and channel log-decay g (< 0), fp32, [N, H, d], from f_a_proj's output."""
-        fb = self.f_b_proj  # column-parallel, no bias: the projection is this rank's heads whole
-        return self.ops.kda_forget_gate(f_a, fb.weight, fb.weight_scale_inv, fb.block, self.dt_bias, self.A_log,
-                                        self.lower_bound, self.num_heads)
+        return self.ops.kda_gate(self.f_b_proj(f_a), self.dt_bias, self.A_log, self.lower_bound, self.num_heads)
 
     def forward(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
         n = x.shape[0]
