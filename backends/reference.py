@@ -352,7 +352,6 @@ class ReferenceOps:
         for the query at position t iff it is complete and its last token is <= t.
         """
         n = q.shape[0]
-        w = head_weights(w, q.shape[1])
         sel = torch.full((n, topk_pools), -1, dtype=torch.long, device=q.device)
         pools_per_page = meta.page_size // kpool
         scale = q.shape[-1] ** -0.5
@@ -372,7 +371,7 @@ class ReferenceOps:
                 continue
             keys = pooled[meta.page_table[r, pool_ids // pools_per_page], pool_ids % pools_per_page].float()
             scores = torch.relu(torch.einsum("shd,pd->shp", q[s0:s1].float(), keys) * scale)
-            index = torch.einsum("sh,shp->sp", w[s0:s1].float(), scores)
+            index = torch.einsum("sh,shp->sp", head_weights(w[s0:s1], q.shape[1]), scores)
             index = index.masked_fill(~eligible, float("-inf"))
             order = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :k_take]
             ok = torch.gather(eligible, 1, order)

@@ -23,6 +23,7 @@ from backends.kernels import fp8_linear as f8
 from backends.kernels import moe_route as mr
 from backends.kernels import pdl
 from backends.kernels import sparse_mla as sm
+from bench.skinny_linear import SHAPES
 from bench.timing import graph_ms
 
 MLA_CONFIGS = [  # BLOCK_H, BLOCK_N, num_warps, num_stages
@@ -31,14 +32,8 @@ MLA_CONFIGS = [  # BLOCK_H, BLOCK_N, num_warps, num_stages
     (16, 32, 4, 2), (16, 64, 4, 2), (16, 16, 4, 2), (16, 32, 2, 2),
 ]
 MLA_SPLITS = (None, 2, 4, 8, 16, 32)
-LINEAR_SHAPES = {  # name: (out, in)
-    "KDA in_proj": (24896, 4096),
-    "KDA o_proj": (4096, 8192),
-    "MLA q_a+kv_a": (2048, 4096),
-    "MLA q_b": (16384, 1536),
-    "MLA o_proj": (4096, 16384),
-    "idx wq_b": (4096, 1536),
-}
+LINEAR_SHAPES = {name: SHAPES[name] for name in  # the step's projections whose tile is in question
+                 ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b")}
 LINEAR_TILES = [  # BLOCK_N, BLOCK_K, num_warps, num_stages, splits (None: the default split)
     (16, 512, 4, 4, None), (32, 256, 4, 4, None), (64, 128, 4, 4, None), (64, 256, 4, 4, None),
     (32, 256, 4, 6, None), (16, 256, 4, 6, None), (32, 512, 8, 3, None), (64, 256, 8, 3, None),
