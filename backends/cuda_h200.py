@@ -215,12 +215,12 @@ class CudaH200Ops(ReferenceOps):
 
     # ---- KDA (every batch; in place on the state slots; backends/kernels/{conv,kda}.py) -------
     def causal_conv(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                    meta: BatchMeta) -> torch.Tensor:
+                    meta: BatchMeta, planes: int = 1) -> torch.Tensor:
         if x.is_cuda or _interpreting():
             from .kernels import conv
             if conv.supports(x, conv_state, weight) and meta.num_tokens == x.shape[0]:
-                return conv.causal_conv(x, conv_state, weight, meta)
-        return super().causal_conv(x, conv_state, weight, meta)
+                return conv.causal_conv(x, conv_state, weight, meta, planes=planes)
+        return super().causal_conv(x, conv_state, weight, meta, planes)
 
     _fla_kda = None  # backends.kernels.kda once imported; False when fla-core is missing
 

@@ -98,6 +98,11 @@ def head_weights(w: torch.Tensor, index_heads: int) -> torch.Tensor:
     return w.float() * index_heads ** -0.5
 
 
+
+def column_planes(x: torch.Tensor, planes: int) -> torch.Tensor:
+    """x [N, C] as [planes, N, C/planes], each column group contiguous (planes 1: x itself)."""
+    return x if planes == 1 else x.view(x.shape[0], planes, x.shape[1] // planes).transpose(0, 1).contiguous()
+
 class ReferenceOps:
     """Every op the GLM-5.3-Flash model needs, in plain torch."""
 
@@ -266,10 +271,12 @@ class ReferenceOps:
 
     # ---- KDA ------------------------------------------------------------------------------
     def causal_conv(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                    meta: BatchMeta) -> torch.Tensor:
+                    meta: BatchMeta, planes: int = 1) -> torch.Tensor:
         """Depthwise causal conv + SiLU per request, reading/writing the conv state in place.
 
-        x [N, C] pre-conv inputs, weight [C, K] (fp32), conv_state [slots, K-1, C].
+        x [N, C] pre-conv inputs, weight [C, K] (fp32), conv_state [slots, K-1, C]. Returns [N, C],
+        or with `planes` P > 1 [P, N, C/P]: the P column groups (the KDA layer's q, k, v) each
+        contiguous, so the recurrence reads them as dense [N, H, d] tensors without copies.
         """
         k = weight.shape[-1]
         out = torch.empty_like(x)
@@ -285,7 +292,7 @@ class ReferenceOps:
             out[s0:s1] = F.silu(acc).to(x.dtype)
             if k > 1:
                 conv_state[slot] = seq[-(k - 1):].to(conv_state.dtype)
-        return out
+        return column_planes(out, planes)
 
     def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64) -> torch.Tensor:

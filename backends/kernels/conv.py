@@ -39,7 +39,7 @@ patch_interpreter()  # interpreter only: the state and output stores round fp32 
 
 @triton.jit
 def _conv_out_kernel(X, STATE, W, OUT, REQ, CU, PREFIX, SLOTS,
-                     N, C, stride_x, stride_o, stride_ss, stride_sr, stride_wc, stride_wk,
+                     N, C, CP, stride_x, stride_o, stride_op, stride_ss, stride_sr, stride_wc, stride_wk,
                      K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -61,7 +61,8 @@ def _conv_out_kernel(X, STATE, W, OUT, REQ, CU, PREFIX, SLOTS,
         w = tl.load(W + c * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         acc += w[None, :] * (vx + vh)
     y = acc * tl.sigmoid(acc)
-    tl.store(OUT + t[:, None] * stride_o + c[None, :], y.to(OUT.dtype.element_ty),
+    o_col = (c // CP) * stride_op + c % CP  # channel c in plane c // CP (one plane: CP = C)
+    tl.store(OUT + t[:, None] * stride_o + o_col[None, :], y.to(OUT.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
 
@@ -84,8 +85,8 @@ def _conv_state_kernel(X, STATE, CU, PREFIX, SLOTS, C, stride_x, stride_ss, stri
 
 
 @triton.jit
-def _conv_decode_kernel(X, STATE, W, OUT, CU, PREFIX, SLOTS, C, stride_x, stride_o, stride_ss, stride_sr,
-                        stride_wc, stride_wk, K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+def _conv_decode_kernel(X, STATE, W, OUT, CU, PREFIX, SLOTS, C, CP, stride_x, stride_o, stride_op,
+                        stride_ss, stride_sr, stride_wc, stride_wk, K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     r = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -104,7 +105,8 @@ def _conv_decode_kernel(X, STATE, W, OUT, CU, PREFIX, SLOTS, C, stride_x, stride
     w = tl.load(W + c * stride_wc + (K - 1) * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
     acc += w * x.to(tl.float32)
     tl.store(base + (K - 2) * stride_sr + c, x.to(STATE.dtype.element_ty), mask=c_ok)
-    tl.store(OUT + t * stride_o + c, (acc * tl.sigmoid(acc)).to(OUT.dtype.element_ty), mask=c_ok)
+    o_col = (c // CP) * stride_op + c % CP
+    tl.store(OUT + t * stride_o + o_col, (acc * tl.sigmoid(acc)).to(OUT.dtype.element_ty), mask=c_ok)
 
 
 def device_lens(meta: BatchMeta, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,22 +131,28 @@ def supports(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) ->
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, meta: BatchMeta, *,
                 out: torch.Tensor | None = None, decode: bool | None = None, block_t: int = 16,
-                block_c: int = 256) -> torch.Tensor:
+                block_c: int = 256, planes: int = 1) -> torch.Tensor:
     """ReferenceOps.causal_conv: x [N, C], conv_state [slots, K-1, C] (updated in place), weight [C, K].
 
-    `out` ([N, C], x.dtype, unit column stride) is written when given. `decode` (default: every
+    `planes` P > 1: the output is [P, N, C/P], its P column groups each contiguous (the KDA
+    layer's q, k and v, which the recurrence reads as dense [N, H, d] tensors). `out` ([N, C],
+    or [P, N, C/P], x.dtype, unit column stride) is written when given. `decode` (default: every
     request has one new token) picks the fused one-token kernel; False forces the general
     two-kernel path (tests)."""
     n, c = x.shape
     k = weight.shape[1]
     b = meta.num_reqs
+    assert planes >= 1 and c % planes == 0
+    cp = c // planes
+    shape = (n, c) if planes == 1 else (planes, n, cp)
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(1) == 1
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    assert tuple(out.shape) == shape and out.dtype == x.dtype and out.stride(-1) == 1
     if b == 0:
         return out
+    stride_o, stride_op = (out.stride(0), 0) if planes == 1 else (out.stride(1), out.stride(0))
     if decode is None:
         decode = n == b and all(s == 1 for s in meta.seq_lens)
     pre, cu = device_lens(meta, x.device)
@@ -152,13 +160,14 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     st = (conv_state.stride(0), conv_state.stride(1))
     ws = (weight.stride(0), weight.stride(1))
     if decode:
-        _conv_decode_kernel[(b, cb)](x, conv_state, weight, out, cu, pre, meta.slot_ids, c, x.stride(0),
-                                     out.stride(0), *st, *ws, K=k, BLOCK_C=block_c, **pdl.launch(x.device), num_warps=4)
+        _conv_decode_kernel[(b, cb)](x, conv_state, weight, out, cu, pre, meta.slot_ids, c, cp, x.stride(0),
+                                     stride_o, stride_op, *st, *ws, K=k, BLOCK_C=block_c, **pdl.launch(x.device),
+                                     num_warps=4)
         return out
     if n:
         _conv_out_kernel[(triton.cdiv(n, block_t), cb)](x, conv_state, weight, out, meta.req_index, cu, pre,
-                                                        meta.slot_ids, n, c, x.stride(0), out.stride(0), *st, *ws,
-                                                        K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+                                                        meta.slot_ids, n, c, cp, x.stride(0), stride_o, stride_op,
+                                                        *st, *ws, K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
     _conv_state_kernel[(b, cb)](x, conv_state, cu, pre, meta.slot_ids, c, x.stride(0), *st,
                                 K=k, BLOCK_C=block_c, num_warps=4)
     return out

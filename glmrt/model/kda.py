@@ -70,8 +70,9 @@ class KDAAttention(nn.Module):
         mixed = join_columns([q, k, v])  # a view of the fused product
         capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
         pre = capture.select(mixed) if capture is not None else None
-        mixed = self.ops.causal_conv(mixed, cache.conv(self.layer), self.conv_weight(), meta)
-        q, k, v = (t.reshape(shape) for t in mixed.chunk(3, dim=-1))
+        # q, k, v as three contiguous planes: the recurrence reads dense [N, H, d] tensors
+        q, k, v = (t.view(shape) for t in self.ops.causal_conv(mixed, cache.conv(self.layer),
+                                                                 self.conv_weight(), meta, planes=3))
         beta = torch.sigmoid(b)  # model dtype, as the reference computes it
         g = self.forget_gate(f_a)
         if capture is not None:

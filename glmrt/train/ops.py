@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backends.reference import ReferenceOps, head_weights, kda_chunked
+from backends.reference import ReferenceOps, column_planes, head_weights, kda_chunked
 
 _FLOOR = -1e30
 
@@ -85,12 +85,13 @@ class TrainingOps(ReferenceOps):
         return done
 
     # ---- KDA ------------------------------------------------------------------------------
-    def causal_conv(self, x, conv_state, weight, meta: DenseBatch):
+    def causal_conv(self, x, conv_state, weight, meta: DenseBatch, planes: int = 1):
         b, t = meta.batch, meta.length
         k = weight.shape[-1]
         xs = x.view(b, t, -1).transpose(1, 2).float()  # [B, C, T]
         y = F.conv1d(F.pad(xs, (k - 1, 0)), weight.float()[:, None, :], groups=weight.shape[0])
-        return F.silu(y).transpose(1, 2).reshape(x.shape).to(x.dtype)
+        y = F.silu(y).transpose(1, 2).reshape(x.shape).to(x.dtype)
+        return column_planes(y, planes)
 
     def _fla(self, device: torch.device):
         if self._chunk_kda is None:

@@ -89,6 +89,34 @@ def test_conv_kernel(device, case, dtype, state_dtype, k):
                 assert torch.equal(st[s].cpu(), state[s]), f"slot {s} outside the batch was written"
 
 
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_conv_kernel_planes(device, case):
+    """planes=3 (the KDA layer's q, k, v): the output is [3, N, C/3], each plane contiguous and
+    equal to its column group of the one-plane output; channel blocks of 32 straddle the planes'
+    16-column edges."""
+    prefix, seqs = CONV_CASES[case]
+    c, k = 48, 4
+    meta, slots, new, g = _batch(prefix, seqs, device, seed=29 + len(case))
+    n = sum(seqs)
+    x = torch.randn(n, c, generator=g).to(torch.bfloat16)
+    w = torch.randn(c, k, generator=g)
+    state = torch.randn(slots, k - 1, c, generator=g).to(torch.bfloat16)
+    state[new] = 0.0
+    ref_state = state.clone()
+    ref = ReferenceOps().causal_conv(x.float(), ref_state, w, meta, planes=3)
+    assert ref.shape == (3, n, c // 3) and ref.is_contiguous()
+    for mode in ([None, False] if case == "decode" else [None]):
+        st = state.clone().to(device)
+        one = causal_conv(x.to(device), st.clone(), w.to(device), meta, decode=mode, block_t=4, block_c=32)
+        res = causal_conv(x.to(device), st, w.to(device), meta, decode=mode, block_t=4, block_c=32, planes=3)
+        assert res.shape == (3, n, c // 3) and res.is_contiguous()
+        assert _rel(res, ref) < _tol(torch.bfloat16)
+        for p, part in enumerate(one.chunk(3, dim=-1)):
+            assert torch.equal(res[p], part)
+        for s in meta.slot_ids.tolist():
+            assert torch.equal(st[s].cpu().float(), ref_state[s].float()), f"slot {s}"
+
+
 def test_conv_via_ops_uses_device_lengths(device):
     """CudaH200Ops.causal_conv on a decode batch whose Python prefix_lens are placeholders (as in
     a captured CUDA graph): only the device tensors may be read."""
