@@ -22,6 +22,23 @@ from bench.h200 import write_out
 from bench.timing import kernel_us, replay_ms
 
 
+def moe_tile(spec: str) -> dict | None:
+    """A --moe-tile variant as fused_moe_configs.OVERRIDE: "table" (None), or "+"-joined
+    GEMM.KEY=INT / BLOCK_M=INT items, e.g. "gate_up.BLOCK_N=64+down.num_warps=4"."""
+    if spec == "table":
+        return None
+    out: dict = {}
+    for item in spec.split("+"):
+        key, val = item.split("=")
+        part, _, name = key.rpartition(".")
+        v = int(val) if val.lstrip("-").isdigit() else val == "True"
+        if part:
+            out.setdefault(part, {})[name] = v
+        else:
+            out[name] = v
+    return out
+
+
 def count_experts(model, step) -> int:
     """Distinct routed experts per MoE layer, summed over the layers, in one call of `step`."""
     ops, seen = model.ops, []
@@ -120,6 +137,7 @@ def interleaved(args, cfg) -> list[dict]:
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import fused_moe_configs as fmc
     from glmrt.model.loader import load_dummy
 
     steps, keep = {}, []
@@ -129,30 +147,34 @@ def interleaved(args, cfg) -> list[dict]:
         if quant != "bf16":
             model.ops.fp8_activations = args.fp8_act.split(",")[0]
         for b in (int(x) for x in args.batches.split(",")):
-            graph, touched, alive = capture_step(model, b, args.context)
-            steps[(quant, b)] = (graph, touched, model)
-            keep.append(alive)
+            for tile in args.moe_tile.split(","):
+                fmc.OVERRIDE = moe_tile(tile)
+                graph, touched, alive = capture_step(model, b, args.context)
+                fmc.OVERRIDE = None
+                steps[(quant, b, tile)] = (graph, touched, model)
+                keep.append(alive)
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
             times[k].append(replay_ms(graph))
     rows = []
-    for (quant, b), (graph, touched, model) in steps.items():
-        ts = times[(quant, b)]
-        row = dict(weights=quant, batch=b, rounds=len(ts), median_ms=statistics.median(ts), min_ms=min(ts),
-                   max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
+    for (quant, b, tile), (graph, touched, model) in steps.items():
+        ts = times[(quant, b, tile)]
+        row = dict(weights=quant, batch=b, moe_tile=tile, rounds=len(ts), median_ms=statistics.median(ts),
+                   min_ms=min(ts), max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
                    floor_routed_ms=_floor(model, b, args.context, touched))
-        if quant != "bf16" and ("bf16", b) in times:
-            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b)], ts))
+        if quant != "bf16" and ("bf16", b, tile) in times:
+            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile)], ts))
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'median ms':>9} {'min':>7} {'max':>7} {'routed floor':>12} {'/routed':>7} "
-          f"{'bf16/this (paired)':>18}")
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'median ms':>9} {'min':>7} {'max':>7} {'routed floor':>12} "
+          f"{'/routed':>7} {'bf16/this (paired)':>18}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} {r['max_ms']:>7.3f} "
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
+              f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{r.get('bf16_over_this', float('nan')):>18.3f}")
     return rows
@@ -180,6 +202,9 @@ def main(argv=None) -> list[dict]:
                    help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
     p.add_argument("--kda-tile", default="table",
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
+    p.add_argument("--moe-tile", default="table",
+                   help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
+                        "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",
@@ -193,7 +218,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import fused_moe, kda, mhc, pdl
+    from backends.kernels import fused_moe, fused_moe_configs, kda, mhc, pdl
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -205,10 +230,12 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        for b, fused, pd, sk, act, mt, mp, al, kt in itertools.product(
+        for b, fused, pd, sk, act, mt, mp, al, kt, tile in itertools.product(
                 [int(x) for x in args.batches.split(",")], *(v.split(",") for v in (
                     args.fused_small_ops, args.pdl, args.skinny)), acts,
-                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile))):
+                *(v.split(",") for v in (args.pdl_max_tokens, args.mhc_precision, args.align, args.kda_tile,
+                                         args.moe_tile))):
+            fused_moe_configs.OVERRIDE = moe_tile(tile)
             mhc.DECODE_PRECISION = mp
             fused_moe.SMALL_ALIGN_MODE = al
             kda.DECODE_LAUNCH = None if kt == "table" else dict(
@@ -221,8 +248,9 @@ def main(argv=None) -> list[dict]:
             if mt != "1":
                 pd = f"{pd}<={mt}"
             row = dict(profile_batch(model, b, args.context, args), weights=quant, fused=fused, pdl=pd, skinny=sk,
-                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, "table"))
-                                              if v != d]))
+                       act="/".join([act] + [v for v, d in ((mp, "tf32x3"), (al, "parallel"), (kt, "table"),
+                                                            (tile, "table")) if v != d]))
+            fused_moe_configs.OVERRIDE = None
             torch.cuda.empty_cache()  # the batch's DirectSession and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (E(1-(1-k/E)^B) experts per layer)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])

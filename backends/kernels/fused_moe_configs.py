@@ -93,6 +93,11 @@ FP32_CONFIG = dict(BLOCK_M=16,
                    down=dict(BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2))
 
 
+# Benches set this to try a tile in the whole model (bench.decode_profile --moe-tile): keys as in a
+# table entry ("BLOCK_M", or "gate_up"/"down" dicts of per-GEMM keys) overriding the entry found.
+OVERRIDE: dict | None = None
+
+
 def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16,
                weight_dtype: torch.dtype | None = None, act_fp8: bool = False) -> dict:
     """The tile table's entry for N tokens (a fresh copy; callers may edit it). fp8 weights
@@ -106,4 +111,10 @@ def get_config(n_tokens: int, act_dtype: torch.dtype = torch.bfloat16,
         src = next(c for lim, c in FP8_CONFIGS if n_tokens <= lim)
     else:
         src = next(c for lim, c in CONFIGS if n_tokens <= lim)
-    return dict(BLOCK_M=src["BLOCK_M"], gate_up=dict(src["gate_up"]), down=dict(src["down"]))
+    cfg = dict(BLOCK_M=src["BLOCK_M"], gate_up=dict(src["gate_up"]), down=dict(src["down"]))
+    for key, val in (OVERRIDE or {}).items():
+        if isinstance(val, dict):
+            cfg[key].update(val)
+        else:
+            cfg[key] = val
+    return cfg
