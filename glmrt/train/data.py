@@ -119,7 +119,13 @@ class BatchStream:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
+            # Let the windows in flight finish first: terminate() with results outstanding races
+            # with the pool's own result thread (CPython raises "Cannot have cache with
+            # result_hander not alive"); a window takes seconds at most.
+            for _, pending in self._ahead:
+                pending.wait()
+            self._ahead.clear()
+            self._pool.close()
             self._pool.join()
             self._pool = None
 
