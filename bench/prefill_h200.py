@@ -162,7 +162,10 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
     lists = lambda: sm.build_prefill_token_idx(sel, meta.positions, meta.req_index, table, ps, kpool, True)  # noqa: E731
     token_idx, ntok = lists()
     list_ms = kernel_ms(lists)
-    print("config", json.dumps(dict(build_prefill_token_idx_ms=list_ms)), flush=True)
+    # the same set built by torch ops (what the lists took before their one-launch kernel)
+    torch_lists = lambda: sm._token_rows(sel, meta.positions, table[meta.req_index], ps, kpool, True, 0)  # noqa: E731
+    print("config", json.dumps(dict(build_prefill_token_idx_ms=list_ms, torch_ops_token_rows_ms=kernel_ms(torch_lists))),
+          flush=True)
     for spec in args.mla_sweep.split(";"):
         cfg = _kv(spec.replace(",list=precomputed", ""))
         if "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)

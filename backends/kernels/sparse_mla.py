@@ -191,15 +191,17 @@ def _merge_splits_kernel(
 # the page-table width unspecialised: an eager step's width follows its longest request, and a
 # width that was a multiple of 16 or not compiled a variant mid-traffic
 @triton.jit(do_not_specialize=["stride_tb", "n_pages"])
-def _decode_rows_kernel(SEL, POS, TABLE, IDX, NTOK, stride_sb, stride_tb, stride_ib, NSEL, n_pages, page_size,
+def _decode_rows_kernel(SEL, POS, TABLE, IDX, NTOK, REQ, stride_sb, stride_tb, stride_ib, NSEL, n_pages, page_size,
                         KPOOL: tl.constexpr, BLOCK_SEL: tl.constexpr, WITH_TAIL: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """One program per decode query: the flat latent rows of its selected complete pools (a set:
-    a repeated pool counts once), packed pool by pool in selection order, then the visible tail
-    of its incomplete pool; NTOK = how many entries were written (-1 = a token with no page)."""
+                        HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per query: the flat latent rows of its selected complete pools (a set: a
+    repeated pool counts once), packed pool by pool in selection order, then the visible tail of
+    its incomplete pool; NTOK = how many entries were written (-1 = a token with no page). Query b
+    reads page-table row REQ[b] with HAS_REQ (one row per query token), else row b."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + b).to(tl.int64)
+    trow = tl.load(REQ + b).to(tl.int64) if HAS_REQ else b
     complete = (pos + 1) // KPOOL  # pools whose last token is <= pos
     offs_s = tl.arange(0, BLOCK_SEL)
     s_ok = offs_s < NSEL
@@ -211,14 +213,14 @@ def _decode_rows_kernel(SEL, POS, TABLE, IDX, NTOK, stride_sb, stride_tb, stride
     t = tl.arange(0, KPOOL)
     tok = tl.where(keep[:, None], sel[:, None] * KPOOL + t[None, :], 0)               # [BLOCK_SEL, KPOOL]
     pg = tok // page_size
-    page = tl.load(TABLE + b * stride_tb + pg, mask=keep[:, None] & (pg < n_pages), other=-1)
+    page = tl.load(TABLE + trow * stride_tb + pg, mask=keep[:, None] & (pg < n_pages), other=-1)
     row = tl.where(keep[:, None] & (page >= 0), page * page_size + tok % page_size, -1)
     tl.store(IDX + b * stride_ib + slot[:, None] * KPOOL + t[None, :], row.to(tl.int32), mask=keep[:, None])
     if WITH_TAIL:  # tokens complete*KPOOL .. pos: a prefix of t
         tt = complete * KPOOL + t
         t_ok = (t < KPOOL - 1) & (tt <= pos)
         pg_t = tt // page_size
-        page_t = tl.load(TABLE + b * stride_tb + pg_t, mask=t_ok & (pg_t < n_pages), other=-1)
+        page_t = tl.load(TABLE + trow * stride_tb + pg_t, mask=t_ok & (pg_t < n_pages), other=-1)
         row_t = tl.where(t_ok & (page_t >= 0), page_t * page_size + tt % page_size, -1)
         tl.store(IDX + b * stride_ib + n + t, row_t.to(tl.int32), mask=t_ok)
         n += tl.sum(t_ok.to(tl.int32), 0)
@@ -440,13 +442,15 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
 # token lists from the indexer's selection
 # ---------------------------------------------------------------------------------------
 def build_decode_rows(sel: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                      kpool: int, with_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      kpool: int, with_tail: bool = True,
+                      req_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """build_decode_token_idx's token set in one launch -> (token_idx [B, K] int32, num_tokens [B] int32).
 
-    Row b (position positions[b], pages page_table[b]) lists its selected complete pools' rows
-    pool by pool in selection order (not position order: the attention is a sum, so only fp
-    rounding sees the order), then its visible tail; entries at or past num_tokens[b] are not
-    written, and a token without a page is -1. K = sel.shape[1]*kpool (+ kpool-1 with the tail).
+    Row b (position positions[b], pages page_table[b], or page_table[req_index[b]] with one row
+    per query token) lists its selected complete pools' rows pool by pool in selection order (not
+    position order: the attention is a sum, so only fp rounding sees the order), then its visible
+    tail; entries at or past num_tokens[b] are not written, and a token without a page is -1.
+    K = sel.shape[1]*kpool (+ kpool-1 with the tail).
     """
     b, nsel = sel.shape
     k = nsel * kpool + (kpool - 1 if with_tail else 0)
@@ -457,10 +461,15 @@ def build_decode_rows(sel: torch.Tensor, positions: torch.Tensor, page_table: to
         return idx[:, :k], ntok
     sel = sel if sel.stride(-1) == 1 else sel.contiguous()
     table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
-    _decode_rows_kernel[(b,)](sel, positions, table, idx, ntok, sel.stride(0), table.stride(0), idx.stride(0),
+    if positions.stride(0) != 1:
+        positions = positions.contiguous()
+    if req_index is not None and req_index.stride(0) != 1:
+        req_index = req_index.contiguous()
+    _decode_rows_kernel[(b,)](sel, positions, table, idx, ntok, req_index if req_index is not None else positions,
+                              sel.stride(0), table.stride(0), idx.stride(0),
                               nsel, table.shape[1], page_size, KPOOL=kpool,
                               BLOCK_SEL=max(16, triton.next_power_of_2(nsel)), WITH_TAIL=with_tail,
-                              **pdl.launch(dev), num_warps=4)
+                              HAS_REQ=req_index is not None, **pdl.launch(dev), num_warps=4)
     return idx[:, :k], ntok
 
 
@@ -489,9 +498,11 @@ def build_decode_token_idx(sel: torch.Tensor | None, meta: BatchMeta, kpool: int
 def build_prefill_token_idx(sel: torch.Tensor, positions: torch.Tensor, req_index: torch.Tensor,
                             page_table: torch.Tensor, page_size: int, kpool: int,
                             with_tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """build_decode_token_idx for one row per query token (prefill): row b is the query at
-    positions[b] of request req_index[b], whose pages are page_table[req_index[b]]."""
-    return _token_rows(sel, positions, page_table[req_index], page_size, kpool, with_tail, 0)
+    """build_decode_rows for one row per query token (prefill, a verify's K + 1 rows per request):
+    row b is the query at positions[b] of request req_index[b], whose pages are
+    page_table[req_index[b]]. One launch (the same set as build_decode_token_idx lists, which takes
+    ~35 torch launches)."""
+    return build_decode_rows(sel, positions, page_table, page_size, kpool, with_tail, req_index=req_index)
 
 
 def _token_rows(sel, pos, table, ps, kpool, with_tail, dense_len):
@@ -535,7 +546,8 @@ def _token_rows(sel, pos, table, ps, kpool, with_tail, dense_len):
 DECODE_TOKEN_LIST = "rows-kernel"
 PREFILL_CHUNK_ROWS = 2048  # query tokens per absorbed-prefill launch (bounds the [rows, H, R] temporaries)
 # How a prefill row finds its latent rows: "precomputed" builds packed flat row lists first
-# (build_prefill_token_idx, 4 bytes per row: 3 ms for 16K tokens) and the kernel reads those;
+# (build_prefill_token_idx, 4 bytes per row; 3 ms for 16K tokens when torch ops built them, one
+# launch since) and the kernel reads those;
 # "kernel" derives them inside the attention kernel from the pool ids and the page table. On
 # the H200 at 16K tokens the in-kernel derivation spilled registers (255 regs, 20 spills) and
 # took 84.5 ms against 23.0 ms on the lists (234 regs, no spills); bench/RESULTS.md.

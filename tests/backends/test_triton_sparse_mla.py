@@ -266,3 +266,27 @@ def test_full_size_decode_gpu(b):
     w = torch.randn(b, 32, device=dev, generator=g) * 32 ** -0.5
     assert torch.equal(indexer_select(q, w, pooled, meta, kpool, topk),
                        ReferenceOps().indexer_select(q, w, pooled, meta, kpool, topk))
+
+
+@pytest.mark.parametrize("with_tail", [True, False])
+def test_prefill_rows_kernel_reads_each_rows_request_pages(device, with_tail):
+    """build_prefill_token_idx (the rows kernel with a request per query row) lists, for every
+    query token, exactly the token set of the torch-op list at its position and its request's
+    pages (that list equals the reference mask: test_token_idx_equals_reference_mask)."""
+    from backends.kernels.sparse_mla import _token_rows, build_prefill_token_idx
+
+    g = generator(29)
+    lens, kpool = [1, 3, 16, 33, 70], 4
+    meta, _ = decode_meta(lens, device, seed=5)
+    rows = [(r, p) for r, n in enumerate(lens) for p in range(max(0, n - 3), n)]  # each request's last 3 positions
+    req = torch.tensor([r for r, _ in rows], device=device)
+    pos = torch.tensor([p for _, p in rows], device=device)
+    sel = random_sel([(p + 1) // kpool for _, p in rows], 6, g, odd=True).to(device)
+    idx, num = build_prefill_token_idx(sel, pos, req, meta.page_table, meta.page_size, kpool, with_tail)
+    k = 6 * kpool + (kpool - 1 if with_tail else 0)
+    assert idx.shape == (len(rows), k) and num.dtype == torch.int32
+    want_idx, want_num = _token_rows(sel, pos, meta.page_table[req], meta.page_size, kpool, with_tail, 0)
+    for b in range(len(rows)):
+        got = idx[b, : int(num[b])].tolist()
+        want = want_idx[b, : int(want_num[b])].tolist()
+        assert sorted(got) == sorted(want) and len(set(got)) == len(got), rows[b]
