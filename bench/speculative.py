@@ -43,8 +43,9 @@ from bench.h200 import write_out
 
 def set_short_rows(mode: str) -> None:
     """How `cuda-h200` runs batches of short rows (the verify and the rollback): "recurrent" (the
-    default: fla's fused_recurrent in place, the indexer kernel a launch per token), "chunk" (the
-    earlier path: chunk_kda with gathered states, the reference indexer update)."""
+    default: fla's fused_recurrent in place, the indexer's pool grid bounded by the row count),
+    "chunk" (the earlier path: chunk_kda with gathered states; the indexer grid from the prefix
+    lengths, eager only)."""
     from backends.kernels import indexer, kda
 
     kda.RECURRENT_MAX_TOKENS = 8 if mode == "recurrent" else 0

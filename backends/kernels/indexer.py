@@ -43,7 +43,7 @@ def _indexer_scores_kernel(
     HI, DI, P_OUT, ppp,
     scale, w_scale,
     BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
+    HAS_REQ: tl.constexpr, KEYS: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     pb = tl.program_id(1)
@@ -71,14 +71,24 @@ def _indexer_scores_kernel(
     w = tl.load(W + b.to(tl.int64) * stride_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32) * w_scale
     score = tl.sum(s * w[None, :], 1)
     score = tl.where(ok, score, float("-inf"))
-    tl.store(OUT + b.to(tl.int64) * stride_ob + offs_p, score, mask=offs_p < P_OUT)
+    if KEYS:  # topk_lower_index_ties's int64 key, so one torch.topk selects (no key launches)
+        bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)  # -0.0 counts as 0.0
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = (ordered << 32) | (P_OUT - 1 - offs_p).to(tl.int64)
+        tl.store(OUT + b.to(tl.int64) * stride_ob + offs_p, key, mask=offs_p < P_OUT)
+    else:
+        tl.store(OUT + b.to(tl.int64) * stride_ob + offs_p, score, mask=offs_p < P_OUT)
 
 
 @triton.jit
-def _decode_select_kernel(POS, TOP, OUT, stride_top, stride_ob, TOPK, kpool,
-                          HAS_TOP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """sel[b, j] = j if pool j is complete at the request's position, else -1 (a request with at
-    most TOPK pools takes them all, in order); with TOP, a request with more takes TOP[b]."""
+def _decode_select_kernel(POS, TOP, OUT, PRE, CU, REQ, stride_top, stride_ob, TOPK, kpool,
+                          HAS_TOP: tl.constexpr, HAS_REQ: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """sel[b, j] = j if pool j is complete at row b's position, else -1 (a request with at most
+    TOPK pools takes them all, in order); with TOP, a request with more takes TOP[b]. HAS_REQ: row
+    b is one query token of request REQ[b], whose pools at the end of the batch,
+    (PRE[r] + CU[r+1] - CU[r]) // kpool, decide, and of TOP[b] only the pools complete at the
+    row's own position count (the rest -1)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
@@ -86,26 +96,38 @@ def _decode_select_kernel(POS, TOP, OUT, stride_top, stride_ob, TOPK, kpool,
     sel = tl.where(j < n, j, -1).to(tl.int64)
     if HAS_TOP:
         top = tl.load(TOP + b * stride_top + j, mask=j < TOPK, other=-1)
-        sel = tl.where(n > TOPK, top, sel)
+        if HAS_REQ:
+            r = tl.load(REQ + b).to(tl.int64)
+            req_pools = (tl.load(PRE + r) + tl.load(CU + r + 1) - tl.load(CU + r)).to(tl.int64) // kpool
+            sel = tl.where(req_pools > TOPK, tl.where(top < n, top, -1), sel)
+        else:
+            sel = tl.where(n > TOPK, top, sel)
     tl.store(OUT + b * stride_ob + j, sel, mask=j < TOPK)
 
 
 def decode_select(positions: torch.Tensor, kpool: int, topk_pools: int,
-                  top: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, topk_pools] long selection of decode queries at `positions` (one launch): every complete
-    pool in index order, or `top`'s row where the request has more than topk_pools pools."""
+                  top: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                  requests: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """[B, topk_pools] long selection of queries at `positions` (one launch): every complete pool in
+    index order, or `top`'s row where the request has more than topk_pools pools.
+
+    requests = (prefix_lens_t, cu_seqlens_t, req_index): one row per query token (prefill, a
+    verify's rows); a request's pools at the end of the batch decide, and its rows keep only the
+    pools of `top` complete at their own position (the reference's rule). Writes `out` if given."""
     b = positions.shape[0]
-    out = torch.empty(b, topk_pools, dtype=torch.long, device=positions.device)
+    if out is None:
+        out = torch.empty(b, topk_pools, dtype=torch.long, device=positions.device)
     if b == 0 or topk_pools == 0:
         return out
     if positions.stride(0) != 1:
         positions = positions.contiguous()
     if top is not None and top.stride(-1) != 1:
         top = top.contiguous()
+    pre, cu, req = requests if requests is not None else (positions, positions, positions)
     _decode_select_kernel[(b,)](
-        positions, top if top is not None else out, out,
+        positions, top if top is not None else out, out, pre, cu, req.contiguous(),
         top.stride(0) if top is not None else 0, out.stride(0), topk_pools, kpool,
-        HAS_TOP=top is not None, BLOCK=max(16, triton.next_power_of_2(topk_pools)),
+        HAS_TOP=top is not None, HAS_REQ=requests is not None, BLOCK=max(16, triton.next_power_of_2(topk_pools)),
         **pdl.launch(positions.device), num_warps=1)
     return out
 
@@ -117,8 +139,9 @@ def default_config(hi: int, di: int) -> dict:
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_table: torch.Tensor,
                    n_pools: torch.Tensor, pools_per_page: int, max_pools: int, *,
                    out: torch.Tensor | None = None, config: dict | None = None,
-                   req_index: torch.Tensor | None = None) -> torch.Tensor:
+                   req_index: torch.Tensor | None = None, keys: bool = False) -> torch.Tensor:
     """Scores [B, max_pools] fp32 of the decode queries; -inf past n_pools[b] (or on a -1 page).
+    keys=True: topk_lower_index_ties's int64 keys of those scores instead (topk_keys selects).
 
     req_index [B] (optional): row b reads page_table[req_index[b]] instead of page_table[b]
     (one row per prefill token; n_pools[b] is then that token's visible pools).
@@ -142,10 +165,11 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         w = w.contiguous()
     if page_table.stride(-1) != 1:
         page_table = page_table.contiguous()
+    out_dtype = torch.int64 if keys else torch.float32
     if out is None:
-        out = torch.empty(b, max_pools, dtype=torch.float32, device=q.device)
-    elif out.shape != (b, max_pools) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError("out must be fp32 [B, max_pools] with unit stride")
+        out = torch.empty(b, max_pools, dtype=out_dtype, device=q.device)
+    elif out.shape != (b, max_pools) or out.dtype != out_dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {out_dtype} [B, max_pools] with unit stride")
     if b == 0 or max_pools == 0:
         return out
     if q.dtype == flat.dtype and q.dtype in (torch.bfloat16, torch.float16):
@@ -170,7 +194,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         hi, di, max_pools, pools_per_page,
         float(di ** -0.5), float(hi ** -0.5),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
-        BLOCK_P=cfg["BLOCK_P"], PRECISION=precision, HAS_REQ=req_index is not None,
+        BLOCK_P=cfg["BLOCK_P"], PRECISION=precision, HAS_REQ=req_index is not None, KEYS=keys,
         **pdl.launch(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -189,7 +213,12 @@ def topk_lower_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     low = (p - 1) - torch.arange(p, device=scores.device, dtype=torch.int64)
     key = (ordered << 32) | low
-    return torch.topk(key, k, dim=-1, largest=True, sorted=True).indices
+    return topk_keys(key, k)
+
+
+def topk_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_lower_index_ties on the keys it builds (indexer_scores(..., keys=True) writes them)."""
+    return torch.topk(keys, k, dim=-1, largest=True, sorted=True).indices
 
 
 def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta: BatchMeta, kpool: int,
@@ -208,8 +237,8 @@ def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta:
     if max_pools <= topk_pools:  # decode: every complete pool is visible, and all are taken
         return decode_select(meta.positions, kpool, topk_pools)
     n_pools = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
-    scores = indexer_scores(q, w, pooled, meta.page_table, n_pools, meta.page_size // kpool, max_pools)
-    return decode_select(meta.positions, kpool, topk_pools, topk_lower_index_ties(scores, topk_pools))
+    keys = indexer_scores(q, w, pooled, meta.page_table, n_pools, meta.page_size // kpool, max_pools, keys=True)
+    return decode_select(meta.positions, kpool, topk_pools, topk_keys(keys, topk_pools))
 
 
 def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes):
@@ -219,14 +248,31 @@ def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
     As in the reference, the "take all in index order" rule is per REQUEST (its pools at the end
     of the batch, total_len // kpool <= topk), not per token; otherwise the token takes its
     topk best (ties to the lower pool) and the entries that are not visible to it become -1.
-    Rows go in chunks so the [rows, max_pools] scores (and top-k keys) stay bounded. Uses the
-    Python lengths of meta: never graph captured.
+    Rows go in chunks so the [rows, max_pools] top-k keys stay bounded. Three launches a chunk
+    (the keys, torch.topk, the select). max_pools comes from the Python lengths of meta (in the
+    speculative graphs, the bucket's bound).
     """
     n = q.shape[0]
-    dev = q.device
-    sel = torch.full((n, topk_pools), -1, dtype=torch.long, device=dev)
     if n == 0 or topk_pools == 0:
-        return sel
+        return torch.full((n, topk_pools), -1, dtype=torch.long, device=q.device)
+    max_pools = max(t // kpool for t in meta.total_lens)
+    if max_pools <= topk_pools:  # every request takes all its pools visible at the row
+        return decode_select(meta.positions, kpool, topk_pools)
+    # each token's request's total_len // kpool from meta's device lengths: no blocking H2D copy
+    pre_t, cu_t = device_lens(meta, q.device)
+    visible = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
+    table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
+    req = meta.req_index.contiguous()
+    sel = torch.empty(n, topk_pools, dtype=torch.long, device=q.device)
+    chunk = max(1, min(n, max_score_bytes // (8 * max_pools)))
+    for c0 in range(0, n, chunk):
+        c1 = min(c0 + chunk, n)
+        keys = indexer_scores(q[c0:c1], w[c0:c1], pooled, table, visible[c0:c1], meta.page_size // kpool, max_pools,
+                              req_index=req[c0:c1], keys=True)
+        # eligible pools sort first; the rest become -1 in the select launch
+        decode_select(meta.positions[c0:c1], kpool, topk_pools, topk_keys(keys, topk_pools), out=sel[c0:c1],
+                      requests=(pre_t, cu_t, req[c0:c1]))
+    return sel
     req_pools_list = [t // kpool for t in meta.total_lens]
     max_pools = max(req_pools_list)
     visible = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
@@ -271,23 +317,20 @@ def _pooled_key(kk, gg, APE, stride_ape, rows, offs_d, d_ok, KPOOL: tl.constexpr
     return tl.sum(tl.where(row_ok, prod, 0.0), 0)
 
 
-# J (the token index of a per-token launch) and the page-table width unspecialised: 0, 1 and
-# other values, and widths that are a multiple of 16 or not, each compiled a variant mid-traffic
-@triton.jit(do_not_specialize=["J", "stride_tb"])
+# the page-table width unspecialised: widths that are a multiple of 16 or not each compiled a
+# variant mid-traffic
+@triton.jit(do_not_specialize=["stride_tb"])
 def _indexer_update_decode_kernel(
-    K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE, CU, J,
+    K, G, APE, POOLED, TAIL_K, TAIL_G, PREFIX, SLOTS, TABLE, CU,
     stride_kn, stride_gn, stride_ape,
     stride_pool, stride_tslot, stride_trow, stride_tb,
     DI, ppp,
     KPOOL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    """Token J of each request b (rows CU[b].., position PREFIX[b] + J); a request with J or fewer
-    new tokens does nothing."""
+    """The one new token of each request b (row CU[b], position PREFIX[b])."""
     pdl_enter(PDL)
     b = tl.program_id(0)
-    row = tl.load(CU + b) + J
-    if row >= tl.load(CU + b + 1):
-        return
-    p0 = tl.load(PREFIX + b) + J
+    row = tl.load(CU + b)
+    p0 = tl.load(PREFIX + b)
     slot = tl.load(SLOTS + b).to(tl.int64)
     t0 = p0 % KPOOL
     offs_d = tl.arange(0, BLOCK_D)
@@ -379,7 +422,10 @@ def _indexer_update_tails_kernel(
     tl.store(TAIL_G + t_ptr, g_new.to(TAIL_G.dtype.element_ty), mask=ok)
 
 
-SHORT_ROWS_MAX = 8  # batches whose requests all have 1..8 new tokens: a launch per token index
+# Batches whose requests all have 1..8 new tokens (a verify, a rollback): the pools launch's grid
+# is bounded by the row count alone, so it reads no Python prefix length (the speculative graphs'
+# metas carry bucket bounds there); two launches where a launch per token took K + 1.
+SHORT_ROWS_MAX = 8
 
 
 def update_takes(meta: BatchMeta, pooled: torch.Tensor, tail_k: torch.Tensor, tail_g: torch.Tensor) -> bool:
@@ -391,16 +437,15 @@ def update_takes(meta: BatchMeta, pooled: torch.Tensor, tail_k: torch.Tensor, ta
 def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
                    tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int, *,
                    reference: ReferenceOps | None = None) -> None:
-    """ReferenceOps.indexer_update on kernels: decode batches in one launch, batches of short
-    rows (every request 1..SHORT_ROWS_MAX new tokens: speculative decoding's verify and rollback)
-    in one launch per token index, any other batch (prefill, and decodes mixed with prefill
-    chunks) in two launches: every pool the batch completes, then the tails.
+    """ReferenceOps.indexer_update on kernels: decode batches in one launch, any other batch in
+    two: every pool the batch completes, then the tails.
 
-    The per-token kernel: one program per request and token; the new key/gate joins its slot's
-    tail, or, when it completes the pool, the pooled key (softmax over the pool of gate + ape, per
-    channel) is written to its page; a request's tokens go in order, one launch after the other.
-    Every kernel reads only device tensors (prefix_lens_t, cu_seqlens_t, slot_ids, page_table),
-    so the short-row paths are safe inside a CUDA graph.
+    The decode kernel: one program per request; the new key/gate joins its slot's tail, or, when
+    it completes the pool, the pooled key (softmax over the pool of gate + ape, per channel) is
+    written to its page. Every kernel reads only device tensors (prefix_lens_t, cu_seqlens_t,
+    slot_ids, page_table); for decode and short rows (every request 1..SHORT_ROWS_MAX new tokens:
+    speculative decoding's verify and rollback) the launch shapes need no Python prefix length
+    either, so those paths are safe inside a CUDA graph.
     """
     if not update_takes(meta, pooled, tail_k, tail_g):
         return (reference or ReferenceOps()).indexer_update(k, g, ape, pooled, tail_k, tail_g, meta, kpool)
@@ -413,16 +458,18 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: 
     flat = pooled.view(-1, di)
     blocks = {"KPOOL": kpool, "BLOCK_K": triton.next_power_of_2(kpool),
               "BLOCK_D": max(16, triton.next_power_of_2(di))}
-    if all(1 <= s <= SHORT_ROWS_MAX for s in seq):
-        for j in range(max(seq)):
-            _indexer_update_decode_kernel[(b,)](
-                k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t, j,
-                k.stride(0), g.stride(0), ape.stride(0),
-                flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
-                di, meta.page_size // kpool, **blocks, **pdl.launch(k.device), num_warps=4,
-            )
+    if all(s == 1 for s in seq):
+        _indexer_update_decode_kernel[(b,)](
+            k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t,
+            k.stride(0), g.stride(0), ape.stride(0),
+            flat.stride(0), tail_k.stride(0), tail_k.stride(1), table.stride(0),
+            di, meta.page_size // kpool, **blocks, **pdl.launch(k.device), num_warps=4,
+        )
         return None
-    pools = max((p % kpool + s) // kpool for p, s in zip(meta.prefix_lens, seq))
+    if all(1 <= s <= SHORT_ROWS_MAX for s in seq):
+        pools = (kpool - 1 + max(seq)) // kpool  # the most any start inside a pool can complete
+    else:
+        pools = max((p % kpool + s) // kpool for p, s in zip(meta.prefix_lens, seq))
     if pools:
         _indexer_update_pools_kernel[(b, pools)](
             k, g, ape, flat, tail_k, tail_g, meta.prefix_lens_t, meta.slot_ids, table, meta.cu_seqlens_t,
@@ -437,4 +484,5 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: 
     return None
 
 
-__all__ = ["indexer_scores", "indexer_select", "decode_select", "indexer_update", "topk_lower_index_ties", "default_config"]
+__all__ = ["indexer_scores", "indexer_select", "decode_select", "indexer_update", "topk_lower_index_ties", "topk_keys",
+           "default_config"]

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
-from backends.kernels.indexer import indexer_scores, topk_lower_index_ties  # noqa: E402
+from backends.kernels.indexer import indexer_scores, topk_keys, topk_lower_index_ties  # noqa: E402
 from tests.backends.dsa_problems import (PAGE, PREFILL_CASES, decode_meta, generator, h200_ops,  # noqa: E402
                                          indexer_inputs, prefill_meta)
 
@@ -46,6 +46,14 @@ def test_indexer_scores_kernel(device, dtype):
         assert torch.isinf(got[n:]).all() and (got[n:] < 0).all()
         if n:
             assert torch.allclose(got[:n].double(), want, rtol=1e-5, atol=1e-5)
+    # keys=True: the same scores as topk_lower_index_ties's keys (one torch.topk selects); a -0.0
+    # row and exact ties (one key pool everywhere) rank as on the scores
+    for keys_of in (pooled, pooled[:1, :1].expand_as(pooled).contiguous()):
+        scores = indexer_scores(q, w, keys_of, meta.page_table, n_pools, PAGE // kpool, width)
+        keys = indexer_scores(q, w, keys_of, meta.page_table, n_pools, PAGE // kpool, width, keys=True,
+                              config={"BLOCK_P": 16})
+        assert keys.dtype == torch.int64
+        assert torch.equal(topk_keys(keys, width).cpu(), topk_lower_index_ties(scores, width).cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
