@@ -19,7 +19,7 @@ Overridden today (everything else is the reference):
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
-  moe_route       with fused_small_ops, n_group 1: router logits (one launch, tiled over experts) + top-k selection
+  moe_route       with fused_small_ops (group-limited too): router logits (one launch, tiled over experts) + top-k selection
                   (+ the shared expert's column when it is seated among the routed experts)
   mhc_pre         every batch: fused RMS + mixing matmul + gates + Sinkhorn + collapse (bf16x3 products
                   from 1024 tokens); at decode sizes the sublayer's input RMSNorm inside the collapse
@@ -240,13 +240,14 @@ class CudaH200Ops(ReferenceOps):
             return kk.kda(q, k, v, g, beta, state, meta)
         return super().kda(q, k, v, g, beta, state, meta, chunk_size)
 
-    # ---- the MoE router (n_group 1; backends/kernels/moe_route.py) ----------------------------
+    # ---- the MoE router (backends/kernels/moe_route.py) ----------------------------
     def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                   topk_group: int, norm_topk_prob: bool, scaling: float, *, append_expert: int | None = None):
         if self.fused_small_ops and (x.is_cuda or _interpreting()):
             from .kernels import moe_route as mr
-            if mr.supported(x, gate_w, bias, top_k, n_group):
-                return mr.moe_route(x, gate_w, bias, top_k, norm_topk_prob, scaling, append_expert=append_expert)
+            if mr.supported(x, gate_w, bias, top_k, n_group, topk_group):
+                return mr.moe_route(x, gate_w, bias, top_k, norm_topk_prob, scaling, append_expert=append_expert,
+                                    n_group=n_group, topk_group=topk_group)
         return super().moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
                                  append_expert=append_expert)
 

@@ -1,13 +1,15 @@
-"""The MoE router (ReferenceOps.moe_route, n_group = 1) as two Triton kernels.
+"""The MoE router (ReferenceOps.moe_route) as two Triton kernels.
 
     logits = x · Wᵀ (fp32 accumulation of the model-dtype products: exact products, so only the
              summation order differs from the reference's fp32 GEMM of the upcast operands)
     scores = sigmoid(logits);  choice = scores + bias
-    ids    = the top_k experts of choice (ties: the lower id);  w = scores[ids]
+    groups (n_group > 1): the experts in n_group equal runs, each scored by the sum of its two
+             best choices; only the topk_group best groups (ties: the lower group) stay eligible
+    ids    = the top_k eligible experts of choice (ties: the lower id);  w = scores[ids]
     w      = w / (Σ w + 1e-20) if norm_topk_prob;  w *= scaling
 
 The reference spends ten launches on this (two casts, the GEMM, sigmoid, add, topk, gather,
-sum, divide, multiply); at decode each is a few microseconds of a step whose bytes take
+sum, divide, multiply; eleven more for the groups); at decode each is a few microseconds of a step whose bytes take
 about one. Here: one launch for the logits, tiled over experts and, at decode sizes, split
 over K so that the router's weight is read by many programs (one program per token would
 stream it through one SM), and one for the selection (summing the splits in a fixed order),
@@ -58,9 +60,10 @@ def _route_logits_kernel(X, W, L, N, E, D, k_per, stride_x, stride_w, stride_l,
 
 
 @triton.jit
-def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id,
+def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, extra_id, group_size,
                          TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_TOPK: tl.constexpr, MAX_SPLIT: tl.constexpr, EXTRA: tl.constexpr,
+                         N_GROUP: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
                          PDL: tl.constexpr = False):
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,6 +78,26 @@ def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, e
     scores = 1.0 / (1.0 + tl.exp(-logit))  # torch's sigmoid
     bias = tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)
     choice = tl.where(c_ok[None, :], scores + bias[None, :], float("-inf"))
+    if N_GROUP > 1:
+        group = cols // group_size
+        gslots = tl.arange(0, BLOCK_G)
+        gscore = tl.full([BLOCK_N, BLOCK_G], float("-inf"), dtype=tl.float32)  # slots past N_GROUP stay -inf
+        for g in tl.static_range(N_GROUP):  # a group's two best choices (a repeated best counts twice)
+            in_g = (group == g)[None, :]
+            top1 = tl.max(tl.where(in_g, choice, float("-inf")), 1)
+            at1 = tl.min(tl.where(in_g & (choice == top1[:, None]), cols[None, :], BLOCK_E), 1)
+            top2 = tl.max(tl.where(in_g & (cols[None, :] != at1[:, None]), choice, float("-inf")), 1)
+            gscore = tl.where(gslots[None, :] == g, (top1 + top2)[:, None], gscore)
+        keep = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(gscore, 1)
+            gi = tl.min(tl.where(gscore == best[:, None], gslots[None, :], BLOCK_G), 1)
+            hit = gslots[None, :] == gi[:, None]
+            keep = tl.where(hit, 1, keep)
+            gscore = tl.where(hit, float("-inf"), gscore)
+        for g in tl.static_range(N_GROUP):
+            kept = tl.sum(tl.where(gslots[None, :] == g, keep, 0), 1)
+            choice = tl.where((group == g)[None, :] & (kept[:, None] == 0), float("-inf"), choice)
     slots = tl.arange(0, BLOCK_TOPK)
     picked_ids = tl.zeros([BLOCK_N, BLOCK_TOPK], dtype=tl.int32)
     picked_w = tl.zeros([BLOCK_N, BLOCK_TOPK], dtype=tl.float32)
@@ -101,9 +124,15 @@ def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, e
     tl.store(IDS + off, picked_ids.to(tl.int64), mask=out_ok)
 
 
-def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int) -> bool:
+_MAX_GROUPS = 32  # groups are unrolled in the selection
+
+
+def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+              topk_group: int = 1) -> bool:
     e = gate_w.shape[0] if gate_w.dim() == 2 else 0
-    return (x.dim() == 2 and gate_w.dim() == 2 and gate_w.shape[1] == x.shape[1] and n_group <= 1
+    groups_ok = n_group <= 1 or (n_group <= _MAX_GROUPS and e % n_group == 0 and e // n_group >= 2
+                                 and 1 <= topk_group <= n_group)
+    return (x.dim() == 2 and gate_w.dim() == 2 and gate_w.shape[1] == x.shape[1] and groups_ok
             and 1 <= top_k <= e <= 1024 and bias.shape == (e,)
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and gate_w.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -112,11 +141,11 @@ def supported(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-              scaling: float, *, append_expert: int | None = None,
+              scaling: float, *, append_expert: int | None = None, n_group: int = 1, topk_group: int = 1,
               splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (weights [N, top_k] fp32, ids [N, top_k] int64), as ReferenceOps.moe_route (n_group 1);
-    with `append_expert`, [N, top_k + 1] whose last column is that id with weight 1. `splits`
-    forces the logits' K split count (at most MAX_SPLIT; bench.decode_ops sweeps it)."""
+    """-> (weights [N, top_k] fp32, ids [N, top_k] int64), as ReferenceOps.moe_route; with
+    `append_expert`, [N, top_k + 1] whose last column is that id with weight 1. `splits` forces
+    the logits' K split count (at most MAX_SPLIT; bench.decode_ops sweeps it)."""
     n, d = x.shape
     e = gate_w.shape[0]
     extra = append_expert is not None
@@ -149,8 +178,10 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     # within a warp each is a few shuffles (across warps, a shared-memory round trip each)
     _route_select_kernel[(n,)](
         logits, bias, weights, ids, n, e, split, logits.stride(1), float(scaling),
-        int(append_expert) if extra else 0,
+        int(append_expert) if extra else 0, e // max(n_group, 1),
         TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_N=1, BLOCK_E=triton.next_power_of_2(e),
         BLOCK_TOPK=triton.next_power_of_2(top_k + extra), MAX_SPLIT=_MAX_SPLIT, EXTRA=extra,
+        N_GROUP=max(n_group, 1), TOPK_GROUP=topk_group if n_group > 1 else 1,
+        BLOCK_G=triton.next_power_of_2(max(n_group, 1)),
         **pdl.launch(x.device), num_warps=1)
     return weights, ids

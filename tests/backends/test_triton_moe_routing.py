@@ -173,8 +173,34 @@ def test_moe_route_matches_reference(device, n, d, e, k, norm, dtype):
     assert _rel(got_w, ref_w) < 1e-5
 
 
+@pytest.mark.parametrize("n,e,k,n_group,topk_group,dtype", [
+    (1, 8, 2, 2, 1, torch.float32),      # the shipped tiny model's router
+    (5, 8, 2, 2, 1, torch.bfloat16),
+    (3, 256, 8, 8, 4, torch.bfloat16),   # DeepSeek-V3's grouping
+    (4, 96, 6, 3, 2, torch.float32),     # a group count that is not a power of two
+])
+def test_moe_route_groups_match_reference(device, n, e, k, n_group, topk_group, dtype):
+    """Group-limited routing in the selection launch: the experts of the reference's kept groups,
+    in its order (groups scored by their two best choices)."""
+    from backends.kernels.moe_route import moe_route, supported
+
+    d = 64
+    g = _gen("groups", n, e, k, n_group, topk_group, str(dtype))
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.randn(e, d, generator=g) * d ** -0.5).to(dtype)
+    bias = torch.randn(e, generator=g) * 0.05
+    ref_w, ref_ids = REF.moe_route(x, w, bias, k, n_group, topk_group, True, 2.5)
+    x, w, bias = x.to(device), w.to(device), bias.to(device)
+    assert supported(x, w, bias, k, n_group, topk_group)
+    got_w, got_ids = moe_route(x, w, bias, k, True, 2.5, n_group=n_group, topk_group=topk_group)
+    assert torch.equal(got_ids.cpu(), ref_ids)
+    assert _rel(got_w, ref_w) < 1e-5
+    ops_w, ops_ids = CudaH200Ops().moe_route(x, w, bias, k, n_group, topk_group, True, 2.5)
+    assert torch.equal(ops_ids.cpu(), ref_ids)
+
+
 def test_moe_route_ties_and_fallbacks(device):
-    """Equal choices go to the lower id; group-limited routing and mixed dtypes take the reference."""
+    """Equal choices go to the lower id; mixed dtypes and groups of one expert take the reference."""
     from backends.kernels.moe_route import moe_route, supported
 
     x = torch.ones(2, 32, dtype=torch.bfloat16, device=device)
@@ -183,9 +209,10 @@ def test_moe_route_ties_and_fallbacks(device):
     wts, ids = moe_route(x, w, bias, 3, True, 1.0)
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
     assert torch.allclose(wts.cpu(), torch.full((2, 3), 1 / 3))
-    assert not supported(x, w, bias, 3, 2)                        # n_group > 1
+    assert supported(x, w, bias, 3, 2, 1)                         # two groups of four
+    assert not supported(x, w, bias, 3, 8, 2)                     # groups of one expert
     assert not supported(x, w.float(), bias, 3, 1)                # bf16 tokens with an fp32 router
     ops = CudaH200Ops()
-    gw, gids = ops.moe_route(x, w, bias, 3, 2, 1, True, 1.0)     # group routing: the reference's answer
+    gw, gids = ops.moe_route(x, w, bias, 3, 2, 1, True, 1.0)     # full tie: group 0, its lowest ids
     rw, rids = REF.moe_route(x.cpu(), w.cpu(), bias.cpu(), 3, 2, 1, True, 1.0)
-    assert _rel(gw, rw) < 1e-6 and gids.shape == rids.shape
+    assert _rel(gw, rw) < 1e-6 and gids.tolist() == [[0, 1, 2], [0, 1, 2]] and gids.shape == rids.shape
