@@ -20,8 +20,11 @@ from backends.meta import BatchMeta
 class Capture:
     """What one verify forward keeps of its drafting requests' rows (`take`, from the layers)."""
 
-    def __init__(self, rows: torch.Tensor, lens: list[int]):
-        self.rows = rows          # flat rows of the pass running now (the model's, then the draft layer's)
+    def __init__(self, rows: torch.Tensor | None, lens: list[int]):
+        # flat rows of the pass running now (the model's, then the draft layer's); None: every row,
+        # kept by reference (the speculative graphs: each op a verify runs reads its inputs only,
+        # the decode and short-row kernels, so a kept tensor stays as it was)
+        self.rows = rows
         self.offsets = [0]        # captured request j's rows start at offsets[j] of every kept tensor
         for n in lens:
             self.offsets.append(self.offsets[-1] + n)
@@ -29,8 +32,9 @@ class Capture:
         self.hidden: torch.Tensor | None = None
 
     def select(self, t: torch.Tensor) -> torch.Tensor:
-        """The captured rows of `t`, copied (an op may later write `t` in place)."""
-        return t[self.rows]
+        """The captured rows of `t`, copied (an op may later write `t` in place), or `t` itself
+        when every row is captured."""
+        return t if self.rows is None else t[self.rows]
 
     def take(self, layer: int, *selected: torch.Tensor) -> None:
         """Keep a layer's op inputs (each already `select`ed)."""

@@ -128,7 +128,7 @@ class SpecGraphs:
         c.state.copy_slots(slot, snap)
         cu = ar[: bs + 1] * t
         meta = self._meta(bs, pages, pre[req] + j, req, pre, cu, t)
-        cap = Capture(ar[:n], [t] * bs)
+        cap = Capture(None, [t] * bs)  # every row drafts: the inputs are kept as they are, not gathered
         c.capture = cap
         try:
             logits, hid = m(ids, meta, c, logits_indices=None)
