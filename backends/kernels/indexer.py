@@ -43,7 +43,7 @@ def _indexer_scores_kernel(
     HI, DI, P_OUT, ppp,
     scale, w_scale,
     BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_REQ: tl.constexpr, KEYS: tl.constexpr = False, PDL: tl.constexpr = False):
+    HAS_REQ: tl.constexpr, KEYS: tl.constexpr = False, POS_KPOOL: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     pb = tl.program_id(1)
@@ -54,6 +54,8 @@ def _indexer_scores_kernel(
     d_ok = offs_d < DI
 
     n = tl.load(NPOOLS + b)
+    if POS_KPOOL > 0:  # NPOOLS holds the rows' positions: the pools complete at each
+        n = (n + 1) // POS_KPOOL
     p_ok = offs_p < n
     if HAS_REQ:  # per-token rows (prefill): the page-table row of the row's request
         trow = tl.load(REQ + b).to(tl.int64)
@@ -139,7 +141,8 @@ def default_config(hi: int, di: int) -> dict:
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_table: torch.Tensor,
                    n_pools: torch.Tensor, pools_per_page: int, max_pools: int, *,
                    out: torch.Tensor | None = None, config: dict | None = None,
-                   req_index: torch.Tensor | None = None, keys: bool = False) -> torch.Tensor:
+                   req_index: torch.Tensor | None = None, keys: bool = False,
+                   positions_kpool: int = 0) -> torch.Tensor:
     """Scores [B, max_pools] fp32 of the decode queries; -inf past n_pools[b] (or on a -1 page).
     keys=True: topk_lower_index_ties's int64 keys of those scores instead (topk_keys selects).
 
@@ -149,7 +152,9 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
     q [B, Hi, di] (any float dtype); w [B, Hi] head weights as the weights projection gives them
     (any float dtype; the kernel takes them to fp32 and scales by Hi^-0.5, as head_weights does);
     pooled [num_pages, pools_per_page, di] contiguous; page_table [B, max_pages] (-1 = none);
-    n_pools [B] int (complete pools per request, all eligible). With q and pooled both
+    n_pools [B] int (complete pools per request, all eligible); with positions_kpool = kpool > 0
+    it holds the rows' positions instead, and a row's pools are the (position + 1) // kpool
+    complete at it (no launches to divide them out). With q and pooled both
     bf16/fp16 the product runs on the tensor cores (exact products, fp32 sums); otherwise in
     fp32.
     """
@@ -195,6 +200,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, page_
         float(di ** -0.5), float(hi ** -0.5),
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
         BLOCK_P=cfg["BLOCK_P"], PRECISION=precision, HAS_REQ=req_index is not None, KEYS=keys,
+        POS_KPOOL=positions_kpool,
         **pdl.launch(q.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -236,8 +242,8 @@ def indexer_select(q: torch.Tensor, w: torch.Tensor, pooled: torch.Tensor, meta:
     max_pools = max(t // kpool for t in meta.total_lens)
     if max_pools <= topk_pools:  # decode: every complete pool is visible, and all are taken
         return decode_select(meta.positions, kpool, topk_pools)
-    n_pools = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
-    keys = indexer_scores(q, w, pooled, meta.page_table, n_pools, meta.page_size // kpool, max_pools, keys=True)
+    keys = indexer_scores(q, w, pooled, meta.page_table, meta.positions, meta.page_size // kpool, max_pools,
+                          keys=True, positions_kpool=kpool)
     return decode_select(meta.positions, kpool, topk_pools, topk_keys(keys, topk_pools))
 
 
@@ -260,40 +266,18 @@ def _indexer_select_rows(q, w, pooled, meta, kpool, topk_pools, max_score_bytes)
         return decode_select(meta.positions, kpool, topk_pools)
     # each token's request's total_len // kpool from meta's device lengths: no blocking H2D copy
     pre_t, cu_t = device_lens(meta, q.device)
-    visible = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
+    pos = meta.positions
     table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
     req = meta.req_index.contiguous()
     sel = torch.empty(n, topk_pools, dtype=torch.long, device=q.device)
     chunk = max(1, min(n, max_score_bytes // (8 * max_pools)))
     for c0 in range(0, n, chunk):
         c1 = min(c0 + chunk, n)
-        keys = indexer_scores(q[c0:c1], w[c0:c1], pooled, table, visible[c0:c1], meta.page_size // kpool, max_pools,
-                              req_index=req[c0:c1], keys=True)
+        keys = indexer_scores(q[c0:c1], w[c0:c1], pooled, table, pos[c0:c1], meta.page_size // kpool, max_pools,
+                              req_index=req[c0:c1], keys=True, positions_kpool=kpool)
         # eligible pools sort first; the rest become -1 in the select launch
         decode_select(meta.positions[c0:c1], kpool, topk_pools, topk_keys(keys, topk_pools), out=sel[c0:c1],
                       requests=(pre_t, cu_t, req[c0:c1]))
-    return sel
-    req_pools_list = [t // kpool for t in meta.total_lens]
-    max_pools = max(req_pools_list)
-    visible = torch.div(meta.positions + 1, kpool, rounding_mode="floor")
-    j = torch.arange(topk_pools, device=dev)
-    small = torch.where(j[None, :] < visible[:, None], j[None, :], -1)  # request has <= topk pools
-    if max_pools <= topk_pools:
-        return small.to(torch.long)
-    # each token's request's total_len // kpool from meta's device lengths: no blocking H2D copy
-    pre_t, cu_t = device_lens(meta, dev)
-    req_pools = torch.div(pre_t + (cu_t[1:] - cu_t[:-1]), kpool, rounding_mode="floor")[meta.req_index]
-    table = meta.page_table if meta.page_table.stride(-1) == 1 else meta.page_table.contiguous()
-    req = meta.req_index.contiguous()
-    chunk = max(1, min(n, max_score_bytes // (4 * max_pools)))
-    for c0 in range(0, n, chunk):
-        c1 = min(c0 + chunk, n)
-        vis = visible[c0:c1]
-        scores = indexer_scores(q[c0:c1], w[c0:c1], pooled, table, vis, meta.page_size // kpool, max_pools,
-                                req_index=req[c0:c1])
-        top = topk_lower_index_ties(scores, topk_pools)
-        top = torch.where(top < vis[:, None], top, -1)  # eligible pools sort first; the rest are -1
-        sel[c0:c1] = torch.where((req_pools[c0:c1] > topk_pools)[:, None], top, small[c0:c1])
     return sel
 
 

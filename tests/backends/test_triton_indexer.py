@@ -54,6 +54,12 @@ def test_indexer_scores_kernel(device, dtype):
                               config={"BLOCK_P": 16})
         assert keys.dtype == torch.int64
         assert torch.equal(topk_keys(keys, width).cpu(), topk_lower_index_ties(scores, width).cpu())
+    # the rows' positions instead of their pool counts: the kernel divides them out
+    positions = torch.tensor([n - 1 for n in lens], device=device)
+    from_positions = torch.full_like(out, float("nan"))
+    indexer_scores(q, w, pooled, meta.page_table, positions, PAGE // kpool, width, out=from_positions,
+                   config={"BLOCK_P": 16}, positions_kpool=kpool)
+    assert torch.equal(from_positions.cpu(), out.cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
