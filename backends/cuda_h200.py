@@ -27,6 +27,7 @@ Overridden today (everything else is the reference):
                   rows (MoEPartials) and does its top-k sum on the way in
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
+  copy_slots      every state-pool slot copy of speculative decoding (snapshot, rollback): one launch
   kda             every batch, with fla-core: fused_recurrent in place (decode; our launch shape,
                   kda.DECODE_LAUNCHES; and batches of short rows, speculative decoding's verify and
                   rollback), chunk_kda (prefill)
@@ -115,6 +116,12 @@ class CudaH200Ops(ReferenceOps):
             return importlib.util.find_spec("fla") is not None
         except ValueError:
             return False
+
+    def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
+        from .kernels import slots
+        if _device_ok(src) and slots.supports(tensors):
+            return slots.copy_slots(tensors, src, dst)
+        return super().copy_slots(tensors, src, dst)
 
     # ---- dense linear: FP8 weights (every batch) and 16-bit weights at decode sizes ----------
     # (backends/kernels/fp8_linear.py; larger 16-bit products stay on cuBLAS)

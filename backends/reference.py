@@ -323,6 +323,13 @@ class ReferenceOps:
             state[slot] = s.to(state.dtype)
         return out.to(v.dtype)
 
+    # ---- state pool -----------------------------------------------------------------------
+    def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For each state-pool tensor t [L, slots, ...]: t[:, dst] = t[:, src], the slot ids on the
+        device (graph-safe: no host values). No dst may be another pair's src."""
+        for t in tensors:
+            t[:, dst] = t[:, src]
+
     # ---- DSA indexer ----------------------------------------------------------------------
     def indexer_update(self, k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,
                        tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int) -> None:

@@ -74,11 +74,6 @@ class StatePool:
         for t in self.tensors:
             t[:, dst] = t[:, src]
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """copy_slot for many at once, the slot ids on the device (graph-safe: no host values)."""
-        for t in self.tensors:
-            t[:, dst] = t[:, src]
-
 
 class ModelCache:
     """Both pools plus the map from model layer index to pool ordinal."""
