@@ -20,8 +20,11 @@ computed), so the state is the eager rollback's.
 
 Every per-request value lives in device buffers filled by one host-to-device copy per replay
 (as glmrt.engine.cuda_graphs does for decode); the Python lengths of the metas are the bucket's
-upper bounds. Pad rows decode the reserved pad slot and page at position 1 (their snapshot slot is
-the pad slot). Greedy only: a sampled request needs its draws from its own generator in order,
+upper bounds. The per-row layouts of every meta a replay uses (positions, latent slots, the draft
+layer's source rows; the rollback's from the kept counts) are computed on the host beside them:
+on a small model each launch of index arithmetic in the graph costs as much as a layer's kernel.
+Pad rows decode the reserved pad slot and page at position 1 (their snapshot slot is the pad
+slot). Greedy only: a sampled request needs its draws from its own generator in order,
 and rejection sampling on the host; such steps run eager.
 """
 
@@ -34,7 +37,30 @@ from backends.meta import BatchMeta
 from glmrt.engine.cuda_graphs import batch_buckets, page_buckets
 from glmrt.engine.rollback import Capture, replay
 
-_FIELDS = ("tok", "pre", "slot", "snap")  # one row each in the host buffer, then the page table
+
+class HostFields:
+    """Named int64 fields of one flat buffer: the host fills a pinned copy through numpy views (`h`),
+    one copy refreshes the device buffer whose views (`d`) the graphs read."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device, pin: bool):
+        self.offsets, at = {}, 0
+        for name, shape in shapes.items():  # each field 16-byte aligned (backends.meta.host_to_device)
+            self.offsets[name] = at
+            at += -(-int(np.prod(shape)) // 2) * 2
+        self.host = torch.zeros(at, dtype=torch.long, pin_memory=pin)
+        self.dev = torch.zeros(at, dtype=torch.long, device=device)
+        flat = self.host.numpy()
+        at = self.offsets
+        self.h = {k: flat[at[k]: at[k] + int(np.prod(s))].reshape(s) for k, s in shapes.items()}
+        self.d = {k: self.dev[at[k]: at[k] + int(np.prod(s))].view(s) for k, s in shapes.items()}
+
+    def offset(self, name: str) -> int:
+        return self.offsets[name]
+
+    def upload(self, end: int | None = None) -> None:
+        """The host copy's first `end` values (all by default) to the device, queued (pinned)."""
+        end = self.host.numel() if end is None else end
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
 
 
 def _bucket(value: int, buckets: list[int]) -> int | None:
@@ -58,19 +84,23 @@ class SpecGraphs:
         self.capture_graphs = capture  # False: every run executes the bodies eagerly (CPU tests)
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        nf, mb = len(_FIELDS), self.max_bs
-        self._width = nf * mb + mb * max_pages
+        mb, rows, k = self.max_bs, self.max_bs * self.t, self.k
+        even = -(-mb // 2) * 2  # each draft step's row of dpos / dloc 16-byte aligned too
         pin = capture and torch.cuda.is_available()
-        self._host = torch.empty(self._width, dtype=torch.long, pin_memory=pin)
-        self._host_n = torch.empty(mb, dtype=torch.long, pin_memory=pin)
-        self.dev = torch.zeros(self._width, dtype=torch.long, device=self.device)
-        self.n_dev = torch.zeros(mb, dtype=torch.long, device=self.device)
-        self.buf = dict(zip(_FIELDS, self.dev[: nf * mb].view(nf, mb)))
-        self.table = self.dev[nf * mb:].view(mb, max_pages)
-        rows = mb * self.t
+        # per replay: the requests, each draft step's row per request, each verify row (the model's
+        # and the draft layer's, one position back), the page table last (copied up to bs rows)
+        self.buf = HostFields(dict(tok=(mb,), pre=(mb,), pre1=(mb,), slot=(mb,), snap=(mb,), dpos=(k, even),
+                                   dloc=(k, even), vpos=(rows,), vloc=(rows,), xpos=(rows,), xloc=(rows,),
+                                   hrow=(rows,), table=(mb, max_pages)), self.device, pin)
+        # per rollback: the kept rows' layout
+        self.back = HostFields(dict(cu=(mb + 1,), req=(rows,), pos=(rows,), loc=(rows,), xpos=(rows,), xloc=(rows,),
+                                    sel=(rows,), last=(mb,)), self.device, pin)
+        self.table = self.buf.d["table"]
         self.arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
         self.req_of = self.arange[:rows] // self.t   # verify row -> its request
-        self.pos_of = self.arange[:rows] % self.t    # verify row -> its offset j
+        self.verify_cu = self.arange[: mb + 1] * self.t  # 0, T, 2T, ...: every request verifies T rows
+        self.last_rows = self.arange[:mb] * self.t + self.t - 1  # each request's last verify row
+        self._layouts: dict[int, tuple[np.ndarray, ...]] = {}
         self.replays = 0
 
     # ---- eligibility -----------------------------------------------------------------------
@@ -82,13 +112,11 @@ class SpecGraphs:
         return None if bs is None or pages is None else (bs, pages)
 
     # ---- the bodies ------------------------------------------------------------------------
-    def _meta(self, bs: int, pages: int, positions, req, prefix, cu, seq: int) -> BatchMeta:
+    def _meta(self, bs: int, pages: int, positions, out_loc, req, prefix, cu, seq: int) -> BatchMeta:
         ps = self.page_size
-        table = self.table[:bs, :pages]
-        out_loc = table[req, positions // ps] * ps + positions % ps
         return BatchMeta(prefix_lens=[pages * ps - seq] * bs, seq_lens=[seq] * bs, positions=positions,
-                         req_index=req, slot_ids=self.buf["slot"][:bs], page_table=table, out_loc=out_loc,
-                         page_size=ps, prefix_lens_t=prefix, cu_seqlens_t=cu)
+                         req_index=req, slot_ids=self.buf.d["slot"][:bs], page_table=self.table[:bs, :pages],
+                         out_loc=out_loc, page_size=ps, prefix_lens_t=prefix, cu_seqlens_t=cu)
 
     def _cycle(self, bs: int, pages: int) -> tuple[torch.Tensor, Capture]:
         """Draft and verify -> ([bs, T + K] the model's argmax at each verified row, then the
@@ -99,15 +127,15 @@ class SpecGraphs:
 
     def draft_chain(self, bs: int, pages: int) -> torch.Tensor:
         """K steps of the draft layer -> [bs, K] draft tokens (argmax)."""
-        m, c = self.model, self.cache
-        tok, pre, slot = (self.buf[f][:bs] for f in ("tok", "pre", "slot"))
+        m, c, d = self.model, self.cache, self.buf.d
+        tok, slot = d["tok"][:bs], d["slot"][:bs]
         ar = self.arange
         hidden = c.state.last_hidden[0][slot].to(m.dtype)
         chain = c.draft_chain(slot)
         ids, drafts = tok, []
         for i in range(self.k):
-            pos = pre - 1 + i
-            meta = self._meta(bs, pages, pos, ar[:bs], pos, ar[: bs + 1], 1)
+            pos = d["dpos"][i, :bs]
+            meta = self._meta(bs, pages, pos, d["dloc"][i, :bs], ar[:bs], pos, ar[: bs + 1], 1)
             hidden = m.mtp(m.model.embed(ids), hidden, meta, chain)
             ids = m.compute_logits(hidden).argmax(dim=-1)
             drafts.append(ids)
@@ -117,58 +145,109 @@ class SpecGraphs:
     def verify(self, bs: int, pages: int, drafts: torch.Tensor) -> tuple[torch.Tensor, Capture]:
         """The model over each request's next token and its drafts, the draft layer over the same
         positions -> ([bs, T] the model's argmax at each row, the capture the rollback replays)."""
-        m, c = self.model, self.cache
+        m, c, d = self.model, self.cache, self.buf.d
         t = self.t
-        tok, pre, slot, snap = (self.buf[f][:bs] for f in _FIELDS)
-        ar = self.arange
+        tok, pre, slot, snap = (d[f][:bs] for f in ("tok", "pre", "slot", "snap"))
         last = c.state.last_hidden[0]
         ids = torch.cat([tok[:, None], drafts], dim=1).reshape(-1)
         n = bs * t
-        req, j = self.req_of[:n], self.pos_of[:n]
-        c.state.copy_slots(slot, snap)
-        cu = ar[: bs + 1] * t
-        meta = self._meta(bs, pages, pre[req] + j, req, pre, cu, t)
+        req = self.req_of[:n]
+        m.ops.copy_slots(c.state.tensors, slot, snap)
+        cu = self.verify_cu[: bs + 1]
+        meta = self._meta(bs, pages, d["vpos"][:n], d["vloc"][:n], req, pre, cu, t)
         cap = Capture(None, [t] * bs)  # every row drafts: the inputs are kept as they are, not gathered
         c.capture = cap
         try:
             logits, hid = m(ids, meta, c, logits_indices=None)
             cap.hidden = cap.select(hid)
-            # the draft layer over the same positions, shifted back by one (runner._draft_extend)
+            # the draft layer over the same positions, shifted back by one (runner._draft_extend): a
+            # request's first row takes the slot's kept hidden state, the others the previous row's
             src = torch.cat([hid, last[slot].to(hid.dtype)])
-            h_rows = torch.where(j == 0, n + req, ar[:n] - 1)
-            dmeta = self._meta(bs, pages, pre[req] + j - 1, req, pre - 1, cu, t)
-            m.mtp(m.model.embed(ids), src[h_rows], dmeta, c)
+            dmeta = self._meta(bs, pages, d["xpos"][:n], d["xloc"][:n], req, d["pre1"][:bs], cu, t)
+            m.mtp(m.model.embed(ids), src[d["hrow"][:n]], dmeta, c)
         finally:
             c.capture = None
-        last[slot] = hid[ar[:bs] * t + t - 1].to(last.dtype)
+        last[slot] = hid[self.last_rows[:bs]].to(last.dtype)
         return logits.argmax(dim=-1).view(bs, t), cap
 
     def rollback(self, bs: int, pages: int, cap: Capture) -> None:
         """Every snapshot back into its slot, then the stateful ops over each request's first n rows."""
-        t = self.t
-        pre, slot, snap = (self.buf[f][:bs] for f in ("pre", "slot", "snap"))
-        n = self.n_dev[:bs]
+        t, d, b = self.t, self.buf.d, self.back.d
+        pre, pre1, slot, snap = (d[f][:bs] for f in ("pre", "pre1", "slot", "snap"))
         rows = bs * t
-        ar = self.arange
-        cu = torch.cat([ar[:1], torch.cumsum(n, 0)])
-        req = torch.searchsorted(cu[1:], ar[:rows], right=True).clamp_(max=bs - 1)
-        j = ar[:rows] - cu[req]
-        sel = torch.where(ar[:rows] < cu[bs], req * t + j, 0)  # rows past the kept ones: any row, unused
-        self.cache.state.copy_slots(snap, slot)
-        meta = self._meta(bs, pages, pre[req] + j, req, pre, cu, t)
-        dmeta = self._meta(bs, pages, pre[req] + j - 1, req, pre - 1, cu, t)
-        replay(self.model, self.cache, cap, sel, meta, dmeta, ar[:bs] * t + n - 1, slot)
+        cu, req = b["cu"][: bs + 1], b["req"][:rows]
+        self.model.ops.copy_slots(self.cache.state.tensors, snap, slot)
+        meta = self._meta(bs, pages, b["pos"][:rows], b["loc"][:rows], req, pre, cu, t)
+        dmeta = self._meta(bs, pages, b["xpos"][:rows], b["xloc"][:rows], req, pre1, cu, t)
+        replay(self.model, self.cache, cap, b["sel"][:rows], meta, dmeta, b["last"][:bs], slot)
 
     # ---- capture ---------------------------------------------------------------------------
     def _fill_pad(self, bs: int, pages: int) -> None:
-        b = self.buf
-        b["tok"][:bs].zero_()
-        b["pre"][:bs].fill_(1)
-        b["slot"][:bs].fill_(self.pad_slot)
-        b["snap"][:bs].fill_(self.pad_slot)
-        self.table[:bs, :pages].fill_(-1)
-        self.table[:bs, 0] = self.pad_page
-        self.n_dev[:bs].fill_(self.t)
+        self._set_requests(bs, pages, [], [], [], [], [])
+        self._set_kept(bs, [])
+
+    def _set_requests(self, bs: int, pages: int, tokens: list[int], starts: list[int], slots: list[int],
+                      snaps: list[int], page_tables: list[list[int]]) -> None:
+        """The host buffer for a replay of bucket (bs, pages): request r < len(tokens) as given, the
+        rest pad rows; every meta's rows from them; then the copy to the device."""
+        h, n, t, ps = self.buf.h, len(tokens), self.t, self.page_size
+        h["tok"][:n], h["pre"][:n], h["slot"][:n], h["snap"][:n] = tokens, starts, slots, snaps
+        h["tok"][n:bs], h["pre"][n:bs], h["slot"][n:bs], h["snap"][n:bs] = 0, 1, self.pad_slot, self.pad_slot
+        table = h["table"]
+        table[:bs, :pages] = -1
+        for r, pt in enumerate(page_tables):
+            k = min(len(pt), pages)
+            table[r, :k] = pt[:k]
+        table[n:bs, 0] = self.pad_page
+        req, j, hrow = self._layout(bs)
+        pre = h["pre"][:bs]
+        h["pre1"][:bs] = pre - 1
+        # every meta's rows in one table lookup: the K draft steps' (request b at pre - 1 + i),
+        # the verify's (pre + j) and the draft layer's over them (pre + j - 1)
+        pos = pre[req] + j
+        loc = table[req, pos // ps] * ps + pos % ps
+        k, rows = self.k * bs, bs * t
+        h["dpos"][:, :bs], h["dloc"][:, :bs] = pos[:k].reshape(self.k, bs), loc[:k].reshape(self.k, bs)
+        h["vpos"][:rows], h["vloc"][:rows] = pos[k: k + rows], loc[k: k + rows]
+        h["xpos"][:rows], h["xloc"][:rows] = pos[k + rows:], loc[k + rows:]
+        h["hrow"][:rows] = hrow
+        self.buf.upload(self.buf.offset("table") + bs * self.max_pages)
+
+    def _set_kept(self, bs: int, kept: list[int]) -> None:
+        """The rollback's host buffer: request r keeps its first kept[r] rows (pad rows all T), then
+        the copy to the device. Rows past the kept ones are laid out as the last kept row (the
+        ops bound their rows by cu and leave them alone)."""
+        h, t = self.back.h, self.t
+        n = np.full(bs, t, dtype=np.int64)
+        n[: len(kept)] = kept
+        cu = h["cu"][: bs + 1]
+        cu[0] = 0
+        np.cumsum(n, out=cu[1:])
+        rows = bs * t
+        req = np.repeat(np.arange(bs), n)
+        j = np.arange(cu[bs]) - cu[req]
+        pad = rows - int(cu[bs])
+        req, j = np.concatenate([req, np.full(pad, bs - 1)]), np.concatenate([j, np.full(pad, n[-1] - 1)])
+        h["req"][:rows] = req
+        h["sel"][:rows] = req * t + j
+        req = np.concatenate([req, req])  # the model's rows, then the draft layer's one position back
+        pos = self.buf.h["pre"][req] + np.concatenate([j, j - 1])
+        loc = self.buf.h["table"][req, pos // self.page_size] * self.page_size + pos % self.page_size
+        h["pos"][:rows], h["loc"][:rows] = pos[:rows], loc[:rows]
+        h["xpos"][:rows], h["xloc"][:rows] = pos[rows:], loc[rows:]
+        h["last"][:bs] = np.arange(bs) * t + n - 1
+        self.back.upload()
+
+    def _layout(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bucket bs's static row layout: (request, offset from pre) of each draft-step row, verify
+        row and draft-layer row in that order, and each draft-layer row's source hidden row."""
+        if bs not in self._layouts:
+            t, rows = self.t, bs * self.t
+            vreq, vj = np.arange(rows) // t, np.arange(rows) % t
+            req = np.concatenate([np.tile(np.arange(bs), self.k), vreq, vreq])
+            j = np.concatenate([np.repeat(np.arange(self.k) - 1, bs), vj, vj - 1])
+            self._layouts[bs] = req, j, np.where(vj == 0, rows + vreq, np.arange(rows) - 1)
+        return self._layouts[bs]
 
     @torch.no_grad()
     def capture(self, bs: int, pages: int) -> None:
@@ -214,19 +293,7 @@ class SpecGraphs:
         if key not in self.graphs:
             self.capture(bs, pages)
         n = len(tokens)
-        nf, mb = len(_FIELDS), self.max_bs
-        hn = self._host.numpy()
-        h = hn[: nf * mb].reshape(nf, mb)
-        table = hn[nf * mb:].reshape(mb, self.max_pages)
-        h[0, :n], h[1, :n], h[2, :n], h[3, :n] = tokens, starts, slots, snaps
-        h[0, n:bs], h[1, n:bs], h[2, n:bs], h[3, n:bs] = 0, 1, self.pad_slot, self.pad_slot
-        table[:bs, :pages] = -1
-        for r, pt in enumerate(page_tables):
-            k = min(len(pt), pages)
-            table[r, :k] = pt[:k]
-        table[n:bs, 0] = self.pad_page
-        end = nf * mb + bs * self.max_pages
-        self.dev[:end].copy_(self._host[:end], non_blocking=True)
+        self._set_requests(bs, pages, tokens, starts, slots, snaps, page_tables)
         cycle, _, out, cap = self.graphs[key]
         if cycle is None:
             out, cap = self._cycle(bs, pages)
@@ -240,10 +307,7 @@ class SpecGraphs:
     def roll_back(self, key: tuple[int, int], kept: list[int]) -> None:
         """After `run` on the same key: request r keeps its first kept[r] verified tokens."""
         bs, pages = key
-        n = len(kept)
-        self._host_n[:n] = torch.tensor(kept, dtype=torch.long)
-        self._host_n[n:bs] = self.t
-        self.n_dev[:bs].copy_(self._host_n[:bs], non_blocking=True)
+        self._set_kept(bs, kept)
         _, rollback, _, cap = self.graphs[key]
         if rollback is None:
             self.rollback(bs, pages, cap)
