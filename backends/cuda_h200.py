@@ -17,6 +17,8 @@ Overridden today (everything else is the reference):
   linear          FP8 weights every batch (w8a8 by default: fp8_activations; from 1024 rows on cuBLASLt's
                   block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
+  add_rms_norm,   the draft layer's residual add with the next norm, and its two input norms
+  rms_norm_pair   joined: one launch each
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       with fused_small_ops (group-limited too): router logits (one launch, tiled over experts) + top-k selection
@@ -27,7 +29,8 @@ Overridden today (everything else is the reference):
                   rows (MoEPartials) and does its top-k sum on the way in
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
-  copy_slots      every state-pool slot copy of speculative decoding (snapshot, rollback): one launch
+  copy_slots      the state-pool slot copies of speculative decoding (snapshot, rollback): one launch
+  gather_rows     the rollback's gather of the verify's kept rows: one launch per 8 tensors
   kda             every batch, with fla-core: fused_recurrent in place (decode; our launch shape,
                   kda.DECODE_LAUNCHES; and batches of short rows, speculative decoding's verify and
                   rollback), chunk_kda (prefill)
@@ -117,11 +120,18 @@ class CudaH200Ops(ReferenceOps):
         except ValueError:
             return False
 
+    # ---- row copies of speculative decoding (backends/kernels/row_copy.py) --------------------
     def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
-        from .kernels import slots
-        if _device_ok(src) and slots.supports(tensors):
-            return slots.copy_slots(tensors, src, dst)
+        from .kernels import row_copy
+        if _device_ok(src) and row_copy.supports_slots(tensors):
+            return row_copy.copy_slots(tensors, src, dst)
         return super().copy_slots(tensors, src, dst)
+
+    def gather_rows(self, tensors: list[torch.Tensor], sel: torch.Tensor) -> list[torch.Tensor]:
+        from .kernels import row_copy
+        if _device_ok(sel) and row_copy.supports_gather(tensors):
+            return row_copy.gather_rows(tensors, sel)
+        return super().gather_rows(tensors, sel)
 
     # ---- dense linear: FP8 weights (every batch) and 16-bit weights at decode sizes ----------
     # (backends/kernels/fp8_linear.py; larger 16-bit products stay on cuBLAS)
@@ -178,6 +188,26 @@ class CudaH200Ops(ReferenceOps):
             return super().rms_norm(x, weight, eps)
         from .kernels.norms import rms_norm
         return rms_norm(x, weight, eps)
+
+    def _fused_norm_ok(self, x: torch.Tensor, *others: torch.Tensor) -> bool:
+        from .kernels.norms import MAX_FUSED_D
+        return ((x.is_cuda or _interpreting()) and x.dim() == 2 and x.shape[1] <= MAX_FUSED_D
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and all(t.dtype == x.dtype and t.shape == x.shape and t.device == x.device for t in others))
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._fused_norm_ok(x, residual) and weight.shape == (x.shape[1],)):
+            return super().add_rms_norm(x, residual, weight, eps)
+        from .kernels.norms import add_rms_norm
+        return add_rms_norm(x, residual, weight, eps)
+
+    def rms_norm_pair(self, a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        if not (self._fused_norm_ok(a, b) and wa.shape == wb.shape == (a.shape[1],)):
+            return super().rms_norm_pair(a, wa, b, wb, eps)
+        from .kernels.norms import rms_norm_pair
+        return rms_norm_pair(a, wa, b, wb, eps)
 
     def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
                  num_heads: int) -> torch.Tensor:

@@ -155,6 +155,17 @@ class ReferenceOps:
         y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         return weight.to(x.dtype) * y
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and the next norm (the draft layer's block): (x + residual, rms_norm of it)."""
+        s = x + residual
+        return s, self.rms_norm(s, weight, eps)
+
+    def rms_norm_pair(self, a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """[rms_norm(a, wa); rms_norm(b, wb)] joined on the last dim (the draft layer's input)."""
+        return torch.cat([self.rms_norm(a, wa, eps), self.rms_norm(b, wb, eps)], dim=-1)
+
     def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
                  num_heads: int) -> torch.Tensor:
         """KDA's per head and channel log-decay g (< 0), fp32 [N, H, d], from the forget-gate
@@ -329,6 +340,11 @@ class ReferenceOps:
         device (graph-safe: no host values). No dst may be another pair's src."""
         for t in tensors:
             t[:, dst] = t[:, src]
+
+    def gather_rows(self, tensors: list[torch.Tensor], sel: torch.Tensor) -> list[torch.Tensor]:
+        """[t[sel] for t in tensors]: new tensors (a speculative rollback's kept rows of the verify's
+        op inputs)."""
+        return [t[sel] for t in tensors]
 
     # ---- DSA indexer ----------------------------------------------------------------------
     def indexer_update(self, k: torch.Tensor, g: torch.Tensor, ape: torch.Tensor, pooled: torch.Tensor,

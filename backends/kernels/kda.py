@@ -119,17 +119,24 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, out=None,
-               max_len: int = 1) -> torch.Tensor:
+               max_len: int = 1, index: torch.Tensor | None = None) -> torch.Tensor:
     """Up to `max_len` tokens per request (cu_seqlens_t), in place on state[slot_ids]; returns
-    [N, H, dv] in v.dtype."""
+    [N, H, dv] in v.dtype. `index`: recurrent_decode's [B, max_len] slot index, when the caller
+    keeps one for every layer of a forward."""
     zero_new_slots(state, prefix_lens_t, slot_ids)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o, max_len=max_len)
+    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o, max_len=max_len, index=index)
     return o
 
 
+def short_rows_index(slot_ids: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, max_len], every column the request's slot: fla's kernel stores the state after token t
+    at index[r, t] (it reads the index with unit stride per token, so no expanded view)."""
+    return slot_ids[:, None].expand(slot_ids.shape[0], max_len).contiguous()
+
+
 def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launch: dict | None = None,
-                     max_len: int = 1) -> None:
+                     max_len: int = 1, index: torch.Tensor | None = None) -> None:
     """fla's fused_recurrent_kda_fwd_kernel, in place on state[slot_ids], q/k l2-normalised inside
     (what fla's fused_recurrent_kda_fwd(..., inplace_final_state=True, ssm_state_indices=...,
     use_qk_l2norm_in_kernel=True) launches), with decode_launch's tile (or `launch`) instead of
@@ -141,7 +148,8 @@ def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launc
     dv = v.shape[-1]
     bv = min(cfg["BV"], triton.next_power_of_2(dv))
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    index = slot_ids if max_len == 1 else slot_ids[:, None].expand(n, max_len).contiguous()
+    if index is None:
+        index = slot_ids if max_len == 1 else short_rows_index(slot_ids, max_len)
     grid = (triton.cdiv(dv, bv) * n * h,)
     fused_recurrent_kda_fwd_kernel[grid](
         q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None, o=out, h0=state, ht=state,
@@ -233,8 +241,12 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     seq = meta.seq_lens
     if meta.num_reqs and all(s == 1 for s in seq):
         return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t)
-    if short_rows(meta):
-        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=max(seq))
+    if short_rows(meta):  # the slot index built once per forward, shared by its KDA layers
+        n = max(seq)
+        key = ("kda_short_rows_index", n)
+        if key not in meta.derived:
+            meta.derived[key] = short_rows_index(meta.slot_ids, n)
+        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=n, index=meta.derived[key])
     sp = _Split.of(meta, q.device, split_decode)
     if sp.whole:
         # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours

@@ -25,6 +25,15 @@ MAX_FUSED_D = 16384
 
 
 @triton.jit
+def _normed_row(x, W, offs, ok, D, eps, xdt):
+    """One row x (fp32, zeros past D) normalised and weighted in ReferenceOps.rms_norm's order."""
+    r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    y = (x * r).to(xdt).to(tl.float32)
+    w = tl.load(W + offs, mask=ok, other=0.0).to(xdt).to(tl.float32)
+    return w * y
+
+
+@triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps,
                      BLOCK_D: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
@@ -34,10 +43,7 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps,
     if ONE_PASS:
         ok = offs < D
         x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-        y = (x * r).to(xdt).to(tl.float32)
-        w = tl.load(W + offs, mask=ok, other=0.0).to(xdt).to(tl.float32)
-        tl.store(Y + row * stride_y + offs, (w * y).to(Y.dtype.element_ty), mask=ok)
+        tl.store(Y + row * stride_y + offs, _normed_row(x, W, offs, ok, D, eps, xdt).to(Y.dtype.element_ty), mask=ok)
     else:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -51,6 +57,64 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, D, eps,
             y = (x * r).to(xdt).to(tl.float32)
             w = tl.load(W + d0 + offs, mask=ok, other=0.0).to(xdt).to(tl.float32)
             tl.store(Y + row * stride_y + d0 + offs, (w * y).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, S, Y, stride_x, stride_r, D, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """S = X + R rounded to X's dtype (torch's add), Y = rms_norm(S): [rows, D] contiguous S, Y."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    xdt = X.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    x = (x + tl.load(R + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)).to(xdt)
+    tl.store(S + row * D + offs, x, mask=ok)
+    tl.store(Y + row * D + offs, _normed_row(x.to(tl.float32), W, offs, ok, D, eps, xdt).to(xdt), mask=ok)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(A, WA, B, WB, Y, stride_a, stride_b, D, eps, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Y[row] = [rms_norm(A[row], WA); rms_norm(B[row], WB)] ([rows, 2D] contiguous): program
+    (row, 0) writes the first half, (row, 1) the second."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    xdt = A.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    if tl.program_id(1) == 0:
+        x = tl.load(A + row * stride_a + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + row * 2 * D + offs, _normed_row(x, WA, offs, ok, D, eps, xdt).to(xdt), mask=ok)
+    else:
+        x = tl.load(B + row * stride_b + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + row * 2 * D + D + offs, _normed_row(x, WB, offs, ok, D, eps, xdt).to(xdt), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReferenceOps.add_rms_norm for [N, D] rows of up to MAX_FUSED_D: (x + residual, its norm)."""
+    n, d = x.shape
+    s = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    y = torch.empty_like(s)
+    if n:
+        x2, r2 = _rows(x, d), _rows(residual, d)
+        bd = triton.next_power_of_2(d)
+        _add_rms_norm_kernel[(n,)](x2, r2, weight.contiguous(), s, y, x2.stride(0), r2.stride(0), d, float(eps),
+                                   BLOCK_D=bd, **pdl.launch(x.device), num_warps=4 if bd <= 2048 else 8)
+    return s, y
+
+
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """ReferenceOps.rms_norm_pair for [N, D] rows of up to MAX_FUSED_D: [N, 2D] in one launch."""
+    n, d = a.shape
+    y = torch.empty(n, 2 * d, dtype=a.dtype, device=a.device)
+    if n:
+        a2, b2 = _rows(a, d), _rows(b, d)
+        bd = triton.next_power_of_2(d)
+        _rms_norm_pair_kernel[(n, 2)](a2, wa.contiguous(), b2, wb.contiguous(), y, a2.stride(0), b2.stride(0), d,
+                                      float(eps), BLOCK_D=bd, **pdl.launch(a.device), num_warps=4 if bd <= 2048 else 8)
+    return y
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:

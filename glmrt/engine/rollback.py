@@ -62,21 +62,24 @@ def replay(model, cache, capture: Capture, sel: torch.Tensor, meta: BatchMeta, d
     row `last_rows[r]`. Reads only device tensors of the metas (the speculative CUDA graphs replay it)."""
     ops, text = model.ops, model.config.text
     ops.begin_forward(int(sel.shape[0]))
+    # every kept input's rows at once (on cuda-h200 one launch per eight tensors, not one each)
+    order = list(capture.kept)
+    rows = iter(ops.gather_rows([t for layer in order for t in capture.kept[layer]], sel))
+    kept = {layer: tuple(next(rows) for _ in capture.kept[layer]) for layer in order}
     for layer in model.model.layers:
         att = layer.self_attn
-        kept = capture.kept.get(layer.layer)
-        if kept is None:
+        if layer.layer not in kept:
             continue
         if not layer.is_dsa:
-            pre, q, k, v, g, beta = (t[sel] for t in kept)
+            pre, q, k, v, g, beta = kept[layer.layer]
             ops.causal_conv(pre, cache.conv(layer.layer), att.conv_weight(), meta)
             ops.kda(q, k, v, g, beta, cache.recurrent(layer.layer), meta)
         else:
-            k, g = (t[sel] for t in kept)
+            k, g = kept[layer.layer]
             ops.indexer_update(k, g, att.indexer.index_kpool_compress_ape, cache.pooled(layer.layer),
                                *cache.tail(layer.layer), meta, text.index_kpool)
     mtp = model.mtp.self_attn.indexer
-    k, g = (t[sel] for t in capture.kept[mtp.layer])
+    k, g = kept[mtp.layer]
     ops.indexer_update(k, g, mtp.index_kpool_compress_ape, cache.pooled(mtp.layer), *cache.tail(mtp.layer),
                        draft_meta, text.index_kpool)
     cache.state.last_hidden[0][slots] = capture.hidden[last_rows].to(cache.state.last_hidden.dtype)

@@ -47,9 +47,11 @@ class MTPLayer(nn.Module):
 
     def draft(self, next_embeds: torch.Tensor, hidden: torch.Tensor, meta, cache) -> torch.Tensor:
         """`forward` where autograd may record it (training: glmrt/train/)."""
-        self.ops.begin_forward(next_embeds.shape[0])
-        z = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(hidden)], dim=-1))
+        ops = self.ops
+        ops.begin_forward(next_embeds.shape[0])
+        z = self.eh_proj(ops.rms_norm_pair(next_embeds, self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps))
         a, _ = self.self_attn(self.input_layernorm(z), meta, cache, None)
-        z = z + a
-        z = z + self.mlp(self.post_attention_layernorm(z))
-        return self.shared_head.norm(z)
+        # each residual add with the norm after it (one launch each on cuda-h200)
+        z, h = ops.add_rms_norm(z, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        _, out = ops.add_rms_norm(z, self.mlp(h), self.shared_head.norm.weight, self.shared_head.norm.eps)
+        return out

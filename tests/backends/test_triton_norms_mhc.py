@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from backends.reference import ReferenceOps  # noqa: E402
 from backends.kernels.mhc import _SPLIT_TILE, _block_m, mhc_post, mhc_pre  # noqa: E402
-from backends.kernels.norms import gated_rms_norm, l2norm, rms_norm  # noqa: E402
+from backends.kernels.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm, rms_norm_pair  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 from tests.backends.conftest import gen as _gen, rel as _rel, tol as _tol  # noqa: E402
@@ -48,6 +48,26 @@ def test_rms_norm(device, dtype, shape, block_d):
     assert _rel(out, ref) < _tol(dtype)
     out2 = rms_norm(x, w.to(dtype), 1e-6)                                  # weight in the model dtype
     assert _rel(out2, REF.rms_norm(x.cpu(), w.to(dtype).cpu(), 1e-6)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_draft_layers_fused_norms(device, dtype, rows):
+    """add_rms_norm (a residual add with the next norm) and rms_norm_pair (two norms joined) give
+    the reference's values: the sum rounded as torch rounds it, each half normed on its own."""
+    g = _gen("fused-norms", str(dtype), rows)
+    d = 96
+    x, r, b = ((torch.randn(rows, d, generator=g) * 3).to(dtype) for _ in range(3))
+    w, wb = ((1 + 0.5 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    want_s, want_y = REF.add_rms_norm(x, r, w, 1e-6)
+    s, y = add_rms_norm(x.to(device), r.to(device), w.to(device), 1e-6)
+    assert torch.equal(s.cpu(), want_s)  # the add: one rounding of the fp32 sum, as torch's
+    assert _rel(y, want_y) < _tol(dtype)
+    wide = torch.randn(rows, 2 * d, generator=g).to(dtype)  # b as a column slice: strided rows
+    want = REF.rms_norm_pair(x, w, wide[:, d:], wb, 1e-6)
+    got = rms_norm_pair(x.to(device), w.to(device), wide.to(device)[:, d:], wb.to(device), 1e-6)
+    assert got.shape == (rows, 2 * d) and _rel(got, want) < _tol(dtype)
+    assert _rel(got[:, d:], REF.rms_norm(wide[:, d:], wb, 1e-6)) < _tol(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
