@@ -19,6 +19,7 @@ Overridden today (everything else is the reference):
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   add_rms_norm,   the draft layer's residual add with the next norm, and its two input norms
   rms_norm_pair   joined: one launch each
+  swiglu          with fused_small_ops, every batch: the dense MLP's clamps, silu and product in one launch
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       with fused_small_ops (group-limited too): router logits (one launch, tiled over experts) + top-k selection
@@ -188,6 +189,13 @@ class CudaH200Ops(ReferenceOps):
             return super().rms_norm(x, weight, eps)
         from .kernels.norms import rms_norm
         return rms_norm(x, weight, eps)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+        if self.fused_small_ops and (gate.is_cuda or _interpreting()):
+            from .kernels import swiglu
+            if swiglu.supports(gate, up):
+                return swiglu.swiglu(gate, up, limit)
+        return super().swiglu(gate, up, limit)
 
     def _fused_norm_ok(self, x: torch.Tensor, *others: torch.Tensor) -> bool:
         from .kernels.norms import MAX_FUSED_D

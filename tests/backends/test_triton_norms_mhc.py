@@ -71,6 +71,24 @@ def test_the_draft_layers_fused_norms(device, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [None, 1.5])
+def test_swiglu_matches_the_reference(device, dtype, limit):
+    """The dense MLP's activation on the two column halves of the fused gate/up product (strided
+    rows, a width past one block), equal to the reference's four launches up to silu's exp."""
+    from backends.kernels.swiglu import swiglu
+    g = _gen("swiglu", str(dtype), limit)
+    gate_up = (torch.randn(5, 2 * 1100, generator=g) * 3).to(dtype)
+    gate, up = gate_up[:, :1100], gate_up[:, 1100:]
+    want = REF.swiglu(gate, up, limit)
+    on = gate_up.to(device)
+    got = swiglu(on[:, :1100], on[:, 1100:], limit)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert _rel(got, want) < (1e-6 if dtype == torch.float32 else 4e-3)
+    if limit is not None:
+        assert float(got.float().abs().max()) <= limit * limit + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 4, 128), (37, 3, 64), (5, 100)])
 def test_l2norm_matches_fla_formula(device, dtype, shape):
     """KDA's q/k l2norm before chunk_kda: x / sqrt(Σx² + eps) in fp32, as fla's l2norm_fwd
