@@ -122,11 +122,12 @@ class CudaH200Ops(ReferenceOps):
             return False
 
     # ---- row copies of speculative decoding (backends/kernels/row_copy.py) --------------------
-    def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor,
+                   into: tuple[torch.Tensor, ...] | None = None) -> None:
         from .kernels import row_copy
-        if _device_ok(src) and row_copy.supports_slots(tensors):
-            return row_copy.copy_slots(tensors, src, dst)
-        return super().copy_slots(tensors, src, dst)
+        if _device_ok(src) and row_copy.supports_slots(tensors, into):
+            return row_copy.copy_slots(tensors, src, dst, into)
+        return super().copy_slots(tensors, src, dst, into)
 
     def gather_rows(self, tensors: list[torch.Tensor], sel: torch.Tensor) -> list[torch.Tensor]:
         from .kernels import row_copy

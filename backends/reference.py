@@ -335,11 +335,13 @@ class ReferenceOps:
         return out.to(v.dtype)
 
     # ---- state pool -----------------------------------------------------------------------
-    def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
-        """For each state-pool tensor t [L, slots, ...]: t[:, dst] = t[:, src], the slot ids on the
-        device (graph-safe: no host values). No dst may be another pair's src."""
-        for t in tensors:
-            t[:, dst] = t[:, src]
+    def copy_slots(self, tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor,
+                   into: tuple[torch.Tensor, ...] | None = None) -> None:
+        """For each state-pool tensor t [L, slots, ...]: t[:, dst] = t[:, src] (or, with `into`, the
+        matching tensor of `into` takes them), the slot ids on the device (graph-safe: no host
+        values). Within one tensor no dst may be another pair's src."""
+        for t, o in zip(tensors, into or tensors):
+            o[:, dst] = t[:, src]
 
     def gather_rows(self, tensors: list[torch.Tensor], sel: torch.Tensor) -> list[torch.Tensor]:
         """[t[sel] for t in tensors]: new tensors (a speculative rollback's kept rows of the verify's

@@ -2,6 +2,7 @@
 and the rollback's gather of the verify's kept rows.
 
     copy_slots(tensors, src, dst)  each pool tensor [L, slots, ...]: t[:, dst[b]] = t[:, src[b]]
+                                   (or into another tensor's slots: the draft chain's tails)
     gather_rows(tensors, sel)      each tensor [rows, ...] (rows may be strided): t[sel] as a new
                                    contiguous tensor
 
@@ -95,10 +96,13 @@ def _launch(pairs: int, src_rows: torch.Tensor, dst_rows: torch.Tensor | None,
                                    **pdl.launch(src_rows.device))
 
 
-def supports_slots(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """copy_slots takes contiguous [L, slots, ...] tensors over the same slots."""
+def supports_slots(tensors: tuple[torch.Tensor, ...], into: tuple[torch.Tensor, ...] | None = None) -> bool:
+    """copy_slots takes contiguous [L, slots, ...] tensors over the same slots (`into`: of the same
+    shapes and dtypes)."""
     return (0 < len(tensors) and all(t.dim() >= 2 and t.is_contiguous() for t in tensors)
-            and len({t.shape[1] for t in tensors}) == 1)
+            and len({t.shape[1] for t in tensors}) == 1
+            and (into is None or (len(into) == len(tensors) and all(
+                o.is_contiguous() and o.shape == t.shape and o.dtype == t.dtype for o, t in zip(into, tensors)))))
 
 
 def supports_gather(tensors: list[torch.Tensor]) -> bool:
@@ -106,14 +110,16 @@ def supports_gather(tensors: list[torch.Tensor]) -> bool:
     return all(t.dim() >= 1 and t.shape[0] > 0 and (t.dim() == 1 or t[0].is_contiguous()) for t in tensors)
 
 
-def copy_slots(tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """For every tensor t (all [L, slots, ...] over the same slots, contiguous): t[:, dst] = t[:, src]."""
+def copy_slots(tensors: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor,
+               into: tuple[torch.Tensor, ...] | None = None) -> None:
+    """For every tensor t (all [L, slots, ...] over the same slots, contiguous): t[:, dst] = t[:, src],
+    or into the matching tensor of `into`."""
     if not src.shape[0]:
         return
     parts = []
-    for t in tensors:
+    for t, o in zip(tensors, into or tensors):
         w = t[0, 0].numel()
-        parts.append((t, t, w, w, w, t.stride(0), t.stride(0), t.shape[0]))
+        parts.append((t, o, w, w, w, t.stride(0), o.stride(0), t.shape[0]))
     for i in range(0, len(parts), MAX_TENSORS):
         _launch(src.shape[0], src, dst, parts[i: i + MAX_TENSORS])
 

@@ -131,7 +131,7 @@ class SpecGraphs:
         tok, slot = d["tok"][:bs], d["slot"][:bs]
         ar = self.arange
         hidden = c.state.last_hidden[0][slot].to(m.dtype)
-        chain = c.draft_chain(slot)
+        chain = c.draft_chain(slot, m.ops)
         ids, drafts = tok, []
         for i in range(self.k):
             pos = d["dpos"][i, :bs]

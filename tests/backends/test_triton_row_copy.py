@@ -37,6 +37,15 @@ def test_copy_slots_matches_the_reference(device, big):
     for w, t in zip(want, got):
         assert torch.equal(t.cpu(), w)
     assert torch.equal(want[1][:, 6], want[1][:, 1]) and not torch.equal(want[1][:, 6], want[1][:, 7])
+    # into other tensors' slots (the draft chain's tails from the draft layer's), the sources untouched
+    into = tuple(torch.zeros_like(t) for t in want[2:4])
+    got_into = tuple(torch.zeros_like(t).to(device) for t in want[2:4])
+    ReferenceOps().copy_slots(want[2:4], src, src, into=into)
+    assert row_copy.supports_slots(got[2:4], got_into)
+    row_copy.copy_slots(got[2:4], src.to(device), src.to(device), into=got_into)
+    for w, t in zip(into, got_into):
+        assert torch.equal(t.cpu(), w)
+    assert torch.equal(into[0][:, 5], want[2][:, 5]) and not into[0][:, 7].any()
 
 
 def kept_inputs(device: torch.device | str) -> list[torch.Tensor]:
