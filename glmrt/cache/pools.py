@@ -122,17 +122,12 @@ class ModelCache:
         """The draft chain's tails (beside the pools; speculative decoding only)."""
         return 0 if self.chain_tail_k is None else 2 * self.chain_tail_k.nbytes
 
-    def draft_chain(self, slots: torch.Tensor | None, ops=None) -> "DraftChainCache":
+    def draft_chain(self, slots: torch.Tensor | None, ops) -> "DraftChainCache":
         """The cache the draft chain's steps run on; `slots` (the first step's): copy their draft
-        layer's accepted tail into the chain's tail first (with `ops`, as its one-launch slot copy)."""
+        layer's accepted tail into the chain's tail first (the model's ops' slot copy)."""
         if slots is not None:
             k, g = self.tail(self.mtp_layer)
-            if ops is not None:
-                chain = (self.chain_tail_k[None], self.chain_tail_g[None])
-                ops.copy_slots((k[None], g[None]), slots, slots, into=chain)
-            else:
-                self.chain_tail_k[slots] = k[slots]
-                self.chain_tail_g[slots] = g[slots]
+            ops.copy_slots((k[None], g[None]), slots, slots, into=(self.chain_tail_k[None], self.chain_tail_g[None]))
         return DraftChainCache(self)
 
     def recurrent(self, layer: int) -> torch.Tensor:

@@ -377,10 +377,10 @@ class ModelRunner:
         if step.chain_rows is None:
             slots = torch.tensor(step.slot_ids, dtype=torch.long, device=dev)
             hidden = self.cache.state.last_hidden[0][slots].to(self.model.dtype)
-            cache = self.cache.draft_chain(slots)
+            cache = self.cache.draft_chain(slots, self.model.ops)
         else:
             hidden = self._chain_hidden[torch.tensor(step.chain_rows, dtype=torch.long, device=dev)]
-            cache = self.cache.draft_chain(None)
+            cache = self.cache.draft_chain(None, self.model.ops)
         self._chain_hidden = self.model.mtp(self.model.model.embed(ids), hidden, meta, cache)
         return self.model.compute_logits(self._chain_hidden)
 

@@ -54,9 +54,6 @@ class HostFields:
         self.h = {k: flat[at[k]: at[k] + int(np.prod(s))].reshape(s) for k, s in shapes.items()}
         self.d = {k: self.dev[at[k]: at[k] + int(np.prod(s))].view(s) for k, s in shapes.items()}
 
-    def offset(self, name: str) -> int:
-        return self.offsets[name]
-
     def upload(self, end: int | None = None) -> None:
         """The host copy's first `end` values (all by default) to the device, queued (pinned)."""
         end = self.host.numel() if end is None else end
@@ -139,7 +136,7 @@ class SpecGraphs:
             hidden = m.mtp(m.model.embed(ids), hidden, meta, chain)
             ids = m.compute_logits(hidden).argmax(dim=-1)
             drafts.append(ids)
-            chain = c.draft_chain(None)
+            chain = c.draft_chain(None, m.ops)
         return torch.stack(drafts, dim=1)
 
     def verify(self, bs: int, pages: int, drafts: torch.Tensor) -> tuple[torch.Tensor, Capture]:
@@ -211,7 +208,7 @@ class SpecGraphs:
         h["vpos"][:rows], h["vloc"][:rows] = pos[k: k + rows], loc[k: k + rows]
         h["xpos"][:rows], h["xloc"][:rows] = pos[k + rows:], loc[k + rows:]
         h["hrow"][:rows] = hrow
-        self.buf.upload(self.buf.offset("table") + bs * self.max_pages)
+        self.buf.upload(self.buf.offsets["table"] + bs * self.max_pages)
 
     def _set_kept(self, bs: int, kept: list[int]) -> None:
         """The rollback's host buffer: request r keeps its first kept[r] rows (pad rows all T), then
