@@ -90,11 +90,13 @@ def _route_select_kernel(L, BIAS, WOUT, IDS, N, E, n_split, stride_l, scaling, e
             gscore = tl.where(gslots[None, :] == g, (top1 + top2)[:, None], gscore)
         keep = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(gscore, 1)
-            gi = tl.min(tl.where(gscore == best[:, None], gslots[None, :], BLOCK_G), 1)
-            hit = gslots[None, :] == gi[:, None]
-            keep = tl.where(hit, 1, keep)
-            gscore = tl.where(hit, float("-inf"), gscore)
+            # names of their own: a name bound here and rebound in the top-k loop below would be
+            # carried into that loop with this shape, which the compiler refuses
+            g_best = tl.max(gscore, 1)
+            gi = tl.min(tl.where(gscore == g_best[:, None], gslots[None, :], BLOCK_G), 1)
+            g_hit = gslots[None, :] == gi[:, None]
+            keep = tl.where(g_hit, 1, keep)
+            gscore = tl.where(g_hit, float("-inf"), gscore)
         for g in tl.static_range(N_GROUP):
             kept = tl.sum(tl.where(gslots[None, :] == g, keep, 0), 1)
             choice = tl.where((group == g)[None, :] & (kept[:, None] == 0), float("-inf"), choice)

@@ -318,12 +318,14 @@ def test_adapters_import_no_torch():
     assert out.stdout.strip() == "[]"
 
 
-# ---- the engine: KV dtype into the pools, refusal before any weight loads -----------------------
+# ---- the engine on the reference backend and the CPU (on any host): KV dtype into the pools,
+# refusal before any weight loads
 def test_engine_allocates_the_resolved_kv_dtype():
     from glmrt.engine.config import EngineConfig
     from glmrt.engine.engine import Engine
 
-    cfg = EngineConfig(load_format="dummy", preset="tiny", cache_memory_gb=0.01, load_vision=False)
+    cfg = EngineConfig(load_format="dummy", preset="tiny", cache_memory_gb=0.01, load_vision=False, backend="reference",
+                       device="cpu")
     eng = Engine(cfg, log=lambda *a: None)
     assert eng.options.backend == "reference" and eng.cache.kv.latent.dtype == torch.float32
     eng8 = Engine(cfg.replace(kv_cache_dtype="fp8_e4m3"), log=lambda *a: None)
@@ -354,7 +356,7 @@ def test_engine_fp8_activations_option():
     with pytest.raises(ValueError, match="fp8_activations"):
         EngineConfig(fp8_activations="w8a8")
     cfg = EngineConfig(load_format="dummy", preset="tiny", quantization="fp8", dtype="bfloat16",
-                       cache_memory_gb=0.01, load_vision=False)
+                       cache_memory_gb=0.01, load_vision=False, backend="reference", device="cpu")
     engines = {mode: Engine(cfg.replace(fp8_activations=mode), log=lambda *a: None) for mode in ("auto", "dynamic")}
     assert engines["auto"].backend.ops.fp8_activations == "none"
     ops = engines["dynamic"].backend.ops
@@ -375,7 +377,8 @@ def test_engine_refuses_before_loading(monkeypatch):
 
     monkeypatch.setattr(engine_mod.Engine, "_load_model", lambda *a: pytest.fail("weights loaded"))
     with pytest.raises(IllegalOption, match="torch only"):
-        engine_mod.Engine(EngineConfig(load_format="dummy", preset="tiny", dsa_decode_backend="triton"))
+        engine_mod.Engine(EngineConfig(load_format="dummy", preset="tiny", backend="reference", device="cpu",
+                                       dsa_decode_backend="triton"))
 
 
 # ---- glmrt up: refused at start, before anything spawns --------------------------------------------
