@@ -56,6 +56,9 @@ def f32_to_e4m3_bits(data):
 
 
 # ---- the entry point ---------------------------------------------------------------------------
+_RECORDER = None  # compile_check's launch recorder of this process, when one is asked for
+
+
 def patch_interpreter(*, fla_chunk: bool = False) -> None:
     """Apply the interpreter patches (idempotent; nothing unless TRITON_INTERPRET is set).
 
@@ -75,6 +78,11 @@ def patch_interpreter(*, fla_chunk: bool = False) -> None:
     _patch_bool_ops(_interp)
     _patch_device_calls(_interp)
     _patch_overflow_checks(_interp)
+    global _RECORDER
+    if os.environ.get("GLMRT_KERNEL_RECORD") and _RECORDER is None:  # backends.kernels.compile_check
+        from .compile_check import Recorder
+
+        _RECORDER = Recorder(os.environ["GLMRT_KERNEL_RECORD"])
     if fla_chunk:
         _patch_loop_tensors(_interp)
         _patch_bf16_math(_interp)

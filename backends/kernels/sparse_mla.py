@@ -127,7 +127,9 @@ def _sparse_mla_decode_kernel(
         else:
             idx = tl.load(idx_row + offs, mask=offs < end, other=-1)
         valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
+        # max, not where(valid, idx, 0): the same rows, and Triton 3.6's layout pass fails on that
+        # select in the FROM_SEL loop for some tiles (fp32 at BLOCK_N 16: compile_check)
+        rows = tl.maximum(idx, 0).to(tl.int64)
         kv = tl.load(KV + rows[:, None] * stride_kv + offs_r[None, :],
                      mask=valid[:, None] & r_ok[None, :], other=0.0)
         if KV_FP8:  # e4m3 bytes x the fp32 scale of their 128-value group (backends/kv_fp8.py)
