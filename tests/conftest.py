@@ -10,7 +10,11 @@ import shutil
 import tempfile
 import time
 
+import pytest
+
 from backends.kernels.compile_check import RECORD_ENV
+
+_records: str | None = None  # this session's record file, while the check is on
 
 
 def _wanted() -> bool:
@@ -25,35 +29,28 @@ def _wanted() -> bool:
     return not torch.cuda.is_available()
 
 
-_DIR = tempfile.mkdtemp(prefix="glmrt-kernels-") if _wanted() else None
-if _DIR:
+def pytest_configure(config):
+    global _records
+    if not _wanted():
+        return
+    folder = tempfile.mkdtemp(prefix="glmrt-kernels-")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
     # set before any kernel module loads: patch_interpreter() installs the recorder from it, in
     # this process and in the ones the tests start
-    os.environ[RECORD_ENV] = os.path.join(_DIR, "launches.jsonl")
+    _records = os.environ[RECORD_ENV] = os.path.join(folder, "launches.jsonl")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not _DIR:
+    if _records is None or exitstatus == pytest.ExitCode.INTERRUPTED:
         return
-    path = os.environ.pop(RECORD_ENV)
-    from backends.kernels import interpreter
+    os.environ.pop(RECORD_ENV, None)
+    from backends.kernels.compile_check import compile_recorded, report
 
-    if interpreter._RECORDER is not None:
-        interpreter._RECORDER.flush()
-    try:
-        if not os.path.exists(path):
-            return
-        from backends.kernels.compile_check import compile_recorded
-
-        t0 = time.time()
-        failed = compile_recorded(path, "sm90", jobs=2)
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        lines = [f"kernel compile check (sm90, {time.time() - t0:.0f} s): {len(failed)} failed"]
-        for rec, msg in failed:
-            lines += [f"--- {rec['module']}.{rec['name']}", msg]
-        if reporter is not None:
-            reporter.write_line("\n".join(lines), red=bool(failed))
-        if failed:
-            session.exitstatus = 1
-    finally:
-        shutil.rmtree(_DIR, ignore_errors=True)
+    t0 = time.time()
+    recs, failed = compile_recorded(_records, "sm90", jobs=2)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(report(recs, failed, "sm90", time.time() - t0), red=bool(failed))
+    if failed and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -4,23 +4,27 @@
 
 Triton's interpreter (TRITON_INTERPRET=1, how the kernel tests run without CUDA) executes a
 kernel's Python with numpy and never checks it the way the compiler does: a name carried into
-a loop with another shape, a constexpr used as a value, a block shape that is not a power of
-two all run there and fail to compile on the GPU. This runs the given pytest command with the
+a loop with another shape, a constexpr used as a value, a layout the compiler's passes cannot
+resolve all run there and fail on the GPU. This runs the given pytest command with the
 interpreter and a recorder on: each launch of a kernel of this package notes what Triton's own
 binder would hand the compiler (argument types, pointer alignments, constexpr values, launch
 options). It then compiles each distinct specialisation for the target, in child interpreters
-without TRITON_INTERPRET, down to the cubin that Triton's bundled ptxas writes, and prints the
-failures with the compiler's message. Exit status 1 when one fails to compile.
+without TRITON_INTERPRET, down to the cubin that Triton's bundled ptxas writes, and checks its
+shared memory against the target's. Exit status 1 when one fails (or the tests do).
+
+What the interpreter launches is not all the GPU launches: a kernel's `PDL` constexpr is False
+there (no programmatic dependent launch on the CPU), so each such variant is compiled with PDL
+on as well; a constexpr named INTERPRET (an interpreter-only branch) is compiled as False. Tile
+choices a launcher makes only under the interpreter (the sampler's larger tiles) stay as they ran.
 
 The recorder is installed by `patch_interpreter()` (which every kernel module calls), once a
-process, when GLMRT_KERNEL_RECORD names a file; each process appends its records there as JSON
-lines.
+process, when GLMRT_KERNEL_RECORD names a file: each new specialisation is appended there at
+once, as one JSON line in one write, so the processes a test starts and kills add theirs too.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import concurrent.futures
 import json
 import os
@@ -32,45 +36,55 @@ import time
 RECORD_ENV = "GLMRT_KERNEL_RECORD"
 _PACKAGE = "backends."  # whose kernels are recorded (third-party kernels are not ours to check)
 _TARGETS = {"sm90": ("cuda", 90, 32), "sm100": ("cuda", 100, 32)}
+_SHARED_LIMIT = {"sm90": 232448, "sm100": 232448}  # bytes of shared memory a block may take
+_CHILD_TIMEOUT_S = 1800
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---- recording (in the interpreted process) -----------------------------------------------------
 class Recorder:
     """Wraps the interpreter's launch so each distinct specialisation of a kernel defined in one
-    of `packages` (module-name prefixes) is noted; flush() appends the notes to `path`, as the
-    process's exit does. Recorders stack: each wraps the launch it found and uninstall() puts that
-    back."""
+    of `packages` (module-name prefixes) is appended to `path` when it first completes.
+    Recorders stack; uninstall() the last one first."""
 
     def __init__(self, path: str, packages: tuple[str, ...] = (_PACKAGE,)):
         from triton.runtime import interpreter as _interp
 
-        self.path, self.packages, self.seen = path, packages, {}
+        self.path, self.packages, self.seen = path, packages, set()
         self._cls = _interp.InterpretedFunction
         self._run = run = self._cls.run
         recorder = self
 
-        def recording_run(self, *args, grid, warmup, **kwargs):
-            if self.fn.__module__.startswith(recorder.packages):
-                try:
-                    rec = _describe(self, args, kwargs)
-                except Exception as e:  # noqa: BLE001 - a record that cannot be made is reported, not fatal
-                    rec = {"module": self.fn.__module__, "name": self.fn.__name__, "error": f"not recorded: {e!r}"}
-                recorder.seen.setdefault(json.dumps(rec, sort_keys=True), rec)
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        def recording_run(interp_fn, *args, grid, warmup, **kwargs):
+            out = run(interp_fn, *args, grid=grid, warmup=warmup, **kwargs)  # a launch that raises is not noted
+            if interp_fn.fn.__module__.startswith(recorder.packages):
+                recorder.note(interp_fn, args, kwargs)
+            return out
 
+        self._wrapper = recording_run
         self._cls.run = recording_run
-        atexit.register(self.flush)
 
-    def flush(self) -> None:
-        if self.seen:
-            with open(self.path, "a") as f:
-                f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in self.seen.values())
-            self.seen.clear()
+    def note(self, interp_fn, args, kwargs) -> None:
+        try:
+            rec = _describe(interp_fn, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - a record that cannot be made is reported, not fatal
+            rec = {"module": interp_fn.fn.__module__, "name": interp_fn.fn.__name__, "error": f"not recorded: {e!r}"}
+        line = json.dumps(rec, sort_keys=True)
+        if line in self.seen:
+            return
+        self.seen.add(line)
+        try:  # one write on an O_APPEND descriptor: lines of concurrent processes never interleave
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (line + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError:  # the session's folder is gone (a process outliving its tests)
+            pass
 
     def uninstall(self) -> None:
-        self.flush()
+        assert self._cls.run is self._wrapper, "uninstall the recorders in reverse order"
         self._cls.run = self._run
-        atexit.unregister(self.flush)
 
 
 _BINDERS: dict = {}
@@ -86,18 +100,19 @@ def _describe(interp_fn, args, kwargs) -> dict:
     fn = interp_fn.fn
     if fn not in _BINDERS:
         jit = JITFunction(fn, **{k: v for k, v in interp_fn.kwargs.items()
-                                 if k in ("do_not_specialize", "do_not_specialize_on_alignment")})
+                                 if k in ("do_not_specialize", "do_not_specialize_on_alignment", "debug")})
         backend = make_backend(GPUTarget(*_TARGETS["sm90"]))
         _BINDERS[fn] = (jit, backend, create_function_from_signature(jit.signature, jit.params, backend))
     jit, backend, binder = _BINDERS[fn]
-    bound, specialization, _ = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, kwargs)
+    kwargs = {**kwargs, "debug": kwargs.get("debug", jit.debug)}
+    bound, specialization, bound_options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, bound_options)
     return {
         "module": fn.__module__, "name": fn.__name__,
-        "signature": signature,
+        "signature": _encode(signature),
         "constexprs": [[list(path), _encode(v)] for path, v in constexprs.items()],
         "attrs": [[list(path), [list(a) for a in v]] for path, v in attrs.items()],
-        "options": {k: _encode(v) for k, v in kwargs.items() if k in options.__dict__},
+        "options": {k: _encode(v) for k, v in kwargs.items() if k in options.__dict__ and v is not None},
     }
 
 
@@ -111,6 +126,8 @@ def _encode(v):
         return {"tl.dtype": v.name}
     if isinstance(v, (tuple, list)):
         return {"tuple": [_encode(x) for x in v]}
+    if isinstance(v, dict):
+        return {"dict": {k: _encode(x) for k, x in v.items()}}
     if callable(v) and hasattr(v, "__module__"):
         f = getattr(v, "fn", v)
         return {"fn": [f.__module__, f.__name__]}
@@ -119,18 +136,19 @@ def _encode(v):
 
 # ---- compiling (in a child interpreter without TRITON_INTERPRET) ---------------------------------
 def _decode(v):
-    if isinstance(v, dict):
-        import importlib
+    if not isinstance(v, dict):
+        return v
+    import importlib
 
-        import triton.language as tl
+    import triton.language as tl
 
-        if "tl.dtype" in v:
-            return getattr(tl, v["tl.dtype"]) if hasattr(tl, v["tl.dtype"]) else tl.dtype(v["tl.dtype"])
-        if "tuple" in v:
-            return tuple(_decode(x) for x in v["tuple"])
-        if "fn" in v:
-            return getattr(importlib.import_module(v["fn"][0]), v["fn"][1])
-    return v
+    if "tl.dtype" in v:
+        return getattr(tl, v["tl.dtype"]) if hasattr(tl, v["tl.dtype"]) else tl.dtype(v["tl.dtype"])
+    if "tuple" in v:
+        return tuple(_decode(x) for x in v["tuple"])
+    if "dict" in v:
+        return {k: _decode(x) for k, x in v["dict"].items()}
+    return getattr(importlib.import_module(v["fn"][0]), v["fn"][1])
 
 
 def _jit_of(obj):
@@ -142,38 +160,62 @@ def _jit_of(obj):
     return obj
 
 
+def variants(rec: dict, arg_names: list[str]) -> list[tuple[str, dict, dict]]:
+    """(label, constexprs, options) to compile for one record: as launched, with an INTERPRET
+    constexpr False; and with PDL on where the kernel has a PDL constexpr that was off."""
+    constexprs = {tuple(p): _decode(v) for p, v in rec["constexprs"]}
+    options = {k: _decode(v) for k, v in rec["options"].items()}
+    by_name = {arg_names[p[0]]: p for p in constexprs if len(p) == 1}
+    if "INTERPRET" in by_name:
+        constexprs[by_name["INTERPRET"]] = False
+    out = [("", constexprs, options)]
+    if "PDL" in by_name and constexprs[by_name["PDL"]] is False:
+        out.append((" PDL", {**constexprs, by_name["PDL"]: True}, {**options, "launch_pdl": True}))
+    return out
+
+
 def compile_one(rec: dict, target: str) -> str | None:
-    """None when `rec` compiles for `target`, else the compiler's message."""
-    import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """None when every variant of `rec` compiles for `target` within its shared memory, else
+    what went wrong (the compiler's message)."""
     if "error" in rec:
         return rec["error"]
-    jit = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
-    constexprs = {tuple(p): _decode(v) for p, v in rec["constexprs"]}
-    for path in constexprs:  # a kernel's interpreter-only branch: compiled as on the GPU
-        if len(path) == 1 and jit.arg_names[path[0]] == "INTERPRET":
-            constexprs[path] = False
-    src = ASTSource(jit, rec["signature"], constexprs=constexprs,
-                    attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
-    # MLIR's diagnostics go to fd 2, not into the exception: keep them for the report
+    problems = []
+    try:
+        import importlib
+
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        jit = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
+        for label, constexprs, options in variants(rec, jit.arg_names):
+            src = ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
+                            attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
+            kernel, err = _compile_capturing(triton.compile, src, GPUTarget(*_TARGETS[target]), options)
+            if err:
+                problems.append(f"[as launched{label}] {err}")
+            elif kernel.metadata.shared > _SHARED_LIMIT[target]:
+                problems.append(f"[as launched{label}] {kernel.metadata.shared} bytes of shared memory, over "
+                                f"{target}'s {_SHARED_LIMIT[target]}")
+    except Exception as e:  # noqa: BLE001 - a record that cannot be rebuilt is a failure to report
+        problems.append(f"{type(e).__name__}: {e}")
+    return "\n".join(problems) or None
+
+
+def _compile_capturing(compile_fn, src, target, options):
+    """(kernel, None) or (None, message): MLIR's diagnostics go to fd 2, not into the exception."""
     with tempfile.TemporaryFile(mode="w+") as diag:
         saved = os.dup(2)
         os.dup2(diag.fileno(), 2)
         try:
-            triton.compile(src, target=GPUTarget(*_TARGETS[target]),
-                           options={k: _decode(v) for k, v in rec["options"].items()})
-            return None
+            return compile_fn(src, target=target, options=options), None
         except Exception as e:  # noqa: BLE001 - the compiler's refusal is the result
             err = f"{type(e).__name__}: {e}"
         finally:
             os.dup2(saved, 2)
             os.close(saved)
         diag.seek(0)
-        return f"{_diagnostics(diag.read())}\n{err}".strip()
+        return None, f"{_diagnostics(diag.read())}\n{err}".strip()
 
 
 def _diagnostics(text: str, keep: int = 40) -> str:
@@ -185,36 +227,58 @@ def _diagnostics(text: str, keep: int = 40) -> str:
     return "\n".join(head + tail)
 
 
-def _compile_batch(records: list[dict], target: str) -> list[str | None]:
-    """Compile a batch in a fresh child interpreter (TRITON_INTERPRET off, a private cache)."""
+def _compile_batch(records: list[dict], target: str, tmp: str) -> list[str | None]:
+    """Compile a batch in a fresh child interpreter (TRITON_INTERPRET off; a private cache and
+    temp folder; this process's import path). A child that dies takes its records one by one."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", RECORD_ENV)}
-    with tempfile.TemporaryDirectory() as cache:
-        env["TRITON_CACHE_DIR"] = cache
-        code = ("import json, sys\nfrom backends.kernels.compile_check import compile_one\n"
-                "recs = json.load(sys.stdin)\n"
-                f"print(json.dumps([compile_one(r, {target!r}) for r in recs]))\n")
-        out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), env=env,
-                             capture_output=True, text=True)
-    if out.returncode != 0:
-        return [f"child failed: {out.stderr.strip()[-2000:]}"] * len(records)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    env.update(TRITON_CACHE_DIR=os.path.join(tmp, "cache"), TMPDIR=tmp,
+               PYTHONPATH=os.pathsep.join([_ROOT, *(p for p in sys.path if p)]))
+    code = ("import json, sys\nfrom backends.kernels.compile_check import compile_one\n"
+            "recs = json.load(sys.stdin)\n"
+            f"print(json.dumps([compile_one(r, {target!r}) for r in recs]))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), env=env, cwd=_ROOT,
+                             capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S)
+        if out.returncode == 0:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        why = f"the compiling process died: {out.stderr.strip()[-2000:]}"
+    except subprocess.TimeoutExpired:
+        why = f"compiling took over {_CHILD_TIMEOUT_S} s"
+    if len(records) == 1:
+        return [why]
+    return [r for rec in records for r in _compile_batch([rec], target, tmp)]
 
 
-def compile_recorded(path: str, target: str = "sm90", jobs: int = 2) -> list[tuple[dict, str]]:
-    """Compile each distinct record of `path`; the failures, each with its message."""
+def read_records(path: str) -> list[dict]:
+    """The distinct records of a file (lines that are not whole records are skipped)."""
     recs = {}
     with open(path) as f:
         for line in f:
-            recs.setdefault(line.strip(), json.loads(line))
-    recs = sorted(recs.values(), key=lambda r: (r["module"], r["name"]))
+            try:
+                recs.setdefault(line.strip(), json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return sorted(recs.values(), key=lambda r: (r["module"], r["name"]))
+
+
+def compile_recorded(path: str, target: str = "sm90", jobs: int = 2) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """Compile each distinct record of `path`: (the records, the failures each with its message)."""
+    recs = read_records(path) if os.path.exists(path) else []
     batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
-    with concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
-        results = list(pool.map(lambda b: _compile_batch(b, target), batches))
-    failed = [(r, msg) for b, res in zip(batches, results) for r, msg in zip(b, res) if msg]
+    with tempfile.TemporaryDirectory(prefix="glmrt-compile-") as tmp, \
+            concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
+        results = list(pool.map(lambda b: _compile_batch(b, target, tmp), batches))
+    return recs, [(r, msg) for b, res in zip(batches, results) for r, msg in zip(b, res) if msg]
+
+
+def report(recs: list[dict], failed: list[tuple[dict, str]], target: str, seconds: float) -> str:
+    """The summary line, then each failure: its kernel, constexprs and the compiler's message."""
     kernels = {(r["module"], r["name"]) for r in recs}
-    print(f"compiled {len(recs)} specialisations of {len(kernels)} kernels for {target}: "
-          f"{len(recs) - len(failed)} ok, {len(failed)} failed")
-    return failed
+    lines = [f"kernel compile check: {len(recs)} specialisations of {len(kernels)} kernels compiled for {target} "
+             f"in {seconds:.0f} s, {len(recs) - len(failed)} ok, {len(failed)} failed"]
+    for rec, msg in failed:
+        lines += [f"--- {rec['module']}.{rec['name']}: constexprs {json.dumps(rec.get('constexprs', []))}", msg]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,28 +286,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="sm90", choices=sorted(_TARGETS))
     p.add_argument("--jobs", type=int, default=2, help="child compilers at once")
     p.add_argument("--records", default=None,
-                   help="keep the launches' records in this file (JSON lines; appended to)")
+                   help="keep the launches' records in this file (appended to: start from a missing file, or "
+                        "records of kernels since changed are compiled too)")
     p.add_argument("--from-records", default=None, help="compile this file's records; run no tests")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: the pytest command's arguments")
     args = p.parse_args(argv)
-    pytest_args = [a for a in args.pytest_args if a != "--"] or ["tests/backends"]
+    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    tests_rc = 0
     with tempfile.TemporaryDirectory() as tmp:
         path = args.from_records or args.records or os.path.join(tmp, "launches.jsonl")
         if not args.from_records:
             env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: os.path.abspath(path)}
             t0 = time.time()
-            tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
-                                   env=env)
-            print(f"tests: exit status {tests.returncode} in {time.time() - t0:.0f} s")
-        if not os.path.exists(path):
-            print("no kernel of this package was launched")
-            return 1
+            tests_rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                       *(pytest_args or ["tests/backends"])], env=env).returncode
+            print(f"tests: exit status {tests_rc} in {time.time() - t0:.0f} s")
         t0 = time.time()
-        failed = compile_recorded(path, args.target, args.jobs)
-        print(f"compiling took {time.time() - t0:.0f} s")
-    for rec, msg in failed:
-        print(f"\n--- {rec['module']}.{rec['name']}: {json.dumps(rec.get('constexprs', []))}\n{msg}")
-    return 1 if failed else 0
+        recs, failed = compile_recorded(path, args.target, args.jobs)
+        print(report(recs, failed, args.target, time.time() - t0))
+    return 1 if failed or not recs or tests_rc != 0 else 0
 
 
 if __name__ == "__main__":

@@ -79,10 +79,10 @@ def patch_interpreter(*, fla_chunk: bool = False) -> None:
     _patch_device_calls(_interp)
     _patch_overflow_checks(_interp)
     global _RECORDER
-    if os.environ.get("GLMRT_KERNEL_RECORD") and _RECORDER is None:  # backends.kernels.compile_check
-        from .compile_check import Recorder
+    from .compile_check import RECORD_ENV, Recorder  # imports neither Triton nor torch
 
-        _RECORDER = Recorder(os.environ["GLMRT_KERNEL_RECORD"])
+    if os.environ.get(RECORD_ENV) and _RECORDER is None:
+        _RECORDER = Recorder(os.environ[RECORD_ENV])
     if fla_chunk:
         _patch_loop_tensors(_interp)
         _patch_bf16_math(_interp)

@@ -20,16 +20,19 @@ def test_the_compiler_refuses_what_the_interpreter_ran(tmp_path):
 
     patch_interpreter()
     recorder = Recorder(str(tmp_path / "launches.jsonl"), packages=(ks.__name__,))
-    x, out = torch.arange(5, dtype=torch.float32), torch.zeros(1)
-    ks.row_max_kernel[(1,)](x, out, 5, BLOCK=8)
-    assert out.item() == 4.0
-    ks.row_max_kernel[(1,)](x, out, 5, BLOCK=8)   # the same specialisation: one record
-    ks.row_max_kernel[(1,)](x, out, 3, BLOCK=4)   # another
-    ks.loop_reshaped_kernel[(1,)](x, out, 5, BLOCK=8, SMALL=2)
-    assert out.item() == 2.0  # the interpreter runs it: 1 + x[0] + x[1]
-    recorder.uninstall()
+    try:
+        x, out = torch.arange(5, dtype=torch.float32), torch.zeros(1)
+        ks.row_max_kernel[(1,)](x, out, 5, BLOCK=8)
+        assert out.item() == 4.0
+        ks.row_max_kernel[(1,)](x, out, 5, BLOCK=8)   # the same specialisation: one record
+        ks.row_max_kernel[(1,)](x, out, 3, BLOCK=4)   # another
+        ks.loop_reshaped_kernel[(1,)](x, out, 5, BLOCK=8, SMALL=2)
+        assert out.item() == 2.0  # the interpreter runs it: 1 + x[0] + x[1]
+    finally:
+        recorder.uninstall()
 
-    failed = compile_recorded(str(tmp_path / "launches.jsonl"), "sm90", jobs=1)
+    recs, failed = compile_recorded(str(tmp_path / "launches.jsonl"), "sm90", jobs=1)
+    assert len(recs) == 3
     assert [r["name"] for r, _ in failed] == ["loop_reshaped_kernel"]
     assert "Loop-carried variable hit" in failed[0][1]
     lines = (tmp_path / "launches.jsonl").read_text().splitlines()
