@@ -9,8 +9,10 @@ resolve all run there and fail on the GPU. This runs the given pytest command wi
 interpreter and a recorder on: each launch of a kernel of this package notes what Triton's own
 binder would hand the compiler (argument types, pointer alignments, constexpr values, launch
 options). It then compiles each distinct specialisation for the target, in child interpreters
-without TRITON_INTERPRET, down to the cubin that Triton's bundled ptxas writes, and checks its
-shared memory against the target's. Exit status 1 when one fails (or the tests do).
+without TRITON_INTERPRET, down to the cubin that Triton's bundled ptxas writes. Exit status 1
+when one fails (or the tests do). Shared memory is not held against the target's: a launcher may
+ask for more and shrink its tiles on the OutOfResources that Triton raises at the first launch
+(the fused MoE's does, for its per-element dequantisation tiles).
 
 What the interpreter launches is not all the GPU launches: a kernel's `PDL` constexpr is False
 there (no programmatic dependent launch on the CPU), so each such variant is compiled with PDL
@@ -36,7 +38,6 @@ import time
 RECORD_ENV = "GLMRT_KERNEL_RECORD"
 _PACKAGE = "backends."  # whose kernels are recorded (third-party kernels are not ours to check)
 _TARGETS = {"sm90": ("cuda", 90, 32), "sm100": ("cuda", 100, 32)}
-_SHARED_LIMIT = {"sm90": 232448, "sm100": 232448}  # bytes of shared memory a block may take
 _CHILD_TIMEOUT_S = 1800
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -175,8 +176,7 @@ def variants(rec: dict, arg_names: list[str]) -> list[tuple[str, dict, dict]]:
 
 
 def compile_one(rec: dict, target: str) -> str | None:
-    """None when every variant of `rec` compiles for `target` within its shared memory, else
-    what went wrong (the compiler's message)."""
+    """None when every variant of `rec` compiles for `target`, else the compiler's messages."""
     if "error" in rec:
         return rec["error"]
     problems = []
@@ -191,31 +191,29 @@ def compile_one(rec: dict, target: str) -> str | None:
         for label, constexprs, options in variants(rec, jit.arg_names):
             src = ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
                             attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
-            kernel, err = _compile_capturing(triton.compile, src, GPUTarget(*_TARGETS[target]), options)
+            err = _compile_capturing(triton.compile, src, GPUTarget(*_TARGETS[target]), options)
             if err:
                 problems.append(f"[as launched{label}] {err}")
-            elif kernel.metadata.shared > _SHARED_LIMIT[target]:
-                problems.append(f"[as launched{label}] {kernel.metadata.shared} bytes of shared memory, over "
-                                f"{target}'s {_SHARED_LIMIT[target]}")
     except Exception as e:  # noqa: BLE001 - a record that cannot be rebuilt is a failure to report
         problems.append(f"{type(e).__name__}: {e}")
     return "\n".join(problems) or None
 
 
-def _compile_capturing(compile_fn, src, target, options):
-    """(kernel, None) or (None, message): MLIR's diagnostics go to fd 2, not into the exception."""
+def _compile_capturing(compile_fn, src, target, options) -> str | None:
+    """None, or the compiler's message: MLIR's diagnostics go to fd 2, not into the exception."""
     with tempfile.TemporaryFile(mode="w+") as diag:
         saved = os.dup(2)
         os.dup2(diag.fileno(), 2)
         try:
-            return compile_fn(src, target=target, options=options), None
+            compile_fn(src, target=target, options=options)
+            return None
         except Exception as e:  # noqa: BLE001 - the compiler's refusal is the result
             err = f"{type(e).__name__}: {e}"
         finally:
             os.dup2(saved, 2)
             os.close(saved)
         diag.seek(0)
-        return None, f"{_diagnostics(diag.read())}\n{err}".strip()
+        return f"{_diagnostics(diag.read())}\n{err}".strip()
 
 
 def _diagnostics(text: str, keep: int = 40) -> str:
