@@ -160,8 +160,6 @@ class Supervisor:
         for i, (spec, replica) in enumerate(members):
             gpus = self._gpus(spec, replica)
             ap = existing[i] if existing else ActorProc(spec.kind, replica, gpus)
-            ap.state = "starting"
-            ap.ever_ready = False
             self.actors[ap.actor_id] = ap
             aps.append(ap)
             gpus_all += [g for g in gpus if g not in gpus_all]
@@ -176,8 +174,8 @@ class Supervisor:
             run.colocated = [r.actor_id for r in runs]
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "actors.worker", encode_run_specs(runs),
                                                     env=env)
-        for ap in aps:
-            ap.proc = proc
+        for ap in aps:  # state and process change together: status never pairs "starting" with the old pid
+            ap.proc, ap.state, ap.ever_ready = proc, "starting", False
         self._tasks.append(asyncio.create_task(self._watch(aps, members)))
         return aps
 

@@ -49,7 +49,7 @@ def pytest_sessionfinish(session, exitstatus):
     t0 = time.time()
     recs, failed = compile_recorded(_records, "sm90", jobs=2)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    if reporter is not None and recs:  # silent where no test launched one of our kernels
         reporter.write_line("")
         reporter.write_line(report(recs, failed, "sm90", time.time() - t0), red=bool(failed))
     if failed and session.exitstatus == pytest.ExitCode.OK:
