@@ -199,7 +199,7 @@ def main(argv=None) -> list[dict]:
                    help="pdl.MAX_TOKENS (PDL only for forwards of up to this many tokens), side by side")
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--align", default="parallel",
-                   help="fused_moe.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
+                   help="moe_align.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
     p.add_argument("--kda-tile", default="table",
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
     p.add_argument("--moe-tile", default="table",
@@ -218,7 +218,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import fused_moe, fused_moe_configs, kda, mhc, pdl
+    from backends.kernels import fused_moe_configs, kda, mhc, moe_align, pdl
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -237,7 +237,7 @@ def main(argv=None) -> list[dict]:
                                          args.moe_tile))):
             fused_moe_configs.OVERRIDE = moe_tile(tile)
             mhc.DECODE_PRECISION = mp
-            fused_moe.SMALL_ALIGN_MODE = al
+            moe_align.SMALL_ALIGN_MODE = al
             kda.DECODE_LAUNCH = None if kt == "table" else dict(
                 zip(("BV", "num_warps", "num_stages"), (int(v) for v in kt.split("x"))))
             pdl.MAX_TOKENS = int(mt)

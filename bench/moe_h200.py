@@ -61,6 +61,7 @@ from bench.moe_sweep import SWEEP, SWEEP_FP8, print_sweep, sweep  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
+from backends.kernels import moe_align as ma  # noqa: E402
 from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
 
 def truth_fp32(x, ids, rw, ws, scales, limit):
@@ -181,7 +182,7 @@ def time_case(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: tor
     ms = kernel_ms(run)
     x0, ids0, rw0 = sets[0]
     cfg = table_config(kind, n)
-    align_ms = kernel_ms(lambda: fm.moe_align(ids0, dims["e"], cfg["BLOCK_M"]))
+    align_ms = kernel_ms(lambda: ma.moe_align(ids0, dims["e"], cfg["BLOCK_M"]))
     row = dict(kind=kind, tokens=n, experts_routed=uniq, ms=ms, align_ms=align_ms, gbytes=nbytes / 1e9,
                tbps=nbytes / (ms * 1e-3) / 1e12, tflops=flops / (ms * 1e-3) / 1e12, config=cfg)
     row["pct_bw"] = 100 * row["tbps"] / CEILING_TBPS

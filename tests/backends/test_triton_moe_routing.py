@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
+from backends.kernels import moe_align as ma  # noqa: E402
 from tests.backends.conftest import gen as _gen, rel as _rel  # noqa: E402
 from tests.backends.moe_problems import FP8, REF  # noqa: E402
 
@@ -39,8 +40,8 @@ def test_align(device, n, k, e, bm, mode):
     ids[torch.rand(n, k, generator=g) < 0.1] = -1             # dropped pairs
     if n > 50:
         ids[: n // 2] = 1                                     # one hot expert across chunks
-    sorted_ids, be, br = (t.cpu() for t in fm.moe_align(ids.to(device), e, bm, mode=mode))
-    nb = fm.max_blocks(n * k, e, bm)
+    sorted_ids, be, br = (t.cpu() for t in ma.moe_align(ids.to(device), e, bm, mode=mode))
+    nb = ma.max_blocks(n * k, e, bm)
     assert be.shape == (nb,) and br.shape == (nb,) and sorted_ids.shape == (nb * bm,)
     flat = ids.flatten()
     counts = torch.bincount(flat[flat >= 0], minlength=e)
@@ -64,14 +65,14 @@ def test_align_modes_agree_and_refuse(device):
     a one-launch mode past its size is refused, not silently wrong."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 288, (96, 8), generator=g).to(device)
-    outs = {mode: fm.moe_align(ids, 288, 16, mode=mode) for mode in fm.ALIGN_MODES}
+    outs = {mode: ma.moe_align(ids, 288, 16, mode=mode) for mode in ma.ALIGN_MODES}
     base_sorted, base_be, base_br = (t.cpu() for t in outs["three-launch"])
     real = torch.cat([torch.arange(b * 16, b * 16 + int(r)) for b, r in enumerate(base_br.tolist()) if r > 0])
     for mode, (srt, be, br) in outs.items():
         assert torch.equal(be.cpu(), base_be) and torch.equal(br.cpu(), base_br), mode
         assert torch.equal(srt.cpu()[real], base_sorted[real]), mode
     with pytest.raises(ValueError, match="one launch up to"):
-        fm.moe_align(torch.zeros(fm.ONE_LAUNCH_MAX_PAIRS + 1, 1, dtype=torch.int64, device=device), 8, 16,
+        ma.moe_align(torch.zeros(ma.ONE_LAUNCH_MAX_PAIRS + 1, 1, dtype=torch.int64, device=device), 8, 16,
                      mode="parallel")
 
 
@@ -82,8 +83,8 @@ def test_max_blocks_bound():
         m = int(torch.randint(1, 2000, (1,), generator=g))
         bm = [16, 32, 64, 128][int(torch.randint(0, 4, (1,), generator=g))]
         counts = torch.bincount(torch.randint(0, e, (m,), generator=g), minlength=e)
-        assert int((-(-counts // bm)).sum()) <= fm.max_blocks(m, e, bm)
-    assert fm.max_blocks(8, 288, 16) == 8  # decode, top-8: one block per routed expert
+        assert int((-(-counts // bm)).sum()) <= ma.max_blocks(m, e, bm)
+    assert ma.max_blocks(8, 288, 16) == 8  # decode, top-8: one block per routed expert
 
 
 def test_config_table():
