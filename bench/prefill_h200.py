@@ -42,6 +42,7 @@ import triton  # noqa: E402
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import indexer as ix  # noqa: E402
 from backends.kernels import sparse_mla as sm  # noqa: E402
+from backends.kernels import sparse_mla_rows  # noqa: E402
 from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
 from bench.timing import timers  # noqa: E402
@@ -163,7 +164,7 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
     token_idx, ntok = lists()
     list_ms = kernel_ms(lists)
     # the same set built by torch ops (what the lists took before their one-launch kernel)
-    torch_lists = lambda: sm._token_rows(sel, meta.positions, table[meta.req_index], ps, kpool, True, 0)  # noqa: E731
+    torch_lists = lambda: sparse_mla_rows._token_rows(sel, meta.positions, table[meta.req_index], ps, kpool, True, 0)  # noqa: E731
     print("config", json.dumps(dict(build_prefill_token_idx_ms=list_ms, torch_ops_token_rows_ms=kernel_ms(torch_lists))),
           flush=True)
     for spec in args.mla_sweep.split(";"):

@@ -27,7 +27,7 @@ from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 from .conv import device_lens
-from .sparse_mla import is_decode_batch
+from .sparse_mla_rows import is_decode_batch
 
 patch_interpreter()
 

@@ -273,7 +273,7 @@ def test_prefill_rows_kernel_reads_each_rows_request_pages(device, with_tail):
     """build_prefill_token_idx (the rows kernel with a request per query row) lists, for every
     query token, exactly the token set of the torch-op list at its position and its request's
     pages (that list equals the reference mask: test_token_idx_equals_reference_mask)."""
-    from backends.kernels.sparse_mla import _token_rows, build_prefill_token_idx
+    from backends.kernels.sparse_mla_rows import _token_rows, build_prefill_token_idx
 
     g = generator(29)
     lens, kpool = [1, 3, 16, 33, 70], 4
