@@ -316,13 +316,13 @@ def compile_only(capacity: int = ks.DEFAULT_CAPACITY) -> None:
     p, i = "*fp32", "*i32"
     common = dict(X=p, stride_x="i32", PRM=i)
     specs = {
-        "_stats_kernel": (dict(common, E=p, PF=p, PI=i, V="i32", CHUNK="i32"), dict(BLOCK=1024, EXACT_LOG=True)),
+        "_stats_kernel": (dict(common, E=p, PF=p, PI=i, V="i32", CHUNK="i32"), dict(BLOCK=1024, INTERPRET=False)),
         "_pivot_kernel": (dict(common, PF=p, PI=i, DTAB=p, PC=i, PM=p, V="i32", CHUNK="i32"),
                           dict(NSP=32, NP=ks.NUM_PIVOTS, PBLOCK=256)),
         "_select_kernel": (dict(common, E=p, PF=p, PI=i, DTAB=p, PC=i, PM=p, BUF="*i64", OUT="*i64", INFO=i,
                                 V="i32", NS="i32"),
                            dict(NSP=32, NP=ks.NUM_PIVOTS, CAP=capacity, BLOCK=1024, PBLOCK=256, MAXIT=12,
-                                EXACT_LOG=True, INTERPRET=False)),
+                                INTERPRET=False)),
     }
     pt = get_ptxas(90)
     ptxas = pt.path if hasattr(pt, "path") else pt[0]

@@ -115,6 +115,17 @@ def pack_params(temperature: list[float], top_k: list[int], top_p: list[float], 
     return torch.cat([f.view(torch.int32), i], dim=1)
 
 
+def default_tiles(vocab: int, chunk: int, interpreted: bool = _INTERPRET) -> dict:
+    """`sample`'s tile sizes and warps: the GPU's, or under Triton's interpreter (numpy per op)
+    fewer, larger tiles. The tests run the GPU's tiles in the interpreter too, so that the suite's
+    compile check builds the variants a GPU launches."""
+    if interpreted:
+        return dict(dict.fromkeys(("block", "pblock", "sblock", "spblock"),
+                                  max(16, min(8192, triton.next_power_of_2(vocab)))), warps=4)
+    return dict(block=1024, pblock=256, sblock=min(1024, triton.next_power_of_2(chunk)),
+                spblock=min(256, triton.next_power_of_2(chunk)), warps=8)
+
+
 def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
            capacity: int = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK, out: torch.Tensor | None = None,
            info: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -151,21 +162,14 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
     if info is None:
         info = torch.empty(B, 2, dtype=torch.int32, device=dev)
     e = noise if noise is not None else x
-    exact_log = dev.type == "cuda" and not _INTERPRET
     dtab = _pivot_table(dev)
     stride_x = x.stride(0)
-    if _INTERPRET:  # numpy per op: fewer, larger tiles
-        cfg = dict.fromkeys(("block", "pblock", "sblock", "spblock"), max(16, min(8192, triton.next_power_of_2(V))))
-        cfg["warps"] = 4
-    else:
-        cfg = dict(block=1024, pblock=256, sblock=min(1024, triton.next_power_of_2(chunk)),
-                   spblock=min(256, triton.next_power_of_2(chunk)), warps=8)
-    cfg.update(config or {})
+    cfg = {**default_tiles(V, chunk), **(config or {})}
     _stats_kernel[(B, ns)](x, stride_x, params, e, pf, pi, V, chunk,
-                           BLOCK=cfg["sblock"], EXACT_LOG=exact_log, num_warps=cfg["warps"])
+                           BLOCK=cfg["sblock"], INTERPRET=_INTERPRET, num_warps=cfg["warps"])
     _pivot_kernel[(B, ns)](x, stride_x, params, pf, pi, dtab, pc, pm, V, chunk,
                            NSP=nsp, NP=NUM_PIVOTS, PBLOCK=cfg["spblock"], num_warps=cfg["warps"])
     _select_kernel[(B,)](x, stride_x, params, e, pf, pi, dtab, pc, pm, buf, out, info, V, ns,
                          NSP=nsp, NP=NUM_PIVOTS, CAP=capacity, BLOCK=cfg["block"], PBLOCK=cfg["pblock"],
-                         MAXIT=_MAX_REFINE, EXACT_LOG=exact_log, INTERPRET=_INTERPRET, num_warps=cfg["warps"])
+                         MAXIT=_MAX_REFINE, INTERPRET=_INTERPRET, num_warps=cfg["warps"])
     return out

@@ -43,11 +43,11 @@ def _div(x, t):
 
 
 @triton.jit
-def _log(v, EXACT_LOG: tl.constexpr):
-    if EXACT_LOG:
-        return libdevice.log(v)
-    else:
+def _log(v, INTERPRET: tl.constexpr):
+    if INTERPRET:  # the interpreter has no libdevice
         return tl.log(v)
+    else:
+        return libdevice.log(v)
 
 
 @triton.jit
@@ -117,7 +117,7 @@ def _count_pass(xrow, t, m, pk, c0, c1, NP: tl.constexpr, PBLOCK: tl.constexpr):
 # ---- kernel 1: per-split statistics (+ the whole race for unfiltered rows) -------------------
 @triton.jit
 def _stats_kernel(X, stride_x, PRM, E, PF, PI, V, CHUNK,
-                  BLOCK: tl.constexpr, EXACT_LOG: tl.constexpr):
+                  BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     NS = tl.num_programs(1)
@@ -149,7 +149,7 @@ def _stats_kernel(X, stride_x, PRM, E, PF, PI, V, CHUNK,
         nv += (z > float("-inf")).to(tl.int32)
         if race:
             eg = tl.load(erow + offs, mask=valid, other=1.0)
-            sc = tl.where(valid, z - _log(tl.maximum(eg, 1.1754943508222875e-38), EXACT_LOG), float("-inf"))
+            sc = tl.where(valid, z - _log(tl.maximum(eg, 1.1754943508222875e-38), INTERPRET), float("-inf"))
             biv = tl.where((sc > bv) | (valid & (biv == 2147483647)), offs, biv)
             bv = tl.maximum(bv, sc)
     m = tl.max(mv, 0)
@@ -275,15 +275,15 @@ def _keep_sorted(zs, n, cA, sA, Sk, m, k_eff, has_k, has_p, has_m, topp, tmin, C
 
 
 @triton.jit
-def _race_sorted(zs, ids, keep, erow, EXACT_LOG: tl.constexpr):
+def _race_sorted(zs, ids, keep, erow, INTERPRET: tl.constexpr):
     eg = tl.load(erow + ids, mask=keep, other=1.0)
-    sc = tl.where(keep, zs - _log(tl.maximum(eg, 1.1754943508222875e-38), EXACT_LOG), float("-inf"))
+    sc = tl.where(keep, zs - _log(tl.maximum(eg, 1.1754943508222875e-38), INTERPRET), float("-inf"))
     best = tl.max(sc, 0)
     return tl.min(tl.where(keep & (sc == best), ids, 2147483647), 0)
 
 
 @triton.jit
-def _race_pass(xrow, erow, t, vkey, q, V, BLOCK: tl.constexpr, EXACT_LOG: tl.constexpr):
+def _race_pass(xrow, erow, t, vkey, q, V, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """Race over {key(z) > vkey} and the first q ids (in id order) with key(z) == vkey."""
     offs0 = tl.arange(0, BLOCK)
     bv = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane; reduced once at the end
@@ -302,7 +302,7 @@ def _race_pass(xrow, erow, t, vkey, q, V, BLOCK: tl.constexpr, EXACT_LOG: tl.con
             kept = kept | (eq & (rank < q))
             run += tl.sum(eq.to(tl.int32), 0)
         eg = tl.load(erow + offs, mask=kept, other=1.0)
-        sc = tl.where(kept, z - _log(tl.maximum(eg, 1.1754943508222875e-38), EXACT_LOG), float("-inf"))
+        sc = tl.where(kept, z - _log(tl.maximum(eg, 1.1754943508222875e-38), INTERPRET), float("-inf"))
         biv = tl.where(sc > bv, offs, biv)  # strictly greater: earlier tiles win ties
         bv = tl.maximum(bv, sc)
     best = tl.max(bv, 0)
@@ -326,8 +326,7 @@ def _threshold(kzs, keep, hi, CAP: tl.constexpr):
 @triton.jit
 def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V, NS,
                    NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   PBLOCK: tl.constexpr, MAXIT: tl.constexpr, EXACT_LOG: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   PBLOCK: tl.constexpr, MAXIT: tl.constexpr, INTERPRET: tl.constexpr):
     """Row r's token to OUT[r]; INFO[r] = (ids kept, path bits): 1 race done by the stats
     kernel (no filter), 2 no cut (top-k at or above the finite count), 4 S_k from a gathered
     bracket, 8 S_k from a tie group larger than CAP, 16 race in the buffer, 32 final race
@@ -395,7 +394,7 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
                         keep = _keep_sorted(zs, n, cA, sA, Sk, m, k_eff, has_k, has_p, has_m, topp, tmin, CAP)
                         nkept = cA + tl.sum(keep.to(tl.int32), 0)
                         if cA == 0:
-                            tok = _race_sorted(zs, ids, keep, erow, EXACT_LOG)
+                            tok = _race_sorted(zs, ids, keep, erow, INTERPRET)
                             path = path | 16
                             done = zero + 1
                         else:
@@ -422,7 +421,7 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
                         path = path | 64
                 phase += 1
             if done == 0:
-                tok = _race_pass(xrow, erow, t, vkey, q, V, BLOCK, EXACT_LOG)
+                tok = _race_pass(xrow, erow, t, vkey, q, V, BLOCK, INTERPRET)
                 path = path | 32
     tl.store(OUT + r, tok.to(tl.int64))
     tl.store(INFO + r * 2, nkept)

@@ -71,14 +71,15 @@ def _random_params(g, batch, vocab):
     return out
 
 
-def _kernel(x, params, noise, device, capacity=CAP, chunk=CHUNK):
+def _kernel(x, params, noise, device, capacity=CAP, chunk=CHUNK, config=None):
     """Tokens and info [B, 2] (kept count, path bits) of random rows whose noise is noise[i]."""
     b, v = x.shape
     packed = ks.pack_params([max(p["temperature"], 1e-5) for p in params], [p["top_k"] for p in params],
                             [p["top_p"] for p in params], [p["min_p"] for p in params], list(range(b)), v)
     info = torch.full((b, 2), -1, dtype=torch.int32, device=device)
     out = torch.full((b,), -1, dtype=torch.long, device=device)
-    out.copy_(ks.sample(x.to(device), packed.to(device), noise.to(device), capacity=capacity, chunk=chunk, info=info))
+    out.copy_(ks.sample(x.to(device), packed.to(device), noise.to(device), capacity=capacity, chunk=chunk, info=info,
+                        config=config))
     return out.cpu(), info.cpu()
 
 
@@ -136,6 +137,21 @@ def test_fixed_exponentials_give_the_torch_samplers_token(device):
         assert info[:, 0].tolist() == kept.sum(dim=1).tolist()
         paths |= int(np_or(info[:, 1]))
     assert paths & (RACE_BUFFER | RACE_PASS | TOPK_MASS) == RACE_BUFFER | RACE_PASS | TOPK_MASS, hex(paths)
+
+
+def test_the_gpus_tiles_give_the_torch_samplers_token(device):
+    """The default capacity, chunk and GPU tiles (in the interpreter too, where `sample` picks
+    larger tiles of its own: so the suite's compile check also builds what a GPU launches)."""
+    g = _gen("gpu-tiles")
+    b, v = 4, 20000
+    x, params = _logits(g, b, v, 0), _random_params(g, b, v)
+    params[0].update(top_k=-1, top_p=1.0, min_p=0.0)  # one row the stats kernel races alone
+    noise = torch.empty(b, v).exponential_(generator=g)
+    tiles = ks.default_tiles(v, ks.DEFAULT_CHUNK, interpreted=False)
+    tokens, info = _kernel(x, params, noise, device, ks.DEFAULT_CAPACITY, ks.DEFAULT_CHUNK, tiles)
+    ref, kept = _reference(x, params, noise)
+    assert tokens.tolist() == ref.tolist(), params
+    assert info[:, 0].tolist() == kept.sum(dim=1).tolist()
 
 
 def np_or(col: torch.Tensor) -> int:
