@@ -160,6 +160,7 @@ class Supervisor:
         for i, (spec, replica) in enumerate(members):
             gpus = self._gpus(spec, replica)
             ap = existing[i] if existing else ActorProc(spec.kind, replica, gpus)
+            ap.ever_ready = False
             self.actors[ap.actor_id] = ap
             aps.append(ap)
             gpus_all += [g for g in gpus if g not in gpus_all]
@@ -174,8 +175,13 @@ class Supervisor:
             run.colocated = [r.actor_id for r in runs]
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "actors.worker", encode_run_specs(runs),
                                                     env=env)
-        for ap in aps:  # state and process change together: status never pairs "starting" with the old pid
-            ap.proc, ap.state, ap.ever_ready = proc, "starting", False
+        for ap in aps:
+            # a restart says "starting" only with its new process (status never pairs it with the
+            # dead pid); the state is left alone when the new process's Ready, or a scale-down,
+            # came in while the process was being created
+            ap.proc = proc
+            if ap.state == "restarting":
+                ap.state = "starting"
         self._tasks.append(asyncio.create_task(self._watch(aps, members)))
         return aps
 

@@ -237,14 +237,25 @@ def _compile_batch(records: list[dict], target: str, tmp: str) -> list[str | Non
     try:
         out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), env=env, cwd=_ROOT,
                              capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S, check=False)
-        if out.returncode == 0:
-            return json.loads(out.stdout.strip().splitlines()[-1])
-        why = f"the compiling process died: {out.stderr.strip()[-2000:]}"
+        results = _results_line(out.stdout, len(records)) if out.returncode == 0 else None
+        if results is not None:
+            return results
+        why = f"the compiling process died (status {out.returncode}): {out.stderr.strip()[-2000:]}"
     except subprocess.TimeoutExpired:
         why = f"compiling took over {_CHILD_TIMEOUT_S} s"
     if len(records) == 1:
         return [why]
     return [r for rec in records for r in _compile_batch([rec], target, tmp)]
+
+
+def _results_line(stdout: str, n: int) -> list[str | None] | None:
+    """The child's last line, its n results; None when it is not that (a stray print, no output)."""
+    lines = stdout.strip().splitlines()
+    try:
+        results = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+    return results if isinstance(results, list) and len(results) == n else None
 
 
 def read_records(path: str) -> list[dict]:
@@ -263,7 +274,7 @@ def compile_recorded(path: str, target: str = "sm90", jobs: int = 2) -> tuple[li
     """Compile each distinct record of `path`: (the records, the failures each with its message)."""
     recs = read_records(path) if os.path.exists(path) else []
     batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
-    with tempfile.TemporaryDirectory(prefix="glmrt-compile-") as tmp, \
+    with tempfile.TemporaryDirectory(prefix="glmrt-compile-", ignore_cleanup_errors=True) as tmp, \
             concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
         results = list(pool.map(lambda b: _compile_batch(b, target, tmp), batches))
     return recs, [(r, msg) for b, res in zip(batches, results) for r, msg in zip(b, res) if msg]

@@ -44,6 +44,7 @@ ALIGN_EXPERTS_PER_PROGRAM = 8
 ALIGN_MODES = ("parallel", "one-program", "three-launch")
 SMALL_ALIGN_MODE = "parallel"  # the one-launch form up to ONE_LAUNCH_MAX_PAIRS (benches flip it)
 
+
 def max_blocks(m: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the BLOCK_M blocks of the aligned list for m pairs (no data needed)."""
     return max(1, min(m // block_m + min(m, num_experts), triton.cdiv(m + num_experts * (block_m - 1), block_m)))

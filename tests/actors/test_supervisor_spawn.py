@@ -1,7 +1,7 @@
 """The supervisor's status while it starts an actor's process again: the row says "restarting"
 with the dead process's pid until the new process exists, then "starting" with the new pid;
 never "starting" with the old one (a client waiting for "starting" would read a pid that is
-about to change)."""
+about to change). A Ready that comes in while the process is being created is kept."""
 
 from __future__ import annotations
 
@@ -24,31 +24,47 @@ class _Proc:
         return 0
 
 
-@pytest.mark.asyncio
-async def test_a_restarting_row_changes_state_and_pid_together(tmp_path, monkeypatch):
+@pytest.fixture
+def sup(tmp_path):
     topo = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine"}, {"kind": "detokenizer"}]})
-    sup = Supervisor(topo, str(tmp_path), "/models/m", vocab_size=512)
+    s = Supervisor(topo, str(tmp_path), "/models/m", vocab_size=512)
+    yield s
+    for t in s._tasks:
+        t.cancel()
+    s.inbox.close()
+    s.peers.close()
+
+
+def _row(sup) -> tuple:
+    (r,) = [r for r in sup.status() if r["kind"] == "engine"]
+    return r["pid"], r["state"]
+
+
+@pytest.mark.asyncio
+async def test_a_restarting_row_changes_state_and_pid_together(sup, monkeypatch):
     seen: list[tuple] = []
 
-    def row() -> tuple:
-        (r,) = [r for r in sup.status() if r["kind"] == "engine"]
-        return r["pid"], r["state"]
-
     async def spawn(*args, **kwargs):  # the status a client reads while the process is being created
-        seen.append(row())
+        seen.append(_row(sup))
         await asyncio.sleep(0)
-        seen.append(row())
+        seen.append(_row(sup))
         return _Proc(222)
 
     monkeypatch.setattr(sup_mod.asyncio, "create_subprocess_exec", spawn)
-    try:
-        ap = ActorProc("engine", 0, [], proc=_Proc(111), state="restarting", ever_ready=True)
-        sup.actors[ap.actor_id] = ap
-        await sup._spawn_group([(topo.actor("engine"), 0)], [ap])
-        assert seen == [(111, "restarting"), (111, "restarting")]
-        assert row() == (222, "starting") and ap.ever_ready is False
-    finally:
-        for t in sup._tasks:
-            t.cancel()
-        sup.inbox.close()
-        sup.peers.close()
+    ap = sup.actors["engine/0"] = ActorProc("engine", 0, [], proc=_Proc(111), state="restarting", ever_ready=True)
+    await sup._spawn_group([(sup.topo.actor("engine"), 0)], [ap])
+    assert seen == [(111, "restarting"), (111, "restarting")]
+    assert _row(sup) == (222, "starting") and ap.ever_ready is False
+
+
+@pytest.mark.asyncio
+async def test_a_ready_that_came_during_the_spawn_is_kept(sup, monkeypatch):
+    ap = sup.actors["engine/0"] = ActorProc("engine", 0, [], proc=_Proc(111), state="restarting", ever_ready=True)
+
+    async def spawn(*args, **kwargs):  # the new process's Ready handled before this await returns
+        ap.state, ap.ever_ready = "ready", True
+        return _Proc(222)
+
+    monkeypatch.setattr(sup_mod.asyncio, "create_subprocess_exec", spawn)
+    await sup._spawn_group([(sup.topo.actor("engine"), 0)], [ap])
+    assert _row(sup) == (222, "ready") and ap.ever_ready is True

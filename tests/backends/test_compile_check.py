@@ -10,6 +10,7 @@ import torch
 from .conftest import INTERPRET
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="records the interpreter's launches (CPU only)")
+pytest.importorskip("triton")
 
 
 def test_the_compiler_refuses_what_the_interpreter_ran(tmp_path):
