@@ -46,7 +46,8 @@ class ActorProc:
     running: int = 0
     waiting: int = 0
     info: dict[str, Any] = field(default_factory=dict)
-    restarts: list[float] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)  # times within RESTART_WINDOW_S (the give-up rule)
+    restart_count: int = 0  # since the deployment started (what status reports)
     last_heartbeat: float = 0.0
     ever_ready: bool = False
 
@@ -93,7 +94,7 @@ class Supervisor:
                 continue
             row = {"kind": a.kind, "replica": a.replica, "pid": a.pid, "host": socket.gethostname(), "gpus": a.gpus,
                    "state": a.state, "load": round(a.load, 4), "running": a.running, "waiting": a.waiting,
-                   "restarts": len(a.restarts)}
+                   "restarts": a.restart_count}
             if kind_of(a.kind).engine_role is not None:  # its ranks, once its Ready said where they run
                 row.update(tp=a.info.get("tp_size"), ep=a.info.get("ep_size"), ranks=a.info.get("ranks", []))
             out.append(row)
@@ -208,6 +209,7 @@ class Supervisor:
         now = time.monotonic()
         for ap in aps:
             ap.restarts = [t for t in ap.restarts if now - t < RESTART_WINDOW_S] + [now]
+            ap.restart_count += 1
         give_up = len(aps[0].restarts) > MAX_RESTARTS
         for ap in aps:  # the state first: the api recovers requests only at an actor coming back
             ap.state = "failed" if give_up else "restarting"
@@ -236,7 +238,7 @@ class Supervisor:
                     ap.state = "ready"
                     ap.ever_ready = True
                     log.info("%s ready (pid %d)", ap.actor_id, msg.pid)
-                    if ap.restarts:
+                    if ap.restart_count:
                         self.on_restarted(ap.actor_id)
             elif isinstance(msg, P.Heartbeat):
                 ap.load, ap.running, ap.waiting = msg.load, msg.running, msg.waiting

@@ -68,3 +68,24 @@ async def test_a_ready_that_came_during_the_spawn_is_kept(sup, monkeypatch):
     monkeypatch.setattr(sup_mod.asyncio, "create_subprocess_exec", spawn)
     await sup._spawn_group([(sup.topo.actor("engine"), 0)], [ap])
     assert _row(sup) == (222, "ready") and ap.ever_ready is True
+
+
+@pytest.mark.asyncio
+async def test_status_counts_every_restart_not_only_those_of_the_give_up_window(sup, monkeypatch):
+    pids = iter(range(300, 310))
+
+    async def spawn(*args, **kwargs):
+        return _Proc(next(pids))
+
+    monkeypatch.setattr(sup_mod.asyncio, "create_subprocess_exec", spawn)
+    monkeypatch.setattr(sup_mod, "RESTART_WINDOW_S", 0.0)  # every earlier restart is out of the window
+    spec = sup.topo.actor("engine")
+    (ap,) = await sup._spawn_group([(spec, 0)])
+    for n in (1, 2, 3):
+        ap.state, ap.ever_ready = "ready", True
+        ap.proc._done.set()  # the process exits: the watcher restarts it
+        old = ap.proc
+        while ap.proc is old:
+            await asyncio.sleep(0.01)
+        assert _row(sup) == (ap.proc.pid, "starting")
+        assert sup.status()[0]["restarts"] == n and len(ap.restarts) == 1
