@@ -17,7 +17,8 @@ ask for more and shrink its tiles on the OutOfResources that Triton raises at th
 What the interpreter launches is not all the GPU launches: a kernel's `PDL` constexpr is False
 there (no programmatic dependent launch on the CPU), so each such variant is compiled with PDL
 on as well; a constexpr named INTERPRET (an interpreter-only branch) is compiled as False. Tile
-choices a launcher makes only under the interpreter (the sampler's larger tiles) stay as they ran.
+choices a launcher makes only under the interpreter stay as they ran: a test has to launch the
+GPU's tiles too (the sampler's tests do, through `sampling.default_tiles`).
 
 The recorder is installed by `patch_interpreter()` (which every kernel module calls), once a
 process, when GLMRT_KERNEL_RECORD names a file: each new specialisation is appended there at
