@@ -1,6 +1,7 @@
 """Decode CUDA graphs and the overlap schedule on one GPU, through the real Engine.
 
     python3 -m bench.decode_overlap [--preset flash-4l] [--batches 1,16,64] [--context 1024] [--tokens 48]
+                                    [--sampling greedy,temperature=0.7:top_k=50:top_p=0.9] [--split-gather on,off]
 
 One engine (dummy weights, cuda-h200 kernels), three ways to run the same decode workload:
 
@@ -13,13 +14,17 @@ Checks first: the graph's logits equal the eager forward's on the same cache sta
 bound), greedy tokens of the three modes agree, and the overlapped launch makes no host
 synchronisation (torch.cuda.set_sync_debug_mode("error") around it). Then per batch the
 decode step time (wall time of the decode phase / steps) of each mode, the GPU-only time of
-one graph replay, and the host time per step. A short table is printed last; JSON to
-$OUT/decode_overlap.json when OUT is set.
+one graph replay, and the host time per step. `--sampling` runs the workload once per
+sampling setting (greedy: one argmax; else SamplingParams fields, each request seeded, so the
+modes draw the same tokens), `--split-gather` once per sampler gather path (the on-GPU
+sampler's split gather or its one-program gather): the step time difference is what sampling
+costs. A short table is printed last; JSON to $OUT/decode_overlap.json when OUT is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -50,12 +55,25 @@ def _set_mode(engine, graphs, mode: str) -> None:
     engine.overlap = mode == "overlap"
 
 
-def _run(engine, prompts, tokens: int) -> tuple[list[list[int]], float, int, float]:
+def sampling_fields(spec: str) -> dict:
+    """A --sampling item: "greedy", or ":"-joined SamplingParams fields, "temperature=0.7:top_p=0.9"."""
+    if spec == "greedy":
+        return dict(temperature=0)
+    out = {}
+    for item in spec.split(":"):
+        key, val = item.split("=")
+        out[key] = int(val) if key == "top_k" else float(val)
+    return out
+
+
+def _run(engine, prompts, tokens: int, sampling: str = "greedy") -> tuple[list[list[int]], float, int, float]:
     """-> (outputs, decode wall s, decode steps, host busy s during decode)."""
     from glmrt.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    rids = [engine.add_request(p, params)[0] for p in prompts]
+    fields = sampling_fields(sampling)
+    seeded = fields.get("temperature", 1.0) > 0  # the same draws in every mode
+    rids = [engine.add_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i if seeded else None,
+                                                 **fields))[0] for i, p in enumerate(prompts)]
     while any(engine.requests[r].num_computed < len(engine.requests[r].prompt_ids) for r in rids):
         engine.step()  # prefill (chunked) until every request decodes
     torch.cuda.synchronize()
@@ -160,7 +178,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--mem-fraction", type=float, default=0.5)
     p.add_argument("--quantization", default=None, help="fp8: block-scaled e4m3 linear layers and experts")
     p.add_argument("--modes", default="eager,graphs,overlap")
+    p.add_argument("--sampling", default="greedy", help="comma list: greedy, or SamplingParams fields joined "
+                   "by ':', e.g. temperature=0.7:top_k=50:top_p=0.9")
+    p.add_argument("--split-gather", default="on", help="on,off: the on-GPU sampler's split gather (off: its "
+                   "select kernel reads each row in one program)")
     args = p.parse_args(argv)
+    from backends.kernels import sampling as ks
     args.batch_list = [int(x) for x in args.batches.split(",")]
 
     engine = _engine(args)
@@ -170,9 +193,14 @@ def main(argv=None) -> list[dict]:
     check = _check_graph_logits(engine, _prompts(engine, 4, args.context, seed=99))
     print("check:", check, flush=True)
     rows = []
-    for b in args.batch_list:
+    for b, sampling, split in itertools.product(args.batch_list, args.sampling.split(","),
+                                                args.split_gather.split(",")):
+        if sampling == "greedy" and split != args.split_gather.split(",")[0]:
+            continue  # greedy rows take one argmax: no gather to compare
+        ks.SPLIT_GATHER = split == "on"
         prompts = _prompts(engine, b, args.context, seed=b)
-        row = {"batch": b, "context": args.context, "tokens": args.tokens}
+        row = {"batch": b, "context": args.context, "tokens": args.tokens, "sampling": sampling,
+               "split_gather": split}
         outs = {}
         for mode in args.modes.split(","):
             _set_mode(engine, graphs, mode)
@@ -181,7 +209,7 @@ def main(argv=None) -> list[dict]:
                     k = graphs.key(b, t // graphs.page_size + 1)
                     if k is not None:
                         graphs.capture(*k)
-            o, wall, steps, cpu = _run(engine, prompts, args.tokens)
+            o, wall, steps, cpu = _run(engine, prompts, args.tokens, sampling)
             outs[mode] = o
             row[f"{mode}_ms"] = 1000 * wall / max(steps, 1)
             row[f"{mode}_host_ms"] = 1000 * cpu / max(steps, 1)
@@ -205,10 +233,11 @@ def main(argv=None) -> list[dict]:
     print(f"\ndecode step, {args.preset} {args.quantization or 'bf16'} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}, "
           f"{args.tokens} tokens; graph vs eager logits rel {check['graph_vs_eager_rel']:.2e}, "
           f"sync in overlapped launch: {check['sync_in_launch']}")
-    print(f"{'batch':>5} {'eager':>8} {'graphs':>8} {'overlap':>8} {'replay':>8} {'floor':>7} {'ovl/floor':>9} "
-          f"{'graphs/ovl':>10} {'same tok g/o':>13}")
+    print(f"{'batch':>5} {'sampling':>32} {'split':>5} {'eager':>8} {'graphs':>8} {'overlap':>8} {'replay':>8} "
+          f"{'floor':>7} {'ovl/floor':>9} {'graphs/ovl':>10} {'same tok g/o':>13}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['eager_ms']:>8.2f} {r['graphs_ms']:>8.2f} {r['overlap_ms']:>8.2f} "
+        print(f"{r['batch']:>5} {r['sampling'][:32]:>32} {r['split_gather']:>5} "
+              f"{r['eager_ms']:>8.2f} {r['graphs_ms']:>8.2f} {r['overlap_ms']:>8.2f} "
               f"{r['replay_ms']:>8.2f} {r['floor_ms']:>7.2f} {r['overlap_ms'] / r['floor_ms']:>9.2f} "
               f"{r['graphs_ms'] / r['overlap_ms']:>10.2f} {r['graphs_same_tokens']:>6.2f}/{r['overlap_same_tokens']:.2f}")
     return rows

@@ -1,10 +1,11 @@
 """On-GPU sampling (backends.kernels.sampling) against the torch sampler, on an H200.
 
     python3 -m bench.sampling_h200              # checks + timings, V = 154880, B = 1, 16, 64, 128
-    python3 -m bench.sampling_h200 --sweep      # + tile/warp/capacity variants of the kernels
+    python3 -m bench.sampling_h200 --sweep      # + tile/warp/capacity variants of the kernels, and
+                                                # the select kernel gathering in one program per row
     python3 -m bench.sampling_h200 --smoke      # tiny sizes; on a CPU-only machine it runs the
                                                 # kernels in Triton's interpreter
-    python3 -m bench.sampling_h200 --compile-only   # no GPU needed: build the three kernels for
+    python3 -m bench.sampling_h200 --compile-only   # no GPU needed: build the four kernels for
                                                 # sm_90 and print ptxas' registers and spills
 
 Checks (fresh random inputs each; logits like a model's: a bf16-rounded gaussian bulk plus a
@@ -23,7 +24,7 @@ few hundred peaked ids per row, some -inf ids), printed as `check ... ok/FAIL`:
 Timings per batch B and scenario (median of repeated calls, L2 flushed by do_bench):
   torch ms    `Sampler(use_kernel=False).sample` end to end (host wall clock, its sync included)
   kernel ms   `Sampler(use_kernel=True).sample` end to end (noise draw, upload, 3 launches, sync)
-  dev us      the three kernels alone (`sampling.sample` with the noise drawn), do_bench median
+  dev us      the kernels alone (`sampling.sample` with the noise drawn), do_bench median
   noise us    the B x V exponential_ draw that both paths make
   floor us    B*V*4 bytes (the logits read once) at 4.09 TB/s (the measured H200 copy ceiling)
 Scenarios: "decode" (T 0.6-1.0, top_k 20-50, top_p 0.8-0.95, some min_p), "top_p" (T=1,
@@ -60,7 +61,8 @@ from glmrt.sampling_params import SamplingParams  # noqa: E402
 
 TINY = torch.finfo(torch.float32).tiny
 SCENARIOS = ("decode", "top_p", "min_p", "temp", "greedy")
-SWEEP = [dict(capacity=4096, config=dict(block=1024, pblock=256, warps=8)),
+SWEEP = [dict(capacity=4096, config=dict(split_gather=False)),  # the select kernel's one-program gather
+         dict(capacity=4096, config=dict(block=1024, pblock=256, warps=8)),
          dict(capacity=4096, config=dict(block=4096, pblock=256, warps=8)),
          dict(capacity=2048, config=dict(block=2048, pblock=256, warps=8)),
          dict(capacity=4096, config=dict(block=2048, pblock=512, warps=16, sblock=4096, spblock=512))]
@@ -319,10 +321,12 @@ def compile_only(capacity: int = ks.DEFAULT_CAPACITY) -> None:
         "_stats_kernel": (dict(common, E=p, PF=p, PI=i, V="i32", CHUNK="i32"), dict(BLOCK=1024, INTERPRET=False)),
         "_pivot_kernel": (dict(common, PF=p, PI=i, DTAB=p, PC=i, PM=p, V="i32", CHUNK="i32"),
                           dict(NSP=32, NP=ks.NUM_PIVOTS, PBLOCK=256)),
+        "_split_gather_kernel": (dict(common, PF=p, PI=i, DTAB=p, PC=i, PM=p, BUF="*i64", V="i32", CHUNK="i32"),
+                                 dict(NSP=32, NP=ks.NUM_PIVOTS, CAP=capacity, BLOCK=1024)),
         "_select_kernel": (dict(common, E=p, PF=p, PI=i, DTAB=p, PC=i, PM=p, BUF="*i64", OUT="*i64", INFO=i,
                                 V="i32", NS="i32"),
                            dict(NSP=32, NP=ks.NUM_PIVOTS, CAP=capacity, BLOCK=1024, PBLOCK=256, MAXIT=12,
-                                INTERPRET=False)),
+                                INTERPRET=False, SPLIT_GATHER=True)),
     }
     pt = get_ptxas(90)
     ptxas = pt.path if hasattr(pt, "path") else pt[0]
@@ -419,7 +423,9 @@ def main() -> None:
             continue
         tag = r["scenario"]
         if r in results["sweep"]:
-            tag = f"{tag[:3]}c{r['capacity'] // 1024}k{r['config'].get('block')}w{r['config'].get('warps')}"
+            c = r["config"]
+            tag = (f"{tag[:3]}-1prog" if c.get("split_gather") is False
+                   else f"{tag[:3]}c{r['capacity'] // 1024}k{c.get('block')}w{c.get('warps')}")
         print(f"{tag:8s} {r['batch']:4d} {r['torch_ms']:9.3f} {r['kernel_ms']:9.3f} "
               f"{r['torch_ms'] / r['kernel_ms']:7.2f} {r['dev_us']:8.1f} {r['noise_us']:8.1f} {r['floor_us']:8.1f} "
               f"{r['dev_us'] / r['floor_us']:9.1f} {r['tbps']:5.2f} {r['refine_rows']:6d} {r['race_pass_rows']:5d} "

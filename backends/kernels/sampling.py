@@ -33,13 +33,18 @@ How, per row, with no sort of V:
 2. `_pivot_kernel`, grid (B, NS): NP = 16 thresholds t_j = max - d_j (d: PIVOT_OFFSETS, in
    nats; the last one is max + log(min_p) when min-p is on) and, per split, the count
    C(t) = #{z >= t} and mass M(t) = sum_{z >= t} exp(z - max) at each.
-3. `_select_kernel`, one program per row. Thresholds are compared as order-preserving int32
+3. `_split_gather_kernel`, grid (B, NS): when the pivots alone bracket the row's first cut to
+   at most CAP ids (no refinement pass; the usual decode settings), each split writes its ids
+   of that bracket into the row's buffer, at the offset its predecessors' pivot counts give.
+4. `_select_kernel`, one program per row. Thresholds are compared as order-preserving int32
    keys of z (-0 folded onto +0). A bracket [lo, hi) is kept: everything >= hi is surely
    kept (count cA, mass sA), everything < lo surely dropped; from the pivots it takes the
    narrowest bracket, then, while the bracket holds more than CAP elements, full-row passes
    with NP pivots spread over the key interval narrow it (at most 8 with 16 pivots: 2^32
-   keys / 17^8 < 1). The bracket's elements are gathered into a per-row scratch buffer as
-   int64 (key << 32 | (2^31 - 1 - id)) and sorted there (`tl.sort`, CAP elements), which is
+   keys / 17^8 < 1). The bracket's elements are gathered (by kernel 3 when it could, else
+   here by a pass over the row) into a per-row scratch buffer as
+   int64 (key << 32 | (2^31 - 1 - id)) and sorted there (`tl.sort` of CAP elements, or of
+   SMALL_SORT when the bracket holds no more), which is
    exactly the stable order; the exact cuts are taken on them. If everything kept lies in
    the buffer the race runs there (E gathered at the kept ids); otherwise a last full pass
    races over {key > v} plus the first q ids (in id order) of the tie group at v.
@@ -57,11 +62,15 @@ end (no cross-thread reduction per tile). Path taken per row is reported in `inf
 
 Batch independence: every reduction is row-local, the split boundaries depend on V only
 (never on B), and the launch configuration is fixed, so a row's token does not depend on
-the other rows. No host synchronisation: three launches and device-side loops only.
+the other rows (the split gather's offsets come from counts, not from arrival order). No host
+synchronisation: four launches and device-side loops only.
 
-Cost: two full reads of x in (B, NS) programs (stats, pivots), then, in one program per
-row, one gather pass plus one per refinement and a final race pass when the kept set
-outgrows the buffer (typical decode settings: gather only), plus E read at kept ids only.
+Cost: three full reads of x in (B, NS) programs (stats, pivots, the gather), then, in one
+program per row, a sort of the buffer, plus a full-row pass per refinement, a gather pass when
+the pivots did not bracket the cut, and a final race pass when the kept set outgrows the buffer
+(typical decode settings: the sort only), plus E read at kept ids only. One program reading a
+whole 154880-id row was latency-bound at ~250 us, whatever the batch; the split gather reads it
+in NS programs.
 The floor for B=128, V=154880 is 79 MB of logits read once, 19 us at 4.09 TB/s; the
 exponentials that the sampler contract draws add a 79 MB write before the kernels.
 
@@ -74,15 +83,19 @@ import torch
 import triton
 
 from .interpreter import INTERPRET as _INTERPRET
-from .sampling_kernels import _pivot_kernel, _select_kernel, _stats_kernel
+from .sampling_kernels import _pivot_kernel, _select_kernel, _split_gather_kernel, _stats_kernel
 
 NUM_PIVOTS = 16
 # Offsets below the row maximum, in nats of z = x / T, of the first pass's thresholds.
 PIVOT_OFFSETS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0)
 DEFAULT_CAPACITY = 4096  # elements sorted in registers per row
 DEFAULT_CHUNK = 8192  # split size of the two batched passes (a function of V only)
+SMALL_SORT = 512  # brackets of at most this many ids (and at most half the capacity) take a small sort
 NUM_PARAMS = 8  # int32 words per row in the packed parameter tensor
 _MAX_REFINE = 12
+# The first bracket gathered by (B, NS) programs before the select kernel (a fourth launch), or,
+# False, by the select kernel's one program per row reading the whole row (benches time both).
+SPLIT_GATHER = True
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -121,9 +134,11 @@ def default_tiles(vocab: int, chunk: int, interpreted: bool = _INTERPRET) -> dic
     compile check builds the variants a GPU launches."""
     if interpreted:
         return dict(dict.fromkeys(("block", "pblock", "sblock", "spblock"),
-                                  max(16, min(8192, triton.next_power_of_2(vocab)))), warps=4)
+                                  max(16, min(8192, triton.next_power_of_2(vocab)))), warps=4,
+                    split_gather=SPLIT_GATHER)
     return dict(block=1024, pblock=256, sblock=min(1024, triton.next_power_of_2(chunk)),
-                spblock=min(256, triton.next_power_of_2(chunk)), warps=8)
+                spblock=min(256, triton.next_power_of_2(chunk)), warps=8,
+                split_gather=SPLIT_GATHER)
 
 
 def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
@@ -135,10 +150,11 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
     draws (contiguous; row `noise_row` of each sampled row), or None when every row is
     greedy. `capacity` (a power of two: the sort size per row) and `chunk` (split size of
     the batched passes) are tuning knobs that change nothing but top-p's rounding; `config`
-    overrides the tile sizes and warps ({"block", "pblock", "sblock", "spblock", "warps"}).
+    overrides the tile sizes and warps ({"block", "pblock", "sblock", "spblock", "warps"}) and
+    "split_gather" (bool, default SPLIT_GATHER: the fourth launch, kernel 3).
     `out` (int64 [B]) receives the tokens; `info` (int32 [B, 2]), if given, the number of
     ids each row kept and the paths its select program took (bits: see `_select_kernel`).
-    Three launches, no host synchronisation.
+    Four launches, no host synchronisation.
     """
     if x.dim() != 2 or x.dtype != torch.float32 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError("x must be fp32 [B, V] with unit stride along V")
@@ -169,7 +185,13 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
                            BLOCK=cfg["sblock"], INTERPRET=_INTERPRET, num_warps=cfg["warps"])
     _pivot_kernel[(B, ns)](x, stride_x, params, pf, pi, dtab, pc, pm, V, chunk,
                            NSP=nsp, NP=NUM_PIVOTS, PBLOCK=cfg["spblock"], num_warps=cfg["warps"])
+    split_gather = bool(cfg["split_gather"])
+    if split_gather:
+        _split_gather_kernel[(B, ns)](x, stride_x, params, pf, pi, dtab, pc, pm, buf, V, chunk,
+                                      NSP=nsp, NP=NUM_PIVOTS, CAP=capacity, BLOCK=cfg["sblock"],
+                                      num_warps=cfg["warps"])
     _select_kernel[(B,)](x, stride_x, params, e, pf, pi, dtab, pc, pm, buf, out, info, V, ns,
                          NSP=nsp, NP=NUM_PIVOTS, CAP=capacity, BLOCK=cfg["block"], PBLOCK=cfg["pblock"],
-                         MAXIT=_MAX_REFINE, INTERPRET=_INTERPRET, num_warps=cfg["warps"])
+                         MAXIT=_MAX_REFINE, INTERPRET=_INTERPRET, SPLIT_GATHER=split_gather,
+                         SMALL=min(SMALL_SORT, capacity // 2), num_warps=cfg["warps"])
     return out

@@ -114,6 +114,32 @@ def _count_pass(xrow, t, m, pk, c0, c1, NP: tl.constexpr, PBLOCK: tl.constexpr):
     return tl.sum(C, 0), tl.sum(M, 0)
 
 
+@triton.jit
+def _cut_params(k, topp, lmp, m, nfin):
+    """The row's cuts as the select kernel applies them: (k_eff, has_k, has_p, has_m, tmin, kmin)."""
+    k_eff = tl.minimum(k, nfin)
+    tmin = m + lmp
+    return k_eff, k_eff < nfin, topp < 1.0, lmp > float("-inf"), tmin, _key(tmin)
+
+
+@triton.jit
+def _pivot_table_of(PC, PM, r, NS, NSP: tl.constexpr, NP: tl.constexpr):
+    """Row r's per-split pivot counts [NSP, NP] (0 past NS) and their row sums C0, M0 [NP]."""
+    ss = tl.arange(0, NSP)
+    jj = tl.arange(0, NP)
+    pidx = (r * NS + ss)[:, None] * NP + jj[None, :]
+    pok = (ss < NS)[:, None] & (jj < NP)[None, :]
+    Cs = tl.load(PC + pidx, mask=pok, other=0)
+    return Cs, tl.sum(Cs, 0), tl.sum(tl.load(PM + pidx, mask=pok, other=0.0), 0)
+
+
+@triton.jit
+def _first_phase(has_k, has_p, has_m):
+    """0: the bracket of position k (for S_k, when top-k and top-p are both on); 1: the cut's
+    bracket; 2: no cut at all."""
+    return tl.where(has_k & has_p, 0, 1) + tl.where(has_k | has_p | has_m, 0, 2)
+
+
 # ---- kernel 1: per-split statistics (+ the whole race for unfiltered rows) -------------------
 @triton.jit
 def _stats_kernel(X, stride_x, PRM, E, PF, PI, V, CHUNK,
@@ -230,33 +256,65 @@ def _bracket(xrow, t, m, V, pk0, C0, M0, lo, cLo, hi, cA, sA, k_eff, has_k, has_
 
 
 @triton.jit
-def _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-    """Ids with lo <= key(z) < hi, as (z, id) in stable descending order; n of them (<= CAP)."""
-    tl.debug_barrier()  # earlier reads of the buffer (a previous gather) come first
-    offs0 = tl.arange(0, BLOCK)
-    cnt = 0
-    for start in range(0, V, BLOCK):
-        offs = start + offs0
-        valid = offs < V
-        x = tl.load(xrow + offs, mask=valid, other=float("-inf"))
-        kz = _key(_div(x, t))
-        inb = valid & (kz >= lo) & (kz < hi)
-        pos = cnt + tl.cumsum(inb.to(tl.int32), 0) - 1
-        key64 = (kz.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-        tl.store(BUFROW + pos, key64, mask=inb & (pos < CAP))
-        cnt += tl.sum(inb.to(tl.int32), 0)
-    tl.debug_barrier()
-    n = tl.minimum(cnt, CAP)
-    ii = tl.arange(0, CAP)
-    keys = tl.load(BUFROW + ii, mask=ii < n, other=-9223372036854775807 - 1)
+def _sort_desc(keys, INTERPRET: tl.constexpr):
     if INTERPRET:
-        keys = _np_sort_desc(keys)
+        return _np_sort_desc(keys)
     else:
-        keys = tl.sort(keys, descending=True)
+        return tl.sort(keys, descending=True)
+
+
+@triton.jit
+def _sorted_buffer(BUFROW, cnt, CAP: tl.constexpr, SMALL: tl.constexpr, INTERPRET: tl.constexpr):
+    """The first min(cnt, CAP) entries of a row's buffer in stable descending order: (z, key,
+    id, n). Up to SMALL entries (a decode cut's usual bracket) a SMALL-wide sort orders them in
+    the buffer first: the CAP-wide sort network costs ~10x more."""
+    n = tl.minimum(cnt, CAP)
+    lowest = -9223372036854775807 - 1
+    if n <= SMALL:
+        jj = tl.arange(0, SMALL)
+        few = _sort_desc(tl.load(BUFROW + jj, mask=jj < n, other=lowest), INTERPRET)
+        tl.debug_barrier()  # every lane has read the buffer before any writes it back
+        tl.store(BUFROW + jj, few, mask=jj < n)
+        tl.debug_barrier()
+        ii = tl.arange(0, CAP)
+        keys = tl.load(BUFROW + ii, mask=ii < n, other=lowest)
+    else:
+        ii = tl.arange(0, CAP)
+        keys = _sort_desc(tl.load(BUFROW + ii, mask=ii < n, other=lowest), INTERPRET)
     kz = (keys >> 32).to(tl.int32)
     ids = 2147483647 - keys.to(tl.int32)
     return _unkey(kz), kz, ids, n
+
+
+@triton.jit
+def _gather_range(xrow, t, lo, hi, BUFROW, pos0, c0, c1, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """Ids in [c0, c1) with lo <= key(z) < hi into the buffer from position pos0, as int64
+    (key << 32 | (2^31 - 1 - id)): sorting those descending gives the stable order. -> count."""
+    offs0 = tl.arange(0, BLOCK)
+    cnt = 0
+    for start in range(c0, c1, BLOCK):
+        offs = start + offs0
+        valid = offs < c1
+        x = tl.load(xrow + offs, mask=valid, other=float("-inf"))
+        kz = _key(_div(x, t))
+        inb = valid & (kz >= lo) & (kz < hi)
+        hits = tl.sum(inb.to(tl.int32), 0)
+        if hits > 0:  # most tiles hold none of a decode cut's few hundred ids: no scan there
+            pos = pos0 + cnt + tl.cumsum(inb.to(tl.int32), 0) - 1
+            key64 = (kz.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+            tl.store(BUFROW + pos, key64, mask=inb & (pos < CAP))
+        cnt += hits
+    return cnt
+
+
+@triton.jit
+def _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Ids with lo <= key(z) < hi, as (z, key, id) in stable descending order; n of them (<= CAP)."""
+    tl.debug_barrier()  # earlier reads of the buffer (a previous gather) come first
+    cnt = _gather_range(xrow, t, lo, hi, BUFROW, 0, 0, V, BLOCK, CAP)
+    tl.debug_barrier()
+    return _sorted_buffer(BUFROW, cnt, CAP, SMALL, INTERPRET)
 
 
 @triton.jit
@@ -322,16 +380,68 @@ def _threshold(kzs, keep, hi, CAP: tl.constexpr):
     return v, q
 
 
-# ---- kernel 3: one program per row -----------------------------------------------------------
+# ---- kernel 3: the first bracket, gathered split by split ------------------------------------
+@triton.jit
+def _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, topp, phase,
+                   CAP: tl.constexpr):
+    """The select kernel's first bracket as its pivots give it, before any refinement pass:
+    (ready, lo, hi, n). ready: it holds at most CAP ids (the select kernel gathers it as it
+    stands, from the top when everything down to lo fits), n of them in [lo, hi)."""
+    top = _key(m) + 1
+    zero = tl.zeros((), dtype=tl.int32)
+    lo, cLo, hi, cA, sA = _narrow(pk0, C0, M0, zero + _KEY_LO_ALL, nfin, top, zero, S * 0.0, k_eff, has_k,
+                                  has_p, has_m, kmin, topp * S, phase == 0)
+    ready = (phase < 2) & (cLo - cA <= CAP)
+    hi = tl.where(cLo <= CAP, top, hi)
+    cA = tl.where(cLo <= CAP, 0, cA)
+    return ready, lo, hi, cLo - cA
+
+
+@triton.jit
+def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, V, CHUNK,
+                         NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Split s of row r writes its ids of the row's first bracket into the row's buffer, at the
+    position the splits before it fill up to (their counts at the bracket's two pivots), when
+    that bracket needs no refinement: the select kernel then sorts the buffer instead of
+    reading the whole row in one program."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    NS = tl.num_programs(1)
+    t, topp, lmp, k, nrow = _params(PRM, r)
+    if (nrow >= 0) & (_unfiltered(k, topp, lmp, V) == 0):
+        m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
+        if nfin > 0:
+            k_eff, has_k, has_p, has_m, tmin, kmin = _cut_params(k, topp, lmp, m, nfin)
+            pk0 = _initial_pivots(DTAB, m, lmp, NP)
+            Cs, C0, M0 = _pivot_table_of(PC, PM, r, NS, NSP, NP)
+            ready, lo, hi, n = _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, topp,
+                                              _first_phase(has_k, has_p, has_m), CAP)
+            if ready:
+                # lo is a pivot or below every finite z; hi a pivot or above the maximum: each
+                # split's count in [lo, hi) is its count at lo less its count at hi
+                ss = tl.arange(0, NSP)
+                nf = tl.load(PI + (r * NS + ss) * 4 + 1, mask=ss < NS, other=0)
+                at_lo = tl.max(tl.where(pk0[None, :] == lo, Cs, 0), 1)
+                at_hi = tl.max(tl.where(pk0[None, :] == hi, Cs, 0), 1)
+                cnt = tl.where(lo == _KEY_LO_ALL, nf, at_lo) - tl.where(hi == _key(m) + 1, 0, at_hi)
+                pos0 = tl.sum(tl.where(ss < s, cnt, 0), 0)
+                c0 = s * CHUNK
+                _gather_range(X + r.to(tl.int64) * stride_x, t, lo, hi, BUF + r.to(tl.int64) * CAP, pos0,
+                              c0, tl.minimum(c0 + CHUNK, V), BLOCK, CAP)
+
+
+# ---- kernel 4: one program per row -----------------------------------------------------------
 @triton.jit
 def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V, NS,
                    NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                   PBLOCK: tl.constexpr, MAXIT: tl.constexpr, INTERPRET: tl.constexpr):
+                   PBLOCK: tl.constexpr, MAXIT: tl.constexpr, INTERPRET: tl.constexpr,
+                   SPLIT_GATHER: tl.constexpr = False, SMALL: tl.constexpr = 16):
     """Row r's token to OUT[r]; INFO[r] = (ids kept, path bits): 1 race done by the stats
     kernel (no filter), 2 no cut (top-k at or above the finite count), 4 S_k from a gathered
     bracket, 8 S_k from a tie group larger than CAP, 16 race in the buffer, 32 final race
-    pass, 64 cut inside a tie group larger than CAP; bits 8-15 and 16-23 count the refinement
-    passes of the top-k bracket and of the cut's bracket."""
+    pass, 64 cut inside a tie group larger than CAP, 128 the first bracket came gathered by
+    `_split_gather_kernel` (SPLIT_GATHER: it ran before); bits 8-15 and 16-23 count the
+    refinement passes of the top-k bracket and of the cut's bracket."""
     r = tl.program_id(0)
     t, topp, lmp, k, nrow = _params(PRM, r)
     m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
@@ -347,19 +457,9 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
             xrow = X + r.to(tl.int64) * stride_x
             erow = E + nrow.to(tl.int64) * V
             BUFROW = BUF + r.to(tl.int64) * CAP
-            k_eff = tl.minimum(k, nfin)
-            has_k = k_eff < nfin
-            has_p = topp < 1.0
-            has_m = lmp > float("-inf")
-            tmin = m + lmp
-            kmin = _key(tmin)
+            k_eff, has_k, has_p, has_m, tmin, kmin = _cut_params(k, topp, lmp, m, nfin)
             pk0 = _initial_pivots(DTAB, m, lmp, NP)
-            ss = tl.arange(0, NSP)
-            jj = tl.arange(0, NP)
-            pidx = (r * NS + ss)[:, None] * NP + jj[None, :]
-            pok = (ss < NS)[:, None] & (jj < NP)[None, :]
-            C0 = tl.sum(tl.load(PC + pidx, mask=pok, other=0), 0)
-            M0 = tl.sum(tl.load(PM + pidx, mask=pok, other=0.0), 0)
+            Cs, C0, M0 = _pivot_table_of(PC, PM, r, NS, NSP, NP)
             top = _key(m) + 1
             zero = tl.zeros((), dtype=tl.int32)
             Sk = S
@@ -370,8 +470,9 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
             # phase 0: the bracket of position k_eff, for S_k (only when top-p needs it);
             # phase 1: the bracket of the cut itself. One code site each for the count passes,
             # the gather and sort, and the races (the kernel stays small to compile).
-            phase = tl.where(has_k & has_p, 0, 1) + tl.where(has_k | has_p | has_m, 0, 2)
+            phase = _first_phase(has_k, has_p, has_m)
             path = path | tl.where(phase >= 2, 2, 0)
+            first = zero + 1
             while phase < 2:
                 lo, cLo, hi, cA, sA, it = _bracket(xrow, t, m, V, pk0, C0, M0, zero + _KEY_LO_ALL, nfin,
                                                    top, zero, S * 0.0, k_eff, has_k, has_p, has_m, kmin,
@@ -382,7 +483,15 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
                     cA = zero
                     sA = S * 0.0
                 if (cLo - cA <= CAP) | (hi.to(tl.int64) - lo.to(tl.int64) > 1):
-                    zs, kzs, ids, n = _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK, CAP, INTERPRET)
+                    if SPLIT_GATHER:  # the first bracket, unrefined, is the one the split kernel gathered
+                        pre = (first == 1) & (it == 0)
+                    else:
+                        pre = first == 2
+                    if pre:
+                        zs, kzs, ids, n = _sorted_buffer(BUFROW, cLo - cA, CAP, SMALL, INTERPRET)
+                        path = path | 128
+                    else:
+                        zs, kzs, ids, n = _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK, CAP, SMALL, INTERPRET)
                     if phase == 0:
                         ii = tl.arange(0, CAP)
                         e = tl.where(ii < n, tl.exp(zs - m), 0.0)
@@ -420,6 +529,7 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
                         nkept = cA + q
                         path = path | 64
                 phase += 1
+                first = zero
             if done == 0:
                 tok = _race_pass(xrow, erow, t, vkey, q, V, BLOCK, INTERPRET)
                 path = path | 32

@@ -35,7 +35,8 @@ TINY = torch.finfo(torch.float32).tiny
 CAP, CHUNK = 32, 256  # small: the vocabularies here then take every path
 
 # info[:, 1] bits set by the select kernel (see _select_kernel)
-UNFILTERED, NO_CUT, TOPK_MASS, TOPK_TIES, RACE_BUFFER, RACE_PASS, CUT_TIES = 1, 2, 4, 8, 16, 32, 64
+UNFILTERED, NO_CUT, TOPK_MASS, TOPK_TIES, RACE_BUFFER, RACE_PASS, CUT_TIES, SPLIT_GATHERED = (
+    1, 2, 4, 8, 16, 32, 64, 128)
 
 
 
@@ -189,6 +190,27 @@ def test_kept_set_matches_sort_based_cut(device, case):
         paths |= np_or(info[:, 1])
     if case == "large_kept":
         assert paths & RACE_PASS and paths & 0xFFFF00, hex(paths)  # refinement passes and the race pass
+
+
+def test_the_split_gather_gives_what_the_one_program_gather_gives(device):
+    """The first bracket gathered split by split (the default) against the select kernel's own
+    pass over the row: same tokens, kept counts and paths, on rows that take it and rows that
+    refine; the split kernel really gathered on some rows (and never with it off)."""
+    g = _gen("split-gather")
+    b, v = 12, 1500
+    for kind in (0, 1, 2):
+        x, params = _logits(g, b, v, kind), _random_params(g, b, v)
+        params[0].update(top_k=5, top_p=1.0, min_p=0.0)   # a bracket from the top that fits
+        params[1].update(top_k=-1, top_p=0.5, min_p=0.0)
+        noise = torch.empty(b, v).exponential_(generator=g)
+        on = _kernel(x, params, noise, device, config=dict(split_gather=True))
+        off = _kernel(x, params, noise, device, config=dict(split_gather=False))
+        ref, kept = _reference(x, params, noise)
+        assert on[0].tolist() == off[0].tolist() == ref.tolist(), params
+        assert on[1][:, 0].tolist() == off[1][:, 0].tolist() == kept.sum(dim=1).tolist()
+        assert (on[1][:, 1] & ~SPLIT_GATHERED).tolist() == off[1][:, 1].tolist()
+        assert np_or(on[1][:, 1]) & SPLIT_GATHERED and not np_or(off[1][:, 1]) & SPLIT_GATHERED
+        assert on[1][0, 1] & SPLIT_GATHERED, on[1][:, 1].tolist()
 
 
 def test_top_k_above_the_finite_count_keeps_every_finite_id(device):
