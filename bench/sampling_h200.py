@@ -1,8 +1,9 @@
 """On-GPU sampling (backends.kernels.sampling) against the torch sampler, on an H200.
 
     python3 -m bench.sampling_h200              # checks + timings, V = 154880, B = 1, 16, 64, 128
-    python3 -m bench.sampling_h200 --sweep      # + tile/warp/capacity variants of the kernels, and
-                                                # the select kernel gathering in one program per row
+    python3 -m bench.sampling_h200 --sweep      # + the select kernel gathering in one program per row
+                                                # and sorting CAP wide, the split gather alone, and a
+                                                # smaller capacity
     python3 -m bench.sampling_h200 --smoke      # tiny sizes; on a CPU-only machine it runs the
                                                 # kernels in Triton's interpreter
     python3 -m bench.sampling_h200 --compile-only   # no GPU needed: build the four kernels for
@@ -61,11 +62,9 @@ from glmrt.sampling_params import SamplingParams  # noqa: E402
 
 TINY = torch.finfo(torch.float32).tiny
 SCENARIOS = ("decode", "top_p", "min_p", "temp", "greedy")
-SWEEP = [dict(capacity=4096, config=dict(split_gather=False)),  # the select kernel's one-program gather
-         dict(capacity=4096, config=dict(block=1024, pblock=256, warps=8)),
-         dict(capacity=4096, config=dict(block=4096, pblock=256, warps=8)),
-         dict(capacity=2048, config=dict(block=2048, pblock=256, warps=8)),
-         dict(capacity=4096, config=dict(block=2048, pblock=512, warps=16, sblock=4096, spblock=512))]
+SWEEP = [dict(capacity=4096, config=dict(split_gather=False, small_sort=1 << 30)),  # one program gathers, wide sort
+         dict(capacity=4096, config=dict(small_sort=1 << 30)),  # split gather, wide sort
+         dict(capacity=2048, config=dict(block=2048, pblock=256, warps=8))]
 
 
 def row(generator=None, output=(), prompt=(), eos=(), **params):
@@ -326,7 +325,7 @@ def compile_only(capacity: int = ks.DEFAULT_CAPACITY) -> None:
         "_select_kernel": (dict(common, E=p, PF=p, PI=i, DTAB=p, PC=i, PM=p, BUF="*i64", OUT="*i64", INFO=i,
                                 V="i32", NS="i32"),
                            dict(NSP=32, NP=ks.NUM_PIVOTS, CAP=capacity, BLOCK=1024, PBLOCK=256, MAXIT=12,
-                                INTERPRET=False, SPLIT_GATHER=True)),
+                                INTERPRET=False, SPLIT_GATHER=True, SMALL=ks.SMALL_SORT)),
     }
     pt = get_ptxas(90)
     ptxas = pt.path if hasattr(pt, "path") else pt[0]
@@ -424,7 +423,7 @@ def main() -> None:
         tag = r["scenario"]
         if r in results["sweep"]:
             c = r["config"]
-            tag = (f"{tag[:3]}-1prog" if c.get("split_gather") is False
+            tag = (f"{tag[:3]}-1prog" if c.get("split_gather") is False else f"{tag[:3]}-wide" if "small_sort" in c
                    else f"{tag[:3]}c{r['capacity'] // 1024}k{c.get('block')}w{c.get('warps')}")
         print(f"{tag:8s} {r['batch']:4d} {r['torch_ms']:9.3f} {r['kernel_ms']:9.3f} "
               f"{r['torch_ms'] / r['kernel_ms']:7.2f} {r['dev_us']:8.1f} {r['noise_us']:8.1f} {r['floor_us']:8.1f} "

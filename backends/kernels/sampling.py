@@ -90,7 +90,7 @@ NUM_PIVOTS = 16
 PIVOT_OFFSETS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0)
 DEFAULT_CAPACITY = 4096  # elements sorted in registers per row
 DEFAULT_CHUNK = 8192  # split size of the two batched passes (a function of V only)
-SMALL_SORT = 512  # brackets of at most this many ids (and at most half the capacity) take a small sort
+SMALL_SORT = 512  # brackets of at most this many ids take a sort this wide (>= the capacity: never)
 NUM_PARAMS = 8  # int32 words per row in the packed parameter tensor
 _MAX_REFINE = 12
 # The first bracket gathered by (B, NS) programs before the select kernel (a fourth launch), or,
@@ -135,10 +135,10 @@ def default_tiles(vocab: int, chunk: int, interpreted: bool = _INTERPRET) -> dic
     if interpreted:
         return dict(dict.fromkeys(("block", "pblock", "sblock", "spblock"),
                                   max(16, min(8192, triton.next_power_of_2(vocab)))), warps=4,
-                    split_gather=SPLIT_GATHER)
+                    split_gather=SPLIT_GATHER, small_sort=SMALL_SORT)
     return dict(block=1024, pblock=256, sblock=min(1024, triton.next_power_of_2(chunk)),
                 spblock=min(256, triton.next_power_of_2(chunk)), warps=8,
-                split_gather=SPLIT_GATHER)
+                split_gather=SPLIT_GATHER, small_sort=SMALL_SORT)
 
 
 def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
@@ -151,7 +151,8 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
     greedy. `capacity` (a power of two: the sort size per row) and `chunk` (split size of
     the batched passes) are tuning knobs that change nothing but top-p's rounding; `config`
     overrides the tile sizes and warps ({"block", "pblock", "sblock", "spblock", "warps"}) and
-    "split_gather" (bool, default SPLIT_GATHER: the fourth launch, kernel 3).
+    "split_gather" (bool, default SPLIT_GATHER: the fourth launch, kernel 3) and "small_sort"
+    (default SMALL_SORT: the width of the sort of small brackets; >= capacity: none).
     `out` (int64 [B]) receives the tokens; `info` (int32 [B, 2]), if given, the number of
     ids each row kept and the paths its select program took (bits: see `_select_kernel`).
     Four launches, no host synchronisation.
@@ -193,5 +194,6 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
     _select_kernel[(B,)](x, stride_x, params, e, pf, pi, dtab, pc, pm, buf, out, info, V, ns,
                          NSP=nsp, NP=NUM_PIVOTS, CAP=capacity, BLOCK=cfg["block"], PBLOCK=cfg["pblock"],
                          MAXIT=_MAX_REFINE, INTERPRET=_INTERPRET, SPLIT_GATHER=split_gather,
-                         SMALL=min(SMALL_SORT, capacity // 2), num_warps=cfg["warps"])
+                         SMALL=triton.next_power_of_2(max(1, min(int(cfg["small_sort"]), capacity))),
+                         num_warps=cfg["warps"])
     return out

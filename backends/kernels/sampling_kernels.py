@@ -256,7 +256,10 @@ def _bracket(xrow, t, m, V, pk0, C0, M0, lo, cLo, hi, cA, sA, k_eff, has_k, has_
 
 
 @triton.jit
-def _sort_desc(keys, INTERPRET: tl.constexpr):
+def _load_sorted(BUFROW, n, SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The buffer's first n entries (n <= SIZE) sorted descending, padded with the lowest key."""
+    jj = tl.arange(0, SIZE)
+    keys = tl.load(BUFROW + jj, mask=jj < n, other=-9223372036854775807 - 1)
     if INTERPRET:
         return _np_sort_desc(keys)
     else:
@@ -266,21 +269,22 @@ def _sort_desc(keys, INTERPRET: tl.constexpr):
 @triton.jit
 def _sorted_buffer(BUFROW, cnt, CAP: tl.constexpr, SMALL: tl.constexpr, INTERPRET: tl.constexpr):
     """The first min(cnt, CAP) entries of a row's buffer in stable descending order: (z, key,
-    id, n). Up to SMALL entries (a decode cut's usual bracket) a SMALL-wide sort orders them in
-    the buffer first: the CAP-wide sort network costs ~10x more."""
+    id, n). Up to SMALL entries (SMALL < CAP; a decode cut's usual bracket) a SMALL-wide sort
+    orders them in the buffer first: the CAP-wide sort network costs ~10x more."""
     n = tl.minimum(cnt, CAP)
-    lowest = -9223372036854775807 - 1
-    if n <= SMALL:
-        jj = tl.arange(0, SMALL)
-        few = _sort_desc(tl.load(BUFROW + jj, mask=jj < n, other=lowest), INTERPRET)
-        tl.debug_barrier()  # every lane has read the buffer before any writes it back
-        tl.store(BUFROW + jj, few, mask=jj < n)
-        tl.debug_barrier()
-        ii = tl.arange(0, CAP)
-        keys = tl.load(BUFROW + ii, mask=ii < n, other=lowest)
+    if SMALL < CAP:
+        if n <= SMALL:
+            few = _load_sorted(BUFROW, n, SMALL, INTERPRET)
+            jj = tl.arange(0, SMALL)
+            tl.debug_barrier()  # every lane has read the buffer before any writes it back
+            tl.store(BUFROW + jj, few, mask=jj < n)
+            tl.debug_barrier()
+            ii = tl.arange(0, CAP)
+            keys = tl.load(BUFROW + ii, mask=ii < n, other=-9223372036854775807 - 1)
+        else:
+            keys = _load_sorted(BUFROW, n, CAP, INTERPRET)
     else:
-        ii = tl.arange(0, CAP)
-        keys = _sort_desc(tl.load(BUFROW + ii, mask=ii < n, other=lowest), INTERPRET)
+        keys = _load_sorted(BUFROW, n, CAP, INTERPRET)
     kz = (keys >> 32).to(tl.int32)
     ids = 2147483647 - keys.to(tl.int32)
     return _unkey(kz), kz, ids, n

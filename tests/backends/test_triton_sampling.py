@@ -79,6 +79,7 @@ def _kernel(x, params, noise, device, capacity=CAP, chunk=CHUNK, config=None):
                             [p["top_p"] for p in params], [p["min_p"] for p in params], list(range(b)), v)
     info = torch.full((b, 2), -1, dtype=torch.int32, device=device)
     out = torch.full((b,), -1, dtype=torch.long, device=device)
+    config = {"small_sort": capacity // 2, **(config or {})}  # brackets on both sides of the small sort
     out.copy_(ks.sample(x.to(device), packed.to(device), noise.to(device), capacity=capacity, chunk=chunk, info=info,
                         config=config))
     return out.cpu(), info.cpu()
@@ -193,9 +194,10 @@ def test_kept_set_matches_sort_based_cut(device, case):
 
 
 def test_the_split_gather_gives_what_the_one_program_gather_gives(device):
-    """The first bracket gathered split by split (the default) against the select kernel's own
-    pass over the row: same tokens, kept counts and paths, on rows that take it and rows that
-    refine; the split kernel really gathered on some rows (and never with it off)."""
+    """The first bracket gathered split by split and small brackets sorted narrow (the defaults)
+    against the select kernel's own pass over the row and one CAP-wide sort: same tokens, kept
+    counts and paths, on rows that take it and rows that refine; the split kernel really
+    gathered on some rows (and never with it off)."""
     g = _gen("split-gather")
     b, v = 12, 1500
     for kind in (0, 1, 2):
@@ -204,7 +206,7 @@ def test_the_split_gather_gives_what_the_one_program_gather_gives(device):
         params[1].update(top_k=-1, top_p=0.5, min_p=0.0)
         noise = torch.empty(b, v).exponential_(generator=g)
         on = _kernel(x, params, noise, device, config=dict(split_gather=True))
-        off = _kernel(x, params, noise, device, config=dict(split_gather=False))
+        off = _kernel(x, params, noise, device, config=dict(split_gather=False, small_sort=CAP))
         ref, kept = _reference(x, params, noise)
         assert on[0].tolist() == off[0].tolist() == ref.tolist(), params
         assert on[1][:, 0].tolist() == off[1][:, 0].tolist() == kept.sum(dim=1).tolist()
