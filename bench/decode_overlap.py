@@ -16,9 +16,9 @@ synchronisation (torch.cuda.set_sync_debug_mode("error") around it). Then per ba
 decode step time (wall time of the decode phase / steps) of each mode, the GPU-only time of
 one graph replay, and the host time per step. `--sampling` runs the workload once per
 sampling setting (greedy: one argmax; else SamplingParams fields, each request seeded, so the
-modes draw the same tokens), `--split-gather` once per sampler gather path (the on-GPU
-sampler's split gather or its one-program gather): the step time difference is what sampling
-costs. A short table is printed last; JSON to $OUT/decode_overlap.json when OUT is set.
+modes draw the same tokens), `--split-gather` once per on-GPU sampler path (on: the split
+gather and the narrow sort of small brackets; off: the select kernel's one-program gather and
+whole-buffer sort): the step time difference is what sampling costs. A short table is printed last; JSON to $OUT/decode_overlap.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--modes", default="eager,graphs,overlap")
     p.add_argument("--sampling", default="greedy", help="comma list: greedy, or SamplingParams fields joined "
                    "by ':', e.g. temperature=0.7:top_k=50:top_p=0.9")
-    p.add_argument("--split-gather", default="on", help="on,off: the on-GPU sampler's split gather (off: its "
-                   "select kernel reads each row in one program)")
+    p.add_argument("--split-gather", default="on", help="on,off: the on-GPU sampler's split gather and narrow "
+                   "sort of small brackets (off: its select kernel reads each row in one program and sorts the "
+                   "whole buffer)")
     args = p.parse_args(argv)
     from backends.kernels import sampling as ks
     args.batch_list = [int(x) for x in args.batches.split(",")]
@@ -197,7 +198,7 @@ def main(argv=None) -> list[dict]:
                                                 args.split_gather.split(",")):
         if sampling == "greedy" and split != args.split_gather.split(",")[0]:
             continue  # greedy rows take one argmax: no gather to compare
-        ks.SPLIT_GATHER = split == "on"
+        ks.SPLIT_GATHER, ks.SMALL_SORT = (True, 512) if split == "on" else (False, 1 << 30)
         prompts = _prompts(engine, b, args.context, seed=b)
         row = {"batch": b, "context": args.context, "tokens": args.tokens, "sampling": sampling,
                "split_gather": split}
