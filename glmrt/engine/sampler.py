@@ -126,7 +126,7 @@ class Sampler:
 
     def _tokens(self, x: Tensor, rows: list[SamplerRow]) -> Tensor:
         """One token per row of the penalised fp32 logits x, on x's device."""
-        if all(r.params.is_greedy for r in rows):  # one argmax beats the kernels' three passes (H200: 0.17 vs 0.30 ms at B=1)
+        if all(r.params.is_greedy for r in rows):  # one argmax launch instead of the kernels' four
             return x.argmax(dim=-1)
         kernels = self._kernels(x)
         if kernels is not None:
