@@ -195,23 +195,29 @@ def _stats_kernel(X, stride_x, PRM, E, PF, PI, V, CHUNK,
 
 # ---- kernel 2: counts and masses at the first pivots, per split ------------------------------
 @triton.jit
-def _pivot_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, V, CHUNK,
-                  NSP: tl.constexpr, NP: tl.constexpr, PBLOCK: tl.constexpr):
+def _split_row(PRM, PF, PI, V, NSP: tl.constexpr):
+    """Program (r, s) of a (B, NS) launch after the stats: (r, s, NS, t, topp, lmp, k, m, S,
+    nfin, go), go when row r is sampled with a cut and has a finite logit."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     NS = tl.num_programs(1)
     t, topp, lmp, k, nrow = _params(PRM, r)
-    if (nrow >= 0) & (_unfiltered(k, topp, lmp, V) == 0):
-        m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
-        if nfin > 0:
-            pk = _initial_pivots(DTAB, m, lmp, NP)
-            xrow = X + r.to(tl.int64) * stride_x
-            c0 = s * CHUNK
-            c1 = tl.minimum(c0 + CHUNK, V)
-            C, M = _count_pass(xrow, t, m, pk, c0, c1, NP, PBLOCK)
-            jj = tl.arange(0, NP)
-            tl.store(PC + (r * NS + s) * NP + jj, C)
-            tl.store(PM + (r * NS + s) * NP + jj, M)
+    m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
+    go = (nrow >= 0) & (_unfiltered(k, topp, lmp, V) == 0) & (nfin > 0)
+    return r, s, NS, t, topp, lmp, k, m, S, nfin, go
+
+
+@triton.jit
+def _pivot_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, V, CHUNK,
+                  NSP: tl.constexpr, NP: tl.constexpr, PBLOCK: tl.constexpr):
+    r, s, NS, t, topp, lmp, k, m, S, nfin, go = _split_row(PRM, PF, PI, V, NSP)
+    if go:
+        pk = _initial_pivots(DTAB, m, lmp, NP)
+        c0 = s * CHUNK
+        C, M = _count_pass(X + r.to(tl.int64) * stride_x, t, m, pk, c0, tl.minimum(c0 + CHUNK, V), NP, PBLOCK)
+        jj = tl.arange(0, NP)
+        tl.store(PC + (r * NS + s) * NP + jj, C)
+        tl.store(PM + (r * NS + s) * NP + jj, M)
 
 
 # ---- kernel 3 helpers ------------------------------------------------------------------------
@@ -408,30 +414,25 @@ def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, V, CHUNK,
     position the splits before it fill up to (their counts at the bracket's two pivots), when
     that bracket needs no refinement: the select kernel then sorts the buffer instead of
     reading the whole row in one program."""
-    r = tl.program_id(0)
-    s = tl.program_id(1)
-    NS = tl.num_programs(1)
-    t, topp, lmp, k, nrow = _params(PRM, r)
-    if (nrow >= 0) & (_unfiltered(k, topp, lmp, V) == 0):
-        m, S, nfin, amax, ridx = _combine(PF, PI, r, NS, NSP)
-        if nfin > 0:
-            k_eff, has_k, has_p, has_m, tmin, kmin = _cut_params(k, topp, lmp, m, nfin)
-            pk0 = _initial_pivots(DTAB, m, lmp, NP)
-            Cs, C0, M0 = _pivot_table_of(PC, PM, r, NS, NSP, NP)
-            ready, lo, hi, n = _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, topp,
-                                              _first_phase(has_k, has_p, has_m), CAP)
-            if ready:
-                # lo is a pivot or below every finite z; hi a pivot or above the maximum: each
-                # split's count in [lo, hi) is its count at lo less its count at hi
-                ss = tl.arange(0, NSP)
-                nf = tl.load(PI + (r * NS + ss) * 4 + 1, mask=ss < NS, other=0)
-                at_lo = tl.max(tl.where(pk0[None, :] == lo, Cs, 0), 1)
-                at_hi = tl.max(tl.where(pk0[None, :] == hi, Cs, 0), 1)
-                cnt = tl.where(lo == _KEY_LO_ALL, nf, at_lo) - tl.where(hi == _key(m) + 1, 0, at_hi)
-                pos0 = tl.sum(tl.where(ss < s, cnt, 0), 0)
-                c0 = s * CHUNK
-                _gather_range(X + r.to(tl.int64) * stride_x, t, lo, hi, BUF + r.to(tl.int64) * CAP, pos0,
-                              c0, tl.minimum(c0 + CHUNK, V), BLOCK, CAP)
+    r, s, NS, t, topp, lmp, k, m, S, nfin, go = _split_row(PRM, PF, PI, V, NSP)
+    if go:
+        k_eff, has_k, has_p, has_m, tmin, kmin = _cut_params(k, topp, lmp, m, nfin)
+        pk0 = _initial_pivots(DTAB, m, lmp, NP)
+        Cs, C0, M0 = _pivot_table_of(PC, PM, r, NS, NSP, NP)
+        ready, lo, hi, n = _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, topp,
+                                          _first_phase(has_k, has_p, has_m), CAP)
+        if ready:
+            # lo is a pivot or below every finite z; hi a pivot or above the maximum: each
+            # split's count in [lo, hi) is its count at lo less its count at hi
+            ss = tl.arange(0, NSP)
+            nf = tl.load(PI + (r * NS + ss) * 4 + 1, mask=ss < NS, other=0)
+            at_lo = tl.max(tl.where(pk0[None, :] == lo, Cs, 0), 1)
+            at_hi = tl.max(tl.where(pk0[None, :] == hi, Cs, 0), 1)
+            cnt = tl.where(lo == _KEY_LO_ALL, nf, at_lo) - tl.where(hi == _key(m) + 1, 0, at_hi)
+            pos0 = tl.sum(tl.where(ss < s, cnt, 0), 0)
+            c0 = s * CHUNK
+            _gather_range(X + r.to(tl.int64) * stride_x, t, lo, hi, BUF + r.to(tl.int64) * CAP, pos0,
+                          c0, tl.minimum(c0 + CHUNK, V), BLOCK, CAP)
 
 
 # ---- kernel 4: one program per row -----------------------------------------------------------
