@@ -34,6 +34,7 @@ from glmrt.engine.runner import PLACEHOLDER
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
 from glmrt.engine.speculative import SpecOutput, Speculator
 from glmrt.engine.structured import StructuredOutput
+from glmrt.engine.warmup import warm_up_prefill
 from glmrt.parallel import Parallel
 from glmrt.sampling_params import Grammar, SamplingParams
 
@@ -104,7 +105,7 @@ class Engine(ModelRank):
         if device.startswith("cuda"):
             compile_watch.install()  # names the kernels behind a slow step in the log
             if not config.skip_server_warmup:
-                self._warm_prefill(config)
+                warm_up_prefill(self, config)
         self._inflight = None  # the launched decode step whose tokens are not read yet
         # CPU/GPU overlap needs the sync-free decode path (graphs + device sampling)
         self.overlap = self.runner.graphs is not None and not config.disable_overlap_schedule
@@ -127,21 +128,6 @@ class Engine(ModelRank):
             self.log(line)
 
     # ---- construction helpers ------------------------------------------------------------
-
-    def _warm_prefill(self, config: EngineConfig) -> None:
-        """Run every prefill shape class once before traffic (ModelRunner.warm_prefill), up to the
-        largest chunk and prefill batch the scheduler plans (max_num_batched_tokens caps both)."""
-        t0 = time.perf_counter()
-        batch = min(config.max_prefill_tokens, config.max_num_batched_tokens or config.max_prefill_tokens)
-        try:
-            ran = self.runner.warm_prefill(
-                self.pages, self.slots, min(config.chunked_prefill_size, batch, self.context_length - 128),
-                max_batch_tokens=batch, max_reqs=self.memory.max_running_requests)
-            self.log(f"warmed the prefill path at {len(ran)} batch shapes ({ran} tokens) in "
-                     f"{time.perf_counter() - t0:.1f} s")
-        except Exception as e:  # an optimisation only: serve without it, and say why
-            self.log(f"prefill warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}")
-            torch.cuda.empty_cache()
 
     def _host_tier(self, config: EngineConfig):
         from glmrt.cache.disk_tier import DiskTier

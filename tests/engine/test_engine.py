@@ -16,6 +16,7 @@ torch.set_num_threads(1)
 
 from glmrt.engine.config import EngineConfig  # noqa: E402
 from glmrt.engine.engine import ContextLengthExceeded, Engine  # noqa: E402
+from glmrt.engine.warmup import warm_prefill  # noqa: E402
 from glmrt.sampling_params import SamplingParams  # noqa: E402
 
 MIN_MARGIN = 1e-4  # 10x the largest logit difference seen between batchings (~1e-5)
@@ -294,7 +295,7 @@ def test_prefill_warmup_returns_everything_and_leaves_no_trace(ckpt, model, refe
     the same tokens as without it (its slots' states are not read by a prefix-0 request)."""
     e = make(ckpt, model, disable_radix_cache=True)
     pages, slots = e.pages.num_free, e.slots.num_free
-    ran = e.runner.warm_prefill(e.pages, e.slots, 40, max_batch_tokens=60)
+    ran = warm_prefill(e.runner, e.pages, e.slots, 40, max_batch_tokens=60)
     # the sizes up to 40 (4: a short prompt's own kernel variants); c's 40-token prefill; mixed 33 + 17 + 1; two prefills 32 + 31; many
     # prefills within 60 tokens (a decode row on top): 3 x 20, 8 x 7 + 1, 16 x 3 + 1, 17 x 3,
     # 32 x 1 is too short
