@@ -34,12 +34,13 @@ def _unkey(k):
 
 @triton.jit
 def _div(x, t):
-    """z = x / t, IEEE-rounded as torch divides (skipped when t == 1: then z = x exactly)."""
+    """z = x / t, IEEE-rounded as torch divides (skipped when t == 1: then z = x exactly); a NaN
+    logit becomes -inf, never kept, so that every pass counts and gathers the same ids."""
     if t == 1.0:
         z = x
     else:
         z = tl.math.div_rn(x, t)
-    return z
+    return tl.where(z == z, z, float("-inf"))
 
 
 @triton.jit
