@@ -62,6 +62,8 @@ def sampling_fields(spec: str) -> dict:
     out = {}
     for item in spec.split(":"):
         key, val = item.split("=")
+        if key not in ("temperature", "top_k", "top_p", "min_p"):
+            raise SystemExit(f"--sampling: {key} is not one of temperature, top_k, top_p, min_p")
         out[key] = int(val) if key == "top_k" else float(val)
     return out
 
@@ -185,6 +187,7 @@ def main(argv=None) -> list[dict]:
                    "whole buffer)")
     args = p.parse_args(argv)
     from backends.kernels import sampling as ks
+    split_gather, small_sort = ks.SPLIT_GATHER, ks.SMALL_SORT  # the defaults; set back at the end
     args.batch_list = [int(x) for x in args.batches.split(",")]
 
     engine = _engine(args)
@@ -198,7 +201,7 @@ def main(argv=None) -> list[dict]:
                                                 args.split_gather.split(",")):
         if sampling == "greedy" and split != args.split_gather.split(",")[0]:
             continue  # greedy rows take one argmax: no gather to compare
-        ks.SPLIT_GATHER, ks.SMALL_SORT = (True, 512) if split == "on" else (False, 1 << 30)
+        ks.SPLIT_GATHER, ks.SMALL_SORT = (True, small_sort) if split == "on" else (False, 1 << 30)
         prompts = _prompts(engine, b, args.context, seed=b)
         row = {"batch": b, "context": args.context, "tokens": args.tokens, "sampling": sampling,
                "split_gather": split}
@@ -228,6 +231,7 @@ def main(argv=None) -> list[dict]:
             same = sum(a == c for x, y in zip(ref, outs[mode]) for a, c in zip(x, y))
             row[f"{mode}_same_tokens"] = same / max(1, sum(len(x) for x in ref))
         rows.append(row)
+    ks.SPLIT_GATHER, ks.SMALL_SORT = split_gather, small_sort
     write_out("decode_overlap.json", {"check": check, "rows": rows})
     for r in rows:
         r.setdefault("eager_ms", float("nan"))

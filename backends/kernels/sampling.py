@@ -14,7 +14,7 @@ and for greedy rows (noise_row < 0) the first argmax of x. Same kept set as the 
 sampler (exactly for top-k and min-p, whose cuts are on exact counts and values; top-p up to
 the rounding of the two mass sums, which already differs between torch's CPU and GPU), same
 noise, same score arithmetic (`libdevice.log` on the GPU is CUDA's `logf`, what torch uses),
-so given the same exponentials the token is the same.
+so given the same exponentials the token is the same. A NaN logit is read as -inf (never kept).
 
 Noise: the exponentials come in as a tensor E [NE, V] drawn by the caller exactly as the
 torch sampler draws them (one batched `exponential_()` for unseeded rows, V draws from each
@@ -176,6 +176,7 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
     pc = torch.empty(B, ns, NUM_PIVOTS, dtype=torch.int32, device=dev)
     pm = torch.empty(B, ns, NUM_PIVOTS, dtype=torch.float32, device=dev)
     buf = torch.empty(B, capacity, dtype=torch.int64, device=dev)
+    got = torch.empty(B, 4, dtype=torch.int32, device=dev)
     if info is None:
         info = torch.empty(B, 2, dtype=torch.int32, device=dev)
     e = noise if noise is not None else x
@@ -188,10 +189,10 @@ def sample(x: torch.Tensor, params: torch.Tensor, noise: torch.Tensor | None, *,
                            NSP=nsp, NP=NUM_PIVOTS, PBLOCK=cfg["spblock"], num_warps=cfg["warps"])
     split_gather = bool(cfg["split_gather"])
     if split_gather:
-        _split_gather_kernel[(B, ns)](x, stride_x, params, pf, pi, dtab, pc, pm, buf, V, chunk,
+        _split_gather_kernel[(B, ns)](x, stride_x, params, pf, pi, dtab, pc, pm, buf, got, V, chunk,
                                       NSP=nsp, NP=NUM_PIVOTS, CAP=capacity, BLOCK=cfg["sblock"],
                                       num_warps=cfg["warps"])
-    _select_kernel[(B,)](x, stride_x, params, e, pf, pi, dtab, pc, pm, buf, out, info, V, ns,
+    _select_kernel[(B,)](x, stride_x, params, e, pf, pi, dtab, pc, pm, buf, got, out, info, V, ns,
                          NSP=nsp, NP=NUM_PIVOTS, CAP=capacity, BLOCK=cfg["block"], PBLOCK=cfg["pblock"],
                          MAXIT=_MAX_REFINE, INTERPRET=_INTERPRET, SPLIT_GATHER=split_gather,
                          SMALL=triton.next_power_of_2(max(1, min(int(cfg["small_sort"]), capacity))),

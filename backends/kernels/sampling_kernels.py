@@ -319,16 +319,6 @@ def _gather_range(xrow, t, lo, hi, BUFROW, pos0, c0, c1, BLOCK: tl.constexpr, CA
 
 
 @triton.jit
-def _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-    """Ids with lo <= key(z) < hi, as (z, key, id) in stable descending order; n of them (<= CAP)."""
-    tl.debug_barrier()  # earlier reads of the buffer (a previous gather) come first
-    cnt = _gather_range(xrow, t, lo, hi, BUFROW, 0, 0, V, BLOCK, CAP)
-    tl.debug_barrier()
-    return _sorted_buffer(BUFROW, cnt, CAP, SMALL, INTERPRET)
-
-
-@triton.jit
 def _keep_sorted(zs, n, cA, sA, Sk, m, k_eff, has_k, has_p, has_m, topp, tmin, CAP: tl.constexpr):
     """The sampler's cuts on a sorted bracket whose first element sits at position cA."""
     ii = tl.arange(0, CAP)
@@ -409,20 +399,25 @@ def _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, to
 
 
 @triton.jit
-def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, V, CHUNK,
+def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, GOT, V, CHUNK,
                          NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Split s of row r writes its ids of the row's first bracket into the row's buffer, at the
     position the splits before it fill up to (their counts at the bracket's two pivots), when
     that bracket needs no refinement: the select kernel then sorts the buffer instead of
-    reading the whole row in one program."""
+    reading the whole row in one program. Split 0 records (gathered, lo, hi, n) in GOT[r]: the
+    select kernel reads the buffer only for the very bracket it finds itself (its sums of the
+    same pivot masses are another kernel's reductions)."""
     r, s, NS, t, topp, lmp, k, m, S, nfin, go = _split_row(PRM, PF, PI, V, NSP)
+    zero = tl.zeros((), dtype=tl.int32)
+    ready, lo, hi, n = zero, zero, zero, zero - 1
     if go:
         k_eff, has_k, has_p, has_m, tmin, kmin = _cut_params(k, topp, lmp, m, nfin)
         pk0 = _initial_pivots(DTAB, m, lmp, NP)
         Cs, C0, M0 = _pivot_table_of(PC, PM, r, NS, NSP, NP)
-        ready, lo, hi, n = _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, topp,
-                                          _first_phase(has_k, has_p, has_m), CAP)
-        if ready:
+        fits, lo, hi, n = _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, topp,
+                                         _first_phase(has_k, has_p, has_m), CAP)
+        ready = fits.to(tl.int32)
+        if fits:
             # lo is a pivot or below every finite z; hi a pivot or above the maximum: each
             # split's count in [lo, hi) is its count at lo less its count at hi
             ss = tl.arange(0, NSP)
@@ -434,11 +429,15 @@ def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, V, CHUNK,
             c0 = s * CHUNK
             _gather_range(X + r.to(tl.int64) * stride_x, t, lo, hi, BUF + r.to(tl.int64) * CAP, pos0,
                           c0, tl.minimum(c0 + CHUNK, V), BLOCK, CAP)
+    if s == 0:
+        rec = tl.where(tl.arange(0, 4) == 0, ready, tl.where(
+            tl.arange(0, 4) == 1, lo, tl.where(tl.arange(0, 4) == 2, hi, n)))
+        tl.store(GOT + r * 4 + tl.arange(0, 4), rec)
 
 
 # ---- kernel 4: one program per row -----------------------------------------------------------
 @triton.jit
-def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V, NS,
+def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, GOT, OUT, INFO, V, NS,
                    NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                    PBLOCK: tl.constexpr, MAXIT: tl.constexpr, INTERPRET: tl.constexpr,
                    SPLIT_GATHER: tl.constexpr = False, SMALL: tl.constexpr = 16):
@@ -489,15 +488,21 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, OUT, INFO, V,
                     cA = zero
                     sA = S * 0.0
                 if (cLo - cA <= CAP) | (hi.to(tl.int64) - lo.to(tl.int64) > 1):
-                    if SPLIT_GATHER:  # the first bracket, unrefined, is the one the split kernel gathered
-                        pre = (first == 1) & (it == 0)
-                    else:
-                        pre = first == 2
+                    pre = first == 2
+                    if SPLIT_GATHER:  # the first bracket, unrefined: the split kernel's, if it is the same
+                        if (first == 1) & (it == 0):
+                            got = tl.load(GOT + r * 4 + tl.arange(0, 4))
+                            want = tl.where(tl.arange(0, 4) == 0, 1, tl.where(
+                                tl.arange(0, 4) == 1, lo, tl.where(tl.arange(0, 4) == 2, hi, cLo - cA)))
+                            pre = tl.sum((got == want).to(tl.int32), 0) == 4
                     if pre:
-                        zs, kzs, ids, n = _sorted_buffer(BUFROW, cLo - cA, CAP, SMALL, INTERPRET)
+                        cnt = cLo - cA
                         path = path | 128
                     else:
-                        zs, kzs, ids, n = _gather_sorted(xrow, t, lo, hi, BUFROW, V, BLOCK, CAP, SMALL, INTERPRET)
+                        tl.debug_barrier()  # earlier reads of the buffer (a previous gather) come first
+                        cnt = _gather_range(xrow, t, lo, hi, BUFROW, 0, 0, V, BLOCK, CAP)
+                        tl.debug_barrier()
+                    zs, kzs, ids, n = _sorted_buffer(BUFROW, cnt, CAP, SMALL, INTERPRET)
                     if phase == 0:
                         ii = tl.arange(0, CAP)
                         e = tl.where(ii < n, tl.exp(zs - m), 0.0)

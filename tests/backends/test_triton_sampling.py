@@ -205,15 +205,18 @@ def test_the_split_gather_gives_what_the_one_program_gather_gives(device):
         params[0].update(top_k=5, top_p=1.0, min_p=0.0)   # a bracket from the top that fits
         params[1].update(top_k=-1, top_p=0.5, min_p=0.0)
         x[:3, torch.randperm(v, generator=g)[:40]] = math.nan  # never kept: as -inf
+        x[3] = -math.inf  # 20 finite ids far apart: no pivot cuts, the bracket runs from below every one
+        x[3, torch.randperm(v, generator=g)[:20]] = torch.linspace(60.0, -60.0, 20)
+        params[3].update(temperature=1.0, top_k=15, top_p=1.0, min_p=0.0)
         noise = torch.empty(b, v).exponential_(generator=g)
         on = _kernel(x, params, noise, device, config=dict(split_gather=True))
         off = _kernel(x, params, noise, device, config=dict(split_gather=False, small_sort=CAP))
-        ref, kept = _reference(x.nan_to_num(nan=-math.inf), params, noise)
+        ref, kept = _reference(x.masked_fill(x.isnan(), -math.inf), params, noise)
         assert on[0].tolist() == off[0].tolist() == ref.tolist(), params
         assert on[1][:, 0].tolist() == off[1][:, 0].tolist() == kept.sum(dim=1).tolist()
         assert (on[1][:, 1] & ~SPLIT_GATHERED).tolist() == off[1][:, 1].tolist()
         assert np_or(on[1][:, 1]) & SPLIT_GATHERED and not np_or(off[1][:, 1]) & SPLIT_GATHERED
-        assert on[1][0, 1] & SPLIT_GATHERED, on[1][:, 1].tolist()
+        assert on[1][0, 1] & SPLIT_GATHERED and on[1][3, 1] & SPLIT_GATHERED, on[1][:, 1].tolist()
 
 
 def test_top_k_above_the_finite_count_keeps_every_finite_id(device):
