@@ -488,7 +488,7 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, GOT, OUT, INF
                     cA = zero
                     sA = S * 0.0
                 if (cLo - cA <= CAP) | (hi.to(tl.int64) - lo.to(tl.int64) > 1):
-                    pre = first == 2
+                    pre = first == 2  # False (first is 0 or 1), as a tensor for the branch below
                     if SPLIT_GATHER:  # the first bracket, unrefined: the split kernel's, if it is the same
                         if (first == 1) & (it == 0):
                             got = tl.load(GOT + r * 4 + tl.arange(0, 4))
