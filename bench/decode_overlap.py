@@ -18,7 +18,8 @@ one graph replay, and the host time per step. `--sampling` runs the workload onc
 sampling setting (greedy: one argmax; else SamplingParams fields, each request seeded, so the
 modes draw the same tokens), `--split-gather` once per on-GPU sampler path (on: the split
 gather and the narrow sort of small brackets; off: the select kernel's one-program gather and
-whole-buffer sort): the step time difference is what sampling costs. A short table is printed last; JSON to $OUT/decode_overlap.json when OUT is set.
+whole-buffer sort): the step time difference is what sampling costs. A short table is printed
+last; JSON to $OUT/decode_overlap.json when OUT is set.
 """
 
 from __future__ import annotations

@@ -42,12 +42,12 @@ How, per row, with no sort of V:
    narrowest bracket, then, while the bracket holds more than CAP elements, full-row passes
    with NP pivots spread over the key interval narrow it (at most 8 with 16 pivots: 2^32
    keys / 17^8 < 1). The bracket's elements are gathered (by kernel 3 when it could, else
-   here by a pass over the row) into a per-row scratch buffer as
-   int64 (key << 32 | (2^31 - 1 - id)) and sorted there (`tl.sort` of CAP elements, or of
-   SMALL_SORT when the bracket holds no more), which is
-   exactly the stable order; the exact cuts are taken on them. If everything kept lies in
-   the buffer the race runs there (E gathered at the kept ids); otherwise a last full pass
-   races over {key > v} plus the first q ids (in id order) of the tie group at v.
+   here by a pass over the row) into a per-row scratch buffer as int64 (key << 32 |
+   (2^31 - 1 - id)) and sorted there (`tl.sort` of CAP elements, or of SMALL_SORT when the
+   bracket holds no more), which is exactly the stable order; the exact cuts are taken on
+   them. If everything kept lies in the buffer the race runs there (E gathered at the kept
+   ids); otherwise a last full pass races over {key > v} plus the first q ids (in id order)
+   of the tie group at v.
    With top-k and top-p both on, top-p needs the top-k mass S_k first: a count-only
    bracket for position k is resolved the same way (and when it already holds all of the
    top k, as for the usual small k, the top-p cut is taken in that same buffer).

@@ -399,6 +399,13 @@ def _first_bracket(pk0, C0, M0, m, S, nfin, k_eff, has_k, has_p, has_m, kmin, to
 
 
 @triton.jit
+def _bracket_record(ready, lo, hi, n):
+    """The 4 int32 words the split gather leaves a row and the select kernel compares."""
+    w = tl.arange(0, 4)
+    return tl.where(w == 0, ready, tl.where(w == 1, lo, tl.where(w == 2, hi, n)))
+
+
+@triton.jit
 def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, GOT, V, CHUNK,
                          NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Split s of row r writes its ids of the row's first bracket into the row's buffer, at the
@@ -430,9 +437,7 @@ def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, GOT, V, CH
             _gather_range(X + r.to(tl.int64) * stride_x, t, lo, hi, BUF + r.to(tl.int64) * CAP, pos0,
                           c0, tl.minimum(c0 + CHUNK, V), BLOCK, CAP)
     if s == 0:
-        rec = tl.where(tl.arange(0, 4) == 0, ready, tl.where(
-            tl.arange(0, 4) == 1, lo, tl.where(tl.arange(0, 4) == 2, hi, n)))
-        tl.store(GOT + r * 4 + tl.arange(0, 4), rec)
+        tl.store(GOT + r * 4 + tl.arange(0, 4), _bracket_record(ready, lo, hi, n))
 
 
 # ---- kernel 4: one program per row -----------------------------------------------------------
@@ -440,7 +445,7 @@ def _split_gather_kernel(X, stride_x, PRM, PF, PI, DTAB, PC, PM, BUF, GOT, V, CH
 def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, GOT, OUT, INFO, V, NS,
                    NSP: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                    PBLOCK: tl.constexpr, MAXIT: tl.constexpr, INTERPRET: tl.constexpr,
-                   SPLIT_GATHER: tl.constexpr = False, SMALL: tl.constexpr = 16):
+                   SPLIT_GATHER: tl.constexpr, SMALL: tl.constexpr):
     """Row r's token to OUT[r]; INFO[r] = (ids kept, path bits): 1 race done by the stats
     kernel (no filter), 2 no cut (top-k at or above the finite count), 4 S_k from a gathered
     bracket, 8 S_k from a tie group larger than CAP, 16 race in the buffer, 32 final race
@@ -488,13 +493,11 @@ def _select_kernel(X, stride_x, PRM, E, PF, PI, DTAB, PC, PM, BUF, GOT, OUT, INF
                     cA = zero
                     sA = S * 0.0
                 if (cLo - cA <= CAP) | (hi.to(tl.int64) - lo.to(tl.int64) > 1):
-                    pre = first == 2  # False (first is 0 or 1), as a tensor for the branch below
+                    pre = zero > 0
                     if SPLIT_GATHER:  # the first bracket, unrefined: the split kernel's, if it is the same
                         if (first == 1) & (it == 0):
                             got = tl.load(GOT + r * 4 + tl.arange(0, 4))
-                            want = tl.where(tl.arange(0, 4) == 0, 1, tl.where(
-                                tl.arange(0, 4) == 1, lo, tl.where(tl.arange(0, 4) == 2, hi, cLo - cA)))
-                            pre = tl.sum((got == want).to(tl.int32), 0) == 4
+                            pre = tl.sum((got == _bracket_record(zero + 1, lo, hi, cLo - cA)).to(tl.int32), 0) == 4
                     if pre:
                         cnt = cLo - cA
                         path = path | 128
