@@ -22,6 +22,23 @@ from bench.h200 import write_out
 from bench.timing import kernel_us, replay_ms
 
 
+def kda_launch(spec: str) -> dict | None:
+    """A --kda-tile variant as kda.DECODE_LAUNCH: "table" (None: kda.DECODE_LAUNCHES by batch), or
+    BVxWARPSxSTAGES, e.g. "64x2x2"."""
+    if spec == "table":
+        return None
+    return dict(zip(("BV", "num_warps", "num_stages"), (int(v) for v in spec.split("x"))))
+
+
+def l2_prefetch_tokens(spec: str) -> int:
+    """A --l2-prefetch variant as CudaH200Ops.l2_prefetch_max_tokens: off (0), on (the class
+    default), or a token count."""
+    from backends.cuda_h200 import CudaH200Ops
+    if spec == "off":
+        return 0
+    return CudaH200Ops.l2_prefetch_max_tokens if spec == "on" else int(spec)
+
+
 def moe_tile(spec: str) -> dict | None:
     """A --moe-tile variant as fused_moe_configs.OVERRIDE: "table" (None), or "+"-joined
     GEMM.KEY=INT / BLOCK_M=INT items, e.g. "gate_up.BLOCK_N=64+down.num_warps=4"."""
@@ -138,6 +155,7 @@ def interleaved(args, cfg) -> list[dict]:
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import fused_moe_configs as fmc
+    from backends.kernels import kda
     from glmrt.model.loader import load_dummy
 
     steps, keep = {}, []
@@ -147,33 +165,38 @@ def interleaved(args, cfg) -> list[dict]:
         if quant != "bf16":
             model.ops.fp8_activations = args.fp8_act.split(",")[0]
         for b in (int(x) for x in args.batches.split(",")):
-            for tile in args.moe_tile.split(","):
+            for tile, kt, pf in itertools.product(*(v.split(",") for v in (args.moe_tile, args.kda_tile,
+                                                                            args.l2_prefetch))):
                 fmc.OVERRIDE = moe_tile(tile)
+                kda.DECODE_LAUNCH = kda_launch(kt)
+                model.ops.l2_prefetch_max_tokens = l2_prefetch_tokens(pf)
                 graph, touched, alive = capture_step(model, b, args.context)
-                fmc.OVERRIDE = None
-                steps[(quant, b, tile)] = (graph, touched, model)
+                fmc.OVERRIDE, kda.DECODE_LAUNCH = None, None
+                steps[(quant, b, tile, kt, pf)] = (graph, touched, model)
                 keep.append(alive)
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
             times[k].append(replay_ms(graph))
     rows = []
-    for (quant, b, tile), (graph, touched, model) in steps.items():
-        ts = times[(quant, b, tile)]
-        row = dict(weights=quant, batch=b, moe_tile=tile, rounds=len(ts), median_ms=statistics.median(ts),
+    for (quant, b, tile, kt, pf), (graph, touched, model) in steps.items():
+        ts = times[(quant, b, tile, kt, pf)]
+        row = dict(weights=quant, batch=b, moe_tile=tile, kda_tile=kt, l2_prefetch=pf, rounds=len(ts),
+                   median_ms=statistics.median(ts),
                    min_ms=min(ts), max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
                    floor_routed_ms=_floor(model, b, args.context, touched))
-        if quant != "bf16" and ("bf16", b, tile) in times:
-            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile)], ts))
+        if quant != "bf16" and ("bf16", b, tile, kt, pf) in times:
+            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile, kt, pf)], ts))
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'median ms':>9} {'min':>7} {'max':>7} {'routed floor':>12} "
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'L2 pf':>5} {'median ms':>9} {'min':>7} {'max':>7} {'routed floor':>12} "
           f"{'/routed':>7} {'bf16/this (paired)':>18}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} {r['l2_prefetch']:>5} "
+              f"{r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{r.get('bf16_over_this', float('nan')):>18.3f}")
@@ -201,7 +224,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--align", default="parallel",
                    help="moe_align.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
     p.add_argument("--kda-tile", default="table",
-                   help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side")
+                   help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side "
+                        "(with --interleave too)")
+    p.add_argument("--l2-prefetch", default="on",
+                   help="CudaH200Ops.l2_prefetch_max_tokens: off, on (its default) or a token count, side by "
+                        "side (with --interleave)")
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
@@ -230,6 +257,7 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
+        model.ops.l2_prefetch_max_tokens = l2_prefetch_tokens(args.l2_prefetch.split(",")[0])
         for b, fused, pd, sk, act, mt, mp, al, kt, tile in itertools.product(
                 [int(x) for x in args.batches.split(",")], *(v.split(",") for v in (
                     args.fused_small_ops, args.pdl, args.skinny)), acts,
@@ -238,8 +266,7 @@ def main(argv=None) -> list[dict]:
             fused_moe_configs.OVERRIDE = moe_tile(tile)
             mhc.DECODE_PRECISION = mp
             moe_align.SMALL_ALIGN_MODE = al
-            kda.DECODE_LAUNCH = None if kt == "table" else dict(
-                zip(("BV", "num_warps", "num_stages"), (int(v) for v in kt.split("x"))))
+            kda.DECODE_LAUNCH = kda_launch(kt)
             pdl.MAX_TOKENS = int(mt)
             model.ops.fused_small_ops = fused == "on"
             model.ops.skinny_linear = sk
