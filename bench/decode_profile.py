@@ -31,9 +31,15 @@ def kda_launch(spec: str) -> dict | None:
 
 
 def l2_prefetch_tokens(spec: str) -> int:
-    """A --l2-prefetch variant as CudaH200Ops.l2_prefetch_max_tokens: off (0), on (the class
-    default), or a token count."""
+    """A --l2-prefetch variant: off, on (CudaH200Ops' default token count) or a token count, then
+    optionally @MB (prefetch.MAX_BYTES in MiB) and :MODE (prefetch.MODE), both set here; returns
+    l2_prefetch_max_tokens."""
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import prefetch
+    spec, _, mode = spec.partition(":")
+    prefetch.MODE = mode or prefetch.DEFAULT_MODE
+    spec, _, mb = spec.partition("@")
+    prefetch.MAX_BYTES = int(float(mb) * (1 << 20)) if mb else prefetch.DEFAULT_MAX_BYTES
     if spec == "off":
         return 0
     return CudaH200Ops.l2_prefetch_max_tokens if spec == "on" else int(spec)
@@ -227,8 +233,8 @@ def main(argv=None) -> list[dict]:
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side "
                         "(with --interleave too)")
     p.add_argument("--l2-prefetch", default="on",
-                   help="CudaH200Ops.l2_prefetch_max_tokens: off, on (its default) or a token count, side by "
-                        "side (with --interleave)")
+                   help="CudaH200Ops.l2_prefetch_max_tokens: off, on (its default) or a token count, each "
+                        "optionally @MB (prefetch.MAX_BYTES) and :MODE (prefetch.MODE), side by side (with --interleave)")
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")

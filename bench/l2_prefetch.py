@@ -6,19 +6,19 @@ copies (rotated past the L2), with `prefetch_l2` of the first MB of that segment
 launched after the first norm, or not at all (0 MB). The saving is the difference per segment.
 
     python3 -m bench.l2_prefetch [--shapes "KDA o_proj,MLA o_proj"] [--weights bf16,fp8]
-                                 [--chain 1,3,6] [--mb 0,8,16,32] [--pdl on,off]
+                                 [--chain 1,3,6] [--mb 0,8,16,32] [--pdl on,off] [--mode line,sector,bulk]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 
 from backends.kernels import fp8_linear as f8
-from backends.kernels import pdl
+from backends.kernels import pdl, prefetch
 from backends.kernels.norms import rms_norm
-from backends.kernels.prefetch import prefetch_l2
 from bench.h200 import CEILING_TBPS, write_out
 from bench.skinny_linear import SHAPES
 from bench.timing import graph_ms
@@ -55,7 +55,7 @@ def segment_us(x, ws, norm_w, chain: int, mb: float) -> float:
             w, s = ws[i % len(ws)]
             rms_norm(h, norm_w, 1e-6, out=h)
             if mb:
-                prefetch_l2([w], int(mb * (1 << 20)))
+                prefetch.prefetch_l2([w], int(mb * (1 << 20)))
             for _ in range(chain - 1):
                 rms_norm(h, norm_w, 1e-6, out=h)
             linear(x, w, s)
@@ -70,6 +70,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--chain", default="1,3,6", help="small kernels before the linear (the prefetch after the first)")
     p.add_argument("--mb", default="0,8,16,32", help="MB of the weight prefetched (0: no prefetch)")
     p.add_argument("--pdl", default="on,off")
+    p.add_argument("--mode", default="line,sector,bulk", help="prefetch.MODE values side by side")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -85,25 +86,28 @@ def main(argv=None) -> list[dict]:
                 pdl.ENABLED = mode == "on"
                 for chain in (int(c) for c in args.chain.split(",")):
                     base = None
-                    for mb in (float(m) for m in args.mb.split(",")):
+                    for mb, how in itertools.product((float(m) for m in args.mb.split(",")), args.mode.split(",")):
+                        if not mb and how != args.mode.split(",")[0]:
+                            continue  # no prefetch: one row
+                        prefetch.MODE = how
                         us = segment_us(x, ws, norm_w, chain, mb)
                         base = us if base is None else base
                         row = dict(weights=kind, shape=name, mb_weight=nbytes / 1e6, pdl=mode, chain=chain,
-                                   prefetch_mb=mb, us=us, saved_us=base - us,
+                                   prefetch_mb=mb, mode=how if mb else "-", us=us, saved_us=base - us,
                                    floor_us=nbytes / (CEILING_TBPS * 1e12) * 1e6)
                         rows.append(row)
                         print(row, flush=True)
-            pdl.ENABLED = True
+            pdl.ENABLED, prefetch.MODE = True, prefetch.DEFAULT_MODE
             del ws
             torch.cuda.empty_cache()
     write_out("l2_prefetch.json", rows)
     print(f"\nL2 prefetch before a one-row linear, {torch.cuda.get_device_name()} (µs per segment of `chain` "
           f"RMSNorms + the linear; saved: against the first --mb value)")
-    print(f"{'weights':>7} {'shape':>14} {'MB':>6} {'pdl':>4} {'chain':>5} {'prefetch MB':>11} {'µs':>7} "
+    print(f"{'weights':>7} {'shape':>14} {'MB':>6} {'pdl':>4} {'chain':>5} {'prefetch MB':>11} {'mode':>6} {'µs':>7} "
           f"{'saved µs':>8} {'linear floor µs':>15}")
     for r in rows:
         print(f"{r['weights']:>7} {r['shape']:>14} {r['mb_weight']:>6.1f} {r['pdl']:>4} {r['chain']:>5} "
-              f"{r['prefetch_mb']:>11.0f} {r['us']:>7.1f} {r['saved_us']:>8.1f} {r['floor_us']:>15.1f}")
+              f"{r['prefetch_mb']:>11.0f} {r['mode']:>6} {r['us']:>7.1f} {r['saved_us']:>8.1f} {r['floor_us']:>15.1f}")
     return rows
 
 

@@ -23,7 +23,7 @@ from backends.kernels import prefetch  # noqa: E402
 
 
 def test_plan_spends_the_budget_in_order():
-    per = prefetch.LINE * prefetch.LINES_PER_PROGRAM
+    per = prefetch.PROGRAM_BYTES
     nbytes, firsts = prefetch.plan([3 * per + 1, 10, 5], max_bytes=3 * per + 5)
     assert nbytes == [3 * per + 1, 4, 0]
     assert firsts == [0, 4, 5, 5]  # 4 programs, 1 program, none
@@ -64,28 +64,33 @@ from triton.compiler import ASTSource
 from backends.kernels import prefetch
 fn = prefetch._prefetch_l2_kernel
 sig = {"P0": "*u8", "N0": "i64", "P1": "*u8", "N1": "i64", "P2": "*u8", "N2": "i64", "F1": "i32", "F2": "i32",
-       "LINES": "constexpr", "PDL": "constexpr"}
-cx = {(fn.arg_names.index("LINES"),): prefetch.LINES_PER_PROGRAM, (fn.arg_names.index("PDL"),): sys.argv[1] == "1"}
-k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+       "BYTES": "constexpr", "STEP": "constexpr", "BULK": "constexpr", "PDL": "constexpr"}
+bulk = sys.argv[2] == "bulk"
+step = prefetch.PROGRAM_BYTES // (32 * prefetch.NUM_WARPS) if bulk else prefetch._STEP[sys.argv[2]]
+cx = {(fn.arg_names.index(k),): v for k, v in (("BYTES", prefetch.PROGRAM_BYTES), ("STEP", step), ("BULK", bulk),
+                                                 ("PDL", sys.argv[1] == "1"))}
+k = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=prefetch.NUM_WARPS))
 print(k.asm["ptx"])
 """
 
 
-def _ptx(pdl_on: bool) -> list[str]:
+def _ptx(pdl_on: bool, mode: str) -> list[str]:
     """The kernel's PTX for sm_90, compiled in a child without the interpreter (as it launches)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", "import triton\n" + _COMPILE, "1" if pdl_on else "0"],
+    out = subprocess.run([sys.executable, "-c", "import triton\n" + _COMPILE, "1" if pdl_on else "0", mode],
                          capture_output=True, text=True, env=env, timeout=300, check=True,
                          cwd=pathlib.Path(__file__).resolve().parents[2])
     return [line.strip() for line in out.stdout.splitlines()]
 
 
-@pytest.mark.parametrize("pdl_on", [False, True])
-def test_the_kernel_triggers_then_prefetches_then_waits(pdl_on):
+@pytest.mark.parametrize("pdl_on, mode", [(False, "line"), (True, "line"), (True, "sector"), (True, "bulk")])
+def test_the_kernel_triggers_then_prefetches_then_waits(pdl_on, mode):
     """Its successor may start at once (the trigger), the prefetches overlap the predecessor, and
     the kernel ends only after the predecessor has (the wait): the chain stays ordered."""
-    lines = _ptx(pdl_on)
-    pf = [i for i, s in enumerate(lines) if "prefetch.global.L2" in s]
+    lines = _ptx(pdl_on, mode)
+    op = "cp.async.bulk.prefetch.L2.global" if mode == "bulk" else "prefetch.global.L2"
+    pf = [i for i, s in enumerate(lines) if op in s]
     trig = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.launch_dependents")]
     wait = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait")]
     assert pf, "no prefetch instruction"
