@@ -100,7 +100,9 @@ class CudaH200Ops(ReferenceOps):
     fp8_activations = "dynamic"
     # Forwards of up to this many tokens pull the first bytes of the weights a GEMV reads next into
     # the L2 at the head of each stretch of small kernels (backends/kernels/prefetch.py); 0: never.
-    l2_prefetch_max_tokens = 1
+    # Off until a GPU run shows that it pays: `bench.decode_profile --interleave 5 --batches 1,16
+    # --l2-prefetch off,on,on:bulk,16` ("on" is one token).
+    l2_prefetch_max_tokens = 0
     _forward_tokens: int | None = None
 
     def begin_forward(self, num_tokens: int) -> None:

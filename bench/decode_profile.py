@@ -31,7 +31,7 @@ def kda_launch(spec: str) -> dict | None:
 
 
 def l2_prefetch_tokens(spec: str) -> int:
-    """A --l2-prefetch variant: off, on (CudaH200Ops' default token count) or a token count, then
+    """A --l2-prefetch variant: off, on (CudaH200Ops' default token count, at least 1) or a token count, then
     optionally @MB (prefetch.MAX_BYTES in MiB) and :MODE (prefetch.MODE), both set here; returns
     l2_prefetch_max_tokens."""
     from backends.cuda_h200 import CudaH200Ops
@@ -42,7 +42,7 @@ def l2_prefetch_tokens(spec: str) -> int:
     prefetch.MAX_BYTES = int(float(mb) * (1 << 20)) if mb else prefetch.DEFAULT_MAX_BYTES
     if spec == "off":
         return 0
-    return CudaH200Ops.l2_prefetch_max_tokens if spec == "on" else int(spec)
+    return max(1, CudaH200Ops.l2_prefetch_max_tokens) if spec == "on" else int(spec)
 
 
 def moe_tile(spec: str) -> dict | None:

@@ -44,6 +44,7 @@ def test_cuda_h200_prefetches_only_few_token_forwards(monkeypatch):
     monkeypatch.setattr(prefetch, "prefetch_l2", lambda ts: asked.append(len(ts)))
     on_gpu = types.SimpleNamespace(is_cuda=True)
     ops = CudaH200Ops()
+    ops.l2_prefetch_max_tokens = 1
     ops.prefetch_weights([on_gpu])  # no forward begun: a kernel bench, not a step
     ops.begin_forward(ops.l2_prefetch_max_tokens + 1)
     ops.prefetch_weights([on_gpu])
