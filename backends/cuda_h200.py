@@ -98,26 +98,12 @@ class CudaH200Ops(ReferenceOps):
     # 64: 7.37 ms w8a16 -> 5.94 ms, replayed in one run (bench/RESULTS.md). `--fp8-activations none`
     # keeps w8a16 everywhere.
     fp8_activations = "dynamic"
-    # Forwards of up to this many tokens pull the first bytes of the weights a GEMV reads next into
-    # the L2 at the head of each stretch of small kernels (backends/kernels/prefetch.py); 0: never.
-    # Off until a GPU run shows that it pays: `bench.decode_profile --interleave 5 --batches 1,16
-    # --l2-prefetch off,on,on:bulk,16` ("on" is one token).
-    l2_prefetch_max_tokens = 0
-    _forward_tokens: int | None = None
 
     def begin_forward(self, num_tokens: int) -> None:
-        self._forward_tokens = num_tokens
         # PDL for the step's Triton kernels at batch 1 only (backends/kernels/pdl.py)
         if not _interpreting():
             from .kernels import pdl
             pdl.set_tokens(num_tokens)
-
-    def prefetch_weights(self, tensors: list[torch.Tensor]) -> None:
-        n = self._forward_tokens
-        if n is None or n > self.l2_prefetch_max_tokens or not tensors or not tensors[0].is_cuda:
-            return
-        from .kernels.prefetch import prefetch_l2
-        prefetch_l2(tensors)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
         if not (_HAVE_TRITON and _device_ok(logits)) or logits.stride(1) != 1:

@@ -135,10 +135,6 @@ class ReferenceOps:
         """Called once per model (or MTP draft) forward with its token count, before any op: a
         kernel set may pick launch modes by batch size here (cuda-h200: PDL for small batches)."""
 
-    def prefetch_weights(self, tensors: list[torch.Tensor]) -> None:
-        """A hint that a GEMV reads these weights soon, after a stretch of small ops: a kernel set
-        may start pulling them into a cache now (cuda-h200, few-token forwards). Nothing here."""
-
     # ---- dense building blocks ------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                scale_inv: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)) -> torch.Tensor:

@@ -24,7 +24,6 @@ class RocmMI355XOps(CudaH200Ops):
     """CudaH200Ops on gfx950 through Triton's ROCm backend (untested on MI355X hardware)."""
 
     name = "rocm-mi355x"
-    l2_prefetch_max_tokens = 0  # the prefetch kernel is PTX (prefetch.global.L2)
 
 
 register("rocm-mi355x", RocmMI355XOps)

@@ -30,21 +30,6 @@ def kda_launch(spec: str) -> dict | None:
     return dict(zip(("BV", "num_warps", "num_stages"), (int(v) for v in spec.split("x"))))
 
 
-def l2_prefetch_tokens(spec: str) -> int:
-    """A --l2-prefetch variant: off, on (CudaH200Ops' default token count, at least 1) or a token count, then
-    optionally @MB (prefetch.MAX_BYTES in MiB) and :MODE (prefetch.MODE), both set here; returns
-    l2_prefetch_max_tokens."""
-    from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import prefetch
-    spec, _, mode = spec.partition(":")
-    prefetch.MODE = mode or prefetch.DEFAULT_MODE
-    spec, _, mb = spec.partition("@")
-    prefetch.MAX_BYTES = int(float(mb) * (1 << 20)) if mb else prefetch.DEFAULT_MAX_BYTES
-    if spec == "off":
-        return 0
-    return max(1, CudaH200Ops.l2_prefetch_max_tokens) if spec == "on" else int(spec)
-
-
 def moe_tile(spec: str) -> dict | None:
     """A --moe-tile variant as fused_moe_configs.OVERRIDE: "table" (None), or "+"-joined
     GEMM.KEY=INT / BLOCK_M=INT items, e.g. "gate_up.BLOCK_N=64+down.num_warps=4"."""
@@ -171,37 +156,35 @@ def interleaved(args, cfg) -> list[dict]:
         if quant != "bf16":
             model.ops.fp8_activations = args.fp8_act.split(",")[0]
         for b in (int(x) for x in args.batches.split(",")):
-            for tile, kt, pf in itertools.product(*(v.split(",") for v in (args.moe_tile, args.kda_tile,
-                                                                            args.l2_prefetch))):
+            for tile, kt in itertools.product(args.moe_tile.split(","), args.kda_tile.split(",")):
                 fmc.OVERRIDE = moe_tile(tile)
                 kda.DECODE_LAUNCH = kda_launch(kt)
-                model.ops.l2_prefetch_max_tokens = l2_prefetch_tokens(pf)
                 graph, touched, alive = capture_step(model, b, args.context)
                 fmc.OVERRIDE, kda.DECODE_LAUNCH = None, None
-                steps[(quant, b, tile, kt, pf)] = (graph, touched, model)
+                steps[(quant, b, tile, kt)] = (graph, touched, model)
                 keep.append(alive)
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
             times[k].append(replay_ms(graph))
     rows = []
-    for (quant, b, tile, kt, pf), (graph, touched, model) in steps.items():
-        ts = times[(quant, b, tile, kt, pf)]
-        row = dict(weights=quant, batch=b, moe_tile=tile, kda_tile=kt, l2_prefetch=pf, rounds=len(ts),
+    for (quant, b, tile, kt), (graph, touched, model) in steps.items():
+        ts = times[(quant, b, tile, kt)]
+        row = dict(weights=quant, batch=b, moe_tile=tile, kda_tile=kt, rounds=len(ts),
                    median_ms=statistics.median(ts),
                    min_ms=min(ts), max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
                    floor_routed_ms=_floor(model, b, args.context, touched))
-        if quant != "bf16" and ("bf16", b, tile, kt, pf) in times:
-            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile, kt, pf)], ts))
+        if quant != "bf16" and ("bf16", b, tile, kt) in times:
+            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile, kt)], ts))
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'L2 pf':>5} {'median ms':>9} {'min':>7} {'max':>7} {'routed floor':>12} "
-          f"{'/routed':>7} {'bf16/this (paired)':>18}")
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'median ms':>9} {'min':>7} {'max':>7} "
+          f"{'routed floor':>12} {'/routed':>7} {'bf16/this (paired)':>18}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} {r['l2_prefetch']:>5} "
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
               f"{r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
@@ -232,9 +215,6 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--kda-tile", default="table",
                    help="kda.DECODE_LAUNCH as BVxWARPSxSTAGES (table: kda.DECODE_LAUNCHES by batch), side by side "
                         "(with --interleave too)")
-    p.add_argument("--l2-prefetch", default="on",
-                   help="CudaH200Ops.l2_prefetch_max_tokens: off, on (its default) or a token count, each "
-                        "optionally @MB (prefetch.MAX_BYTES) and :MODE (prefetch.MODE), side by side (with --interleave)")
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
@@ -263,7 +243,6 @@ def main(argv=None) -> list[dict]:
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
         acts = args.fp8_act.split(",") if quant != "bf16" else ["-"]  # 16-bit weights: no activation quant
-        model.ops.l2_prefetch_max_tokens = l2_prefetch_tokens(args.l2_prefetch.split(",")[0])
         for b, fused, pd, sk, act, mt, mp, al, kt, tile in itertools.product(
                 [int(x) for x in args.batches.split(",")], *(v.split(",") for v in (
                     args.fused_small_ops, args.pdl, args.skinny)), acts,

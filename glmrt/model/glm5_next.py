@@ -16,8 +16,6 @@ order, whatever its batch: a step of 0 tokens still takes part (with empty tenso
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -52,9 +50,6 @@ class DecoderLayer(nn.Module):
             self.self_attn = KDAAttention(cfg, layer, ops, dtype, parallel)
         self.mlp = MoE(cfg, ops, dtype, parallel) if cfg.is_moe(layer) else \
             SwiGLUMLP(ops, d, cfg.intermediate_size, cfg.swiglu_limit, dtype=dtype, parallel=parallel)
-        # the weights read first after this layer (the next layer's attention, or the LM head):
-        # set by the model that holds both (a callable, so that no module is registered twice)
-        self.next_weights: Callable[[], list[torch.Tensor]] | None = None
 
     def _hc_pre(self, streams, fn, base, scale, norm: RMSNorm):
         """mHC pre, its collapse through the sublayer's input norm (one op: the kernels fuse it)."""
@@ -70,15 +65,11 @@ class DecoderLayer(nn.Module):
             h, sel = self.self_attn(h, meta, cache, carried_sel)
         else:
             h = self.self_attn(h, meta, cache)
-        # the MLP's fixed weights into the L2 while the mHC boundary and the router run
-        self.ops.prefetch_weights(self.mlp.first_weights())
         streams = self.ops.mhc_post(h, streams, post, comb)
         post, comb, x = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
                                      self.post_attention_layernorm)
         # the MoE's top-k sum is left to mhc_post where the ops can (one launch less per layer)
         h = self.mlp(x, defer_sum=True) if isinstance(self.mlp, MoE) else self.mlp(x)
-        if self.next_weights is not None:
-            self.ops.prefetch_weights(self.next_weights())
         return self.ops.mhc_post(h, streams, post, comb), sel
 
 
@@ -91,8 +82,6 @@ class TextModel(nn.Module):
         self.embed_tokens = WeightOnly(cfg.vocab_size, cfg.hidden_size, dtype=dtype, split=vocab)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, dtype, parallel)
                                     for i in range(cfg.num_hidden_layers))
-        for layer, nxt in zip(self.layers, self.layers[1:]):
-            layer.next_weights = nxt.self_attn.first_weights
         self.norm = RMSNorm(ops, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -127,8 +116,6 @@ class Glm5NextForCausalLM(nn.Module):
         self.model = TextModel(t, ops, dtype, self.parallel)
         self.lm_head = Linear(ops, t.hidden_size, t.vocab_size, dtype=dtype, parallel=self.parallel,
                               style=COLUMN, name="vocab_size")
-        if len(self.model.layers):
-            self.model.layers[-1].next_weights = self._head_weights
         self.visual = None
         if with_vision and config.vision is not None:
             from glmrt.model.vision import VisionTower
@@ -151,9 +138,6 @@ class Glm5NextForCausalLM(nn.Module):
         return self.parallel.all_gather(logits, dim=-1)
 
     @torch.no_grad()
-    def _head_weights(self) -> list[torch.Tensor]:
-        return [self.lm_head.weight]
-
     def forward(self, input_ids: torch.Tensor | None, meta, cache, *, input_embeds: torch.Tensor | None = None,
                 logits_indices: torch.Tensor | None = None):
         """One serving step. -> (logits [len(logits_indices) or N, V], hidden [N, D]).

@@ -63,16 +63,10 @@ class KDAAttention(nn.Module):
         """Per head and channel log-decay g (< 0), fp32, [N, H, d], from f_a_proj's output."""
         return self.ops.kda_gate(self.f_b_proj(f_a), self.dt_bias, self.A_log, self.lower_bound, self.num_heads)
 
-    def first_weights(self) -> list[torch.Tensor]:
-        """What a forward reads first (ops.prefetch_weights)."""
-        return [self.in_proj.first_weight()]
-
     def forward(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
         n = x.shape[0]
         shape = (n, self.num_heads, self.head_dim)
         q, k, v, f_a, g_a, b = self.in_proj(x)
-        # o_proj's weight into the L2 while the conv, gates and recurrence (a few KB each) run
-        self.ops.prefetch_weights([self.o_proj.weight])
         mixed = join_columns([q, k, v])  # a view of the fused product
         capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
         pre = capture.select(mixed) if capture is not None else None

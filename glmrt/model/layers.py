@@ -212,10 +212,6 @@ class LinearGroup:
             self.scale_inv = seat_rows(self.members, "weight_scale_inv", dev)
         return True
 
-    def first_weight(self) -> torch.Tensor:
-        """The weight a call reads first: the shared tensor once fused, else the first member's."""
-        return self.weight if self.weight is not None else self.members[0].weight
-
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each member's output, in order (column views of one product when fused). Training
         (grad on, members' parameters requiring it) runs the members one by one: the shared
@@ -352,10 +348,6 @@ class SwiGLUMLP(nn.Module):
                                 name="MLP intermediate_size")
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
         self.weight_groups = (self.gate_up,)
-
-    def first_weights(self) -> list[torch.Tensor]:
-        """What a forward reads first, in order (ops.prefetch_weights)."""
-        return [self.gate_up.first_weight(), self.down_proj.weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)

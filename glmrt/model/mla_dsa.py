@@ -83,18 +83,12 @@ class DSAAttention(nn.Module):
         self.in_proj = LinearGroup(self.q_a_proj, self.kv_a_proj_with_mqa)  # one GEMV of x once fused
         self.weight_groups = (self.in_proj,)
 
-    def first_weights(self) -> list[torch.Tensor]:
-        """What a forward reads first (ops.prefetch_weights)."""
-        return [self.in_proj.first_weight()]
-
     def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
         """-> (output [N, D], the selection this layer used, for a following shared layer)."""
         n = x.shape[0]
         q_a, kv_a = self.in_proj(x)
         q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(n, self.num_heads, self.qk_head_dim)
-        # o_proj's weight into the L2 while the indexer and the sparse attention run
-        self.ops.prefetch_weights([self.o_proj.weight])
         latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
         self.ops.write_latent(latent, cache.latent(self.layer), meta)
         if self.indexer is not None:

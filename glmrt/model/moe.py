@@ -143,11 +143,6 @@ class MoE(nn.Module):
             self.shared_experts.weight_groups = ()
             self.weight_groups = (self.shared_slot,)
 
-    def first_weights(self) -> list[torch.Tensor]:
-        """The weights a forward reads whatever the routing: the shared expert's (ops.prefetch_weights)."""
-        s = self.shared_experts
-        return [s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight]
-
     def forward(self, x: torch.Tensor, *, defer_sum: bool = False) -> torch.Tensor:
         """`defer_sum`: the caller passes the result to ops.mhc_post, which also takes the ops'
         MoEPartials (the top-k sum done there, not in its own launch). Over several ranks the
