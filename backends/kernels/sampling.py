@@ -74,7 +74,8 @@ in NS programs.
 The floor for B=128, V=154880 is 79 MB of logits read once, 19 us at 4.09 TB/s; the
 exponentials that the sampler contract draws add a 79 MB write before the kernels.
 
-The kernels are in backends/kernels/sampling_kernels.py; this module holds the host side.
+The kernels are in backends/kernels/sampling_split_kernels.py (1-3) and sampling_kernels.py (4,
+and the helpers); this module holds the host side.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ import torch
 import triton
 
 from .interpreter import INTERPRET as _INTERPRET
-from .sampling_kernels import _pivot_kernel, _select_kernel, _split_gather_kernel, _stats_kernel
+from .sampling_kernels import _select_kernel
+from .sampling_split_kernels import _pivot_kernel, _split_gather_kernel, _stats_kernel
 
 NUM_PIVOTS = 16
 # Offsets below the row maximum, in nats of z = x / T, of the first pass's thresholds.
