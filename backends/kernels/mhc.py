@@ -394,7 +394,8 @@ def _mhc_post_kernel(Y, X, POST, COMB, OUT, IDS, stride_yn, stride_xn, stride_on
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TOP_K: tl.constexpr = 0,
                      PDL: tl.constexpr = False):
     """TOP_K > 0: y is an MoE's unsummed pair rows Y [N·TOP_K, D] (pairs with ids outside [0, E)
-    count as zero): summed here in fp32 and rounded once, as fused_moe's _sum_kernel does."""
+    count as zero): summed here in fp32 and rounded once, as the fused MoE's _sum_kernel does
+    (fused_moe_kernels.py)."""
     pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
