@@ -32,6 +32,41 @@ def swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
     return (s * u).to(dt)
 
 
+@triton.jit
+def _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, n_out, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAIR_BLOCKS: tl.constexpr):
+    """(pid_m, pid_n, e) of this program of either GEMM: grouped launch order (GROUP_M consecutive
+    blocks sweep the N tiles of n_out together, for L2 reuse) and the block's expert, < 0 when
+    the block has nothing to do. With PAIR_BLOCKS block pid_m is pair pid_m, its expert straight
+    from ids (ids outside [0, E): dropped, -1)."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * tl.cdiv(n_out, BLOCK_N)
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    if PAIR_BLOCKS:
+        e = tl.load(IDS + pid_m).to(tl.int64)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+    else:
+        e = tl.load(BLOCK_EXPERT + pid_m)
+    return pid_m, pid_n, e
+
+
+@triton.jit
+def _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """(row_ok, pair) of block pid_m: which of its BLOCK_M rows are real, and their flat pair
+    indices (int64). A pair block has one real row, the pair itself."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if PAIR_BLOCKS:
+        row_ok = offs_m < 1
+        pair = tl.zeros([BLOCK_M], dtype=tl.int64) + pid_m
+    else:
+        row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
+        pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    return row_ok, pair
+
+
 # fp8 weights (FP8) are applied in one of two ways, picked per launch (constexpr):
 #   SCALE_ACC  the K tile sits inside one scale block (BLOCK_K divides SCALE_BK): the fp8 tile
 #              is converted to the activation dtype (exact for e4m3/e5m2 -> bf16/fp16/fp32),
@@ -59,29 +94,12 @@ def _gate_up_kernel(
     ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): X is e4m3 from act_quant, its scales XS [tokens, K blocks]
     pdl_enter(PDL)
-    # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
-    pid = tl.program_id(0)
-    in_group = GROUP_M * tl.cdiv(I, BLOCK_N)
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
-    if PAIR_BLOCKS:  # block pid_m is pair pid_m: its expert straight from ids (dropped: -1)
-        e = tl.load(IDS + pid_m).to(tl.int64)
-        e = tl.where((e >= 0) & (e < E), e, -1)
-    else:
-        e = tl.load(BLOCK_EXPERT + pid_m)
+    pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, I, GROUP_M, BLOCK_N, PAIR_BLOCKS)
     if e < 0:
         return
     e = e.to(tl.int64)
     dt = H.dtype.element_ty  # the model dtype (X's, unless X_FP8)
-    offs_m = tl.arange(0, BLOCK_M)
-    if PAIR_BLOCKS:  # one real row: the pair itself
-        row_ok = offs_m < 1
-        pair = tl.zeros([BLOCK_M], dtype=tl.int64) + pid_m
-    else:
-        row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
-        pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    row_ok, pair = _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, PAIR_BLOCKS)
     tok = pair // top_k
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -201,29 +219,12 @@ def _down_kernel(
     ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): H is e4m3 from act_quant, its scales HS [pairs, K blocks]
     pdl_enter(PDL)
-    # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse)
-    pid = tl.program_id(0)
-    in_group = GROUP_M * tl.cdiv(D, BLOCK_N)
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
-    if PAIR_BLOCKS:  # block pid_m is pair pid_m (see _gate_up_kernel)
-        e = tl.load(IDS + pid_m).to(tl.int64)
-        e = tl.where((e >= 0) & (e < E), e, -1)
-    else:
-        e = tl.load(BLOCK_EXPERT + pid_m)
+    pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, D, GROUP_M, BLOCK_N, PAIR_BLOCKS)
     if e < 0:
         return
     e = e.to(tl.int64)
     dt = Y.dtype.element_ty  # the model dtype (H's, unless X_FP8)
-    offs_m = tl.arange(0, BLOCK_M)
-    if PAIR_BLOCKS:
-        row_ok = offs_m < 1
-        pair = tl.zeros([BLOCK_M], dtype=tl.int64) + pid_m
-    else:
-        row_ok = offs_m < tl.load(BLOCK_ROWS + pid_m)
-        pair = tl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    row_ok, pair = _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, PAIR_BLOCKS)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
