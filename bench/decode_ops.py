@@ -8,9 +8,12 @@ figure includes the launch gap the op costs inside the step's graph:
   split count;
 - `linear`: the 16-bit weight-streaming linear at the step's projection shapes, per tile and
   split-K count, against cuBLAS; the chain rotates weight copies past the L2;
+- `fp8`: the fp8 (w8a8) linear at the step's fp8 projection shapes and `--rows`, per tile, split
+  count and split sum (the tile's last split, or a reduce launch), as the step calls it (with
+  `act_quant` first past 16 rows); the chain rotates weight copies past the L2;
 - `route`: the MoE router's logits + selection at one token, per K split count.
 
-    python3 -m bench.decode_ops [--only mla,linear,route] [--contexts 1024,4096]
+    python3 -m bench.decode_ops [--only mla,linear,fp8,route] [--contexts 1024,4096] [--rows 1,16,64,128]
 """
 
 from __future__ import annotations
@@ -39,6 +42,21 @@ LINEAR_TILES = [  # BLOCK_N, BLOCK_K, num_warps, num_stages, splits (None: the d
     (32, 256, 4, 6, None), (16, 256, 4, 6, None), (32, 512, 8, 3, None), (64, 256, 8, 3, None),
     (16, 512, 4, 4, 2), (32, 256, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 4, 4), (64, 256, 4, 4, 2),
     (128, 128, 4, 4, 4), (128, 128, 8, 4, 8),
+]
+FP8_SHAPES = {name: SHAPES[name] for name in  # the step's fp8 projections (out, in)
+              ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b")}
+# BLOCK_M, BLOCK_N, num_warps, num_stages, SWAP_AB, splits (None: the default split), split sum
+FP8_TILES_FEW = [  # up to 16 rows (the default is A8_DECODE_CONFIG: 16, 128, 4, 3, swapped)
+    (16, 128, 4, 4, True, None, "last"), (16, 128, 4, 6, True, None, "last"), (16, 64, 4, 4, True, None, "last"),
+    (16, 64, 4, 6, True, None, "last"), (16, 256, 8, 3, True, None, "last"), (16, 128, 8, 4, True, None, "last"),
+    (16, 128, 4, 4, True, 1, "last"), (16, 128, 4, 4, True, 2, "last"), (16, 128, 4, 4, True, 4, "last"),
+    (16, 128, 4, 4, True, 8, "last"), (16, 64, 4, 4, True, 2, "last"), (16, 64, 4, 4, True, 4, "last"),
+]
+FP8_TILES_MANY = [  # 17-256 rows (the default is the table's 64, 64, 4, 4 on act_quant's output)
+    (64, 128, 4, 3, True, None, "last"), (64, 128, 4, 4, True, None, "last"), (64, 64, 4, 4, True, None, "last"),
+    (64, 128, 8, 4, True, None, "last"), (128, 64, 4, 3, True, None, "last"), (128, 128, 8, 3, True, None, "last"),
+    (64, 128, 4, 4, True, 2, "last"), (64, 128, 4, 4, True, 4, "last"), (64, 64, 4, 4, False, 2, "last"),
+    (32, 128, 4, 4, True, None, "last"),
 ]
 CHAIN_BYTES = 256 << 20
 HEADS, RANK, KPOOL, TOPK_POOLS, PAGE = 64, 512, 16, 128, 64
@@ -119,7 +137,48 @@ def run_linear(dev) -> list[tuple]:
             except Exception as e:
                 out.append((name, nbytes, label, float("nan"), str(e)[:40]))
             print("linear", out[-1], flush=True)
-        del ws
+        ws.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_fp8(dev, rows_list) -> list[tuple]:
+    """(shape, rows, MB, variant, µs, max diff against the default) per fp8 linear variant."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for name, (out_f, in_f) in FP8_SHAPES.items():
+        nbytes = out_f * in_f
+        copies = max(1, min(16, -(-CHAIN_BYTES // nbytes)))
+        chain = max(copies, 8)
+        ws = [torch.randn(out_f, in_f, device=dev, generator=g).to(torch.float8_e4m3fn) for _ in range(copies)]
+        sc = torch.rand(-(-out_f // 128), -(-in_f // 128), device=dev, generator=g) * in_f ** -0.5
+        for rows in rows_list:
+            x = torch.randn(rows, in_f, device=dev, dtype=torch.bfloat16, generator=g)
+            ref = None
+            tiles = FP8_TILES_FEW if rows <= f8.A8_DECODE_MAX_ROWS else FP8_TILES_MANY
+            for v in [None, "launch"] + tiles:
+                if v is None or v == "launch":
+                    cfg, sp, ss, label = None, None, v or "last", "default" + (" +reduce launch" if v else "")
+                else:
+                    bm, bn, nw, st, swap, sp, ss = v
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st, SWAP_AB=swap)
+                    label = f"M{bm} N{bn} w{nw} s{st}{' swap' if swap else ''} S{sp or 'd'}"
+
+                def call(w):
+                    return f8.fp8_linear(x, w, sc, (128, 128), None, config=cfg, splits=sp, act_fp8=True)
+                try:
+                    f8.SPLIT_SUM = ss
+                    y = call(ws[0]).float()
+                    err = 0.0 if ref is None else float((y - ref).abs().max())
+                    ref = y if ref is None else ref
+                    us = graph_ms(lambda: [call(ws[i % copies]) for i in range(chain)]) * 1e3 / chain
+                    out.append((name, rows, nbytes, label, us, err))
+                except Exception as e:  # a tile that does not compile is a result too
+                    out.append((name, rows, nbytes, label, float("nan"), str(e)[:40]))
+                finally:
+                    f8.SPLIT_SUM = "last"
+                print("fp8", out[-1], flush=True)
+        ws.clear()
         torch.cuda.empty_cache()
     return out
 
@@ -146,8 +205,9 @@ def run_route(dev) -> list[tuple]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", default="mla,linear,route")
+    p.add_argument("--only", default="mla,linear,fp8,route")
     p.add_argument("--contexts", default="1024,4096")
+    p.add_argument("--rows", default="1,16,64,128", help="fp8: token rows")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -157,6 +217,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     mla = run_mla([int(c) for c in args.contexts.split(",")], dev) if "mla" in only else []
     lin = run_linear(dev) if "linear" in only else []
+    fp8 = run_fp8(dev, [int(r) for r in args.rows.split(",")]) if "fp8" in only else []
     route = run_route(dev) if "route" in only else []
     if mla:
         print("\nsparse-MLA decode, batch 1 (row list + attention + merge), µs per call in a graph chain")
@@ -178,6 +239,19 @@ def main(argv=None) -> int:
             print(f"  {name} ({nbytes / 1e6:.1f} MB, floor {nbytes / 4.09e6:.1f} µs): {head}")
             for r in best:
                 print(f"    {r[2]:<28} {r[3]:7.1f} µs {nbytes / r[3] / 1e6:5.2f} TB/s  max diff {r[4]}")
+    if fp8:
+        print("\nfp8 (w8a8) linears, µs per call in a graph chain (TB/s of weights): the default, then the best 4")
+        for name in FP8_SHAPES:
+            for rows in sorted({r[1] for r in fp8}):
+                rs = [r for r in fp8 if r[0] == name and r[1] == rows]
+                if not rs:
+                    continue
+                nbytes = rs[0][2]
+                best = sorted((r for r in rs if r[4] == r[4]), key=lambda r: r[4])[:4]
+                print(f"  {name} x {rows} rows ({nbytes / 1e6:.1f} MB, floor {nbytes / 4.09e6:.1f} µs): "
+                      + " | ".join(f"{r[3]} {r[4]:.1f}" for r in rs[:2]))
+                for r in best:
+                    print(f"    {r[3]:<30} {r[4]:7.1f} µs {nbytes / r[4] / 1e6:5.2f} TB/s  max diff {r[5]}")
     if route:
         print("\nMoE router at one token (288 experts, top 8), µs per call in a graph chain")
         for r in route:

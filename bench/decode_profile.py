@@ -145,6 +145,7 @@ def interleaved(args, cfg) -> list[dict]:
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import fp8_linear
     from backends.kernels import fused_moe_configs as fmc
     from backends.kernels import kda
     from glmrt.model.loader import load_dummy
@@ -156,35 +157,38 @@ def interleaved(args, cfg) -> list[dict]:
         if quant != "bf16":
             model.ops.fp8_activations = args.fp8_act.split(",")[0]
         for b in (int(x) for x in args.batches.split(",")):
-            for tile, kt in itertools.product(args.moe_tile.split(","), args.kda_tile.split(",")):
+            for tile, kt, ss in itertools.product(*(v.split(",") for v in (args.moe_tile, args.kda_tile,
+                                                                             args.split_sum))):
                 fmc.OVERRIDE = moe_tile(tile)
                 kda.DECODE_LAUNCH = kda_launch(kt)
+                fp8_linear.SPLIT_SUM = ss
                 graph, touched, alive = capture_step(model, b, args.context)
-                fmc.OVERRIDE, kda.DECODE_LAUNCH = None, None
-                steps[(quant, b, tile, kt)] = (graph, touched, model)
+                fmc.OVERRIDE, kda.DECODE_LAUNCH, fp8_linear.SPLIT_SUM = None, None, "last"
+                steps[(quant, b, tile, kt, ss)] = (graph, touched, model)
                 keep.append(alive)
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
             times[k].append(replay_ms(graph))
     rows = []
-    for (quant, b, tile, kt), (graph, touched, model) in steps.items():
-        ts = times[(quant, b, tile, kt)]
-        row = dict(weights=quant, batch=b, moe_tile=tile, kda_tile=kt, rounds=len(ts),
+    for (quant, b, tile, kt, ss), (graph, touched, model) in steps.items():
+        ts = times[(quant, b, tile, kt, ss)]
+        row = dict(weights=quant, batch=b, moe_tile=tile, kda_tile=kt, split_sum=ss, rounds=len(ts),
                    median_ms=statistics.median(ts),
                    min_ms=min(ts), max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
                    floor_routed_ms=_floor(model, b, args.context, touched))
-        if quant != "bf16" and ("bf16", b, tile, kt) in times:
-            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile, kt)], ts))
+        if quant != "bf16" and ("bf16", b, tile, kt, ss) in times:
+            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile, kt, ss)], ts))
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'median ms':>9} {'min':>7} {'max':>7} "
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'split sum':>9} {'median ms':>9} "
+          f"{'min':>7} {'max':>7} "
           f"{'routed floor':>12} {'/routed':>7} {'bf16/this (paired)':>18}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} {r['split_sum']:>9} "
               f"{r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
@@ -218,6 +222,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
+    p.add_argument("--split-sum", default="last",
+                   help="fp8_linear.SPLIT_SUM for the split-K linears (last: the tile's last split sums in the "
+                        "same launch; launch: a reduce launch), side by side (--interleave only)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",
