@@ -139,17 +139,29 @@ def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float
 
 
 def interleaved(args, cfg) -> list[dict]:
-    """Every (weights, batch) step captured first, all models on the GPU at once, then replayed in
-    turn for args.interleave rounds: clock and thermal drift hit every row alike, and bf16 / fp8
-    is a ratio of paired rounds (separate runs of the same step differ by up to 3%)."""
+    """Every (weights, batch, variant) step captured first, all models on the GPU at once, then
+    replayed in turn for args.interleave rounds: clock and thermal drift hit every row alike, and
+    bf16 / fp8 is a ratio of paired rounds (separate runs of the same step differ by up to 3%).
+    A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --gemv-prefetch,
+    --pdl-max-tokens), set while its step is captured."""
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import fp8_linear
     from backends.kernels import fused_moe_configs as fmc
-    from backends.kernels import kda
+    from backends.kernels import kda, pdl
     from glmrt.model.loader import load_dummy
 
+    def setter(obj, attr, parse):
+        default = getattr(obj, attr)
+        return lambda v: setattr(obj, attr, default if v is None else parse(v))
+
+    axes = {  # name: (values, set(value); set(None) restores the default)
+        "moe_tile": (args.moe_tile, setter(fmc, "OVERRIDE", moe_tile)),
+        "kda_tile": (args.kda_tile, setter(kda, "DECODE_LAUNCH", kda_launch)),
+        "prefetch": (args.gemv_prefetch or str(fp8_linear.PREFETCH_LINES), setter(fp8_linear, "PREFETCH_LINES", int)),
+        "pdl_max": (args.pdl_max_tokens, setter(pdl, "MAX_TOKENS", int)),
+    }
     steps, keep = {}, []
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
@@ -157,39 +169,38 @@ def interleaved(args, cfg) -> list[dict]:
         if quant != "bf16":
             model.ops.fp8_activations = args.fp8_act.split(",")[0]
         for b in (int(x) for x in args.batches.split(",")):
-            for tile, kt, ss in itertools.product(*(v.split(",") for v in (args.moe_tile, args.kda_tile,
-                                                                             args.split_sum))):
-                fmc.OVERRIDE = moe_tile(tile)
-                kda.DECODE_LAUNCH = kda_launch(kt)
-                fp8_linear.SPLIT_SUM = ss
+            for variant in itertools.product(*(vals.split(",") for vals, _ in axes.values())):
+                for v, (_, put) in zip(variant, axes.values()):
+                    put(v)
                 graph, touched, alive = capture_step(model, b, args.context)
-                fmc.OVERRIDE, kda.DECODE_LAUNCH, fp8_linear.SPLIT_SUM = None, None, "last"
-                steps[(quant, b, tile, kt, ss)] = (graph, touched, model)
+                for _, put in axes.values():
+                    put(None)
+                steps[(quant, b, variant)] = (graph, touched, model)
                 keep.append(alive)
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
             times[k].append(replay_ms(graph))
     rows = []
-    for (quant, b, tile, kt, ss), (graph, touched, model) in steps.items():
-        ts = times[(quant, b, tile, kt, ss)]
-        row = dict(weights=quant, batch=b, moe_tile=tile, kda_tile=kt, split_sum=ss, rounds=len(ts),
+    for (quant, b, variant), (graph, touched, model) in steps.items():
+        ts = times[(quant, b, variant)]
+        row = dict(weights=quant, batch=b, **dict(zip(axes, variant)), rounds=len(ts),
                    median_ms=statistics.median(ts),
                    min_ms=min(ts), max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
                    floor_routed_ms=_floor(model, b, args.context, touched))
-        if quant != "bf16" and ("bf16", b, tile, kt, ss) in times:
-            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, tile, kt, ss)], ts))
+        if quant != "bf16" and ("bf16", b, variant) in times:
+            row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, variant)], ts))
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'split sum':>9} {'median ms':>9} "
-          f"{'min':>7} {'max':>7} "
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'prefetch':>8} {'pdl max':>7} "
+          f"{'median ms':>9} {'min':>7} {'max':>7} "
           f"{'routed floor':>12} {'/routed':>7} {'bf16/this (paired)':>18}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} {r['split_sum']:>9} "
-              f"{r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} {r['prefetch']:>8} "
+              f"{r['pdl_max']:>7} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{r.get('bf16_over_this', float('nan')):>18.3f}")
@@ -212,7 +223,8 @@ def main(argv=None) -> list[dict]:
                    help="CudaH200Ops.skinny_linear (16-bit decode linears on Triton, not cuBLAS): "
                         "off,measured,all side by side")
     p.add_argument("--pdl-max-tokens", default="1",
-                   help="pdl.MAX_TOKENS (PDL only for forwards of up to this many tokens), side by side")
+                   help="pdl.MAX_TOKENS (PDL only for forwards of up to this many tokens), side by side (with "
+                        "--interleave too)")
     p.add_argument("--mhc-precision", default="tf32x3", help="mhc.DECODE_PRECISION: ieee,tf32x3 side by side")
     p.add_argument("--align", default="parallel",
                    help="moe_align.SMALL_ALIGN_MODE (the decode MoE alignment): parallel,one-program side by side")
@@ -222,9 +234,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
-    p.add_argument("--split-sum", default="last",
-                   help="fp8_linear.SPLIT_SUM for the split-K linears (last: the tile's last split sums in the "
-                        "same launch; launch: a reduce launch), side by side (--interleave only)")
+    p.add_argument("--gemv-prefetch", default=None,
+                   help="fp8_linear.PREFETCH_LINES (lines of each weight row the fp8 / 16-bit decode linears ask the "
+                        "L2 for before their PDL wait; 0: none), side by side (--interleave only; default: as set)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",

@@ -92,25 +92,6 @@ def test_fp8_linear_split_k(device, n, splits, bias):
     assert _rel(out, one) < 1e-2
 
 
-@pytest.mark.parametrize("act_fp8", [False, True])
-def test_split_sum_in_launch_equals_reduce_launch(device, monkeypatch, act_fp8):
-    """The split-K sum done by each tile's last split equals the separate reduce launch bit for bit,
-    and leaves every tile counter at zero for the next launch (as a replayed graph needs)."""
-    g = _gen("split-sum", act_fp8)
-    x, w, s, b = _to(device, *_problem(g, 3, 640, 200, torch.bfloat16, True))   # 5 K blocks, 2-4 out tiles
-    outs = {}
-    for mode in ("launch", "last"):
-        monkeypatch.setattr(f8, "SPLIT_SUM", mode)
-        if mode == "last":
-            monkeypatch.setattr(f8, "_reduce_kernel", None)  # a reduce launch now would fail
-        outs[mode] = [f8.fp8_linear(x, w, s, (128, 128), b, splits=k, act_fp8=act_fp8) for k in (2, 5)]
-    for launch, last in zip(outs["launch"], outs["last"]):
-        assert torch.equal(launch, last)
-    assert not outs["last"][0].isnan().any()
-    cnt = f8.split_counters(x.device, 1)
-    assert cnt is not None and int(cnt.abs().sum()) == 0
-
-
 def test_fp8_linear_prefill_tiles(device):
     """The prefill tile (BLOCK_M 128, grouped order over several M tiles) at a small size."""
     g = _gen("prefill")
@@ -301,7 +282,6 @@ def test_fp8_linear_graph_safe():
     torch.cuda.synchronize()
     assert _rel(static, ops.linear(x, w, b, s)) == 0.0
     assert _rel(static, eager) > 0.0
-    assert int(f8.split_counters(dev, 1).abs().sum()) == 0  # the eager calls' counters are zero again
 
 
 # ---- 16-bit weights at decode sizes (skinny_linear: the same kernel, SCALED=False) ----------------
