@@ -101,6 +101,8 @@ def main(argv=None) -> list[dict]:
                    "kernel); the torch reference expands [H, T, T] scores: it does not fit at 16K in one forward")
     p.add_argument("--mla-chunk-rows", default="", help="sparse_mla.PREFILL_CHUNK_ROWS values (query tokens per "
                    "sparse-MLA prefill launch) also timed on the triton backend, e.g. 4096,16384")
+    p.add_argument("--mhc-mix-k", default="", help="mhc.PREFILL_MIX_K values also timed on the triton backend, "
+                   "e.g. 0,2048 (0: mhc_pre's one-launch path from ~8.4K tokens)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -109,6 +111,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import mhc
     from backends.kernels import sparse_mla as sm
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
@@ -143,15 +146,21 @@ def main(argv=None) -> list[dict]:
             sm.PREFILL_TOKEN_LIST = "kernel" if name == "triton-kernel" else "precomputed"
             row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
-            if name == "triton" and args.mla_chunk_rows:
-                keep = sm.PREFILL_CHUNK_ROWS
-                for rows_per in [int(x) for x in args.mla_chunk_rows.split(",")]:
-                    sm.PREFILL_CHUNK_ROWS = rows_per
+            for values, mod, attr, key, what in (
+                    (args.mla_chunk_rows, sm, "PREFILL_CHUNK_ROWS", "chunk", "sparse-MLA prefill in launches of {} "
+                                                                             "query tokens"),
+                    (args.mhc_mix_k, mhc, "PREFILL_MIX_K", "mhc_mix_k", "mhc_pre mixing K in pieces of {} "
+                                                                        "(0: one launch from ~8.4K tokens)")):
+                if name != "triton" or not values:
+                    continue
+                keep = getattr(mod, attr)
+                for v in [int(x) for x in values.split(",")]:
+                    setattr(mod, attr, v)
                     ms = ours_prefill_ms(model, prompt.cuda(), args.reps)[0]
-                    row[f"triton_ms_chunk{rows_per}"] = ms
-                    print(f"triton {t}, sparse-MLA prefill in launches of {rows_per} query tokens: {ms:.1f} ms "
+                    row[f"triton_ms_{key}{v}"] = ms
+                    print(f"triton {t}, {what.format(v)}: {ms:.1f} ms "
                           f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling)", flush=True)
-                sm.PREFILL_CHUNK_ROWS = keep
+                setattr(mod, attr, keep)
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())

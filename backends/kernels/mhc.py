@@ -53,6 +53,14 @@ _LARGE_N = 1024  # tokens from which the one-launch path takes 64-token blocks a
 DECODE_PRECISION = "tf32x3"
 PREFILL_PRECISION = "bf16x3"  # from _LARGE_N tokens (bf16 streams; others take tf32x3): see mhc_pre
 _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode sizes
+# Prefill sizes (>= _LARGE_N tokens): 128-token mixing blocks with at least ceil(M·D /
+# PREFILL_MIX_K) K splits, then the 2-D epilogue. Each mixing program then streams 128 x
+# PREFILL_MIX_K stream values (512 KB at 2048) whatever the prompt's length, as the 4K prefill's
+# 8 splits did (0.13 ms against 0.40 for one fused launch); the fused launch (one program per 64
+# tokens mixing all of M·D, then re-reading its 2 MB of streams for the collapse) ran 16K tokens
+# in 0.63 ms against a 0.16 ms floor. 0: the fused launch from 2 x SMs 128-token blocks (~8.4K
+# tokens), 128-token blocks split over the chip below.
+PREFILL_MIX_K = 2048
 # Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
 # (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
 # program's Sinkhorn (~0.12 µs per iteration, ~2.3 µs at 20) is the critical path, so narrower
@@ -306,11 +314,12 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     bf16 streams only, splits fn in three bf16 parts: bf16 products at ~fp32 accuracy);
     num_warps / num_stages override the mixing launch's (bench.mhc_h200 sweeps them).
     `norm` = (weight, eps): the collapse comes back through that RMSNorm (the layer's input norm);
-    at decode sizes inside the epilogue (one launch less per call), else by norms.rms_norm after.
+    inside the epilogue whenever K is split (a row of M·D values fits one program), else by
+    norms.rms_norm after.
     By default decode sizes take 16-token blocks and DECODE_PRECISION. Prefill sizes (>= _LARGE_N
     tokens) take PREFILL_PRECISION; there the ieee FMA products made mhc_pre 16% of a 16K-token
     prefill on the H200 (39 ms, ~3 TFLOP/s). Their blocks: 128 tokens per mixing program with K
-    split over the chip while fewer than 66 such blocks exist, else one launch of 64-token blocks.
+    split over the chip and in pieces of at most PREFILL_MIX_K.
     `bench.mhc_h200` on an H200 (M 4, D 4096): 16K tokens tf32x3 0.93 ms, bf16x3 0.64; 4K tokens
     (one launch: 64 programs) tf32x3 0.58, bf16x3 0.40, split bf16x3 at 128-token blocks 0.13."""
     n, m, d = streams.shape
@@ -334,12 +343,16 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if n == 0:
         return post, comb, u
     prefill = n >= _LARGE_N
-    if prefill and block_n is None and split is None and triton.cdiv(n, 128) * 2 < _NUM_SMS_GUESS:
-        block_n, num_warps = 128, num_warps or 8  # too few 64-token blocks to fill the chip: split K
+    split_prefill = prefill and block_n is None and split is None and (
+        PREFILL_MIX_K > 0 or triton.cdiv(n, 128) * 2 < _NUM_SMS_GUESS)
+    if split_prefill:
+        block_n, num_warps = 128, num_warps or 8  # 128-token mixing blocks, K split (see PREFILL_MIX_K)
     nblocks = triton.cdiv(n, block_n or 16)
     if split is None:
         split = 1 if nblocks * 2 >= _NUM_SMS_GUESS else max(1, min(triton.cdiv(k, 2 * block_k),
                                                                     2 * _NUM_SMS_GUESS // nblocks, _MAX_SPLIT))
+        if split_prefill and PREFILL_MIX_K > 0:
+            split = min(max(split, triton.cdiv(k, PREFILL_MIX_K)), _MAX_SPLIT)
     large = split == 1 and prefill
     block_n = block_n or (64 if large else 16)
     precision = precision or (PREFILL_PRECISION if prefill else DECODE_PRECISION)

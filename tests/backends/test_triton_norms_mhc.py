@@ -205,9 +205,35 @@ def test_mhc_pre_decode_tf32x3(device, monkeypatch, n):
     _check_pre(device, torch.bfloat16, 4, 1024, n, 20, None)
 
 
-def test_mhc_pre_prefill_size(device):
-    """From 1024 tokens: one launch of 64-token blocks with tf32x3 products, still fp32-accurate."""
+def test_mhc_pre_prefill_size(device, monkeypatch):
+    """From 1024 tokens with PREFILL_MIX_K 0: one launch of 64-token blocks with tf32x3 products,
+    still fp32-accurate."""
+    from backends.kernels import mhc
+    monkeypatch.setattr(mhc, "PREFILL_MIX_K", 0)
     _check_pre(device, torch.bfloat16, 4, 32, 1100, 20, None)
+
+
+def test_mhc_pre_prefill_mix_k(device, monkeypatch):
+    """Prefill sizes split K into pieces of at most PREFILL_MIX_K even where the 128-token blocks
+    alone would fill the chip (here 2 "SMs"): the mixing grid is (blocks, M·D / PREFILL_MIX_K)."""
+    from backends.kernels import mhc
+    grids = []
+    mix = mhc._mhc_mix_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return mix[grid]
+
+    monkeypatch.setattr(mhc, "_mhc_mix_kernel", Recording())
+    monkeypatch.setattr(mhc, "_NUM_SMS_GUESS", 2)
+    monkeypatch.setattr(mhc, "PREFILL_MIX_K", 1024)
+    n = 1100
+    if device.type == "cpu":
+        monkeypatch.setattr(mhc, "_LARGE_N", 64)
+        n = 70
+    _check_pre(device, torch.bfloat16, 4, 1024, n, 20, None)
+    assert grids == [(-(-n // 128), 4)]
 
 
 def test_mhc_pre_prefill_split_k(device, monkeypatch):
