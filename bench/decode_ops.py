@@ -9,8 +9,7 @@ figure includes the launch gap the op costs inside the step's graph:
 - `linear`: the 16-bit weight-streaming linear at the step's projection shapes, per tile and
   split-K count, against cuBLAS; the chain rotates weight copies past the L2;
 - `fp8`: the fp8 (w8a8) linear at the step's fp8 projection shapes and `--rows`, per tile, split
-  count and weight prefetch before the PDL wait, as the step calls it (with `act_quant` first
-  past 16 rows); the chain rotates weight copies past the L2;
+  count, as the step calls it (with `act_quant` first past 16 rows); the chain rotates weight copies past the L2;
 - `route`: the MoE router's logits + selection at one token, per K split count.
 
     python3 -m bench.decode_ops [--only mla,linear,fp8,route] [--contexts 1024,4096] [--rows 1,16,64,128]
@@ -45,16 +44,16 @@ LINEAR_TILES = [  # BLOCK_N, BLOCK_K, num_warps, num_stages, splits (None: the d
 ]
 FP8_SHAPES = {name: SHAPES[name] for name in  # the step's fp8 projections (out, in)
               ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b")}
-# BLOCK_M, BLOCK_N, num_warps, num_stages, SWAP_AB, splits (None: the default split); each with
-# the default prefetch before the PDL wait
+# BLOCK_M, BLOCK_N, num_warps, num_stages, SWAP_AB, splits (None: the default split)
 FP8_TILES_FEW = [  # up to 16 rows (the default is A8_DECODE_CONFIG: 16, 128, 4, 3, swapped)
-    (16, 128, 4, 4, True, None), (16, 64, 4, 4, True, None), (16, 128, 8, 4, True, None),
-    (16, 128, 4, 4, True, 1), (16, 64, 4, 4, True, 4),
+    (16, 128, 4, 4, True, None), (16, 128, 4, 6, True, None), (16, 64, 4, 4, True, None),
+    (16, 256, 8, 3, True, None), (16, 128, 8, 4, True, None), (16, 128, 4, 4, True, 1),
+    (16, 128, 4, 4, True, 4), (16, 64, 4, 4, True, 4),
 ]
 FP8_TILES_MANY = [  # 17-256 rows (the default is the table's 64, 64, 4, 4 on act_quant's output)
-    (64, 128, 4, 4, True, None), (128, 64, 4, 3, True, None), (64, 64, 4, 4, False, 2),
+    (64, 128, 4, 3, True, None), (64, 128, 4, 4, True, None), (64, 64, 4, 4, True, None),
+    (128, 64, 4, 3, True, None), (64, 128, 4, 4, True, 4), (64, 64, 4, 4, False, 2),
 ]
-FP8_PREFETCH = (0, 8, 16)  # PREFETCH_LINES besides the default, with the default tile
 CHAIN_BYTES = 256 << 20
 HEADS, RANK, KPOOL, TOPK_POOLS, PAGE = 64, 512, 16, 128, 64
 
@@ -153,12 +152,9 @@ def run_fp8(dev, rows_list) -> list[tuple]:
             x = torch.randn(rows, in_f, device=dev, dtype=torch.bfloat16, generator=g)
             ref = None
             tiles = FP8_TILES_FEW if rows <= f8.A8_DECODE_MAX_ROWS else FP8_TILES_MANY
-            default_pf = f8.PREFETCH_LINES
-            for v in [None] + [pf for pf in FP8_PREFETCH if pf != default_pf] + tiles:
-                cfg, sp, pf, label = None, None, default_pf, "default"
-                if isinstance(v, int):
-                    pf, label = v, f"default, prefetch {v} lines"
-                elif v is not None:
+            for v in [None] + tiles:
+                cfg, sp, label = None, None, "default"
+                if v is not None:
                     bm, bn, nw, st, swap, sp = v
                     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st, SWAP_AB=swap)
                     label = f"M{bm} N{bn} w{nw} s{st}{' swap' if swap else ''} S{sp or 'd'}"
@@ -166,7 +162,6 @@ def run_fp8(dev, rows_list) -> list[tuple]:
                 def call(w):
                     return f8.fp8_linear(x, w, sc, (128, 128), None, config=cfg, splits=sp, act_fp8=True)
                 try:
-                    f8.PREFETCH_LINES = pf
                     y = call(ws[0]).float()
                     err = 0.0 if ref is None else float((y - ref).abs().max())
                     ref = y if ref is None else ref
@@ -174,8 +169,6 @@ def run_fp8(dev, rows_list) -> list[tuple]:
                     out.append((name, rows, nbytes, label, us, err))
                 except Exception as e:  # a tile that does not compile is a result too
                     out.append((name, rows, nbytes, label, float("nan"), str(e)[:40]))
-                finally:
-                    f8.PREFETCH_LINES = default_pf
                 print("fp8", out[-1], flush=True)
         ws.clear()
         torch.cuda.empty_cache()

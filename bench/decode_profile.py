@@ -142,12 +142,11 @@ def interleaved(args, cfg) -> list[dict]:
     """Every (weights, batch, variant) step captured first, all models on the GPU at once, then
     replayed in turn for args.interleave rounds: clock and thermal drift hit every row alike, and
     bf16 / fp8 is a ratio of paired rounds (separate runs of the same step differ by up to 3%).
-    A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --gemv-prefetch,
-    --pdl-max-tokens), set while its step is captured."""
+    A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --pdl-max-tokens),
+    set while its step is captured."""
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import fp8_linear
     from backends.kernels import fused_moe_configs as fmc
     from backends.kernels import kda, pdl
     from glmrt.model.loader import load_dummy
@@ -159,7 +158,6 @@ def interleaved(args, cfg) -> list[dict]:
     axes = {  # name: (values, set(value); set(None) restores the default)
         "moe_tile": (args.moe_tile, setter(fmc, "OVERRIDE", moe_tile)),
         "kda_tile": (args.kda_tile, setter(kda, "DECODE_LAUNCH", kda_launch)),
-        "prefetch": (args.gemv_prefetch or str(fp8_linear.PREFETCH_LINES), setter(fp8_linear, "PREFETCH_LINES", int)),
         "pdl_max": (args.pdl_max_tokens, setter(pdl, "MAX_TOKENS", int)),
     }
     steps, keep = {}, []
@@ -195,11 +193,11 @@ def interleaved(args, cfg) -> list[dict]:
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
-    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'prefetch':>8} {'pdl max':>7} "
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'pdl max':>7} "
           f"{'median ms':>9} {'min':>7} {'max':>7} "
           f"{'routed floor':>12} {'/routed':>7} {'bf16/this (paired)':>18}")
     for r in rows:
-        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} {r['prefetch']:>8} "
+        print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
               f"{r['pdl_max']:>7} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
@@ -234,9 +232,6 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
-    p.add_argument("--gemv-prefetch", default=None,
-                   help="fp8_linear.PREFETCH_LINES (lines of each weight row the fp8 / 16-bit decode linears ask the "
-                        "L2 for before their PDL wait; 0: none), side by side (--interleave only; default: as set)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",
