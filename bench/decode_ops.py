@@ -35,7 +35,8 @@ MLA_CONFIGS = [  # BLOCK_H, BLOCK_N, num_warps, num_stages
 ]
 MLA_SPLITS = (None, 2, 4, 8, 16, 32)
 LINEAR_SHAPES = {name: SHAPES[name] for name in  # the step's projections whose tile is in question
-                 ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b")}
+                 ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b",
+                  "MLA q_b + idx wq_b")}
 LINEAR_TILES = [  # BLOCK_N, BLOCK_K, num_warps, num_stages, splits (None: the default split)
     (16, 512, 4, 4, None), (32, 256, 4, 4, None), (64, 128, 4, 4, None), (64, 256, 4, 4, None),
     (32, 256, 4, 6, None), (16, 256, 4, 6, None), (32, 512, 8, 3, None), (64, 256, 8, 3, None),
@@ -43,7 +44,8 @@ LINEAR_TILES = [  # BLOCK_N, BLOCK_K, num_warps, num_stages, splits (None: the d
     (128, 128, 4, 4, 4), (128, 128, 8, 4, 8),
 ]
 FP8_SHAPES = {name: SHAPES[name] for name in  # the step's fp8 projections (out, in)
-              ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b")}
+              ("KDA in_proj", "KDA o_proj", "MLA q_a+kv_a", "MLA q_b", "MLA o_proj", "idx wq_b",
+               "MLA q_b + idx wq_b")}
 # BLOCK_M, BLOCK_N, num_warps, num_stages, SWAP_AB, splits (None: the default split)
 FP8_TILES_FEW = [  # up to 16 rows (the default is A8_DECODE_CONFIG: 16, 128, 4, 3, swapped)
     (16, 128, 4, 4, True, None), (16, 128, 4, 6, True, None), (16, 64, 4, 4, True, None),

@@ -27,6 +27,7 @@ SHAPES = {  # name: (out, in) of the flash-4l decode step (per layer)
     "KDA f_b / g_b": (8192, 128),
     "MLA q_a+kv_a": (2048, 4096),
     "MLA q_b": (16384, 1536),
+    "MLA q_b + idx wq_b": (20480, 1536),
     "MLA o_proj": (4096, 16384),
     "idx wq_b": (4096, 1536),
     "idx wk": (128, 4096),

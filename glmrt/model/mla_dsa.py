@@ -39,7 +39,9 @@ class Indexer(nn.Module):
         self.x_proj = LinearGroup(self.wk, self.weights_proj)
         self.weight_groups = (self.x_proj,)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, meta, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, meta, cache,
+                q: torch.Tensor | None = None) -> torch.Tensor:
+        """`q`: wq_b(q_resid) when the attention computed it with its own queries (one GEMV)."""
         k, w = self.x_proj(x)
         k = self.k_norm(k)
         g = self.ops.linear(x, self.index_kpool_compress_gate)
@@ -49,7 +51,7 @@ class Indexer(nn.Module):
         tail_k, tail_g = cache.tail(self.layer)
         pooled = cache.pooled(self.layer)
         self.ops.indexer_update(k, g, self.index_kpool_compress_ape, pooled, tail_k, tail_g, meta, self.kpool)
-        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = (self.wq_b(q_resid) if q is None else q).view(-1, self.n_heads, self.head_dim)
         # w goes unscaled: the op scales it by n_heads^-0.5 in fp32 where it scores pools (a
         # decode batch of short requests takes all pools and never reads it)
         return self.ops.indexer_select(q, w, pooled, meta, self.kpool, self.topk_pools)
@@ -81,18 +83,21 @@ class DSAAttention(nn.Module):
                              name="num_attention_heads")
         self.indexer = Indexer(cfg, layer, ops, dtype) if has_indexer else None
         self.in_proj = LinearGroup(self.q_a_proj, self.kv_a_proj_with_mqa)  # one GEMV of x once fused
-        self.weight_groups = (self.in_proj,)
+        # the queries and the indexer's queries both read the normed q latent: one GEMV once fused
+        self.q_proj = LinearGroup(self.q_b_proj, self.indexer.wq_b) if self.indexer is not None else None
+        self.weight_groups = (self.in_proj,) + ((self.q_proj,) if self.q_proj is not None else ())
 
     def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
         """-> (output [N, D], the selection this layer used, for a following shared layer)."""
         n = x.shape[0]
         q_a, kv_a = self.in_proj(x)
         q_resid = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_resid).view(n, self.num_heads, self.qk_head_dim)
+        q, q_index = self.q_proj(q_resid) if self.q_proj is not None else (self.q_b_proj(q_resid), None)
+        q = q.view(n, self.num_heads, self.qk_head_dim)  # a column slice of the fused product
         latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
         self.ops.write_latent(latent, cache.latent(self.layer), meta)
         if self.indexer is not None:
-            sel = self.indexer(x, q_resid, meta, cache)
+            sel = self.indexer(x, q_resid, meta, cache, q_index)
         elif carried_sel is not None:
             sel = carried_sel
         else:

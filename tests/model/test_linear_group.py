@@ -89,12 +89,15 @@ def test_fp8_groups_fuse_only_on_whole_scale_blocks():
 
 
 def test_models_fuse_their_projections_and_match_unfused():
-    """load_dummy fuses KDA's and DSA's input projections, the shared experts' gate/up and KDA's
-    conv weights; the logits equal those of the same weights with every group unfused."""
+    """load_dummy fuses KDA's and DSA's input projections, DSA's queries with its indexer's, the
+    shared experts' gate/up and KDA's conv weights; the logits equal those of the same weights
+    with every group unfused."""
     cfg = preset_config("tiny")
     model = load_dummy(cfg, OPS, dtype=torch.float32, device="cpu", with_vision=False, with_mtp=False)
     groups = [grp for m in model.modules() for grp in getattr(m, "weight_groups", ())]
     assert groups and all(grp.weight is not None for grp in groups)
+    queries = [m.q_proj for m in model.modules() if getattr(m, "indexer", None) is not None]
+    assert queries and all(grp in groups for grp in queries)
     from glmrt.model.session import DirectSession
 
     def logits():
