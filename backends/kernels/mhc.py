@@ -56,10 +56,10 @@ _SPLIT_BLOCK_K = 128  # the mix kernel's K tile: one or two per split at decode 
 # Prefill sizes (>= _LARGE_N tokens): 128-token mixing blocks with at least ceil(M·D /
 # PREFILL_MIX_K) K splits, then the 2-D epilogue. Each mixing program then streams 128 x
 # PREFILL_MIX_K stream values (512 KB at 2048) whatever the prompt's length, as the 4K prefill's
-# 8 splits did (0.13 ms against 0.40 for one fused launch); the fused launch (one program per 64
-# tokens mixing all of M·D, then re-reading its 2 MB of streams for the collapse) ran 16K tokens
-# in 0.63 ms against a 0.16 ms floor. 0: the fused launch from 2 x SMs 128-token blocks (~8.4K
-# tokens), 128-token blocks split over the chip below.
+# 8 splits did, instead of one fused launch (one program per 64 tokens mixing all of M·D, then
+# re-reading its 2 MB of streams for the collapse) from ~8.4K tokens. `bench.mhc_h200` on an H100,
+# M 4, D 4096, ms (this / the fused launch): 16K tokens 0.542 / 0.709, 64K 2.097 / 2.407; 4K
+# 0.143 (split before too). 0: the fused launch from 2 x SMs 128-token blocks (~8.4K tokens).
 PREFILL_MIX_K = 2048
 # Split (decode) epilogue: a 2-D grid (tokens x D tiles) of _SPLIT_TILE stream elements per program
 # (BLOCK_D = _SPLIT_TILE / BLOCK_M columns: 1024 at M 4, so 4 tiles at D 4096). The tile-0
