@@ -20,11 +20,9 @@ per BLOCK_M rows of x: once in all for decode (N <= BLOCK_M).
 Decode (N = 1..256) is memory bound: the grid is the (M-tile, out-tile) pairs in grouped order
 (the M tiles of one weight tile are neighbours, so a second M tile hits L2). When that gives
 fewer programs than SMs (e.g. 4096 -> 512, N = 1: 8 tiles for 132 SMs), K is split as well
-(split-K): each split writes an fp32 partial to a [S, N, out] workspace, and the tile's split
-that finishes last (a counter per tile) sums the splits in order (deterministic: the order is
-the splits', not the finishing order), adds the bias and rounds, in the same launch
-(SPLIT_SUM = "launch": a second small launch does the sum). The split count is capped so that
-the workspace traffic stays under the weight bytes.
+(split-K): each split writes an fp32 partial to a [S, N, out] workspace and a second small
+launch sums the splits in order (deterministic, no atomics), adds the bias and rounds. The
+split count is capped so that the workspace traffic stays under the weight bytes.
 
 Prefill (N up to 16K) uses 128x128 tensor-core tiles; the dequantisation is repeated once per
 M tile (cheap next to the MMA).
@@ -86,12 +84,6 @@ PREQUANT_MIN_WEIGHT = 4 << 20
 CUBLAS_MIN_ROWS = 1024
 _CUBLAS_OK: dict = {}  # device index -> whether torch._scaled_mm took the block-scaled problem
 
-# Who sums the split-K partials: "last" (the tile's last split to finish, in the same launch) or
-# "launch" (_reduce_kernel, one launch more). One counter per out tile, per device and stream.
-SPLIT_SUM = "last"
-SPLIT_COUNTERS = 1 << 14
-_COUNTERS: dict = {}  # (device, stream) -> int32 [SPLIT_COUNTERS], zero between launches
-
 SPLIT_MIN_WAVES = 2.0   # split K while the tiles fill fewer than SMs: aim for this many programs per SM
 SPLIT_WS_RATIO = 1.0    # workspace bytes (fp32 partials, written + read) at most this x the weight bytes
 REDUCE_BLOCK = 1024
@@ -139,14 +131,14 @@ def dequant_tile(w, scale, DT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
-    X, W, S, B, Y, WS, XS, CNT,
+    X, W, S, B, Y, WS, XS,
     M, N_OUT, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
     ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-    SUM_LAST: tl.constexpr = False, PDL: tl.constexpr = False):
+    PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): x is already e4m3 (act_quant's output), its scales XS [M, K / SCALE_BK]
     # SWAP_AB (with ACT_FP8): accᵀ [BN, BM] = W_tile [BN, BK] · xᵀ [BK, BM], the weight rows on the
     # MMA's M side and the few tokens on its N side, as the fused MoE's decode tiles (FP8A8_CONFIGS)
@@ -215,24 +207,10 @@ def _fp8_linear_kernel(
         acc = tl.trans(acc)
 
     ok = row_ok[:, None] & n_ok[None, :]
-    store = not SPLIT
-    if SPLIT:  # fp32 partial of this K range; the tile's last split (SUM_LAST) or _reduce_kernel sums them
-        ws = WS + offs_m[:, None] * N_OUT + offs_n[None, :]
-        tl.store(ws + pid_k * M * N_OUT, acc, mask=ok)
-        if SUM_LAST:
-            # CNT[pid] counts the tile's finished splits: the one that finishes last sums all of them
-            # in split order (the same sum as _reduce_kernel) and re-arms the counter for the next
-            # launch. The barrier puts every thread's partial before this program's count, whose
-            # release/acquire carries the partials to the summing program; .cg reads skip the L1.
-            tl.debug_barrier()
-            done = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
-            store = done == tl.num_programs(1) - 1
-            if store:
-                tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
-                acc = tl.zeros_like(acc)
-                for s in range(0, tl.num_programs(1)):
-                    acc += tl.load(ws + s * M * N_OUT, mask=ok, other=0.0, cache_modifier=".cg")
-    if store:
+    if SPLIT:  # fp32 partial of this K range; _reduce_kernel sums the splits
+        ws = WS + (pid_k * M + offs_m)[:, None] * N_OUT + offs_n[None, :]
+        tl.store(ws, acc, mask=ok)
+    else:
         if HAS_BIAS:
             bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
             acc += bias[None, :]
@@ -341,23 +319,6 @@ def _cublas_blockwise(xq, xs, w, scale_inv, block, bias, out) -> bool:
     return True
 
 
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed tile counters of `device`'s current stream (each launch leaves them zero), or None
-    where the split sum is a launch of its own: SPLIT_SUM, more tiles than counters, no CUDA.
-    Per stream, so that launches on two streams never share a counter."""
-    if SPLIT_SUM != "last" or tiles > SPLIT_COUNTERS:
-        return None
-    if device.type == "cuda":
-        key = (device.index if device.index is not None else torch.cuda.current_device(),
-               torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (device.type, None)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        cnt = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return cnt
-
-
 def split_layout(in_f: int, bk: int, splits: int) -> tuple[int, int]:
     """(splits, K elements per split, a multiple of bk) closest to `splits` (at most one per K tile)."""
     kb = triton.cdiv(in_f, bk)
@@ -380,19 +341,18 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = Fal
     grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
     launch = pdl.launch(x.device)
     xs = x_scales if x_scales is not None else sc  # unused unless X_FP8
-    cnt = split_counters(x.device, grid[0]) if s > 1 else None
     _fp8_linear_kernel[grid](
-        x, w, sc, b, out, ws, xs, cnt if cnt is not None else sc,
+        x, w, sc, b, out, ws, xs,
         n, out_f, in_f, k_split,
         x.stride(0), w.stride(0), sc.stride(0) if scaled else 0, sc.stride(1) if scaled else 0, out.stride(0),
         xs.stride(0) if x_scales is not None else 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, SPLIT=s > 1,
         EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled, ACT_FP8=act_fp8, X_FP8=x_scales is not None,
-        SWAP_AB=act_fp8 and bool(cfg.get("SWAP_AB", False)), SUM_LAST=cnt is not None,
+        SWAP_AB=act_fp8 and bool(cfg.get("SWAP_AB", False)),
         **launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if s > 1 and cnt is None:
+    if s > 1:
         blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
         _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
                                                     HAS_BIAS=bias is not None, BLOCK=blk, **launch, num_warps=4)
