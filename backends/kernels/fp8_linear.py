@@ -44,6 +44,7 @@ from .fused_moe import ACT_DTYPES, FP8_DTYPES
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
+from .tile_loads import load_k_tile
 
 patch_interpreter()
 
@@ -174,24 +175,14 @@ def _fp8_linear_kernel(
     s_ptr = S + (n0 // SCALE_BN) * stride_sn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if SWAP_AB:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a = load_k_tile(a_ptrs, row_ok, K - k0, offs_k, 0, EVEN_K)
+            b = load_k_tile(b_ptrs, n_ok, K - k0, offs_k, 1, EVEN_K)
             sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
             aq, sa = act_tile_e4m3(a, XS, offs_m, row_ok, stride_xsm, k0 // SCALE_BK, 0, X_FP8)
             acc += tl.dot(b, aq) * (sa * sc)
         else:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a = load_k_tile(a_ptrs, row_ok, K - k0, offs_k, 1, EVEN_K)
+            b = load_k_tile(b_ptrs, n_ok, K - k0, offs_k, 0, EVEN_K)
             if ACT_FP8:  # w8a8: x per row over this K tile (= its scale block), here or by act_quant
                 sc = tl.load(s_ptr + (k0 // SCALE_BK) * stride_sk).to(tl.float32)
                 aq, sa = act_tile_e4m3(a, XS, offs_m, row_ok, stride_xsm, k0 // SCALE_BK, 1, X_FP8)

@@ -11,6 +11,7 @@ import triton.language as tl
 from .act_quant import act_tile_e4m3
 from .interpreter import patch_interpreter
 from .pdl import pdl_enter
+from .tile_loads import load_k_tile
 
 patch_interpreter()
 
@@ -124,26 +125,10 @@ def _gate_up_kernel(
         sg_n = (offs_n // SCALE_BN) * stride_sgn   # per column (clamped by the masks)
         su_n = (offs_n // SCALE_BN) * stride_sun
     for k0 in range(0, D, BLOCK_K):
-        if SWAP_AB:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < D - k0
-                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        else:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                bg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < D - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        # the x tile's K axis is 0 when swapped (xᵀ [BK, BM]), the weight tiles' the other one
+        a = load_k_tile(a_ptrs, row_ok, D - k0, offs_k, 0 if SWAP_AB else 1, EVEN_K)
+        bg = load_k_tile(g_ptrs, n_ok, D - k0, offs_k, 1 if SWAP_AB else 0, EVEN_K)
+        bu = load_k_tile(u_ptrs, n_ok, D - k0, offs_k, 1 if SWAP_AB else 0, EVEN_K)
         if FP8 and SCALE_ACC:
             kb = k0 // SCALE_BK
             if BLOCK_N <= SCALE_BN:  # one scale for the whole tile
@@ -242,22 +227,8 @@ def _down_kernel(
         s_base = SD + e * stride_sde
         s_n = (offs_n // SCALE_BN) * stride_sdn
     for k0 in range(0, I, BLOCK_K):
-        if SWAP_AB:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < I - k0
-                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        else:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < I - k0
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a = load_k_tile(a_ptrs, row_ok, I - k0, offs_k, 0 if SWAP_AB else 1, EVEN_K)
+        b = load_k_tile(b_ptrs, n_ok, I - k0, offs_k, 1 if SWAP_AB else 0, EVEN_K)
         if FP8 and SCALE_ACC:
             kb = k0 // SCALE_BK
             if BLOCK_N <= SCALE_BN:
