@@ -8,8 +8,9 @@ figure includes the launch gap the op costs inside the step's graph:
   split count;
 - `linear`: the 16-bit weight-streaming linear at the step's projection shapes, per tile and
   split-K count, against cuBLAS; the chain rotates weight copies past the L2;
-- `fp8`: the fp8 (w8a8) linear at the step's fp8 projection shapes and `--rows`, per tile, split
-  count, as the step calls it (with `act_quant` first past 16 rows); the chain rotates weight copies past the L2;
+- `fp8`: the fp8 (w8a8) linear at the step's fp8 projection shapes and `--rows`, per tile and
+  split count, as the step calls it (with `act_quant` first past 16 rows); the chain rotates
+  weight copies past the L2;
 - `route`: the MoE router's logits + selection at one token, per K split count.
 
     python3 -m bench.decode_ops [--only mla,linear,fp8,route] [--contexts 1024,4096] [--rows 1,16,64,128]
