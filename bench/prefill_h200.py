@@ -43,6 +43,7 @@ from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import indexer as ix  # noqa: E402
 from backends.kernels import sparse_mla as sm  # noqa: E402
 from backends.kernels import sparse_mla_rows  # noqa: E402
+from backends.kernels import sparse_mla_sm90 as sm90  # noqa: E402
 from backends.meta import BatchMeta  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
 from bench.timing import timers  # noqa: E402
@@ -168,8 +169,12 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
     print("config", json.dumps(dict(build_prefill_token_idx_ms=list_ms, torch_ops_token_rows_ms=kernel_ms(torch_lists))),
           flush=True)
     for spec in args.mla_sweep.split(";"):
-        cfg = _kv(spec.replace(",list=precomputed", ""))
-        if "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)
+        hopper = spec.startswith("kernel=sm90")
+        cfg = _kv(spec.replace(",list=precomputed", "")) if not hopper else {}
+        if hopper:  # the Hopper kernel (two warpgroups splitting the tiles) on the packed lists
+            flat, o_sm90, ov = cache.view(-1, d["r"]), torch.empty_like(q_abs), "overlap=0" not in spec
+            kern = lambda: sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, d["r"] ** -0.5, o_sm90, ov)  # noqa: E731
+        elif "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)
             kern = lambda: sm.sparse_mla_decode(q_abs, cache, token_idx, d["r"] ** -0.5, ntok, config=cfg)  # noqa: E731
         else:
             kern = lambda: sm.sparse_mla_rows_sel(q_abs, cache, sel, meta.positions, meta.req_index, table,  # noqa: E731
@@ -180,7 +185,7 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
         except Exception as e:  # a config that does not compile / fit: say so, go on
             print("config", spec, "failed:", str(e).splitlines()[0][:160], flush=True)
             continue
-        ck = sm._LAST_COMPILED.get("attention")
+        ck = sm._LAST_COMPILED.get("attention") if not hopper else None
         regs, spills = getattr(ck, "n_regs", -1), getattr(ck, "n_spills", -1)
         first = o if first is None else first
         rel = float((o - first).norm() / first.norm())
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--mla-config", type=_kv, default=None, help="e.g. BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     p.add_argument("--mla-sweep", default="", help="';'-separated --mla-config values: time only the "
-                   "sparse-MLA kernel of the first case under each, side by side")
+                   "sparse-MLA kernel of the first case under each, side by side ('kernel=sm90[,overlap=0]': the Hopper kernel)")
     args = p.parse_args(argv)
 
     dev = kernel_device()

@@ -103,6 +103,8 @@ def main(argv=None) -> list[dict]:
                    "sparse-MLA prefill launch) also timed on the triton backend, e.g. 4096,16384")
     p.add_argument("--mhc-mix-k", default="", help="mhc.PREFILL_MIX_K values also timed on the triton backend, "
                    "e.g. 0,2048 (0: mhc_pre's one-launch path from ~8.4K tokens)")
+    p.add_argument("--mla-prefill-kernel", default="", help="sparse_mla.PREFILL_KERNEL values also timed on the "
+                   "triton backend, e.g. triton,sm90")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -150,16 +152,20 @@ def main(argv=None) -> list[dict]:
                     (args.mla_chunk_rows, sm, "PREFILL_CHUNK_ROWS", "chunk", "sparse-MLA prefill in launches of {} "
                                                                              "query tokens"),
                     (args.mhc_mix_k, mhc, "PREFILL_MIX_K", "mhc_mix_k", "mhc_pre mixing K in pieces of {} "
-                                                                        "(0: one launch from ~8.4K tokens)")):
+                                                                        "(0: one launch from ~8.4K tokens)"),
+                    (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
+                                                                                  "kernel")):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)
-                for v in [int(x) for x in values.split(",")]:
+                for v in [int(x) if x.isdigit() else x for x in values.split(",")]:
                     setattr(mod, attr, v)
-                    ms = ours_prefill_ms(model, prompt.cuda(), args.reps)[0]
+                    ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
                     row[f"triton_ms_{key}{v}"] = ms
+                    diff = float((logits - got["triton"]).norm() / got["triton"].norm())
                     print(f"triton {t}, {what.format(v)}: {ms:.1f} ms "
-                          f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling)", flush=True)
+                          f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling; "
+                          f"logits rel {diff:.1e} against the run above)", flush=True)
                 setattr(mod, attr, keep)
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())

@@ -37,7 +37,7 @@ import triton.language as tl
 from .. import kv_fp8
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
-from . import pdl
+from . import pdl, sparse_mla_sm90
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 from .sparse_mla_rows import build_decode_rows, build_decode_token_idx, build_prefill_token_idx, is_decode_batch
@@ -422,6 +422,10 @@ PREFILL_TOKEN_LIST = "precomputed"
 # A lazy rescale (keep the running max until a block's exceeds it by 8) spilled there and lost:
 # 18.24 ms at 64, 23.51 at 32; removed.
 PREFILL_CONFIG = dict(BLOCK_N=64)
+# Which kernel attends the prefill rows on a Hopper GPU where sparse_mla_sm90 fits (bf16, 64 heads
+# x 512): "sm90" (two warpgroups splitting the tiles, sparse_mla_sm90.py) or "triton" (the kernel
+# above, whose score tile both warpgroups compute whole).
+PREFILL_KERNEL = "sm90"
 
 
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
@@ -479,8 +483,12 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
         pos, req = meta.positions[c0:c1], meta.req_index[c0:c1]
         if PREFILL_TOKEN_LIST == "precomputed":
             token_idx, ntok = build_prefill_token_idx(sel[c0:c1], pos, req, table, meta.page_size, kpool, with_tail)
-            cfg = PREFILL_CONFIG if cache.dtype in (torch.bfloat16, torch.float16) else None
-            o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, ntok, out_dtype=dt, config=cfg)
+            flat = cache.view(-1, cache.shape[-1])
+            if PREFILL_KERNEL == "sm90" and dt == torch.bfloat16 and sparse_mla_sm90.supported(q_abs, flat):
+                o_lat = sparse_mla_sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, scale, torch.empty_like(q_abs))
+            else:
+                cfg = PREFILL_CONFIG if cache.dtype in (torch.bfloat16, torch.float16) else None
+                o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, ntok, out_dtype=dt, config=cfg)
         else:
             o_lat = sparse_mla_rows_sel(q_abs, cache, sel[c0:c1], pos, req, table, meta.page_size, kpool, scale,
                                         with_tail, out_dtype=dt)

@@ -1,0 +1,168 @@
+"""The absorbed sparse-MLA prefill rows on Hopper, written in Gluon (Triton's layout-explicit
+dialect) so that the two warpgroups of a program split the work instead of repeating it.
+
+The Triton kernel (sparse_mla.py) takes all 64 heads of a query token in one program of 8 warps.
+Triton lays a matmul whose result feeds another matmul out with every warp along M (the layout
+flash attention wants at 128 query rows); at 64 heads that puts both warpgroups on the same 64
+rows, so each computes the whole score tile Q·Cᵀ and a third of the tensor work is repeated.
+
+Here the layouts are spelled out: the score tile [64 heads, BLOCK_N rows] is split by columns
+between the two warpgroups (each scores half of the block's latent rows against all heads), the
+row max and sum cross the warpgroups through shared memory, the probabilities go to shared
+memory, and the output [64, 512] is split by columns (each warpgroup accumulates 256 of the
+latent columns over all the block's rows). The block's latent rows are gathered with cp.async
+into a two-stage ring while the previous block is computed.
+
+Same inputs, same math and rounding points as `_sparse_mla_decode_kernel` with one split (q and
+P rounded to the cache dtype, fp32 accumulation, exp2 with the scale folded in; a row with no
+valid token gets zeros). Gluon has no interpreter: the kernel is compiled for sm_90 in CI
+(tests/backends/test_sparse_mla_sm90.py) and compared with the Triton kernel on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                               warpgroup_mma_wait)
+
+HEADS = 64  # one warpgroup's M: the query heads of a token, all scored against the same rows
+RANK = 512  # kv_lora_rank: the latent width, split 256 / 256 between the warpgroups' outputs
+NUM_WARPS = 8
+
+
+@gluon.jit
+def _issue_rows(kv_ring, stage, KV, idx_row, n0, n_b, stride_kv,
+                BLOCK_N: gl.constexpr, R: gl.constexpr, LD: gl.constexpr):
+    """cp.async the block's latent rows into one ring stage (rows past n_b or listed -1: zeros)."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
+    idx = gl.load(idx_row + offs_n, mask=offs_n < n_b, other=-1)
+    rows = gl.maximum(idx, 0).to(gl.int64)
+    ptrs = KV + rows[:, None] * stride_kv + offs_r[None, :]
+    async_copy.async_copy_global_to_shared(kv_ring.index(stage), ptrs, mask=(idx >= 0)[:, None])
+
+
+@gluon.jit
+def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
+                                 stride_qb, stride_qh, stride_kv, stride_ib, stride_ob, stride_oh,
+                                 K, qk_scale,
+                                 H: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 OVERLAP_PV: gl.constexpr, num_warps: gl.constexpr):
+    b = gl.program_id(0).to(gl.int64)
+    WG: gl.constexpr = num_warps // 4
+    # 16-byte vectors, one warp across 256 columns of a row: the copy's source is row-contiguous
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    # scores [H, BLOCK_N]: warpgroups side by side along the rows of the block
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, BLOCK_N // WG, 16])
+    # output [H, R]: warpgroups side by side along the latent columns
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                  instr_shape=[16, R // WG if R // WG <= 256 else 256, 16])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, R], gl.bfloat16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, R], q_sl)
+    kv_ring = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], kv_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_sl)
+
+    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
+    async_copy.async_copy_global_to_shared(
+        q_smem, Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_r[None, :])
+
+    n_b = gl.minimum(gl.load(NTOK + b), K)
+    idx_row = IDX + b * stride_ib
+    _issue_rows(kv_ring, 0, KV, idx_row, 0, n_b, stride_kv, BLOCK_N, R, LD)
+    async_copy.commit_group()
+
+    offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([H, R], gl.float32, layout=O_L)
+    if OVERLAP_PV:
+        acc = warpgroup_mma_init(acc)  # the loop carries an in-flight accumulator
+    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=S_L)
+    num_blocks = gl.cdiv(n_b, BLOCK_N)
+    for i in range(num_blocks):
+        stage = i % 2
+        if not OVERLAP_PV:
+            # every warpgroup is past block i-1's products: its stage and P may be overwritten
+            gl.thread_barrier()
+            if i + 1 < num_blocks:
+                _issue_rows(kv_ring, 1 - stage, KV, idx_row, (i + 1) * BLOCK_N, n_b, stride_kv, BLOCK_N, R, LD)
+            async_copy.commit_group()
+            async_copy.wait_group(1)  # this thread's copies of block i (and q) have landed
+        else:
+            async_copy.wait_group(0)  # block i was issued during block i-1
+        gl.thread_barrier()  # ... and every thread's
+        fence_async_shared()  # generic-proxy writes, read by wgmma through the async proxy
+        kv = kv_ring.index(stage)
+
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if OVERLAP_PV:
+            # block i-1's P·C ran beside this block's wait and scores; wgmma groups retire in order
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            gl.thread_barrier()  # every warpgroup is past it: its stage and P may be overwritten
+            if i + 1 < num_blocks:
+                _issue_rows(kv_ring, 1 - stage, KV, idx_row, (i + 1) * BLOCK_N, n_b, stride_kv, BLOCK_N, R, LD)
+            async_copy.commit_group()
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        offs = i * BLOCK_N + offs_s
+        idx = gl.load(idx_row + offs, mask=offs < n_b, other=-1)
+        s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # heads that saw no row yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # both halves of P are written before either warpgroup reads it
+
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+        if not OVERLAP_PV:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if OVERLAP_PV:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    oh = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
+    orr = gl.arange(0, R, layout=gl.SliceLayout(0, O_L))
+    gl.store(O + b * stride_ob + oh[:, None] * stride_oh + orr[None, :], out.to(O.dtype.element_ty))
+
+
+BLOCK_N = 64  # latent rows per step: two 64 KB stages beside q's 64 KB
+# Leave a block's P·C in flight until the next block's scores are issued (True), or wait for it
+# before the next block starts (False).
+OVERLAP_PV = True
+
+
+def supported(q_abs: torch.Tensor, flat: torch.Tensor) -> bool:
+    """The shapes and dtypes this kernel is written for, on a Hopper GPU (ROCm devices report a
+    major version of 9 too: they are not Hopper)."""
+    return (q_abs.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q_abs.device)[0] == 9
+            and q_abs.dtype == torch.bfloat16 and flat.dtype == torch.bfloat16
+            and q_abs.shape[1] == HEADS and q_abs.shape[2] == RANK and flat.shape[-1] == RANK)
+
+
+def sparse_mla_rows_sm90(q_abs: torch.Tensor, flat: torch.Tensor, token_idx: torch.Tensor, num_tokens: torch.Tensor,
+                         scale: float, out: torch.Tensor, overlap_pv: bool | None = None) -> torch.Tensor:
+    """out[b] = the attention of q_abs[b] ([64, 512] bf16) over the latent rows flat[token_idx[b, :n]]
+    (n = num_tokens[b]; -1 entries skipped); `flat` the cache as [rows, 512] bf16 rows."""
+    b = q_abs.shape[0]
+    if b == 0:
+        return out
+    _sparse_mla_rows_sm90_kernel[(b, )](
+        q_abs, flat, token_idx, num_tokens, out,
+        q_abs.stride(0), q_abs.stride(1), flat.stride(0), token_idx.stride(0), out.stride(0), out.stride(1),
+        token_idx.shape[1], float(scale) * 1.4426950408889634,
+        H=HEADS, R=RANK, BLOCK_N=BLOCK_N, OVERLAP_PV=OVERLAP_PV if overlap_pv is None else overlap_pv,
+        num_warps=NUM_WARPS)
+    return out
