@@ -172,8 +172,9 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
         hopper = spec.startswith("kernel=sm90")
         cfg = _kv(spec.replace(",list=precomputed", "")) if not hopper else {}
         if hopper:  # the Hopper kernel (two warpgroups splitting the tiles) on the packed lists
-            flat, o_sm90, ov = cache.view(-1, d["r"]), torch.empty_like(q_abs), "overlap=0" not in spec
-            kern = lambda: sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, d["r"] ** -0.5, o_sm90, ov)  # noqa: E731
+            flat, o_sm90 = cache.view(-1, d["r"]), torch.empty_like(q_abs)
+            hcfg = _kv(spec[len("kernel=sm90,"):]) if "," in spec else {}
+            kern = lambda: sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, d["r"] ** -0.5, o_sm90, hcfg)  # noqa: E731
         elif "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)
             kern = lambda: sm.sparse_mla_decode(q_abs, cache, token_idx, d["r"] ** -0.5, ntok, config=cfg)  # noqa: E731
         else:
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--mla-config", type=_kv, default=None, help="e.g. BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     p.add_argument("--mla-sweep", default="", help="';'-separated --mla-config values: time only the "
-                   "sparse-MLA kernel of the first case under each, side by side ('kernel=sm90[,overlap=0]': the Hopper kernel)")
+                   "sparse-MLA kernel of the first case under each, side by side ('kernel=sm90[,BLOCK_N=..,STAGES=..,IDX_AHEAD=1,STORE_SMEM=1]': the Hopper kernel)")
     args = p.parse_args(argv)
 
     dev = kernel_device()

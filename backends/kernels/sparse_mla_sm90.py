@@ -25,8 +25,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 HEADS = 64  # one warpgroup's M: the query heads of a token, all scored against the same rows
 RANK = 512  # kv_lora_rank: the latent width, split 256 / 256 between the warpgroups' outputs
@@ -34,23 +33,27 @@ NUM_WARPS = 8
 
 
 @gluon.jit
-def _issue_rows(kv_ring, stage, KV, idx_row, n0, n_b, stride_kv,
-                BLOCK_N: gl.constexpr, R: gl.constexpr, LD: gl.constexpr):
-    """cp.async the block's latent rows into one ring stage (rows past n_b or listed -1: zeros)."""
+def _block_rows(idx_row, n0, n_b, BLOCK_N: gl.constexpr, LD: gl.constexpr):
+    """The flat latent rows of one block of the row list (-1 past n_b)."""
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    return gl.load(idx_row + offs_n, mask=offs_n < n_b, other=-1)
+
+
+@gluon.jit
+def _issue_rows(kv_stage, KV, idx, stride_kv, R: gl.constexpr, LD: gl.constexpr):
+    """cp.async one block's latent rows into a ring stage (rows listed -1: zeros)."""
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
-    idx = gl.load(idx_row + offs_n, mask=offs_n < n_b, other=-1)
     rows = gl.maximum(idx, 0).to(gl.int64)
     ptrs = KV + rows[:, None] * stride_kv + offs_r[None, :]
-    async_copy.async_copy_global_to_shared(kv_ring.index(stage), ptrs, mask=(idx >= 0)[:, None])
+    async_copy.async_copy_global_to_shared(kv_stage, ptrs, mask=(idx >= 0)[:, None])
 
 
 @gluon.jit
 def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
                                  stride_qb, stride_qh, stride_kv, stride_ib, stride_ob, stride_oh,
                                  K, qk_scale,
-                                 H: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 OVERLAP_PV: gl.constexpr, num_warps: gl.constexpr):
+                                 H: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                 IDX_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, num_warps: gl.constexpr):
     b = gl.program_id(0).to(gl.int64)
     WG: gl.constexpr = num_warps // 4
     # 16-byte vectors, one warp across 256 columns of a row: the copy's source is row-contiguous
@@ -65,7 +68,7 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, R], q_sl)
-    kv_ring = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], kv_sl)
+    kv_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, R], kv_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_sl)
 
     offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
@@ -75,44 +78,40 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
 
     n_b = gl.minimum(gl.load(NTOK + b), K)
     idx_row = IDX + b * stride_ib
-    _issue_rows(kv_ring, 0, KV, idx_row, 0, n_b, stride_kv, BLOCK_N, R, LD)
-    async_copy.commit_group()
+    num_blocks = gl.cdiv(n_b, BLOCK_N)
+    # blocks 0 .. STAGES-2 in flight before the loop, one copy group each (q's copy in the first)
+    for j in gl.static_range(STAGES - 1):
+        _issue_rows(kv_ring.index(j), KV, _block_rows(idx_row, j * BLOCK_N, n_b, BLOCK_N, LD), stride_kv, R, LD)
+        async_copy.commit_group()
+    idx_next = _block_rows(idx_row, (STAGES - 1) * BLOCK_N, n_b, BLOCK_N, LD)  # IDX_AHEAD: one block ahead
 
     offs_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = gl.zeros([H, R], gl.float32, layout=O_L)
-    if OVERLAP_PV:
-        acc = warpgroup_mma_init(acc)  # the loop carries an in-flight accumulator
     s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=S_L)
-    num_blocks = gl.cdiv(n_b, BLOCK_N)
     for i in range(num_blocks):
-        stage = i % 2
-        if not OVERLAP_PV:
-            # every warpgroup is past block i-1's products: its stage and P may be overwritten
-            gl.thread_barrier()
-            if i + 1 < num_blocks:
-                _issue_rows(kv_ring, 1 - stage, KV, idx_row, (i + 1) * BLOCK_N, n_b, stride_kv, BLOCK_N, R, LD)
-            async_copy.commit_group()
-            async_copy.wait_group(1)  # this thread's copies of block i (and q) have landed
+        # every warpgroup is past block i-1's products: its stage and P may be overwritten
+        gl.thread_barrier()
+        ahead = i + STAGES - 1
+        if IDX_AHEAD:
+            idx = idx_next
+            idx_next = _block_rows(idx_row, (ahead + 1) * BLOCK_N, n_b, BLOCK_N, LD)
         else:
-            async_copy.wait_group(0)  # block i was issued during block i-1
+            idx = _block_rows(idx_row, ahead * BLOCK_N, n_b, BLOCK_N, LD)
+        if ahead < num_blocks:
+            _issue_rows(kv_ring.index(ahead % STAGES), KV, idx, stride_kv, R, LD)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of block i (and q) have landed
         gl.thread_barrier()  # ... and every thread's
         fence_async_shared()  # generic-proxy writes, read by wgmma through the async proxy
-        kv = kv_ring.index(stage)
+        kv = kv_ring.index(i % STAGES)
 
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if OVERLAP_PV:
-            # block i-1's P·C ran beside this block's wait and scores; wgmma groups retire in order
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            gl.thread_barrier()  # every warpgroup is past it: its stage and P may be overwritten
-            if i + 1 < num_blocks:
-                _issue_rows(kv_ring, 1 - stage, KV, idx_row, (i + 1) * BLOCK_N, n_b, stride_kv, BLOCK_N, R, LD)
-            async_copy.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         offs = i * BLOCK_N + offs_s
-        idx = gl.load(idx_row + offs, mask=offs < n_b, other=-1)
-        s = gl.where((idx >= 0)[None, :], s * qk_scale, float("-inf"))
+        valid = gl.load(idx_row + offs, mask=offs < n_b, other=-1) >= 0
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # heads that saw no row yet
         alpha = gl.exp2(m_i - m_use)
@@ -125,23 +124,24 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
 
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-        if not OVERLAP_PV:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    if OVERLAP_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    oh = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
-    orr = gl.arange(0, R, layout=gl.SliceLayout(0, O_L))
-    gl.store(O + b * stride_ob + oh[:, None] * stride_oh + orr[None, :], out.to(O.dtype.element_ty))
+    out = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(O.dtype.element_ty)
+    if STORE_SMEM:  # through q's buffer, then 16-byte stores of whole rows
+        gl.thread_barrier()  # every warpgroup's last product has read q
+        q_smem.store(out)
+        gl.thread_barrier()
+        gl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :], q_smem.load(LD))
+    else:
+        oh = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
+        orr = gl.arange(0, R, layout=gl.SliceLayout(0, O_L))
+        gl.store(O + b * stride_ob + oh[:, None] * stride_oh + orr[None, :], out)
 
 
 BLOCK_N = 64  # latent rows per step: two 64 KB stages beside q's 64 KB
-# Leave a block's P·C in flight until the next block's scores are issued (True), or wait for it
-# before the next block starts (False).
-OVERLAP_PV = True
+CONFIG = dict(BLOCK_N=BLOCK_N, STAGES=2, IDX_AHEAD=False, STORE_SMEM=False)
 
 
 def supported(q_abs: torch.Tensor, flat: torch.Tensor) -> bool:
@@ -153,7 +153,7 @@ def supported(q_abs: torch.Tensor, flat: torch.Tensor) -> bool:
 
 
 def sparse_mla_rows_sm90(q_abs: torch.Tensor, flat: torch.Tensor, token_idx: torch.Tensor, num_tokens: torch.Tensor,
-                         scale: float, out: torch.Tensor, overlap_pv: bool | None = None) -> torch.Tensor:
+                         scale: float, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """out[b] = the attention of q_abs[b] ([64, 512] bf16) over the latent rows flat[token_idx[b, :n]]
     (n = num_tokens[b]; -1 entries skipped); `flat` the cache as [rows, 512] bf16 rows."""
     b = q_abs.shape[0]
@@ -163,6 +163,5 @@ def sparse_mla_rows_sm90(q_abs: torch.Tensor, flat: torch.Tensor, token_idx: tor
         q_abs, flat, token_idx, num_tokens, out,
         q_abs.stride(0), q_abs.stride(1), flat.stride(0), token_idx.stride(0), out.stride(0), out.stride(1),
         token_idx.shape[1], float(scale) * 1.4426950408889634,
-        H=HEADS, R=RANK, BLOCK_N=BLOCK_N, OVERLAP_PV=OVERLAP_PV if overlap_pv is None else overlap_pv,
-        num_warps=NUM_WARPS)
+        H=HEADS, R=RANK, **{**CONFIG, **(config or {})}, num_warps=NUM_WARPS)
     return out

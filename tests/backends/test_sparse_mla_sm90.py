@@ -28,9 +28,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from backends.kernels import sparse_mla_sm90 as g
 sig = dict(Q="*bf16", KV="*bf16", IDX="*i32", NTOK="*i32", O="*bf16", stride_qb="i32", stride_qh="i32",
            stride_kv="i32", stride_ib="i32", stride_ob="i32", stride_oh="i32", K="i32", qk_scale="fp32",
-           H="constexpr", R="constexpr", BLOCK_N="constexpr", OVERLAP_PV="constexpr", num_warps="constexpr")
+           H="constexpr", R="constexpr", BLOCK_N="constexpr", STAGES="constexpr", IDX_AHEAD="constexpr",
+           STORE_SMEM="constexpr", num_warps="constexpr")
 fn = g._sparse_mla_rows_sm90_kernel
-consts = dict(H=g.HEADS, R=g.RANK, BLOCK_N=g.BLOCK_N, OVERLAP_PV=sys.argv[1] == "1", num_warps=g.NUM_WARPS)
+consts = dict(H=g.HEADS, R=g.RANK, **{**g.CONFIG, **json.loads(sys.argv[1])}, num_warps=g.NUM_WARPS)
 src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                      attrs={(i,): [("tt.divisibility", 16)] for i in range(11)})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
@@ -43,21 +44,26 @@ print(json.dumps(dict(shared=k.metadata.shared, ptx=k.asm["ptx"], ptxas=info)))
 """
 
 
-@pytest.mark.parametrize("overlap_pv", [True, False])
-def test_compiles_for_sm90_without_spills(overlap_pv, tmp_path):
+# the table's tile, and the variants `bench.prefill_h200 --mla-sweep` times beside it
+VARIANTS = [{}, dict(BLOCK_N=32, STAGES=4), dict(IDX_AHEAD=True), dict(STORE_SMEM=True)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiles_for_sm90_without_spills(variant, tmp_path):
     # in a child without TRITON_INTERPRET (the interpreter swaps Triton's own jit helpers, which the
     # compiler then refuses) and with its own cache, so the compiler really runs
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _COMPILE, "1" if overlap_pv else "0"], cwd=root, env=env,
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(variant)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     k = json.loads(done.stdout.strip().splitlines()[-1])
     assert k["shared"] <= 232448  # an H100 / H200 block's shared memory
-    # the score tile is split between the warpgroups: 64 x 32 per warpgroup, K 512 in 32 steps
-    assert k["ptx"].count("wgmma.mma_async.sync.aligned.m64n32k16") == 32
-    assert k["ptx"].count("wgmma.mma_async.sync.aligned.m64n256k16") == 4
+    # the score tile is split between the warpgroups: 64 x BLOCK_N/2 each, K 512 in 32 steps
+    half = {**g.CONFIG, **variant}["BLOCK_N"] // 2
+    assert k["ptx"].count(f"wgmma.mma_async.sync.aligned.m64n{half}k16") == 32
+    assert k["ptx"].count("wgmma.mma_async.sync.aligned.m64n256k16") == half // 8  # P·C: K = BLOCK_N
     assert "0 bytes spill stores" in k["ptxas"], k["ptxas"]
 
 
@@ -68,12 +74,12 @@ def _hopper() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not _hopper(), reason="runs on a Hopper GPU")
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 300])
-@pytest.mark.parametrize("overlap_pv", [True, False])
-def test_matches_the_triton_kernel(rows, overlap_pv):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_the_triton_kernel(rows, variant):
     from backends.kernels import sparse_mla as sm
 
     dev, bf = torch.device("cuda"), torch.bfloat16
-    gg = gen("sm90", rows)  # the same inputs for both loop orders
+    gg = gen("sm90", rows)  # the same inputs for every variant
     b, k = 37, 320
     cache = torch.randn(rows + 20, g.RANK, generator=gg).to(dev, bf)
     q = (torch.randn(b, g.HEADS, g.RANK, generator=gg) * g.RANK ** -0.25).to(dev, bf)
@@ -83,7 +89,7 @@ def test_matches_the_triton_kernel(rows, overlap_pv):
     ntok[0], ntok[1] = 0, min(rows, k)  # a row with nothing to attend to, a full one
     idx, ntok = idx.to(dev), ntok.to(dev)
     ref = sm.sparse_mla_decode(q, cache, idx, 0.07, ntok, num_splits=1, config=dict(BLOCK_N=64))
-    out = g.sparse_mla_rows_sm90(q, cache, idx, ntok, 0.07, torch.empty_like(q), overlap_pv=overlap_pv)
+    out = g.sparse_mla_rows_sm90(q, cache, idx, ntok, 0.07, torch.empty_like(q), config=variant)
     assert out[0].abs().max() == 0  # zeros, like the Triton kernel
     assert rel(out, ref) < 1e-2
 
