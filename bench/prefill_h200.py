@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--mla-config", type=_kv, default=None, help="e.g. BLOCK_H=64,BLOCK_N=32,num_warps=8,num_stages=2")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     p.add_argument("--mla-sweep", default="", help="';'-separated --mla-config values: time only the "
-                   "sparse-MLA kernel of the first case under each, side by side ('kernel=sm90[,BLOCK_N=..,STAGES=..,IDX_AHEAD=1,STORE_SMEM=1]': the Hopper kernel)")
+                   "sparse-MLA kernel of the first case under each, side by side ('kernel=sm90[,BLOCK_N=..,STAGES=..]': the Hopper kernel)")
     args = p.parse_args(argv)
 
     dev = kernel_device()
