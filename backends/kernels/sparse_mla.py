@@ -423,8 +423,9 @@ PREFILL_TOKEN_LIST = "precomputed"
 # 18.24 ms at 64, 23.51 at 32; removed.
 PREFILL_CONFIG = dict(BLOCK_N=64)
 # Which kernel attends the prefill rows on a Hopper GPU where sparse_mla_sm90 fits (bf16, 64 heads
-# x 512): "sm90" (two warpgroups splitting the tiles, sparse_mla_sm90.py) or "triton" (the kernel
-# above, whose score tile both warpgroups compute whole).
+# x 512, enough rows to fill the chip without K splits): "sm90" (two warpgroups splitting the
+# tiles, sparse_mla_sm90.py) or "triton" (the kernel above, whose score tile both warpgroups
+# compute whole).
 PREFILL_KERNEL = "sm90"
 
 
@@ -484,7 +485,11 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
         if PREFILL_TOKEN_LIST == "precomputed":
             token_idx, ntok = build_prefill_token_idx(sel[c0:c1], pos, req, table, meta.page_size, kpool, with_tail)
             flat = cache.view(-1, cache.shape[-1])
-            if PREFILL_KERNEL == "sm90" and dt == torch.bfloat16 and sparse_mla_sm90.supported(q_abs, flat):
+            # the Hopper kernel has no K splits: rows too few to fill the chip (a speculative verify's
+            # K + 1 per request, a short mixed step) keep the Triton kernel's split launch
+            if (PREFILL_KERNEL == "sm90" and dt == torch.bfloat16 and sparse_mla_sm90.supported(q_abs, flat)
+                    and choose_num_splits(c1 - c0, 1, token_idx.shape[1], sparse_mla_sm90.BLOCK_N,
+                                          _num_sms(q.device)) == 1):
                 o_lat = sparse_mla_sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, scale, torch.empty_like(q_abs))
             else:
                 cfg = PREFILL_CONFIG if cache.dtype in (torch.bfloat16, torch.float16) else None

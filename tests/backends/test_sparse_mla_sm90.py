@@ -97,18 +97,25 @@ def test_matches_the_triton_kernel(rows, variant):
 @pytest.mark.skipif(INTERPRET or not _hopper(), reason="runs on a Hopper GPU")
 @pytest.mark.parametrize("kernel", ["sm90", "triton"])
 def test_prefill_op_at_the_full_shape(kernel, monkeypatch):
-    """The op a prefill calls, at 64 heads x 512 (where the Hopper kernel is chosen), against the
-    reference: a mixed batch with a cached prefix, a decode token and an empty request."""
+    """The op a prefill calls, at 64 heads x 512, against the reference: a long prompt (enough
+    rows for the Hopper kernel), a cached prefix, a decode token and an empty request; and a
+    short batch, whose few rows keep the Triton kernel's split launch."""
     from backends.kernels import sparse_mla as sk
     from backends.reference import ReferenceOps
-    from tests.backends.dsa_problems import PREFILL_CASES, generator, h200_ops, prefill_mla_inputs, prefill_sel
+    from tests.backends.dsa_problems import generator, h200_ops, prefill_mla_inputs, prefill_sel
 
     monkeypatch.setattr(sk, "PREFILL_KERNEL", kernel)
-    meta, cache, q, w_kc, w_vc = prefill_mla_inputs(PREFILL_CASES["mixed"], g.RANK, torch.bfloat16,
-                                                    torch.device("cuda"), seed=95, h=g.HEADS)
-    sel = prefill_sel(meta, 4, 4, generator(96))
-    ref = ReferenceOps().sparse_mla(q, cache, w_kc, w_vc, sel, meta, 4, 0.25, True)
-    out = h200_ops().sparse_mla(q, cache, w_kc, w_vc, sel, meta, 4, 0.25, True)
-    empty = torch.isnan(ref).flatten(1).any(1)  # a query that sees no token: NaN there, zeros here
-    assert (out[empty] == 0).all()
-    assert rel(out[~empty], ref[~empty]) < 2e-2
+    calls = []
+    run = g.sparse_mla_rows_sm90
+    monkeypatch.setattr(g, "sparse_mla_rows_sm90", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
+    for reqs, hopper in (([(0, 900), (13, 9), (30, 1), (7, 0)], kernel == "sm90"), ([(0, 40), (5, 3)], False)):
+        calls.clear()
+        meta, cache, q, w_kc, w_vc = prefill_mla_inputs(reqs, g.RANK, torch.bfloat16, torch.device("cuda"),
+                                                        seed=95, h=g.HEADS)
+        sel = prefill_sel(meta, 4, 4, generator(96))
+        ref = ReferenceOps().sparse_mla(q, cache, w_kc, w_vc, sel, meta, 4, 0.25, True)
+        out = h200_ops().sparse_mla(q, cache, w_kc, w_vc, sel, meta, 4, 0.25, True)
+        assert calls == ([meta.num_tokens] if hopper else [])
+        empty = torch.isnan(ref).flatten(1).any(1)  # a query that sees no token: NaN there, zeros here
+        assert (out[empty] == 0).all()
+        assert rel(out[~empty], ref[~empty]) < 2e-2
