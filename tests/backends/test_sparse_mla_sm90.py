@@ -28,7 +28,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from backends.kernels import sparse_mla_sm90 as g
 sig = dict(Q="*bf16", KV="*bf16", IDX="*i32", NTOK="*i32", O="*bf16", stride_qb="i32", stride_qh="i32",
            stride_kv="i32", stride_ib="i32", stride_ob="i32", stride_oh="i32", K="i32", qk_scale="fp32",
-           H="constexpr", R="constexpr", BLOCK_N="constexpr", STAGES="constexpr", num_warps="constexpr")
+           H="constexpr", R="constexpr", BLOCK_N="constexpr", STAGES="constexpr", EARLY_MASK="constexpr",
+           num_warps="constexpr")
 fn = g._sparse_mla_rows_sm90_kernel
 consts = dict(H=g.HEADS, R=g.RANK, **{**g.CONFIG, **json.loads(sys.argv[1])}, num_warps=g.NUM_WARPS)
 src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
@@ -44,7 +45,7 @@ print(json.dumps(dict(shared=k.metadata.shared, ptx=k.asm["ptx"], ptxas=info)))
 
 
 # the table's tile, and the variants `bench.prefill_h200 --mla-sweep` times beside it
-VARIANTS = [{}, dict(BLOCK_N=32, STAGES=4)]
+VARIANTS = [{}, dict(BLOCK_N=32, STAGES=4), dict(EARLY_MASK=True)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
