@@ -53,7 +53,7 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
                                  stride_qb, stride_qh, stride_kv, stride_ib, stride_ob, stride_oh,
                                  K, qk_scale,
                                  H: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                 EARLY_MASK: gl.constexpr, num_warps: gl.constexpr):
+                                 num_warps: gl.constexpr):
     b = gl.program_id(0).to(gl.int64)
     WG: gl.constexpr = num_warps // 4
     # 16-byte vectors, one warp across 256 columns of a row: the copy's source is row-contiguous
@@ -94,9 +94,9 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
     for i in range(num_blocks):
         # every warpgroup is past block i-1's products: its stage and P may be overwritten
         gl.thread_barrier()
-        if EARLY_MASK:  # this block's columns to score, loaded while the copies are issued and land
-            offs = i * BLOCK_N + offs_s
-            valid = gl.load(idx_row + offs, mask=offs < n_b, other=-1) >= 0
+        # this block's columns to score, loaded while the copies are issued and land
+        offs = i * BLOCK_N + offs_s
+        valid = gl.load(idx_row + offs, mask=offs < n_b, other=-1) >= 0
         ahead = i + STAGES - 1
         idx = idx_next
         idx_next = _block_rows(idx_row, (ahead + 1) * BLOCK_N, n_b, BLOCK_N, LD)
@@ -108,9 +108,6 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
         fence_async_shared()  # generic-proxy writes, read by wgmma through the async proxy
         kv = kv_ring.index(i % STAGES)
 
-        if not EARLY_MASK:
-            offs = i * BLOCK_N + offs_s
-            valid = gl.load(idx_row + offs, mask=offs < n_b, other=-1) >= 0
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -140,7 +137,7 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
 
 
 BLOCK_N = 64  # latent rows per step: two 64 KB stages beside q's 64 KB
-CONFIG = dict(BLOCK_N=BLOCK_N, STAGES=2, EARLY_MASK=False)  # BLOCK_N 32 with 3 or 4 stages: 1.6x slower on an H100
+CONFIG = dict(BLOCK_N=BLOCK_N, STAGES=2)  # BLOCK_N 32 with 3 or 4 stages: 1.6x slower on an H100
 
 
 def supported(q_abs: torch.Tensor, flat: torch.Tensor) -> bool:

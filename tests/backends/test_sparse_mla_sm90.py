@@ -28,8 +28,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from backends.kernels import sparse_mla_sm90 as g
 sig = dict(Q="*bf16", KV="*bf16", IDX="*i32", NTOK="*i32", O="*bf16", stride_qb="i32", stride_qh="i32",
            stride_kv="i32", stride_ib="i32", stride_ob="i32", stride_oh="i32", K="i32", qk_scale="fp32",
-           H="constexpr", R="constexpr", BLOCK_N="constexpr", STAGES="constexpr", EARLY_MASK="constexpr",
-           num_warps="constexpr")
+           H="constexpr", R="constexpr", BLOCK_N="constexpr", STAGES="constexpr", num_warps="constexpr")
 fn = g._sparse_mla_rows_sm90_kernel
 consts = dict(H=g.HEADS, R=g.RANK, **{**g.CONFIG, **json.loads(sys.argv[1])}, num_warps=g.NUM_WARPS)
 src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
@@ -45,7 +44,7 @@ print(json.dumps(dict(shared=k.metadata.shared, ptx=k.asm["ptx"], ptxas=info)))
 
 
 # the table's tile, and the variants `bench.prefill_h200 --mla-sweep` times beside it
-VARIANTS = [{}, dict(BLOCK_N=32, STAGES=4), dict(EARLY_MASK=True)]
+VARIANTS = [{}, dict(BLOCK_N=32, STAGES=4)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -99,8 +98,9 @@ def test_matches_the_triton_kernel(rows, variant):
 @pytest.mark.parametrize("kernel", ["sm90", "triton"])
 def test_prefill_op_at_the_full_shape(kernel, monkeypatch):
     """The op a prefill calls, at 64 heads x 512, against the reference: a long prompt (enough
-    rows for the Hopper kernel), a cached prefix, a decode token and an empty request; and a
-    short batch, whose few rows keep the Triton kernel's split launch."""
+    rows for the Hopper kernel), a cached prefix, a decode token and an empty request; and 40
+    rows after a prefix, each attending to 40 pools: too few rows for the chip, lists long
+    enough to split, so the Triton kernel's split launch keeps them."""
     from backends.kernels import sparse_mla as sk
     from backends.reference import ReferenceOps
     from tests.backends.dsa_problems import generator, h200_ops, prefill_mla_inputs, prefill_sel
@@ -109,11 +109,11 @@ def test_prefill_op_at_the_full_shape(kernel, monkeypatch):
     calls = []
     run = g.sparse_mla_rows_sm90
     monkeypatch.setattr(g, "sparse_mla_rows_sm90", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
-    for reqs, hopper in (([(0, 900), (13, 9), (30, 1), (7, 0)], kernel == "sm90"), ([(0, 40), (5, 3)], False)):
+    for reqs, topk, hopper in (([(0, 900), (13, 9), (30, 1), (7, 0)], 4, kernel == "sm90"), ([(200, 40)], 40, False)):
         calls.clear()
         meta, cache, q, w_kc, w_vc = prefill_mla_inputs(reqs, g.RANK, torch.bfloat16, torch.device("cuda"),
                                                         seed=95, h=g.HEADS)
-        sel = prefill_sel(meta, 4, 4, generator(96))
+        sel = prefill_sel(meta, 4, topk, generator(96))
         ref = ReferenceOps().sparse_mla(q, cache, w_kc, w_vc, sel, meta, 4, 0.25, True)
         out = h200_ops().sparse_mla(q, cache, w_kc, w_vc, sel, meta, 4, 0.25, True)
         assert calls == ([meta.num_tokens] if hopper else [])
