@@ -168,22 +168,24 @@ def mla_sweep(lens: list[int], d: dict, dev: torch.device, args, kernel_ms) -> i
     torch_lists = lambda: sparse_mla_rows._token_rows(sel, meta.positions, table[meta.req_index], ps, kpool, True, 0)  # noqa: E731
     print("config", json.dumps(dict(build_prefill_token_idx_ms=list_ms, torch_ops_token_rows_ms=kernel_ms(torch_lists))),
           flush=True)
-    for spec in args.mla_sweep.split(";"):
-        hopper = spec.startswith("kernel=sm90")
-        cfg = _kv(spec.replace(",list=precomputed", "")) if not hopper else {}
-        if hopper:  # the Hopper kernel (two warpgroups splitting the tiles) on the packed lists
-            flat, o_sm90 = cache.view(-1, d["r"]), torch.empty_like(q_abs)
-            hcfg = _kv(spec[len("kernel=sm90,"):]) if "," in spec else {}
-            kern = lambda: sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, d["r"] ** -0.5, o_sm90, hcfg)  # noqa: E731
-        elif "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)
-            kern = lambda: sm.sparse_mla_decode(q_abs, cache, token_idx, d["r"] ** -0.5, ntok, config=cfg)  # noqa: E731
-        else:
-            kern = lambda: sm.sparse_mla_rows_sel(q_abs, cache, sel, meta.positions, meta.req_index, table,  # noqa: E731
-                                                  ps, kpool, d["r"] ** -0.5, True, config=cfg)
-        try:
+    for spec in (x.strip() for x in args.mla_sweep.split(";") if x.strip()):
+        hopper = spec.split(",")[0] == "kernel=sm90"
+        try:  # a config that does not parse, compile or fit: say so, go on
+            if hopper:  # the Hopper kernel (two warpgroups splitting the tiles) on the packed lists
+                flat, o_sm90 = cache.view(-1, d["r"]), torch.empty_like(q_abs)
+                hcfg = _kv(spec[len("kernel=sm90,"):]) if "," in spec else {}
+                kern = lambda: sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, d["r"] ** -0.5, o_sm90,  # noqa: E731
+                                                         hcfg)
+            elif "list=precomputed" in spec:  # the kernel on the packed row lists (what it reads at decode)
+                cfg = _kv(spec.replace(",list=precomputed", ""))
+                kern = lambda: sm.sparse_mla_decode(q_abs, cache, token_idx, d["r"] ** -0.5, ntok, config=cfg)  # noqa: E731
+            else:
+                cfg = _kv(spec)
+                kern = lambda: sm.sparse_mla_rows_sel(q_abs, cache, sel, meta.positions, meta.req_index,  # noqa: E731
+                                                      table, ps, kpool, d["r"] ** -0.5, True, config=cfg)
             o = kern().float()
             ms = kernel_ms(kern)
-        except Exception as e:  # a config that does not compile / fit: say so, go on
+        except Exception as e:
             print("config", spec, "failed:", str(e).splitlines()[0][:160], flush=True)
             continue
         ck = sm._LAST_COMPILED.get("attention") if not hopper else None

@@ -158,15 +158,17 @@ def main(argv=None) -> list[dict]:
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)
-                for v in [int(x) if x.isdigit() else x for x in values.split(",")]:
-                    setattr(mod, attr, v)
-                    ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
-                    row[f"triton_ms_{key}{v}"] = ms
-                    diff = float((logits - got["triton"]).norm() / got["triton"].norm())
-                    print(f"triton {t}, {what.format(v)}: {ms:.1f} ms "
-                          f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling; "
-                          f"logits rel {diff:.1e} against the run above)", flush=True)
-                setattr(mod, attr, keep)
+                try:
+                    for v in [int(x) if x.strip().isdigit() else x.strip() for x in values.split(",")]:
+                        setattr(mod, attr, v)
+                        ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
+                        row[f"triton_ms_{key}{v}"] = ms
+                        diff = float((logits - got["triton"]).norm() / got["triton"].norm())
+                        print(f"triton {t}, {what.format(v)}: {ms:.1f} ms "
+                              f"({100 * fl['total'] / (ms / 1e3) / 1e12 / CEILING_TFLOPS:.1f}% of the ceiling; "
+                              f"logits rel {diff:.1e} against the run above)", flush=True)
+                finally:
+                    setattr(mod, attr, keep)
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())

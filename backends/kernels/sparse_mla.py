@@ -14,7 +14,8 @@ kernel writes the final output directly.
 
 Prefill and mixed batches use the same kernel with one row per query TOKEN (its own
 position, its own selected pools; HAS_REQ reads the page-table row of the token's request):
-see `sparse_mla_rows_sel` and `_sparse_mla_prefill`.
+see `sparse_mla_rows_sel` and `_sparse_mla_prefill`. On a Hopper GPU, rows enough to fill the
+chip at 64 heads x 512 with bf16 latents take `sparse_mla_sm90.py` instead (`PREFILL_KERNEL`).
 
 Inputs of the kernel:
   q_abs      [B, H, R]   query already multiplied by W_kc (R = kv_lora_rank)
@@ -37,7 +38,7 @@ import triton.language as tl
 from .. import kv_fp8
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
-from . import pdl, sparse_mla_sm90
+from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
 from .sparse_mla_rows import build_decode_rows, build_decode_token_idx, build_prefill_token_idx, is_decode_batch
@@ -461,6 +462,15 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
     return torch.bmm(o_lat.transpose(0, 1), w_vc.to(dt).transpose(1, 2)).transpose(0, 1).contiguous()
 
 
+def _takes_hopper_kernel(hopper, q_abs, cache, token_idx) -> bool:
+    """The Hopper kernel takes these rows when it fits them (sparse_mla_sm90.supported) and they
+    fill the chip without K splits, which it has not: rows too few for that (a speculative
+    verify's K + 1 per request at small batches, a short mixed step) keep the Triton kernel's
+    split launch."""
+    return (cache.is_contiguous() and hopper.supported(q_abs, cache.view(-1, cache.shape[-1]))
+            and choose_num_splits(q_abs.shape[0], 1, token_idx.shape[1], hopper.BLOCK_N, _num_sms(q_abs.device)) == 1)
+
+
 def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail, chunk_rows):
     """Prefill / mixed batch, absorbed MQA form per query token: q̃ = q·W_kc, the decode kernel
     with one row per token (own position, own selection, page-table row via req_index), then
@@ -474,6 +484,11 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
     """
     n, h, _ = q.shape
     dt = q.dtype
+    if PREFILL_KERNEL not in ("sm90", "triton"):
+        raise ValueError(f"sparse_mla.PREFILL_KERNEL must be 'sm90' or 'triton', got {PREFILL_KERNEL!r}")
+    hopper = None
+    if PREFILL_KERNEL == "sm90" and q.is_cuda and torch.version.hip is None and dt == torch.bfloat16:
+        from . import sparse_mla_sm90 as hopper  # Gluon's NVIDIA modules, only where they can run
     wk = w_kc.to(dt)
     wvt = w_vc.to(dt).transpose(1, 2)  # [H, R, dv]
     out = torch.empty(n, h, w_vc.shape[1], dtype=dt, device=q.device)
@@ -484,13 +499,9 @@ def _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail
         pos, req = meta.positions[c0:c1], meta.req_index[c0:c1]
         if PREFILL_TOKEN_LIST == "precomputed":
             token_idx, ntok = build_prefill_token_idx(sel[c0:c1], pos, req, table, meta.page_size, kpool, with_tail)
-            flat = cache.view(-1, cache.shape[-1])
-            # the Hopper kernel has no K splits: rows too few to fill the chip (a speculative verify's
-            # K + 1 per request, a short mixed step) keep the Triton kernel's split launch
-            if (PREFILL_KERNEL == "sm90" and dt == torch.bfloat16 and sparse_mla_sm90.supported(q_abs, flat)
-                    and choose_num_splits(c1 - c0, 1, token_idx.shape[1], sparse_mla_sm90.BLOCK_N,
-                                          _num_sms(q.device)) == 1):
-                o_lat = sparse_mla_sm90.sparse_mla_rows_sm90(q_abs, flat, token_idx, ntok, scale, torch.empty_like(q_abs))
+            if hopper is not None and _takes_hopper_kernel(hopper, q_abs, cache, token_idx):
+                o_lat = hopper.sparse_mla_rows_sm90(q_abs, cache.view(-1, cache.shape[-1]), token_idx, ntok, scale,
+                                                    torch.empty_like(q_abs))
             else:
                 cfg = PREFILL_CONFIG if cache.dtype in (torch.bfloat16, torch.float16) else None
                 o_lat = sparse_mla_decode(q_abs, cache, token_idx, scale, ntok, out_dtype=dt, config=cfg)

@@ -72,9 +72,10 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_sl)
 
     offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, LD))
+    offs_h64 = offs_h.to(gl.int64)  # q and out may be head-major views: a head's stride spans every row
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LD))
     async_copy.async_copy_global_to_shared(
-        q_smem, Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_r[None, :])
+        q_smem, Q + b * stride_qb + offs_h64[:, None] * stride_qh + offs_r[None, :])
 
     n_b = gl.minimum(gl.load(NTOK + b), K)
     idx_row = IDX + b * stride_ib
@@ -104,8 +105,8 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
             _issue_rows(kv_ring.index(ahead % STAGES), KV, idx, stride_kv, R, LD)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)  # this thread's copies of block i (and q) have landed
+        fence_async_shared()  # this thread's generic-proxy writes, read by wgmma through the async proxy
         gl.thread_barrier()  # ... and every thread's
-        fence_async_shared()  # generic-proxy writes, read by wgmma through the async proxy
         kv = kv_ring.index(i % STAGES)
 
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -133,19 +134,26 @@ def _sparse_mla_rows_sm90_kernel(Q, KV, IDX, NTOK, O,
     gl.thread_barrier()  # every warpgroup's last product has read q
     q_smem.store(out)
     gl.thread_barrier()
-    gl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :], q_smem.load(LD))
+    gl.store(O + b * stride_ob + offs_h64[:, None] * stride_oh + offs_r[None, :], q_smem.load(LD))
 
 
 BLOCK_N = 64  # latent rows per step: two 64 KB stages beside q's 64 KB
 CONFIG = dict(BLOCK_N=BLOCK_N, STAGES=2)  # BLOCK_N 32 with 3 or 4 stages: 1.6x slower on an H100
 
 
+def _rows_16b(t: torch.Tensor) -> bool:
+    """Unit stride in the last dimension, 16-byte aligned start and row strides: cp.async moves
+    16-byte vectors, and the kernel is compiled for that alignment."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+
+
 def supported(q_abs: torch.Tensor, flat: torch.Tensor) -> bool:
-    """The shapes and dtypes this kernel is written for, on a Hopper GPU (ROCm devices report a
-    major version of 9 too: they are not Hopper)."""
+    """The shapes, dtypes and layouts this kernel is written for, on a Hopper GPU (ROCm devices
+    report a major version of 9 too: they are not Hopper). The output must be as aligned as q_abs."""
     return (q_abs.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(q_abs.device)[0] == 9
-            and q_abs.dtype == torch.bfloat16 and flat.dtype == torch.bfloat16
-            and q_abs.shape[1] == HEADS and q_abs.shape[2] == RANK and flat.shape[-1] == RANK)
+            and q_abs.dtype == torch.bfloat16 and flat.dtype == torch.bfloat16 and flat.dim() == 2
+            and q_abs.shape[1] == HEADS and q_abs.shape[2] == RANK and flat.shape[-1] == RANK
+            and _rows_16b(q_abs) and _rows_16b(flat))
 
 
 def sparse_mla_rows_sm90(q_abs: torch.Tensor, flat: torch.Tensor, token_idx: torch.Tensor, num_tokens: torch.Tensor,
