@@ -27,6 +27,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .sparse_mla import _LOG2E
+
 HEADS = 64  # one warpgroup's M: the query heads of a token, all scored against the same rows
 RANK = 512  # kv_lora_rank: the latent width, split 256 / 256 between the warpgroups' outputs
 NUM_WARPS = 8
@@ -166,6 +168,6 @@ def sparse_mla_rows_sm90(q_abs: torch.Tensor, flat: torch.Tensor, token_idx: tor
     _sparse_mla_rows_sm90_kernel[(b, )](
         q_abs, flat, token_idx, num_tokens, out,
         q_abs.stride(0), q_abs.stride(1), flat.stride(0), token_idx.stride(0), out.stride(0), out.stride(1),
-        token_idx.shape[1], float(scale) * 1.4426950408889634,
+        token_idx.shape[1], float(scale) * _LOG2E,
         H=HEADS, R=RANK, **{**CONFIG, **(config or {})}, num_warps=NUM_WARPS)
     return out
