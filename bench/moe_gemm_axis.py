@@ -3,7 +3,7 @@
 
 A setting is `triton` (fused_moe.PREFILL_GEMM = "triton") or `sm90` with optional tiles of
 fused_moe_sm90.CONFIG as `part.KEY=value` (part gate_up or down; KEY BLOCK_N, STAGES, num_warps,
-GROUP_M). Each token count above fm.INKERNEL_QUANT_MAX_TOKENS times every setting in turn for a
+GROUP_M, merged: gate/up as one product, 0 or 1). Each token count above fm.INKERNEL_QUANT_MAX_TOKENS times every setting in turn for a
 few rounds over the same rotating inputs (whole fused_moe calls: alignment, act_quant of x and h,
 both GEMMs, the top-k sum), and compares each setting's output with the first setting's.
 """
@@ -17,7 +17,7 @@ import torch
 from backends.kernels import fused_moe as fm
 from bench.moe_cases import BLOCK, make_inputs, rel
 
-_KEYS = ("BLOCK_N", "STAGES", "num_warps", "GROUP_M")
+_KEYS = ("BLOCK_N", "STAGES", "num_warps", "GROUP_M", "merged")
 
 
 def parse_settings(spec: str) -> list[tuple[str, str, dict]]:

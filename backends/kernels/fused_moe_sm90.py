@@ -41,12 +41,21 @@ CONFIG = dict(gate_up=dict(BLOCK_N=64, STAGES=4, num_warps=4, GROUP_M=8),
 
 @gluon.jit
 def _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP: gl.constexpr,
-                BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """K block j into ring stage j % STAGES: the weight tiles by TMA (the stage's barrier counts
-    their bytes), the gathered activation rows by cp.async (one commit group)."""
+    their bytes), the gathered activation rows by cp.async (one commit group). MERGED: gate and
+    up in one tile, each warpgroup's column chunk of gate rows followed by the same chunk of up."""
     s = j % STAGES
     k0 = j * BLOCK_K
-    if GATE_UP:
+    if MERGED:
+        CW: gl.constexpr = W0.block_type.shape[0]
+        mbarrier.expect(bars.index(s), 2 * WG * W0.block_type.nbytes)
+        for w in gl.static_range(WG):
+            tma.async_copy_global_to_shared(W0, [w_row + w * CW, k0], bars.index(s),
+                                            w_ring0.index(s).slice(2 * w * CW, CW))
+            tma.async_copy_global_to_shared(W1, [w_row + w * CW, k0], bars.index(s),
+                                            w_ring0.index(s).slice((2 * w + 1) * CW, CW))
+    elif GATE_UP:
         mbarrier.expect(bars.index(s), W0.block_type.nbytes + W1.block_type.nbytes)
         tma.async_copy_global_to_shared(W0, [w_row, k0], bars.index(s), w_ring0.index(s))
         tma.async_copy_global_to_shared(W1, [w_row, k0], bars.index(s), w_ring1.index(s))
@@ -71,10 +80,11 @@ def _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP: gl.con
 
 @gluon.jit
 def _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP: gl.constexpr,
-            BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+            MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Issue K block j (nothing past the last) as one cp.async commit group."""
     if j < nk:
-        _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, BLOCK_K, STAGES)
+        _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG, BLOCK_K,
+                    STAGES)
     async_copy.commit_group()
 
 
@@ -91,12 +101,12 @@ def _arrive(i, bars, YOUNGER: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _products(s, a_ring, w_ring0, w_ring1, zero, keep1, GATE_UP: gl.constexpr):
+def _products(s, a_ring, w_ring0, w_ring1, zero, keep1, GATE_UP: gl.constexpr, MERGED: gl.constexpr):
     """The fp8 products of the block in stage s, issued asynchronously into fresh accumulators
-    (W1's only for gate/up; else keep1 is passed through)."""
+    (W1's only for gate/up unmerged; else keep1 is passed through)."""
     a = a_ring.index(s)
     q0 = warpgroup_mma(a, w_ring0.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    if GATE_UP:
+    if GATE_UP and not MERGED:
         q1 = warpgroup_mma(a, w_ring1.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
     else:
         q1 = keep1
@@ -104,9 +114,25 @@ def _products(s, a_ring, w_ring0, w_ring1, zero, keep1, GATE_UP: gl.constexpr):
 
 
 @gluon.jit
-def _retire(acc0, acc1, p0, p1, f0, f1, GATE_UP: gl.constexpr, PENDING: gl.constexpr):
+def _split_gate_up(r, BLOCK_N: gl.constexpr, WG: gl.constexpr):
+    """A merged gate/up product [M, 2·BLOCK_N] (per warpgroup w: its gate chunk, then its up
+    chunk) as gate [M, BLOCK_N] and up [M, BLOCK_N]. A thread holds column c and c + chunk of a
+    warpgroup's product, so this only relabels registers."""
+    CW: gl.constexpr = BLOCK_N // WG
+    r4 = gl.reshape(r, [r.shape[0], WG, 2, CW])
+    r3 = gl.reshape(gl.permute(r4, [0, 1, 3, 2]), [r.shape[0], BLOCK_N, 2])
+    return gl.split(r3)
+
+
+@gluon.jit
+def _retire(acc0, acc1, p0, p1, f0, f1, GATE_UP: gl.constexpr, MERGED: gl.constexpr, PENDING: gl.constexpr,
+            BLOCK_N: gl.constexpr, WG: gl.constexpr):
     """Wait for a set of products (leaving PENDING sets in flight) and add them, scaled."""
-    if GATE_UP:
+    if MERGED:
+        r = warpgroup_mma_wait(num_outstanding=PENDING, deps=(p0, ))
+        r0, r1 = _split_gate_up(r, BLOCK_N, WG)
+        acc1 += r1 * f1[:, None]
+    elif GATE_UP:
         r0, r1 = warpgroup_mma_wait(num_outstanding=2 * PENDING, deps=(p0, p1))
         acc1 += r1 * f1[:, None]
     else:
@@ -120,7 +146,7 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
                           n_out, K, top_k, num_pid_m, limit,
                           stride_x, stride_xs, stride_s0e, stride_s0n, stride_s0k,
                           stride_s1e, stride_s1n, stride_s1k, stride_out,
-                          GATE_UP: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                          GATE_UP: gl.constexpr, MERGED: gl.constexpr, HAS_LIMIT: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_BN: gl.constexpr,
                           num_warps: gl.constexpr):
@@ -153,8 +179,11 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_sl)
-    w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], W0.layout)
-    if GATE_UP:
+    if MERGED:
+        w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK_N, BLOCK_K], W0.layout)
+    else:
+        w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], W0.layout)
+    if GATE_UP and not MERGED:
         w_ring1 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], W1.layout)
     else:
         w_ring1 = w_ring0
@@ -169,7 +198,18 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     pair = gl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=offs_m < nrows, other=0).to(gl.int64)
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LD))
     a_ptrs = X + (pair // top_k)[:, None] * stride_x + offs_k[None, :]
-    offs_ma = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC_L))
+    if MERGED:  # one product of gate and up chunks side by side, split into the two accumulators
+        PROD_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                         instr_shape=[16, 2 * BLOCK_N // WG, 32])
+        zero = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, layout=PROD_L)
+        acc0, acc1 = _split_gate_up(zero, BLOCK_N, WG)
+    else:
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC_L)
+        acc0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC_L)
+        acc1 = acc0
+    keep = warpgroup_mma_init(zero)
+    ROW_L: gl.constexpr = gl.SliceLayout(1, acc0.type.layout)
+    offs_ma = gl.arange(0, BLOCK_M, layout=ROW_L)
     pair_a = gl.load(SORTED + pid_m * BLOCK_M + offs_ma, mask=offs_ma < nrows, other=0).to(gl.int64)
     xs_row = XS + (pair_a // top_k) * stride_xs
     w_row = e * n_out + n0
@@ -178,29 +218,25 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
 
     nk = K // BLOCK_K
     for j in gl.static_range(STAGES - 2):
-        _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, BLOCK_K, STAGES)
+        _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG, BLOCK_K, STAGES)
 
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC_L)
-    keep = warpgroup_mma_init(zero)
-    acc0 = zero
-    acc1 = zero
     # two K blocks a step, A (even) and B (odd): both issued, then A retired and scaled while B
     # runs, then B. Nothing is left in flight across the loop's back edge: ptxas serialises every
     # wgmma of a kernel that reads a loop-carried accumulator while another wgmma is in flight.
     for i in range(0, nk, 2):
         gl.thread_barrier()  # every warp has retired blocks i-2 and i-1: their stages may be refilled
-        _refill(i + STAGES - 2, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, BLOCK_K,
-                STAGES)
-        _refill(i + STAGES - 1, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, BLOCK_K,
-                STAGES)
+        _refill(i + STAGES - 2, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG,
+                BLOCK_K, STAGES)
+        _refill(i + STAGES - 1, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG,
+                BLOCK_K, STAGES)
         fa0, fa1 = _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
         fb0, fb1 = _scales(i + 1, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
         s = _arrive(i, bars, STAGES - 1, STAGES)
-        pa0, pa1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP)
+        pa0, pa1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
         s = _arrive(i + 1, bars, STAGES - 2, STAGES)
-        pb0, pb1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP)
-        acc0, acc1 = _retire(acc0, acc1, pa0, pa1, fa0, fa1, GATE_UP, 1)
-        acc0, acc1 = _retire(acc0, acc1, pb0, pb1, fb0, fb1, GATE_UP, 0)
+        pb0, pb1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
+        acc0, acc1 = _retire(acc0, acc1, pa0, pa1, fa0, fa1, GATE_UP, MERGED, 1, BLOCK_N, WG)
+        acc0, acc1 = _retire(acc0, acc1, pb0, pb1, fb0, fb1, GATE_UP, MERGED, 0, BLOCK_N, WG)
     async_copy.wait_group(0)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
@@ -258,7 +294,8 @@ def supported(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor, block
         # K blocks two a step, at least a ring deep
         if k // BLOCK_K < c["STAGES"] or (k // BLOCK_K) % 2 or c["STAGES"] < 3:
             return False
-        if c["BLOCK_N"] > 128 or c["BLOCK_N"] % (8 * (c["num_warps"] // 4)):
+        wg = c["num_warps"] // 4
+        if c["BLOCK_N"] > 128 or c["BLOCK_N"] % (8 * wg) or (c.get("merged") and 2 * c["BLOCK_N"] // wg > 256):
             return False
     return True
 
@@ -274,7 +311,8 @@ def _launch(gate_up: bool, xq, xs, ws, scales, out, rw, sorted_ids, block_expert
             limit, c: dict) -> None:
     nb = block_expert.shape[0]
     bn = c["BLOCK_N"]
-    descs = [_weight_desc(w, bn) for w in ws]
+    merged = gate_up and c.get("merged", False)
+    descs = [_weight_desc(w, bn // (c["num_warps"] // 4) if merged else bn) for w in ws]
     s0 = scales[0]
     s1 = scales[1] if gate_up else scales[0]
     grid = (nb * triton.cdiv(n_out, bn),)
@@ -282,7 +320,7 @@ def _launch(gate_up: bool, xq, xs, ws, scales, out, rw, sorted_ids, block_expert
         xq, xs, descs[0], descs[-1], s0, s1, out, rw, sorted_ids, block_expert, block_rows,
         n_out, k, top_k, nb, float(limit) if limit is not None else 0.0,
         xq.stride(0), xs.stride(0), *s0.stride(), *s1.stride(), out.stride(0),
-        GATE_UP=gate_up, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+        GATE_UP=gate_up, MERGED=merged, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
         GROUP_M=c["GROUP_M"], STAGES=c["STAGES"], SCALE_BN=128, num_warps=c["num_warps"])
 
 

@@ -34,11 +34,13 @@ from backends.kernels import fused_moe_sm90 as g
 part, variant = sys.argv[1], json.loads(sys.argv[2])
 c = {**g.CONFIG[part], **variant}
 fn = g._moe_gemm_sm90_kernel
-layout = gl.NVMMASharedLayout.get_default_for([c["BLOCK_N"], g.BLOCK_K], gl.float8e4nv)
-desc = f"tensordesc<fp8e4nv[{c['BLOCK_N']}, {g.BLOCK_K}],{layout!r}>"
+merged = part == "gate_up" and c.get("merged", False)
+rows = c["BLOCK_N"] // (c["num_warps"] // 4) if merged else c["BLOCK_N"]  # a weight tile by TMA
+layout = gl.NVMMASharedLayout.get_default_for([rows, g.BLOCK_K], gl.float8e4nv)
+desc = f"tensordesc<fp8e4nv[{rows}, {g.BLOCK_K}],{layout!r}>"
 types = dict(X="*fp8e4nv", XS="*fp32", W0=desc, W1=desc, S0="*fp32", S1="*fp32", OUT="*bf16", RW="*bf16",
              SORTED="*i32", BLOCK_EXPERT="*i32", BLOCK_ROWS="*i32", limit="fp32")
-consts = dict(GATE_UP=part == "gate_up", HAS_LIMIT=True, BLOCK_M=g.BLOCK_M, BLOCK_N=c["BLOCK_N"], BLOCK_K=g.BLOCK_K,
+consts = dict(GATE_UP=part == "gate_up", MERGED=merged, HAS_LIMIT=True, BLOCK_M=g.BLOCK_M, BLOCK_N=c["BLOCK_N"], BLOCK_K=g.BLOCK_K,
               GROUP_M=c["GROUP_M"], STAGES=c["STAGES"], SCALE_BN=128, num_warps=c["num_warps"])
 sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
 # the activations, their scales and the outputs are 16-byte aligned with 16-byte row strides (`supported`)
@@ -55,8 +57,8 @@ print(json.dumps(dict(shared=k.metadata.shared, ptx=k.asm["ptx"], ptxas=info)))
 """
 
 # the table's tiles, and the variants `bench.moe_h200 --prefill-gemm` times beside them
-VARIANTS = [("gate_up", {}), ("down", {}), ("gate_up", dict(BLOCK_N=128, num_warps=8)),
-            ("down", dict(num_warps=8)), ("down", dict(BLOCK_N=64, STAGES=6))]
+VARIANTS = [("gate_up", {}), ("down", {}), ("gate_up", dict(merged=False)), ("gate_up", dict(merged=True)),
+            ("gate_up", dict(merged=True, BLOCK_N=128, num_warps=8)), ("down", dict(num_warps=8))]
 _SM_SHARED = 233472  # an H100 / H200 SM's shared memory; each block also holds 1 KB of its own
 
 
@@ -75,10 +77,12 @@ def test_compiles_for_sm90_with_products_in_flight(part, variant, tmp_path):
     if not variant:  # the table's tiles: two programs an SM, so one's scaling overlaps the other's products
         assert 2 * (k["shared"] + 1024) <= _SM_SHARED
     assert k["shared"] + 1024 <= _SM_SHARED
-    # a step is two K blocks of 128 (four k32 wgmmas each), gate and up or down alone; each
-    # warpgroup takes BLOCK_N / warpgroups of the tile's columns
-    n = c["BLOCK_N"] // (c["num_warps"] // 4)
-    per_step = 2 * 4 * (2 if part == "gate_up" else 1)
+    # a step is two K blocks of 128 (four k32 wgmmas each), gate and up apart or merged into one
+    # product, or down; each warpgroup takes BLOCK_N / warpgroups of the tile's columns (of each
+    # of gate and up when merged)
+    merged = part == "gate_up" and c.get("merged", False)
+    n = c["BLOCK_N"] // (c["num_warps"] // 4) * (2 if merged else 1)
+    per_step = 2 * 4 * (2 if part == "gate_up" and not merged else 1)
     assert k["ptx"].count(f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3") == per_step
     # the even block is retired while the odd one is in flight
     waits = re.findall(r"wgmma.wait_group.sync.aligned (\d+)", k["ptx"])
