@@ -23,6 +23,7 @@ Gluon has no interpreter: the kernels are compiled for sm_90 in CI
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -39,85 +40,61 @@ CONFIG = dict(gate_up=dict(BLOCK_N=64, STAGES=4, num_warps=4, GROUP_M=8),
 
 
 @gluon.jit
-def _tile(t, R, tiles_n, GROUP_M: gl.constexpr):
-    """(block, N tile) of tile t in the grouped order: GROUP_M consecutive blocks sweep their N
-    tiles together (an expert's blocks share its weight tiles in L2)."""
-    in_group = GROUP_M * tiles_n
-    first_m = (t // in_group) * GROUP_M
-    size_m = gl.minimum(R - first_m, GROUP_M)
-    return first_m + (t % in_group) % size_m, (t % in_group) // size_m
+def _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP: gl.constexpr,
+                MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """K block j into ring stage j % STAGES: the weight tiles by TMA (the stage's barrier counts
+    their bytes), the gathered activation rows by cp.async (one commit group). MERGED: gate and
+    up in one tile, each warpgroup's column chunk of gate rows followed by the same chunk of up."""
+    s = j % STAGES
+    k0 = j * BLOCK_K
+    if MERGED:
+        CW: gl.constexpr = W0.block_type.shape[0]
+        mbarrier.expect(bars.index(s), 2 * WG * W0.block_type.nbytes)
+        for w in gl.static_range(WG):
+            tma.async_copy_global_to_shared(W0, [w_row + w * CW, k0], bars.index(s),
+                                            w_ring0.index(s).slice(2 * w * CW, CW))
+            tma.async_copy_global_to_shared(W1, [w_row + w * CW, k0], bars.index(s),
+                                            w_ring0.index(s).slice((2 * w + 1) * CW, CW))
+    elif GATE_UP:
+        mbarrier.expect(bars.index(s), W0.block_type.nbytes + W1.block_type.nbytes)
+        tma.async_copy_global_to_shared(W0, [w_row, k0], bars.index(s), w_ring0.index(s))
+        tma.async_copy_global_to_shared(W1, [w_row, k0], bars.index(s), w_ring1.index(s))
+    else:
+        mbarrier.expect(bars.index(s), W0.block_type.nbytes)
+        tma.async_copy_global_to_shared(W0, [w_row, k0], bars.index(s), w_ring0.index(s))
+    async_copy.async_copy_global_to_shared(a_ring.index(s), a_ptrs + k0)
 
 
 @gluon.jit
-def _tile_pairs(SORTED, BLOCK_ROWS, pid_m, BLOCK_M: gl.constexpr, L: gl.constexpr):
-    """The flat pair index of each row of block pid_m (0 past its real rows, which are never
-    written in the sorted list), and which rows are real; in layout L."""
-    offs = gl.arange(0, BLOCK_M, layout=L)
-    nrows = gl.load(BLOCK_ROWS + pid_m)
-    pair = gl.load(SORTED + pid_m * BLOCK_M + offs, mask=offs < nrows, other=0).to(gl.int64)
-    return pair, offs < nrows
-
-
-@gluon.jit
-def _refill(gi, nblocks, src, w_row, a_ring, w_ring0, w_ring1, bars, X, W0, W1, SORTED, BLOCK_ROWS, BLOCK_EXPERT,
-            stride_x, top_k, n_out, nk, pid, nprog, R, tiles_n,
-            GATE_UP: gl.constexpr, MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-            LD: gl.constexpr):
-    """Issue this program's K block gi (of all its tiles' blocks in turn; nothing past the last)
-    into ring stage gi % STAGES as one cp.async commit group: the weight tiles by TMA (the stage's
-    barrier counts their bytes), the gathered activation rows by cp.async. A block that starts a
-    tile first loads that tile's rows (src) and weight row (w_row); returns them."""
-    if gi < nblocks:
-        k = gi % nk
-        if k == 0:
-            pid_m, pid_n = _tile(pid + (gi // nk) * nprog, R, tiles_n, GROUP_M)
-            pair, _ = _tile_pairs(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, gl.SliceLayout(1, LD))
-            src = pair // top_k
-            w_row = gl.load(BLOCK_EXPERT + pid_m) * n_out + pid_n * BLOCK_N
-        s = gi % STAGES
-        k0 = k * BLOCK_K
-        if MERGED:  # gate and up in one tile: each warpgroup's chunk of gate rows, then of up rows
-            CW: gl.constexpr = W0.block_type.shape[0]
-            mbarrier.expect(bars.index(s), 2 * WG * W0.block_type.nbytes)
-            for w in gl.static_range(WG):
-                tma.async_copy_global_to_shared(W0, [w_row + w * CW, k0], bars.index(s),
-                                                w_ring0.index(s).slice(2 * w * CW, CW))
-                tma.async_copy_global_to_shared(W1, [w_row + w * CW, k0], bars.index(s),
-                                                w_ring0.index(s).slice((2 * w + 1) * CW, CW))
-        elif GATE_UP:
-            mbarrier.expect(bars.index(s), W0.block_type.nbytes + W1.block_type.nbytes)
-            tma.async_copy_global_to_shared(W0, [w_row, k0], bars.index(s), w_ring0.index(s))
-            tma.async_copy_global_to_shared(W1, [w_row, k0], bars.index(s), w_ring1.index(s))
-        else:
-            mbarrier.expect(bars.index(s), W0.block_type.nbytes)
-            tma.async_copy_global_to_shared(W0, [w_row, k0], bars.index(s), w_ring0.index(s))
-        offs_k = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LD))
-        async_copy.async_copy_global_to_shared(a_ring.index(s), X + src[:, None] * stride_x + offs_k[None, :])
-    async_copy.commit_group()
-    return src, w_row
-
-
-@gluon.jit
-def _scales(k, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP: gl.constexpr):
-    """K block k's scale per row, s_x · s_w, for W0's (and W1's) product (the tile lies in one
+def _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP: gl.constexpr):
+    """K block i's scale per row, s_x · s_w, for W0's (and W1's) product (the tile lies in one
     weight scale block)."""
-    sx = gl.load(xs_row + k)
-    f0 = sx * gl.load(s0_tile + k * stride_s0k)
+    sx = gl.load(xs_row + i)
+    f0 = sx * gl.load(s0_tile + i * stride_s0k)
     if GATE_UP:
-        f1 = sx * gl.load(s1_tile + k * stride_s1k)
+        f1 = sx * gl.load(s1_tile + i * stride_s1k)
     else:
         f1 = f0
     return f0, f1
 
 
 @gluon.jit
-def _arrive(gi, bars, YOUNGER: gl.constexpr, STAGES: gl.constexpr):
-    """Wait until block gi's tiles have landed (YOUNGER copy groups were committed after its
+def _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP: gl.constexpr,
+            MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Issue K block j (nothing past the last) as one cp.async commit group."""
+    if j < nk:
+        _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG, BLOCK_K,
+                    STAGES)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _arrive(i, bars, YOUNGER: gl.constexpr, STAGES: gl.constexpr):
+    """Wait until K block i's tiles have landed (YOUNGER copy groups were committed after its
     own); returns its stage."""
-    s = gi % STAGES
-    async_copy.wait_group(YOUNGER)  # this thread's rows of block gi
-    mbarrier.wait(bars.index(s), (gi // STAGES) & 1)  # the weight tiles
+    s = i % STAGES
+    async_copy.wait_group(YOUNGER)  # this thread's rows of block i
+    mbarrier.wait(bars.index(s), (i // STAGES) & 1)  # the weight tiles
     fence_async_shared()
     gl.thread_barrier()  # ... and every thread's rows
     return s
@@ -173,15 +150,24 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_BN: gl.constexpr,
                           num_warps: gl.constexpr):
-    """Either GEMM, persistent: program p takes tiles p, p + programs, ... of the (block, N tile)
-    grid, and its ring runs on across its tiles (the next tile's first blocks load while this
-    one's last are multiplied and its outputs stored). GATE_UP: X = e4m3 tokens [N, D] (row =
-    pair // top_k), W0 / W1 = gate / up [E·I, D], OUT = h [pairs, I] = SwiGLU(gate, up). Else X =
-    e4m3 h [pairs, I] (top_k 1), W0 = down [E·D, I], OUT = y [pairs, D] = product · routing
-    weight. XS: X's scales [rows, K / 128]; S0 / S1: the weights' block scales [E, out / 128,
-    K / 128]. num_pid_m: the block table's length, of which a prefix is filled (the rest -1)."""
+    """One (block, N tile) of either GEMM. GATE_UP: X = e4m3 tokens [N, D] (row = pair // top_k),
+    W0 / W1 = gate / up [E·I, D], OUT = h [pairs, I] = SwiGLU(gate, up). Else X = e4m3 h
+    [pairs, I] (top_k 1), W0 = down [E·D, I], OUT = y [pairs, D] = product · routing weight.
+    XS: X's scales [rows, K / 128]; S0 / S1: the weights' block scales [E, out / 128, K / 128]."""
     pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
+    # grouped launch order: GROUP_M consecutive blocks sweep the N tiles together (L2 reuse of
+    # the weight tiles by an expert's blocks)
+    in_group = GROUP_M * gl.cdiv(n_out, BLOCK_N)
+    first_m = (pid // in_group) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    e = gl.load(BLOCK_EXPERT + pid_m)
+    if e < 0:  # past the blocks the alignment filled
+        return
+    n0 = pid_n * BLOCK_N
+    nrows = gl.load(BLOCK_ROWS + pid_m)
+
     WG: gl.constexpr = num_warps // 4
     # the accumulators [BLOCK_M, BLOCK_N]: the warpgroups side by side along N
     ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -190,19 +176,6 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     LD: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
     # the output stores: 16 bytes (8 values) a thread, whole rows
     ST: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
-    CNT: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-
-    # the filled blocks (a prefix of the table), so that every tile of the grid has rows
-    offs_b = gl.arange(0, 4 * 32 * num_warps, layout=CNT)
-    R = 0
-    for b0 in range(0, num_pid_m, 4 * 32 * num_warps):
-        e_b = gl.load(BLOCK_EXPERT + b0 + offs_b, mask=b0 + offs_b < num_pid_m, other=-1)
-        R += gl.sum((e_b >= 0).to(gl.int32), axis=0)
-    tiles_n = n_out // BLOCK_N
-    my_tiles = gl.cdiv(gl.maximum(R * tiles_n - pid, 0), nprog)
-    nk = K // BLOCK_K
-    nblocks = my_tiles * nk
-
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_sl)
@@ -219,83 +192,87 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
 
+    # the block's rows: pairs from the sorted list (rows past nrows are never written there:
+    # they read token 0 and are not stored)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+    pair = gl.load(SORTED + pid_m * BLOCK_M + offs_m, mask=offs_m < nrows, other=0).to(gl.int64)
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LD))
+    a_ptrs = X + (pair // top_k)[:, None] * stride_x + offs_k[None, :]
     if MERGED:  # one product of gate and up chunks side by side, split into the two accumulators
         PROD_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                          instr_shape=[16, 2 * BLOCK_N // WG, 32])
         zero = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, layout=PROD_L)
-        acc_zero, _ = _split_gate_up(zero, BLOCK_N, WG)
+        acc0, acc1 = _split_gate_up(zero, BLOCK_N, WG)
     else:
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC_L)
-        acc_zero = zero
+        acc0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC_L)
+        acc1 = acc0
     keep = warpgroup_mma_init(zero)
-    ROW_L: gl.constexpr = gl.SliceLayout(1, acc_zero.type.layout)
+    ROW_L: gl.constexpr = gl.SliceLayout(1, acc0.type.layout)
+    offs_ma = gl.arange(0, BLOCK_M, layout=ROW_L)
+    pair_a = gl.load(SORTED + pid_m * BLOCK_M + offs_ma, mask=offs_ma < nrows, other=0).to(gl.int64)
+    xs_row = XS + (pair_a // top_k) * stride_xs
+    w_row = e * n_out + n0
+    s0_tile = S0 + e * stride_s0e + (n0 // SCALE_BN) * stride_s0n
+    s1_tile = S1 + e * stride_s1e + (n0 // SCALE_BN) * stride_s1n
 
-    # the issue side runs STAGES-2 .. STAGES-1 blocks ahead of the products, across tiles
-    src = gl.zeros([BLOCK_M], gl.int64, layout=gl.SliceLayout(1, LD))
-    w_row = pid * 0
+    nk = K // BLOCK_K
     for j in gl.static_range(STAGES - 2):
-        src, w_row = _refill(j, nblocks, src, w_row, a_ring, w_ring0, w_ring1, bars, X, W0, W1, SORTED, BLOCK_ROWS,
-                             BLOCK_EXPERT, stride_x, top_k, n_out, nk, pid, nprog, R, tiles_n, GATE_UP, MERGED, WG,
-                             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, LD)
-    dt: gl.constexpr = gl.bfloat16
-    for jt in range(my_tiles):
-        pid_m, pid_n = _tile(pid + jt * nprog, R, tiles_n, GROUP_M)
-        e = gl.load(BLOCK_EXPERT + pid_m)
-        n0 = pid_n * BLOCK_N
-        pair_a, ok_a = _tile_pairs(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, ROW_L)
-        xs_row = XS + (pair_a // top_k) * stride_xs
-        s0_tile = S0 + e * stride_s0e + (n0 // SCALE_BN) * stride_s0n
-        s1_tile = S1 + e * stride_s1e + (n0 // SCALE_BN) * stride_s1n
-        acc0 = acc_zero
-        acc1 = acc_zero
-        # two K blocks a step, A (even) and B (odd): both issued, then A retired and scaled while
-        # B runs, then B. Nothing is left in flight across the loop's back edge: ptxas serialises
-        # every wgmma of a kernel that reads a loop-carried accumulator while another is in flight.
-        for i in range(0, nk, 2):
-            g = jt * nk + i
-            gl.thread_barrier()  # every warp has retired blocks g-2 and g-1: their stages may be refilled
-            src, w_row = _refill(g + STAGES - 2, nblocks, src, w_row, a_ring, w_ring0, w_ring1, bars, X, W0, W1,
-                                 SORTED, BLOCK_ROWS, BLOCK_EXPERT, stride_x, top_k, n_out, nk, pid, nprog, R,
-                                 tiles_n, GATE_UP, MERGED, WG, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, LD)
-            src, w_row = _refill(g + STAGES - 1, nblocks, src, w_row, a_ring, w_ring0, w_ring1, bars, X, W0, W1,
-                                 SORTED, BLOCK_ROWS, BLOCK_EXPERT, stride_x, top_k, n_out, nk, pid, nprog, R,
-                                 tiles_n, GATE_UP, MERGED, WG, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, LD)
-            fa0, fa1 = _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
-            fb0, fb1 = _scales(i + 1, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
-            s = _arrive(g, bars, STAGES - 1, STAGES)
-            pa0, pa1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
-            s = _arrive(g + 1, bars, STAGES - 2, STAGES)
-            pb0, pb1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
-            acc0, acc1 = _retire(acc0, acc1, pa0, pa1, fa0, fa1, GATE_UP, MERGED, 1, BLOCK_N, WG)
-            acc0, acc1 = _retire(acc0, acc1, pb0, pb1, fb0, fb1, GATE_UP, MERGED, 0, BLOCK_N, WG)
+        _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG, BLOCK_K, STAGES)
 
-        if GATE_UP:
-            # the reference's roundings: gate and up, silu(gate) and the product, each in the model dtype
-            gt = acc0.to(dt).to(gl.float32)
-            up = acc1.to(dt).to(gl.float32)
-            if HAS_LIMIT:
-                gt = gl.minimum(gt, limit)
-                up = gl.minimum(gl.maximum(up, -limit), limit)
-            sg = (gt / (1.0 + gl.exp(-gt))).to(dt).to(gl.float32)
-            out = (sg * up).to(dt)
-        else:
-            w = gl.load(RW + pair_a, mask=ok_a, other=0.0).to(gl.float32)
-            out = (acc0.to(dt).to(gl.float32) * w[:, None]).to(dt)
-        # through shared memory, then 16-byte stores of row pieces (the accumulator's layout stores
-        # 4 bytes at a time); the previous tile's stores have read the buffer
-        o_smem.store(out)
-        gl.thread_barrier()
-        pair_s, ok_s = _tile_pairs(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, gl.SliceLayout(1, ST))
-        offs_ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ST))
-        gl.store(OUT + pair_s[:, None] * stride_out + offs_ns[None, :], o_smem.load(ST), mask=ok_s[:, None])
+    # two K blocks a step, A (even) and B (odd): both issued, then A retired and scaled while B
+    # runs, then B. Nothing is left in flight across the loop's back edge: ptxas serialises every
+    # wgmma of a kernel that reads a loop-carried accumulator while another wgmma is in flight.
+    for i in range(0, nk, 2):
+        gl.thread_barrier()  # every warp has retired blocks i-2 and i-1: their stages may be refilled
+        _refill(i + STAGES - 2, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG,
+                BLOCK_K, STAGES)
+        _refill(i + STAGES - 1, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG,
+                BLOCK_K, STAGES)
+        fa0, fa1 = _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
+        fb0, fb1 = _scales(i + 1, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
+        s = _arrive(i, bars, STAGES - 1, STAGES)
+        pa0, pa1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
+        s = _arrive(i + 1, bars, STAGES - 2, STAGES)
+        pb0, pb1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
+        acc0, acc1 = _retire(acc0, acc1, pa0, pa1, fa0, fa1, GATE_UP, MERGED, 1, BLOCK_N, WG)
+        acc0, acc1 = _retire(acc0, acc1, pb0, pb1, fb0, fb1, GATE_UP, MERGED, 0, BLOCK_N, WG)
     async_copy.wait_group(0)
     for st in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(st))
+
+    dt: gl.constexpr = gl.bfloat16
+    if GATE_UP:
+        # the reference's roundings: gate and up, silu(gate) and the product, each in the model dtype
+        g = acc0.to(dt).to(gl.float32)
+        u = acc1.to(dt).to(gl.float32)
+        if HAS_LIMIT:
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+        sg = (g / (1.0 + gl.exp(-g))).to(dt).to(gl.float32)
+        out = (sg * u).to(dt)
+    else:
+        w = gl.load(RW + pair_a, mask=offs_ma < nrows, other=0.0).to(gl.float32)
+        out = (acc0.to(dt).to(gl.float32) * w[:, None]).to(dt)
+    # through shared memory, then 16-byte stores of row pieces (the accumulator's layout stores 4
+    # bytes at a time)
+    o_smem.store(out)
+    gl.thread_barrier()
+    offs_ms = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ST))
+    pair_s = gl.load(SORTED + pid_m * BLOCK_M + offs_ms, mask=offs_ms < nrows, other=0).to(gl.int64)
+    offs_ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ST))
+    gl.store(OUT + pair_s[:, None] * stride_out + offs_ns[None, :], o_smem.load(ST),
+             mask=(offs_ms < nrows)[:, None])
 
 
 # ---------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------
+def _aligned_16b(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0
+                                                                 for st in t.stride()[:-1])
+
+
 def supported(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor, block: tuple[int, int],
               config: dict | None = None) -> bool:
     """Whether these GEMMs take a w8a8 MoE call: a Hopper GPU (not ROCm), bf16 activations, e4m3
@@ -323,14 +300,6 @@ def supported(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor, block
     return True
 
 
-def _programs_per_sm(c: dict, gate_up: bool) -> int:
-    """Two programs an SM where their registers (4 warps) and shared memory (the ring and the
-    output tile) fit twice, else one."""
-    w_rows = c["BLOCK_N"] * (2 if gate_up else 1)
-    smem = c["STAGES"] * (BLOCK_M + w_rows) * BLOCK_K + BLOCK_M * c["BLOCK_N"] * 2 + 1024
-    return 2 if c["num_warps"] == 4 and 2 * smem <= 232448 else 1
-
-
 def _weight_desc(w: torch.Tensor, block_n: int) -> TensorDescriptor:
     """A TMA descriptor over the stacked weights [E, out, K] as rows [E·out, K], tiles [block_n, 128]."""
     e, n, k = w.shape
@@ -346,9 +315,7 @@ def _launch(gate_up: bool, xq, xs, ws, scales, out, rw, sorted_ids, block_expert
     descs = [_weight_desc(w, bn // (c["num_warps"] // 4) if merged else bn) for w in ws]
     s0 = scales[0]
     s1 = scales[1] if gate_up else scales[0]
-    # persistent: as many programs as the SMs hold at once (never more than the tiles)
-    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-    grid = (min(nb * (n_out // bn), _programs_per_sm(c, gate_up) * sms),)
+    grid = (nb * triton.cdiv(n_out, bn),)
     _moe_gemm_sm90_kernel[grid](
         xq, xs, descs[0], descs[-1], s0, s1, out, rw, sorted_ids, block_expert, block_rows,
         n_out, k, top_k, nb, float(limit) if limit is not None else 0.0,
