@@ -41,13 +41,18 @@ CONFIG = dict(gate_up=dict(BLOCK_N=64, STAGES=4, num_warps=4, GROUP_M=8),
 
 @gluon.jit
 def _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP: gl.constexpr,
-                MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                B_TMA: gl.constexpr):
     """K block j into ring stage j % STAGES: the weight tiles by TMA (the stage's barrier counts
     their bytes), the gathered activation rows by cp.async (one commit group). MERGED: gate and
     up in one tile, each warpgroup's column chunk of gate rows followed by the same chunk of up."""
     s = j % STAGES
     k0 = j * BLOCK_K
-    if MERGED:
+    if not B_TMA:  # W0 / W1: the weight tiles' pointers, copied with the rows
+        async_copy.async_copy_global_to_shared(w_ring0.index(s), W0 + k0)
+        if GATE_UP:
+            async_copy.async_copy_global_to_shared(w_ring1.index(s), W1 + k0)
+    elif MERGED:
         CW: gl.constexpr = W0.block_type.shape[0]
         mbarrier.expect(bars.index(s), 2 * WG * W0.block_type.nbytes)
         for w in gl.static_range(WG):
@@ -80,21 +85,23 @@ def _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP: gl.con
 
 @gluon.jit
 def _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP: gl.constexpr,
-            MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+            MERGED: gl.constexpr, WG: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+            B_TMA: gl.constexpr):
     """Issue K block j (nothing past the last) as one cp.async commit group."""
     if j < nk:
         _issue_step(j, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG, BLOCK_K,
-                    STAGES)
+                    STAGES, B_TMA)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _arrive(i, bars, YOUNGER: gl.constexpr, STAGES: gl.constexpr):
+def _arrive(i, bars, YOUNGER: gl.constexpr, STAGES: gl.constexpr, B_TMA: gl.constexpr):
     """Wait until K block i's tiles have landed (YOUNGER copy groups were committed after its
     own); returns its stage."""
     s = i % STAGES
     async_copy.wait_group(YOUNGER)  # this thread's rows of block i
-    mbarrier.wait(bars.index(s), (i // STAGES) & 1)  # the weight tiles
+    if B_TMA:
+        mbarrier.wait(bars.index(s), (i // STAGES) & 1)  # the weight tiles
     fence_async_shared()
     gl.thread_barrier()  # ... and every thread's rows
     return s
@@ -146,7 +153,8 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
                           n_out, K, top_k, num_pid_m, limit,
                           stride_x, stride_xs, stride_s0e, stride_s0n, stride_s0k,
                           stride_s1e, stride_s1n, stride_s1k, stride_out,
-                          GATE_UP: gl.constexpr, MERGED: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                          GATE_UP: gl.constexpr, MERGED: gl.constexpr, B_TMA: gl.constexpr, O_SMEM: gl.constexpr,
+                          HAS_LIMIT: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_BN: gl.constexpr,
                           num_warps: gl.constexpr):
@@ -179,12 +187,14 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
     o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
     a_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_sl)
+    # the weight tiles' layout: TMA's (NVMMA, 128-byte swizzle for 128 fp8 columns), also for cp.async
+    w_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     if MERGED:
-        w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK_N, BLOCK_K], W0.layout)
+        w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 2 * BLOCK_N, BLOCK_K], w_sl)
     else:
-        w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], W0.layout)
+        w_ring0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_sl)
     if GATE_UP and not MERGED:
-        w_ring1 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], W1.layout)
+        w_ring1 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], w_sl)
     else:
         w_ring1 = w_ring0
     o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], o_sl)
@@ -213,27 +223,35 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     pair_a = gl.load(SORTED + pid_m * BLOCK_M + offs_ma, mask=offs_ma < nrows, other=0).to(gl.int64)
     xs_row = XS + (pair_a // top_k) * stride_xs
     w_row = e * n_out + n0
+    if B_TMA:
+        B0 = W0
+        B1 = W1
+    else:  # W0 / W1 are the stacked weights [E·out, K]: this tile's rows
+        offs_bn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+        b_rows = (w_row + offs_bn).to(gl.int64)[:, None] * K + offs_k[None, :]
+        B0 = W0 + b_rows
+        B1 = W1 + b_rows
     s0_tile = S0 + e * stride_s0e + (n0 // SCALE_BN) * stride_s0n
     s1_tile = S1 + e * stride_s1e + (n0 // SCALE_BN) * stride_s1n
 
     nk = K // BLOCK_K
     for j in gl.static_range(STAGES - 2):
-        _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG, BLOCK_K, STAGES)
+        _refill(j, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, B0, B1, w_row, GATE_UP, MERGED, WG, BLOCK_K, STAGES, B_TMA)
 
     # two K blocks a step, A (even) and B (odd): both issued, then A retired and scaled while B
     # runs, then B. Nothing is left in flight across the loop's back edge: ptxas serialises every
     # wgmma of a kernel that reads a loop-carried accumulator while another wgmma is in flight.
     for i in range(0, nk, 2):
         gl.thread_barrier()  # every warp has retired blocks i-2 and i-1: their stages may be refilled
-        _refill(i + STAGES - 2, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG,
-                BLOCK_K, STAGES)
-        _refill(i + STAGES - 1, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, W0, W1, w_row, GATE_UP, MERGED, WG,
-                BLOCK_K, STAGES)
+        _refill(i + STAGES - 2, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, B0, B1, w_row, GATE_UP, MERGED, WG,
+                BLOCK_K, STAGES, B_TMA)
+        _refill(i + STAGES - 1, nk, a_ring, w_ring0, w_ring1, bars, a_ptrs, B0, B1, w_row, GATE_UP, MERGED, WG,
+                BLOCK_K, STAGES, B_TMA)
         fa0, fa1 = _scales(i, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
         fb0, fb1 = _scales(i + 1, xs_row, s0_tile, s1_tile, stride_s0k, stride_s1k, GATE_UP)
-        s = _arrive(i, bars, STAGES - 1, STAGES)
+        s = _arrive(i, bars, STAGES - 1, STAGES, B_TMA)
         pa0, pa1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
-        s = _arrive(i + 1, bars, STAGES - 2, STAGES)
+        s = _arrive(i + 1, bars, STAGES - 2, STAGES, B_TMA)
         pb0, pb1 = _products(s, a_ring, w_ring0, w_ring1, zero, keep, GATE_UP, MERGED)
         acc0, acc1 = _retire(acc0, acc1, pa0, pa1, fa0, fa1, GATE_UP, MERGED, 1, BLOCK_N, WG)
         acc0, acc1 = _retire(acc0, acc1, pb0, pb1, fb0, fb1, GATE_UP, MERGED, 0, BLOCK_N, WG)
@@ -254,15 +272,19 @@ def _moe_gemm_sm90_kernel(X, XS, W0, W1, S0, S1, OUT, RW, SORTED, BLOCK_EXPERT, 
     else:
         w = gl.load(RW + pair_a, mask=offs_ma < nrows, other=0.0).to(gl.float32)
         out = (acc0.to(dt).to(gl.float32) * w[:, None]).to(dt)
-    # through shared memory, then 16-byte stores of row pieces (the accumulator's layout stores 4
-    # bytes at a time)
-    o_smem.store(out)
-    gl.thread_barrier()
-    offs_ms = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ST))
-    pair_s = gl.load(SORTED + pid_m * BLOCK_M + offs_ms, mask=offs_ms < nrows, other=0).to(gl.int64)
-    offs_ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ST))
-    gl.store(OUT + pair_s[:, None] * stride_out + offs_ns[None, :], o_smem.load(ST),
-             mask=(offs_ms < nrows)[:, None])
+    if O_SMEM:
+        # through shared memory, then 16-byte stores of row pieces (the accumulator's layout
+        # stores 4 bytes at a time)
+        o_smem.store(out)
+        gl.thread_barrier()
+        offs_ms = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ST))
+        pair_s = gl.load(SORTED + pid_m * BLOCK_M + offs_ms, mask=offs_ms < nrows, other=0).to(gl.int64)
+        offs_ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ST))
+        gl.store(OUT + pair_s[:, None] * stride_out + offs_ns[None, :], o_smem.load(ST),
+                 mask=(offs_ms < nrows)[:, None])
+    else:
+        offs_no = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out.type.layout))
+        gl.store(OUT + pair_a[:, None] * stride_out + offs_no[None, :], out, mask=(offs_ma < nrows)[:, None])
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,6 +319,8 @@ def supported(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor, block
         wg = c["num_warps"] // 4
         if c["BLOCK_N"] > 128 or c["BLOCK_N"] % (8 * wg) or (c.get("merged") and 2 * c["BLOCK_N"] // wg > 256):
             return False
+        if c.get("merged") and not c.get("b_tma", True):  # the merged tile is laid out by TMA
+            return False
     return True
 
 
@@ -312,7 +336,8 @@ def _launch(gate_up: bool, xq, xs, ws, scales, out, rw, sorted_ids, block_expert
     nb = block_expert.shape[0]
     bn = c["BLOCK_N"]
     merged = gate_up and c.get("merged", False)
-    descs = [_weight_desc(w, bn // (c["num_warps"] // 4) if merged else bn) for w in ws]
+    b_tma = c.get("b_tma", True)  # the weight tiles by TMA, else by cp.async with the rows
+    descs = [_weight_desc(w, bn // (c["num_warps"] // 4) if merged else bn) if b_tma else w for w in ws]
     s0 = scales[0]
     s1 = scales[1] if gate_up else scales[0]
     grid = (nb * triton.cdiv(n_out, bn),)
@@ -320,7 +345,7 @@ def _launch(gate_up: bool, xq, xs, ws, scales, out, rw, sorted_ids, block_expert
         xq, xs, descs[0], descs[-1], s0, s1, out, rw, sorted_ids, block_expert, block_rows,
         n_out, k, top_k, nb, float(limit) if limit is not None else 0.0,
         xq.stride(0), xs.stride(0), *s0.stride(), *s1.stride(), out.stride(0),
-        GATE_UP=gate_up, MERGED=merged, HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+        GATE_UP=gate_up, MERGED=merged, B_TMA=b_tma, O_SMEM=c.get("o_smem", True), HAS_LIMIT=limit is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
         GROUP_M=c["GROUP_M"], STAGES=c["STAGES"], SCALE_BN=128, num_warps=c["num_warps"])
 
 

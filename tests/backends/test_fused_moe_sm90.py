@@ -44,7 +44,7 @@ consts = dict(GATE_UP=part == "gate_up", MERGED=merged, HAS_LIMIT=True, BLOCK_M=
               GROUP_M=c["GROUP_M"], STAGES=c["STAGES"], SCALE_BN=128, num_warps=c["num_warps"])
 sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
 # the activations, their scales and the outputs are 16-byte aligned with 16-byte row strides (`supported`)
-aligned = ("X", "XS", "OUT", "stride_x", "stride_out")
+aligned = ("X", "XS", "OUT", "stride_x", "stride_out", "K") + (() if c.get("b_tma", True) else ("W0", "W1"))
 src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                      attrs={(fn.arg_names.index(a),): [("tt.divisibility", 16)] for a in aligned})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c["num_warps"]))
