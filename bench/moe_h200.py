@@ -58,7 +58,6 @@ import triton  # noqa: E402
 from bench.timing import timers  # noqa: E402
 from bench.moe_cases import BLOCK, FULL, SMOKE, expert_bytes, make_inputs, make_weights, rel, table_config, weights_of  # noqa: E402
 from bench.moe_sweep import SWEEP, SWEEP_FP8, print_sweep, sweep  # noqa: E402
-from bench.moe_gemm_axis import print_settings, time_settings  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
@@ -226,14 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-ref", action="store_true")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-tokens", default="1,128,16384")
-    p.add_argument("--sweep-only", action="store_true",
-                   help="with --sweep or --prefill-gemm: checks + sweeps, no timing table")
+    p.add_argument("--sweep-only", action="store_true", help="with --sweep: checks + sweeps, no timing table")
     p.add_argument("--no-baseline", action="store_true",
                    help="fp8 sweep without timing bf16's table entry at the same N (needs bf16 weights)")
-    p.add_argument("--prefill-gemm", default="",
-                   help="w8a8 prefill GEMM settings timed in turn at --tokens above 1024, ';'-separated: triton, "
-                        "sm90, sm90,down.num_warps=8 (bench/moe_gemm_axis.py); needs fp8 weights (--kinds fp8a8)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the --prefill-gemm settings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
@@ -270,12 +264,7 @@ def main(argv=None) -> int:
     if dev.type == "cuda" and "fp8" in w:
         checks.append(check_graph_and_sync(w, dims, dev, gd))
     rows = []
-    gemm_rows = []
-    if args.prefill_gemm:
-        if "fp8" not in w:
-            raise SystemExit("--prefill-gemm needs fp8 weights: --kinds fp8a8")
-        gemm_rows = time_settings(args.prefill_gemm, w, dims, dev, gd, tokens, kernel_ms, args.rounds, args.rotate)
-    for kind in ([] if (args.sweep or args.prefill_gemm) and args.sweep_only else kinds):
+    for kind in ([] if args.sweep and args.sweep_only else kinds):
         for n in tokens:
             t = time.time()
             rows.append(time_case(kind, n, w, dims, dev, gd, args, kernel_ms, ref_ms))
@@ -289,13 +278,11 @@ def main(argv=None) -> int:
             for n in sweep_tokens:
                 swept += sweep("bf16", n, w, dims, dev, gd, args, kernel_ms, baseline=True)
 
-    write_out("moe_h200.json", dict(env=env, checks=checks, rows=rows, sweep=swept, prefill_gemm=gemm_rows))
+    write_out("moe_h200.json", dict(env=env, checks=checks, rows=rows, sweep=swept))
 
     na = float("nan")
     if swept:
         print_sweep(swept, sweep_tokens)
-    if gemm_rows:
-        print_settings(gemm_rows, CEILING_TFLOPS)
     print("\nchecks (rel = ‖a−b‖/‖b‖; bound 1e-2 for bf16 operands; fp8 vs ref 2e-2):")
     for c in checks:
         if c["check"] == "graph+sync":

@@ -105,8 +105,6 @@ def main(argv=None) -> list[dict]:
                    "e.g. 0,2048 (0: mhc_pre's one-launch path from ~8.4K tokens)")
     p.add_argument("--mla-prefill-kernel", default="", help="sparse_mla.PREFILL_KERNEL values also timed on the "
                    "triton backend, e.g. triton,sm90")
-    p.add_argument("--moe-prefill-gemm", default="", help="fused_moe.PREFILL_GEMM values also timed on the "
-                   "triton backend, e.g. triton,sm90 (the w8a8 MoE GEMMs above 1024 tokens)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -116,7 +114,6 @@ def main(argv=None) -> list[dict]:
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import mhc
-    from backends.kernels import fused_moe as fm
     from backends.kernels import sparse_mla as sm
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
@@ -157,8 +154,7 @@ def main(argv=None) -> list[dict]:
                     (args.mhc_mix_k, mhc, "PREFILL_MIX_K", "mhc_mix_k", "mhc_pre mixing K in pieces of {} "
                                                                         "(0: one launch from ~8.4K tokens)"),
                     (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
-                                                                                  "kernel"),
-                    (args.moe_prefill_gemm, fm, "PREFILL_GEMM", "moe_gemm", "w8a8 MoE GEMMs on {}")):
+                                                                                  "kernel")):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)

@@ -83,12 +83,6 @@ INKERNEL_QUANT_MAX_TOKENS = 1024
 # the last of ~2.2 waves mostly empty at batch 1 with the shared expert seated, 9 pairs). H200,
 # one MoE layer call in a CUDA graph: 128.8 -> 119.6 µs, the same output.
 PAIR_GATE_UP_16BIT = dict(BLOCK_N=32, num_stages=3)
-# Which GEMMs run w8a8 above INKERNEL_QUANT_MAX_TOKENS (x and h quantised by act_quant first) on a
-# Hopper GPU where fused_moe_sm90 fits the call: "sm90" (Gluon, each K block's product in flight
-# while the previous one is scaled) or "triton" (the kernels of fused_moe_kernels, which wait for
-# every product before scaling it).
-PREFILL_GEMM = "sm90"
-PREFILL_GEMMS = ("sm90", "triton")
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,12 +189,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         cfg.update({k: v for k, v in config.items() if k == "BLOCK_M"})
         for part in ("gate_up", "down"):
             cfg[part].update(config.get(part, {}))
-    # w8a8 above INKERNEL_QUANT_MAX_TOKENS: x (and below, h) quantised once by act_quant, not once
-    # per N tile inside the GEMMs
-    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
-    hopper = _hopper_gemms(x, w_gate, w_down, block) if pre and not pair_blocks else None
-    if hopper is not None:
-        cfg["BLOCK_M"] = hopper.BLOCK_M  # the alignment's block is the Gluon GEMMs' M
     bm = cfg["BLOCK_M"]
     gu, dn = dict(cfg["gate_up"]), dict(cfg["down"])
     bo, bi = (int(block[0]), int(block[1])) if fp8 else (1 << 30, 1 << 30)
@@ -232,12 +220,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         sg = su = sd = w_gate  # unused (FP8=False)
     sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
     launch = pdl.launch(x.device)
+    # w8a8 above INKERNEL_QUANT_MAX_TOKENS: x (and below, h) quantised once by act_quant, not once
+    # per N tile inside the GEMMs
+    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
     x_in, xs = act_quant(x, bi) if pre else (x, x)  # xs unused unless X_FP8
-    if hopper is not None:
-        hopper.gate_up(x_in, xs, w_gate, w_up, (sg, su), h, sorted_ids, block_expert, block_rows, top_k, limit)
-        h_in, hs = act_quant(h, bi)
-        hopper.down(h_in, hs, w_down, sd, rw, y, sorted_ids, block_expert, block_rows)
-        return _reduce(y, flat_ids, out, n, d, e, top_k, ids, launch, reduce)
 
     _launch_fitting(
         _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
@@ -260,24 +246,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
              SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
-    return _reduce(y, flat_ids, out, n, d, e, top_k, ids, launch, reduce)
-
-
-def _reduce(y, flat_ids, out, n, d, e, top_k, ids, launch, reduce):
-    """out[t] = Σ_k y[t, k] (the sum launch), or the pair rows themselves unreduced."""
     if not reduce:
         return MoEPartials(y.view(n, top_k, d), ids, e)
     block_d = min(1024, triton.next_power_of_2(d))
     _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
                                               BLOCK_D=block_d, **launch, num_warps=4)
     return out
-
-
-def _hopper_gemms(x, w_gate, w_down, block):
-    """fused_moe_sm90 when PREFILL_GEMM asks for it and it takes this call, else None."""
-    if PREFILL_GEMM not in PREFILL_GEMMS:
-        raise ValueError(f"fused_moe.PREFILL_GEMM must be one of {PREFILL_GEMMS}, got {PREFILL_GEMM!r}")
-    if PREFILL_GEMM != "sm90" or not x.is_cuda or torch.version.hip is not None:
-        return None
-    from . import fused_moe_sm90 as hopper  # Gluon's NVIDIA modules, only where they can run
-    return hopper if hopper.supported(x, w_gate, w_down, block) else None
