@@ -93,10 +93,9 @@ class CudaH200Ops(ReferenceOps):
     # faster (fp8_linear.skinny_preferred), "all", or "off" (bench.decode_profile --skinny).
     skinny_linear = "measured"
     # FP8 weights: activations quantised too (w8a8, fp8 tensor-core products; ReferenceOps has the
-    # same numerics under "dynamic"), in calls of up to fp8_act_max_tokens tokens (ReferenceOps:
-    # 1024; prefill chunks stay w8a16, as measured before). H200, flash-4l decode step at batch
-    # 64: 7.37 ms w8a16 -> 5.94 ms, replayed in one run (bench/RESULTS.md). `--fp8-activations none`
-    # keeps w8a16 everywhere.
+    # same numerics under "dynamic"), in calls of any size (fp8_act_max_tokens, inherited: None).
+    # H200, flash-4l decode step at batch 64: 7.37 ms w8a16 -> 5.94 ms; H100, 16K-token prefill:
+    # 209 ms -> 112 ms (bench/RESULTS.md). `--fp8-activations none` keeps w8a16 everywhere.
     fp8_activations = "dynamic"
 
     def begin_forward(self, num_tokens: int) -> None:

@@ -112,10 +112,10 @@ class ReferenceOps:
     # per token and K scale block (w8a8, act_quant_e4m3), and multiplies in fp32: the numerics of
     # the fp8 tensor-core path (CudaH200Ops's default, SGLang's and DeepSeek-V3's recipe).
     fp8_activations = "none"
-    # "dynamic" applies to calls of up to this many tokens (decode and small batches: where the
-    # w8a8 kernels were measured on the H200); larger ones (prefill chunks) stay w8a16 until the
-    # w8a8 prefill tiles are measured. None: every size.
-    fp8_act_max_tokens: int | None = 1024
+    # "dynamic" applies to calls of up to this many tokens; None: every size, prefill chunks too
+    # (a 16K-token flash-4l prefill with fp8 weights on an H100: 112 ms w8a8, 209 ms with w8a16
+    # prefill calls, bench/RESULTS.md). A number keeps larger calls w8a16.
+    fp8_act_max_tokens: int | None = None
 
     def uses_w8a8(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
         """Whether this fp8 product quantises its activations (the kernels follow the same rule)."""

@@ -52,6 +52,13 @@ def _smem_ok_fp8(c: dict) -> bool:
     return max(need(c["gate_up"], 2), need(c["down"], 1)) <= 220 * 1024
 
 
+def _smem_ok_a8(c: dict) -> bool:
+    """w8a8 tiles: e4m3 activations and weights (1 byte each) per stage, nothing converted."""
+    bm = c["BLOCK_M"]
+    return max(p["num_stages"] * (bm + nw * p["BLOCK_N"]) * p["BLOCK_K"]
+               for p, nw in ((c["gate_up"], 2), (c["down"], 1))) <= 220 * 1024
+
+
 def _cfg8(bm: int, gu: tuple, dn: tuple, group: int = 1, **extra) -> dict:
     """fp8 sweep entry: gu/dn = (BLOCK_N, BLOCK_K, num_warps, num_stages); extra (SWAP_AB,
     scale_acc) goes to both GEMMs."""
@@ -102,14 +109,21 @@ SWEEP_FP8["decode-a8"] = [c for c in (
     _cfg8(16, (64, 128, 4, 3), (128, 128, 4, 3), SWAP_AB=True),
     _cfg8(16, (128, 128, 4, 4), (64, 128, 4, 6), SWAP_AB=True),
     _cfg8(16, (128, 128, 8, 3), (64, 128, 4, 4), SWAP_AB=True),
-) if _smem_ok_fp8(c)]
+) if _smem_ok_a8(c)]
 SWEEP_FP8["prefill-a8"] = [c for c in (
     _cfg8(128, (64, 128, 8, 3), (128, 128, 8, 3), 8),
     _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 8),
     _cfg8(128, (128, 128, 8, 3), (256, 128, 8, 3), 8),             # bf16's 16K shape (gate/up 128, down 256)
     _cfg8(128, (64, 128, 8, 5), (128, 128, 8, 5), 8),
     _cfg8(64, (64, 128, 4, 4), (128, 128, 4, 4), 8),
-) if _smem_ok_fp8(c)]
+    _cfg8(64, (64, 128, 4, 4), (128, 128, 4, 4), 16),
+    _cfg8(128, (128, 128, 8, 4), (128, 128, 8, 4), 8),
+    _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 4), 8),
+    _cfg8(128, (128, 128, 8, 4), (128, 128, 8, 3), 8),
+    _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 4),
+    _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 16),
+    _cfg8(128, (128, 128, 8, 3), (64, 128, 4, 4), 8),
+) if _smem_ok_a8(c)]
 
 
 def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.Generator, args, kernel_ms,

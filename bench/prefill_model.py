@@ -105,16 +105,21 @@ def main(argv=None) -> list[dict]:
                    "e.g. 0,2048 (0: mhc_pre's one-launch path from ~8.4K tokens)")
     p.add_argument("--mla-prefill-kernel", default="", help="sparse_mla.PREFILL_KERNEL values also timed on the "
                    "triton backend, e.g. triton,sm90")
+    p.add_argument("--moe-tile", default="", help="fused MoE tile variants also timed on the triton backend, "
+                   "','-separated, each 'table' or '+'-joined GEMM.KEY=INT items as in bench.decode_profile "
+                   "(BLOCK_M=64+gate_up.BLOCK_N=64)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
                    help="CudaH200Ops.fp8_act_max_tokens: w8a8 for calls of up to N tokens, 'all' for every size "
-                        "(default: the ops' own, decode sizes only), 'none' for w8a16 everywhere")
+                        "(default: the ops' own, every size), 'none' for w8a16 everywhere")
     args = p.parse_args(argv)
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import mhc
+    from backends.kernels import fused_moe_configs as fmc
     from backends.kernels import sparse_mla as sm
+    from bench.decode_profile import moe_tile
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
 
@@ -154,13 +159,14 @@ def main(argv=None) -> list[dict]:
                     (args.mhc_mix_k, mhc, "PREFILL_MIX_K", "mhc_mix_k", "mhc_pre mixing K in pieces of {} "
                                                                         "(0: one launch from ~8.4K tokens)"),
                     (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
-                                                                                  "kernel")):
+                                                                                  "kernel"),
+                    (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}")):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)
                 try:
                     for v in [int(x) if x.strip().isdigit() else x.strip() for x in values.split(",")]:
-                        setattr(mod, attr, v)
+                        setattr(mod, attr, moe_tile(v) if attr == "OVERRIDE" else v)
                         ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
                         row[f"triton_ms_{key}{v}"] = ms
                         diff = float((logits - got["triton"]).norm() / got["triton"].norm())

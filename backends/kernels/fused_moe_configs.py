@@ -79,13 +79,14 @@ FP8A8_CONFIGS: list[tuple[int, dict]] = [
     (4096, dict(BLOCK_M=64,
                 gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
                 down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))),
-    # rows past 1024 tokens: CudaH200Ops reaches them only with fp8_act_max_tokens raised; x and h
-    # come quantised by act_quant there (INKERNEL_QUANT_MAX_TOKENS). `bench.moe_h200 --kinds fp8a8
-    # --sweep --sweep-tokens 16384` on an H200, 2026-11-30: 11.85 ms (557 TFLOP/s) against 12.04
-    # for BLOCK_M 128 with 8 warps (gate/up 128 wide kept two 128x128 fp32 accumulators: 255 regs)
-    (1 << 62, dict(BLOCK_M=64,
-                   gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
-                   down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))),
+    # rows past 1024 tokens (prefill chunks): x and h come quantised by act_quant there
+    # (INKERNEL_QUANT_MAX_TOKENS). Up to 4096 tokens the 64-row
+    # tiles; past it 128 rows over two warpgroups, gate/up 128 wide: `bench.moe_h200 --kinds fp8a8
+    # --sweep --sweep-only --sweep-tokens 16384,4096` on an H100, 2026-12-06: 10.45 ms at 16384
+    # tokens against 11.78 for the 64-row tiles, 3.98 at 4096 against 3.86 (the row above).
+    (1 << 62, dict(BLOCK_M=128,
+                   gate_up=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+                   down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4))),
 ]
 # fp32 activations are the parity path (FMA dots on the GPU): small tiles.
 FP32_CONFIG = dict(BLOCK_M=16,
