@@ -90,6 +90,11 @@ def profile_prefill(model, prompt: torch.Tensor) -> tuple[dict[str, float], dict
     return {k: v / 1e3 for k, v in kernel_us(prof).items()}, host
 
 
+def as_int_or_name(value: str) -> int | str:
+    """A side-by-side axis value: a number (a size) or a name (a kernel)."""
+    return int(value) if value.isdigit() else value
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-4l")
@@ -153,20 +158,22 @@ def main(argv=None) -> list[dict]:
             sm.PREFILL_TOKEN_LIST = "kernel" if name == "triton-kernel" else "precomputed"
             row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
-            for values, mod, attr, key, what in (
+            # each axis: its values, the setting they go to, and how a value is read
+            for values, mod, attr, key, what, parse in (
                     (args.mla_chunk_rows, sm, "PREFILL_CHUNK_ROWS", "chunk", "sparse-MLA prefill in launches of {} "
-                                                                             "query tokens"),
+                                                                             "query tokens", as_int_or_name),
                     (args.mhc_mix_k, mhc, "PREFILL_MIX_K", "mhc_mix_k", "mhc_pre mixing K in pieces of {} "
-                                                                        "(0: one launch from ~8.4K tokens)"),
+                                                                        "(0: one launch from ~8.4K tokens)",
+                     as_int_or_name),
                     (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
-                                                                                  "kernel"),
-                    (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}")):
+                                                                                  "kernel", as_int_or_name),
+                    (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}", moe_tile)):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)
                 try:
-                    for v in [int(x) if x.strip().isdigit() else x.strip() for x in values.split(",")]:
-                        setattr(mod, attr, moe_tile(v) if attr == "OVERRIDE" else v)
+                    for v in [x.strip() for x in values.split(",")]:
+                        setattr(mod, attr, parse(v))
                         ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
                         row[f"triton_ms_{key}{v}"] = ms
                         diff = float((logits - got["triton"]).norm() / got["triton"].norm())
