@@ -156,7 +156,8 @@ async def evaluate(args, items: list[dict]) -> tuple[list[dict], float]:
         bar = tqdm(total=len(items), desc="eval", unit="q", dynamic_ncols=True)
     sem = asyncio.Semaphore(args.concurrency)
     right = 0
-    async with aiohttp.ClientSession() as session:
+    # no connection cap of the client's own (its default is 100): the semaphore sets the requests in flight
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         model = args.model or await _first_model(session, url, headers)
 
         async def one(item):

@@ -31,9 +31,11 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 RECORD_ENV = "GLMRT_KERNEL_RECORD"
@@ -226,13 +228,18 @@ def _diagnostics(text: str, keep: int = 40) -> str:
     return "\n".join(head + tail)
 
 
-def _compile_batch(records: list[dict], target: str, tmp: str) -> list[str | None]:
+def _compile_batch(records: list[dict], target: str, tmp: str, nice: bool = False) -> list[str | None]:
     """Compile a batch in a fresh child interpreter (TRITON_INTERPRET off; a private cache and
-    temp folder; this process's import path). A child that dies takes its records one by one."""
+    temp folder; this process's import path; with `nice`, at the lowest CPU priority). A child
+    that dies takes its records one by one."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", RECORD_ENV)}
     env.update(TRITON_CACHE_DIR=os.path.join(tmp, "cache"), TMPDIR=tmp,
                PYTHONPATH=os.pathsep.join([_ROOT, *(p for p in sys.path if p)]))
-    code = ("import json, sys\nfrom backends.kernels.compile_check import compile_one\n"
+    # a background child: lowest priority, and killed with the thread that started it (a run
+    # stopped early leaves no compiler behind; Linux's PR_SET_PDEATHSIG, skipped elsewhere)
+    code = (("import ctypes, os\nos.nice(19)\ntry:\n    ctypes.CDLL(None).prctl(1, 9)\nexcept (OSError, AttributeError):\n"
+             "    pass\n" if nice else "") +
+            "import json, sys\nfrom backends.kernels.compile_check import compile_one\n"
             "recs = json.load(sys.stdin)\n"
             f"print(json.dumps([compile_one(r, {target!r}) for r in recs]))\n")
     try:
@@ -246,7 +253,7 @@ def _compile_batch(records: list[dict], target: str, tmp: str) -> list[str | Non
         why = f"compiling took over {_CHILD_TIMEOUT_S} s"
     if len(records) == 1:
         return [why]
-    return [r for rec in records for r in _compile_batch([rec], target, tmp)]
+    return [r for rec in records for r in _compile_batch([rec], target, tmp, nice)]
 
 
 def _results_line(stdout: str, n: int) -> list[str | None] | None:
@@ -271,21 +278,97 @@ def read_records(path: str) -> list[dict]:
     return sorted(recs.values(), key=lambda r: (r["module"], r["name"]))
 
 
+def _compile_parallel(recs: list[dict], target: str, tmp: str, jobs: int) -> list[str | None]:
+    """Each record's result, `jobs` child compilers at once."""
+    batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
+    with concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
+        results = list(pool.map(lambda b: _compile_batch(b, target, tmp), batches))
+    by_id = {id(r): msg for b, res in zip(batches, results) for r, msg in zip(b, res)}
+    return [by_id[id(r)] for r in recs]
+
+
 def compile_recorded(path: str, target: str = "sm90", jobs: int = 2) -> tuple[list[dict], list[tuple[dict, str]]]:
     """Compile each distinct record of `path`: (the records, the failures each with its message)."""
     recs = read_records(path) if os.path.exists(path) else []
-    batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
-    with tempfile.TemporaryDirectory(prefix="glmrt-compile-", ignore_cleanup_errors=True) as tmp, \
-            concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
-        results = list(pool.map(lambda b: _compile_batch(b, target, tmp), batches))
-    return recs, [(r, msg) for b, res in zip(batches, results) for r, msg in zip(b, res) if msg]
+    with tempfile.TemporaryDirectory(prefix="glmrt-compile-", ignore_cleanup_errors=True) as tmp:
+        results = _compile_parallel(recs, target, tmp, jobs)
+    return recs, [(r, msg) for r, msg in zip(recs, results) if msg]
 
 
-def report(recs: list[dict], failed: list[tuple[dict, str]], target: str, seconds: float) -> str:
-    """The summary line, then each failure: its kernel, constexprs and the compiler's message."""
+def _key(rec: dict) -> str:
+    return json.dumps(rec, sort_keys=True)
+
+
+class BackgroundCompiler:
+    """compile_recorded, started while the records are still being written: a thread compiles the
+    records seen so far in one child at a time at the lowest CPU priority, so the compiling takes
+    the CPU the tests leave idle; finish() compiles what is left at full priority and returns what
+    compile_recorded returns."""
+
+    def __init__(self, path: str, target: str = "sm90", interval_s: float = 15.0, batch: int = 24):
+        self.path, self.target, self.interval_s, self.batch = path, target, interval_s, batch
+        self._tmp = tempfile.mkdtemp(prefix="glmrt-compile-")
+        self._results: dict[str, str | None] = {}
+        self._busy: set[str] = set()  # keys of the batch a child compiles now
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kernel-compile-check", daemon=True)
+
+    def start(self) -> "BackgroundCompiler":
+        self._thread.start()
+        return self
+
+    def _pending(self) -> list[dict]:
+        recs = read_records(self.path) if os.path.exists(self.path) else []
+        with self._lock:
+            return [r for r in recs if _key(r) not in self._results and _key(r) not in self._busy]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            todo = self._pending()[:self.batch]
+            if not todo:
+                self._stop.wait(self.interval_s)
+                continue
+            with self._lock:
+                self._busy = {_key(r) for r in todo}
+            results = _compile_batch(todo, self.target, self._tmp, nice=True)
+            with self._lock:
+                self._results.update((_key(r), msg) for r, msg in zip(todo, results))
+                self._busy = set()
+
+    @property
+    def compiled(self) -> int:
+        """Records compiled so far."""
+        with self._lock:
+            return len(self._results)
+
+    def cancel(self) -> None:
+        """Take no new batch (the one in a child ends with this process)."""
+        self._stop.set()
+
+    def finish(self, jobs: int = 2) -> tuple[list[dict], list[tuple[dict, str]]]:
+        """Stop taking new records, compile the rest (beside the batch still in a child), return
+        (the records, the failures each with its message)."""
+        self._stop.set()
+        rest = self._pending()
+        rest_results = _compile_parallel(rest, self.target, self._tmp, jobs)
+        self._thread.join()
+        self._results.update((_key(r), msg) for r, msg in zip(rest, rest_results))
+        late = self._pending()  # written while the rest compiled (none once the tests are over)
+        self._results.update((_key(r), msg) for r, msg in zip(late, _compile_parallel(late, self.target, self._tmp, jobs)))
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        recs = read_records(self.path) if os.path.exists(self.path) else []
+        return recs, [(r, self._results[_key(r)]) for r in recs if self._results.get(_key(r))]
+
+
+def report(recs: list[dict], failed: list[tuple[dict, str]], target: str, seconds: float,
+           after_tests: bool = False) -> str:
+    """The summary line, then each failure: its kernel, constexprs and the compiler's message.
+    `after_tests`: `seconds` is what the compiling took past the tests (it ran beside them)."""
     kernels = {(r["module"], r["name"]) for r in recs}
+    took = f"{seconds:.0f} s past the tests" if after_tests else f"in {seconds:.0f} s"
     lines = [(f"kernel compile check: {len(recs)} specialisations of {len(kernels)} kernels compiled for {target} "
-              f"in {seconds:.0f} s, {len(recs) - len(failed)} ok, {len(failed)} failed")]
+              f"{took}, {len(recs) - len(failed)} ok, {len(failed)} failed")]
     for rec, msg in failed:
         lines += [f"--- {rec['module']}.{rec['name']}: constexprs {json.dumps(rec.get('constexprs', []))}", msg]
     return "\n".join(lines)

@@ -3,6 +3,7 @@ KDA chunked vs recurrent forms, deterministic indexer ties, the token mask, the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -111,3 +112,39 @@ def test_mtp_layer_is_cache_consistent(tmp_path):
     assert whole.shape == (40, model.config.text.vocab_size)
     assert torch.isfinite(whole).all()
     assert torch.allclose(whole, steps, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype, group_tokens", [(None, None), ("fp8_e4m3", None), (None, 300)])
+def test_batched_decode_rows_give_each_request_prefilled_alone(kv_dtype, group_tokens, monkeypatch):
+    """The reference ops take a batch's decode rows together (padded to the longest request):
+    each row's logits equal those of its request's last token prefilled alone, with selections
+    (over 16 pools) and without, pools completed by the row and not, a prefill run in the same
+    batch, the sparse MLA's rows in one group or several; and a second decode step reads back
+    what the first one cached."""
+    from backends import reference_decode
+    from glmrt.checkpoint.presets import preset_config
+    from glmrt.model.loader import load_dummy
+    from glmrt.model.session import DirectSession
+
+    if group_tokens:
+        monkeypatch.setattr(reference_decode, "MLA_GROUP_TOKENS", group_tokens)
+    model = load_dummy(preset_config("tiny"), ReferenceOps(), dtype=torch.float32, seed=2)
+    lens = [5, 12, 37, 64, 130, 203]  # 16-pool selection from 68 tokens (kpool 4); 12 and 64 complete a pool
+    ids = torch.randint(1, 900, (len(lens) + 1, 210), generator=torch.Generator().manual_seed(3))
+
+    def alone(r, n):
+        s = DirectSession(model, max_requests=1, max_tokens=256, kv_dtype=kv_dtype)
+        return s.step({s.new_request(): ids[r, :n]}, all_logits=False)[0][0]
+
+    s = DirectSession(model, max_requests=len(lens) + 1, max_tokens=256, kv_dtype=kv_dtype)
+    rids = [s.new_request() for _ in range(len(lens) + 1)]
+    for rid, n in zip(rids, lens):
+        s.step({rid: ids[rid, :n - 1]})
+    for step in range(2):
+        chunks = {rid: ids[rid, n - 1 + step:n + step] for rid, n in zip(rids, lens)}
+        chunks[rids[-1]] = ids[rids[-1], 20 * step:20 * step + 20]  # a prefill run beside the decode rows
+        out = s.step(chunks, all_logits=False)
+        for rid, n in zip(rids, lens):
+            want = alone(rid, n + step)
+            assert torch.allclose(out[rid][0], want, rtol=1e-4, atol=1e-4), (step, n, (out[rid][0] - want).abs().max())
+        assert torch.allclose(out[rids[-1]][0], alone(rids[-1], 20 * step + 20), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 """`glmrt eval`: answer parsing, GSM8K files, and a run against a small OpenAI-style server."""
 
+import asyncio
 import json
 import socket
 import threading
@@ -41,15 +42,25 @@ def _free_port():
 
 @pytest.fixture
 def fake_server():
-    """Answers right for even-indexed held-out problems, wrongly for the odd, no number for every 5th."""
-    answers = {q: p.answer for p, q in held_out_problems(0, 20)}
-    order = [q for _, q in held_out_problems(0, 20)]
+    """Answers right for even-indexed held-out problems, wrongly for the odd, no number for every 5th.
+    With `hold` set (requests in flight), each answer waits until that many are in flight (at most
+    5 s); `peak` is the most that were."""
+    answers = {q: p.answer for p, q in held_out_problems(0, 150)}
+    order = [q for _, q in held_out_problems(0, 150)]
     seen = []
+    flight = {"now": 0, "peak": 0, "hold": 0}
 
     async def chat(request):
         body = await request.json()
         q = body["messages"][-1]["content"]
         seen.append(body)
+        flight["now"] += 1
+        flight["peak"] = max(flight["peak"], flight["now"])
+        for _ in range(500):
+            if flight["peak"] >= flight["hold"]:
+                break
+            await asyncio.sleep(0.01)
+        flight["now"] -= 1
         i = order.index(q)
         text = "no idea" if i % 5 == 4 else f"The answer is {answers[q] + (i % 2)}."
         return web.json_response({"choices": [{"message": {"role": "assistant", "content": text}}],
@@ -63,13 +74,12 @@ def fake_server():
     app.router.add_get("/v1/models", models)
     port = _free_port()
     runner = web.AppRunner(app)
-    import asyncio
     loop = asyncio.new_event_loop()
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{port}", seen
+    yield f"http://127.0.0.1:{port}", seen, flight
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
     loop.run_until_complete(runner.cleanup())
@@ -77,7 +87,7 @@ def fake_server():
 
 
 def test_eval_scores_a_server(fake_server, tmp_path, capsys):
-    url, seen = fake_server
+    url, seen, _ = fake_server
     out = tmp_path / "res.json"
     rc = main(["eval", "--url", url, "--num-questions", "20", "--concurrency", "4", "--quiet", "--no-thinking",
                "--output-json", str(out)])
@@ -94,7 +104,7 @@ def test_eval_scores_a_server(fake_server, tmp_path, capsys):
 
 
 def test_eval_few_shot_from_a_file(fake_server, tmp_path):
-    url, seen = fake_server
+    url, seen, _ = fake_server
     data = tmp_path / "d.jsonl"
     probs = held_out_problems(0, 20)
     data.write_text("".join(json.dumps({"question": q, "answer": f"w\n#### {p.answer}"}) + "\n" for p, q in probs))
@@ -106,3 +116,14 @@ def test_eval_few_shot_from_a_file(fake_server, tmp_path):
     first = seen[0]["messages"]
     assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant", "user"]
     assert first[1]["content"].endswith(f"#### {probs[0][0].answer}")
+
+
+def test_eval_keeps_as_many_requests_in_flight_as_asked(fake_server, tmp_path):
+    """--concurrency past the HTTP client's default pool of 100 connections is what the server sees."""
+    url, _, flight = fake_server
+    flight["hold"] = 150
+    out = tmp_path / "res.json"
+    assert main(["eval", "--url", url, "--num-questions", "150", "--concurrency", "150", "--quiet",
+                 "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["questions"] == 150
+    assert flight["peak"] == 150
