@@ -305,7 +305,7 @@ class ReferenceOps:
         w = weight.float().t().flip(0)  # [K, C]; row j multiplies the input j steps back
         rows = decode.decode_rows(meta, x.device)
         if rows:
-            decode.causal_conv(x, out, conv_state, w, meta, rows)
+            decode.causal_conv(x, out, conv_state, w, rows)
         for r, s0, s1 in prefill_runs(meta, rows):
             slot = int(meta.slot_ids[r])
             hist = conv_state[slot].float() if meta.prefix_lens[r] > 0 else x.new_zeros(k - 1, x.shape[1], dtype=torch.float32)
@@ -335,7 +335,7 @@ class ReferenceOps:
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         rows = decode.decode_rows(meta, q.device)
         if rows:
-            decode.kda_step(qf, kf, vf, gf, bf, out, state, meta, rows)
+            decode.kda_step(qf, kf, vf, gf, bf, out, state, rows)
         for r, s0, s1 in prefill_runs(meta, rows):
             if s1 == s0:
                 continue
@@ -373,7 +373,7 @@ class ReferenceOps:
         ape32 = ape.float()
         rows = decode.decode_rows(meta, k.device)
         if rows:
-            decode.indexer_update(k, g, ape32, pooled, tail_k, tail_g, meta, kpool, rows)
+            decode.indexer_update(k, g, ape32, pooled, tail_k, tail_g, kpool, rows)
         for r, s0, s1 in prefill_runs(meta, rows):
             p0 = meta.prefix_lens[r]
             slot = meta.slot_ids[r:r + 1]  # a 1-element index: int() / a 0-dim index would wait for the GPU
@@ -409,7 +409,7 @@ class ReferenceOps:
         scale = q.shape[-1] ** -0.5
         rows = decode.decode_rows(meta, q.device)
         if rows:
-            decode.indexer_select(q, head_weights(w, q.shape[1]), pooled, sel, meta, kpool, topk_pools, rows)
+            decode.indexer_select(q, head_weights(w, q.shape[1]), pooled, sel, kpool, topk_pools, rows)
         for r, s0, s1 in prefill_runs(meta, rows):
             if s1 == s0:
                 continue
@@ -455,7 +455,7 @@ class ReferenceOps:
         flat = cache.view(-1, cache.shape[-1])
         rows = decode.decode_rows(meta, q.device)
         if rows:
-            decode.sparse_mla(q, cache, w_kc, w_vc, sel, out, meta, kpool, scale, with_tail, rows)
+            decode.sparse_mla(q, cache, w_kc, w_vc, sel, out, kpool, scale, with_tail, rows)
         for r, s0, s1 in prefill_runs(meta, rows):
             if s1 == s0:
                 continue

@@ -12,8 +12,6 @@ and the op's own arguments, and writes its outputs and caches in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -25,169 +23,196 @@ from .meta import BatchMeta
 MLA_GROUP_TOKENS = 1 << 16
 
 
-@dataclass(frozen=True)
 class DecodeRows:
-    reqs: list[int]           # request index of each decode row (host)
-    req_t: torch.Tensor       # the same, on the ops' device
-    tok_t: torch.Tensor       # flat token index of each decode row
-    totals: list[int]         # prefix_len + 1 of each row (host)
+    """A batch's decode rows and the index tensors the ops build from them once per forward (the
+    same in every layer; a decode step's ops are small, and rebuilding them per layer cost a
+    one-request step ~15%)."""
+
+    def __init__(self, meta: BatchMeta, device: torch.device):
+        cu = meta.cu_seqlens
+        self.reqs = [r for r, (p, s) in enumerate(zip(meta.prefix_lens, meta.seq_lens)) if s == 1 and p > 0]
+        self.totals = [meta.prefix_lens[r] + 1 for r in self.reqs]  # tokens each row's query sees (host)
+        self.req_t = torch.tensor(self.reqs, dtype=torch.long, device=device)
+        self.tok_t = torch.tensor([cu[r] for r in self.reqs], dtype=torch.long, device=device)  # flat token
+        self.slots = meta.slot_ids.to(device)[self.req_t]
+        self.meta, self.device = meta, device
+        self._memo: dict = {}
 
     def __len__(self) -> int:
         return len(self.reqs)
+
+    def memo(self, key, build):
+        """build(), once per forward under `key`."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def select(self, keep: list[bool]) -> tuple[torch.Tensor, ...] | None:
+        """(token, request, slot) index tensors of the rows where keep; None when none is kept."""
+        if not any(keep):
+            return None
+        if all(keep):
+            return self.tok_t, self.req_t, self.slots
+        pick = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long, device=self.device)
+        return self.tok_t[pick], self.req_t[pick], self.slots[pick]
 
 
 def decode_rows(meta: BatchMeta, device: torch.device) -> DecodeRows:
     """The batch's decode rows (shared by every layer of the forward, through meta.derived)."""
     key = ("reference-decode-rows", str(device))
-    rows = meta.derived.get(key)
-    if rows is None:
-        cu = meta.cu_seqlens
-        reqs = [r for r, (p, s) in enumerate(zip(meta.prefix_lens, meta.seq_lens)) if s == 1 and p > 0]
-        rows = DecodeRows(reqs, torch.tensor(reqs, dtype=torch.long, device=device),
-                          torch.tensor([cu[r] for r in reqs], dtype=torch.long, device=device),
-                          [meta.prefix_lens[r] + 1 for r in reqs])
-        meta.derived[key] = rows
-    return rows
+    if key not in meta.derived:
+        meta.derived[key] = DecodeRows(meta, device)
+    return meta.derived[key]
 
 
 def causal_conv(x: torch.Tensor, out: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor,
-                meta: BatchMeta, rows: DecodeRows) -> None:
+                rows: DecodeRows) -> None:
     """out[tok] = SiLU(conv over the slot's K-1 kept inputs and this one); the slot keeps the last
     K-1. w [K, C] fp32, row j multiplying the input j steps back (ReferenceOps.causal_conv's)."""
     k = w.shape[0]
-    slots = meta.slot_ids.to(x.device)[rows.req_t]
-    seq = torch.cat([conv_state[slots].float(), x[rows.tok_t].float()[:, None]], dim=1)  # [B, K, C]
+    seq = torch.cat([conv_state[rows.slots].float(), x[rows.tok_t].float()[:, None]], dim=1)  # [B, K, C]
     acc = torch.zeros(len(rows), x.shape[1], dtype=torch.float32, device=x.device)
     for j in range(k):
         acc += w[j] * seq[:, k - 1 - j]
     out[rows.tok_t] = F.silu(acc).to(out.dtype)
     if k > 1:
-        conv_state[slots] = seq[:, 1:].to(conv_state.dtype)
+        conv_state[rows.slots] = seq[:, 1:].to(conv_state.dtype)
 
 
-def kda_step(q, k, v, g, beta, out: torch.Tensor, state: torch.Tensor, meta: BatchMeta, rows: DecodeRows) -> None:
+def kda_step(q, k, v, g, beta, out: torch.Tensor, state: torch.Tensor, rows: DecodeRows) -> None:
     """One delta-rule step per decode row (q, k normalised, fp32 inputs), in place on the slots."""
     tok = rows.tok_t
-    slots = meta.slot_ids.to(q.device)[rows.req_t]
-    s = state[slots].float() * g[tok].exp()[..., None]  # [B, H, dk, dv]
+    s = state[rows.slots].float() * g[tok].exp()[..., None]  # [B, H, dk, dv]
     kt = k[tok]
     delta = (v[tok] - torch.einsum("bhkv,bhk->bhv", s, kt)) * beta[tok][..., None]
     s = s + kt[..., None] * delta[:, :, None, :]
     out[tok] = torch.einsum("bhkv,bhk->bhv", s, q[tok])
-    state[slots] = s.to(state.dtype)
+    state[rows.slots] = s.to(state.dtype)
 
 
 def indexer_update(k: torch.Tensor, g: torch.Tensor, ape32: torch.Tensor, pooled: torch.Tensor,
-                   tail_k: torch.Tensor, tail_g: torch.Tensor, meta: BatchMeta, kpool: int,
-                   rows: DecodeRows) -> None:
+                   tail_k: torch.Tensor, tail_g: torch.Tensor, kpool: int, rows: DecodeRows) -> None:
     """Each row's key and gate join its slot's tail; a row that completes its pool writes the
     pool's key (softmax over the pool's gates + position embedding, in fp32) instead."""
-    dev = k.device
-    at = torch.tensor([p % kpool for p in (t - 1 for t in rows.totals)], dtype=torch.long, device=dev)
-    slots = meta.slot_ids.to(dev)[rows.req_t]
-    done = at == kpool - 1
-    open_ = ~done
-    if bool(open_.any()):
-        s, a, tok = slots[open_], at[open_], rows.tok_t[open_]
-        tail_k[s, a] = k[tok].to(tail_k.dtype)
-        tail_g[s, a] = g[tok].to(tail_g.dtype)
-    if bool(done.any()):
-        s, tok, req = slots[done], rows.tok_t[done], rows.req_t[done]
-        kk = torch.cat([tail_k[s, :kpool - 1].to(k.dtype), k[tok][:, None]], dim=1)  # [B, kpool, di]
-        gg = torch.cat([tail_g[s, :kpool - 1].to(g.dtype), g[tok][:, None]], dim=1)
+    def build():
+        done = [t % kpool == 0 for t in rows.totals]
+        at = torch.tensor([(t - 1) % kpool for t, d in zip(rows.totals, done) if not d], dtype=torch.long,
+                          device=rows.device)
+        pools_per_page = rows.meta.page_size // kpool
+        closed = rows.select(done)
+        if closed is not None:
+            pool = torch.tensor([t // kpool - 1 for t, d in zip(rows.totals, done) if d], dtype=torch.long,
+                                device=rows.device)
+            pages = rows.meta.page_table.to(rows.device)[closed[1], pool // pools_per_page]
+            closed = (closed[0], closed[2], pages, pool % pools_per_page)
+        return rows.select([not d for d in done]), at, closed
+
+    open_, at, closed = rows.memo(("indexer-update", kpool), build)
+    if open_ is not None:
+        tok, _, slots = open_
+        tail_k[slots, at] = k[tok].to(tail_k.dtype)
+        tail_g[slots, at] = g[tok].to(tail_g.dtype)
+    if closed is not None:
+        tok, slots, pages, within = closed
+        kk = torch.cat([tail_k[slots, :kpool - 1].to(k.dtype), k[tok][:, None]], dim=1)  # [B, kpool, di]
+        gg = torch.cat([tail_g[slots, :kpool - 1].to(g.dtype), g[tok][:, None]], dim=1)
         probs = torch.softmax(gg.float() + ape32, dim=1).to(kk.dtype)
-        keys = (probs * kk).sum(dim=1)
-        pool = torch.tensor([t // kpool - 1 for t in rows.totals], dtype=torch.long, device=dev)[done]
-        pools_per_page = meta.page_size // kpool
-        pages = meta.page_table.to(dev)[req, pool // pools_per_page]
-        pooled[pages, pool % pools_per_page] = keys.to(pooled.dtype)
-
-
-def _pool_keys(pooled: torch.Tensor, meta: BatchMeta, req: torch.Tensor, n_max: int, kpool: int) -> torch.Tensor:
-    """[B, n_max, di] fp32: the pooled keys of each row's first n_max pools (past a row's own
-    pools: whatever its page-table padding points at; the caller masks those)."""
-    pools_per_page = meta.page_size // kpool
-    ids = torch.arange(n_max, device=pooled.device)
-    pages = meta.page_table.to(pooled.device)[req][:, ids // pools_per_page].clamp_min(0)
-    return pooled[pages, (ids % pools_per_page)[None, :]].float()
+        pooled[pages, within] = ((probs * kk).sum(dim=1)).to(pooled.dtype)
 
 
 def indexer_select(q: torch.Tensor, w32: torch.Tensor, pooled: torch.Tensor, sel: torch.Tensor,
-                   meta: BatchMeta, kpool: int, topk_pools: int, rows: DecodeRows) -> None:
+                   kpool: int, topk_pools: int, rows: DecodeRows) -> None:
     """sel[tok]: every complete pool when there are at most topk_pools (the query sits past all of
     them), else the topk_pools best by the indexer score, ties to the lower index. w32: the
     head weights in fp32 (head_weights)."""
-    dev = q.device
-    n_pools = torch.tensor([t // kpool for t in rows.totals], dtype=torch.long, device=dev)
-    ids = torch.arange(max(max(rows.totals) // kpool, 1), device=dev)
-    few = n_pools <= topk_pools
-    if bool(few.any()):
-        width = min(topk_pools, ids.numel())
-        own = ids[None, :width] < n_pools[few][:, None]
-        sel[rows.tok_t[few], :width] = torch.where(own, ids[None, :width], -1)
-    many = ~few
-    if bool(many.any()):
-        tok, req, n = rows.tok_t[many], rows.req_t[many], n_pools[many]
-        keys = _pool_keys(pooled, meta, req, ids.numel(), kpool)
+    def build():
+        n_pools = [t // kpool for t in rows.totals]
+        few = rows.select([n <= topk_pools for n in n_pools])
+        if few is not None:
+            width = min(topk_pools, max(n_pools))
+            ids = torch.arange(width, device=rows.device)
+            own = ids[None, :] < torch.tensor([n for n in n_pools if n <= topk_pools], device=rows.device)[:, None]
+            few = (few[0], width, torch.where(own, ids[None, :], -1))
+        many = rows.select([n > topk_pools for n in n_pools])
+        if many is not None:
+            n_max = max(n_pools)
+            ids = torch.arange(n_max, device=rows.device)
+            pools_per_page = rows.meta.page_size // kpool
+            pages = rows.meta.page_table.to(rows.device)[many[1]][:, ids // pools_per_page].clamp_min(0)
+            beyond = ids[None, :] >= torch.tensor([n for n in n_pools if n > topk_pools], device=rows.device)[:, None]
+            # past a row's own pools the keys are whatever its page-table padding points at: masked
+            many = (many[0], pages, (ids % pools_per_page)[None, :], beyond)
+        return few, many
+
+    few, many = rows.memo(("indexer-select", kpool, topk_pools), build)
+    if few is not None:
+        tok, width, chosen = few
+        sel[tok, :width] = chosen
+    if many is not None:
+        tok, pages, within, beyond = many
+        keys = pooled[pages, within].float()  # [B, n_max, di]
         scores = torch.relu(torch.einsum("bhd,bpd->bhp", q[tok].float(), keys) * q.shape[-1] ** -0.5)
-        index = torch.einsum("bh,bhp->bp", w32[tok], scores)
-        index = index.masked_fill(ids[None, :] >= n[:, None], float("-inf"))
+        index = torch.einsum("bh,bhp->bp", w32[tok], scores).masked_fill(beyond, float("-inf"))
         sel[tok] = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :topk_pools]
 
 
-def _latent(cache: torch.Tensor, meta: BatchMeta, req: torch.Tensor, totals: torch.Tensor, t_max: int,
-            rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, t_max, R]: each row's cached latent tokens, zero past its own (unwritten slots may hold
-    anything, NaN included, and a zero probability times NaN is NaN)."""
-    ps = meta.page_size
-    n_pages = -(-t_max // ps)
-    pages = meta.page_table.to(cache.device)[req][:, :n_pages].clamp_min(0)
-    locs = (pages[:, :, None] * ps + torch.arange(ps, device=cache.device)).flatten(1)[:, :t_max]
-    c = cache.view(-1, cache.shape[-1])[locs]
-    c = kv_fp8.dequantize_rows(c, rank, dtype) if c.dtype == torch.uint8 else c.to(dtype)
-    past = torch.arange(t_max, device=cache.device)[None, :] >= totals[:, None]
-    return c.masked_fill(past[..., None], 0)
+class _MlaGroup:
+    """Rows of similar length attended together: their latent tokens (locations, and which lie
+    past each row's own) and the parts of their masks that do not depend on the selection."""
+
+    def __init__(self, rows: DecodeRows, pick: list[int], kpool: int):
+        meta, dev = rows.meta, rows.device
+        index = torch.tensor(pick, dtype=torch.long, device=dev)
+        self.tok = rows.tok_t[index]
+        totals = torch.tensor([rows.totals[i] for i in pick], dtype=torch.long, device=dev)
+        t_max = max(rows.totals[i] for i in pick)
+        ps = meta.page_size
+        pages = meta.page_table.to(dev)[rows.req_t[index]][:, :-(-t_max // ps)].clamp_min(0)
+        self.locs = (pages[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)[:, :t_max]
+        t = torch.arange(t_max, device=dev)
+        self.causal = t[None, :] < totals[:, None]  # [B, T]; past it: unwritten slots (zeroed: 0 · NaN is NaN)
+        self.pool_of = t // kpool
+        self.n_cols = t_max // kpool + 1  # the last column catches unused (-1) selection entries
+        self.tail = (t[None, :] >= (totals // kpool * kpool)[:, None]) & self.causal
+
+    def visible(self, sel: torch.Tensor | None, with_tail: bool) -> torch.Tensor:
+        """[B, T] bool: the row's selected pools and, with_tail, its incomplete pool's tokens."""
+        if sel is None:
+            return self.causal
+        valid = sel >= 0
+        chosen = torch.zeros(sel.shape[0], self.n_cols, dtype=torch.bool, device=sel.device)
+        chosen.scatter_(1, torch.where(valid, sel, self.n_cols - 1), valid)
+        chosen[:, -1] = False
+        mask = chosen[:, self.pool_of] & self.causal
+        return mask | self.tail if with_tail else mask
 
 
-def _visible(sel: torch.Tensor | None, totals: torch.Tensor, t_max: int, kpool: int, with_tail: bool) -> torch.Tensor:
-    """[B, t_max] bool: the tokens each row's query (at position total - 1) attends to: its
-    selected pools and its incomplete pool's tail (every earlier token without a selection)."""
-    t = torch.arange(t_max, device=totals.device)
-    causal = t[None, :] < totals[:, None]
-    if sel is None:
-        return causal
-    n_cols = t_max // kpool + 1  # the last column catches unused (-1) entries
-    chosen = torch.zeros(sel.shape[0], n_cols, dtype=torch.bool, device=sel.device)
-    valid = sel >= 0
-    chosen.scatter_(1, torch.where(valid, sel, n_cols - 1), valid)
-    chosen[:, -1] = False
-    mask = chosen[:, t // kpool] & causal
-    if with_tail:
-        mask |= (t[None, :] >= (totals // kpool * kpool)[:, None]) & causal
-    return mask
-
-
-def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
-               sel: torch.Tensor | None, out: torch.Tensor, meta: BatchMeta, kpool: int, scale: float,
-               with_tail: bool, rows: DecodeRows) -> None:
-    """out[tok]: each row's query over its visible latent tokens in the absorbed form (scores
-    against the latent, values read back through w_vc), rows grouped by length so that a group
-    gathers at most MLA_GROUP_TOKENS padded tokens."""
+def _mla_groups(rows: DecodeRows, kpool: int) -> list[_MlaGroup]:
+    """Rows by length, each group gathering at most MLA_GROUP_TOKENS padded tokens."""
     order = sorted(range(len(rows)), key=lambda i: rows.totals[i])
-    w_k, w_v = w_kc.to(q.dtype), w_vc.to(q.dtype)
-    start = 0
+    groups, start = [], 0
     while start < len(order):
         end = start + 1
         while end < len(order) and (end - start + 1) * rows.totals[order[end]] <= MLA_GROUP_TOKENS:
             end += 1
-        pick = torch.tensor(order[start:end], dtype=torch.long, device=q.device)
-        tok, req = rows.tok_t[pick], rows.req_t[pick]
-        totals = torch.tensor([rows.totals[i] for i in order[start:end]], dtype=torch.long, device=q.device)
-        t_max = rows.totals[order[end - 1]]
-        c = _latent(cache, meta, req, totals, t_max, w_kc.shape[-1], q.dtype)
-        mask = _visible(sel[tok] if sel is not None else None, totals, t_max, kpool, with_tail)
-        q_abs = torch.einsum("bhd,hdr->bhr", q[tok], w_k)
+        groups.append(_MlaGroup(rows, order[start:end], kpool))
+        start = end
+    return groups
+
+
+def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+               sel: torch.Tensor | None, out: torch.Tensor, kpool: int, scale: float, with_tail: bool,
+               rows: DecodeRows) -> None:
+    """out[tok]: each row's query over its visible latent tokens in the absorbed form (scores
+    against the latent, values read back through w_vc)."""
+    w_k, w_v = w_kc.to(q.dtype), w_vc.to(q.dtype)
+    flat = cache.view(-1, cache.shape[-1])
+    for grp in rows.memo(("mla-groups", kpool), lambda: _mla_groups(rows, kpool)):
+        c = flat[grp.locs]
+        c = kv_fp8.dequantize_rows(c, w_kc.shape[-1], q.dtype) if c.dtype == torch.uint8 else c.to(q.dtype)
+        c = c.masked_fill(~grp.causal[..., None], 0)
+        mask = grp.visible(sel[grp.tok] if sel is not None else None, with_tail)
+        q_abs = torch.einsum("bhd,hdr->bhr", q[grp.tok], w_k)
         scores = (torch.einsum("bhr,btr->bht", q_abs, c) * scale).float().masked_fill(~mask[:, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
-        out[tok] = torch.einsum("bhr,hvr->bhv", torch.einsum("bht,btr->bhr", p, c), w_v)
-        start = end
+        out[grp.tok] = torch.einsum("bhr,hvr->bhv", torch.einsum("bht,btr->bhr", p, c), w_v)
