@@ -2,9 +2,10 @@
 
 It is the numerical oracle for every fast kernel, so it favours the obvious formulation
 over speed: per-request loops over the batch, dense masked attention over the gathered
-latent of one request, a per-expert loop in the MoE. The decode rows of a batch (one new token
-of a request with history) go through the attention, KDA and indexer ops together, with the
-same formulas (backends/reference_decode.py): the loop cost a CPU decode step most of its time. Dtype handling follows the HF
+latent of one request, a per-expert loop in the MoE. Short runs of requests with history
+(decode tokens, speculative verify runs) go through the attention, KDA and convolution ops
+together, token by token with the same formulas (backends/reference_decode.py): the loop
+cost a CPU decode step most of its time. Dtype handling follows the HF
 reference (docs/MODEL.md §2-5) so that fp32 results agree with it to ~1e-6.
 
 Cache tensors (one layer's view of the pools, docs/MODEL.md §8):
@@ -102,9 +103,8 @@ def head_weights(w: torch.Tensor, index_heads: int) -> torch.Tensor:
 
 
 
-def prefill_runs(meta: BatchMeta, rows: decode.DecodeRows):
-    """(r, s0, s1) of each request whose run the batched decode rows did not take."""
-    done = set(rows.reqs)
+def prefill_runs(meta: BatchMeta, done: set[int]):
+    """(r, s0, s1) of each request not in `done` (the requests an op took as short runs)."""
     for r, (s0, s1) in enumerate(zip(meta.cu_seqlens[:-1], meta.cu_seqlens[1:])):
         if r not in done:
             yield r, s0, s1
@@ -303,10 +303,10 @@ class ReferenceOps:
         k = weight.shape[-1]
         out = torch.empty_like(x)
         w = weight.float().t().flip(0)  # [K, C]; row j multiplies the input j steps back
-        rows = decode.decode_rows(meta, x.device)
+        rows = decode.short_runs(meta, x.device)
         if rows:
             decode.causal_conv(x, out, conv_state, w, rows)
-        for r, s0, s1 in prefill_runs(meta, rows):
+        for r, s0, s1 in prefill_runs(meta, rows.reqs):
             slot = int(meta.slot_ids[r])
             hist = conv_state[slot].float() if meta.prefix_lens[r] > 0 else x.new_zeros(k - 1, x.shape[1], dtype=torch.float32)
             seq = torch.cat([hist, x[s0:s1].float()], dim=0)  # [K-1+S, C]
@@ -333,10 +333,10 @@ class ReferenceOps:
         kf = kf / torch.sqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
         vf, gf, bf = v.float(), g.float(), beta.float()
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        rows = decode.decode_rows(meta, q.device)
+        rows = decode.short_runs(meta, q.device)
         if rows:
-            decode.kda_step(qf, kf, vf, gf, bf, out, state, rows)
-        for r, s0, s1 in prefill_runs(meta, rows):
+            decode.kda_steps(qf, kf, vf, gf, bf, out, state, rows)
+        for r, s0, s1 in prefill_runs(meta, rows.reqs):
             if s1 == s0:
                 continue
             slot = int(meta.slot_ids[r])
@@ -371,10 +371,10 @@ class ReferenceOps:
         """Compute the pooled key of every pool completed by this batch (once) and keep the tail."""
         pools_per_page = meta.page_size // kpool
         ape32 = ape.float()
-        rows = decode.decode_rows(meta, k.device)
-        if rows:
+        rows = decode.short_runs(meta, k.device)
+        if rows.decode_reqs:
             decode.indexer_update(k, g, ape32, pooled, tail_k, tail_g, kpool, rows)
-        for r, s0, s1 in prefill_runs(meta, rows):
+        for r, s0, s1 in prefill_runs(meta, rows.decode_reqs):
             p0 = meta.prefix_lens[r]
             slot = meta.slot_ids[r:r + 1]  # a 1-element index: int() / a 0-dim index would wait for the GPU
             t0 = p0 % kpool
@@ -407,10 +407,10 @@ class ReferenceOps:
         sel = torch.full((n, topk_pools), -1, dtype=torch.long, device=q.device)
         pools_per_page = meta.page_size // kpool
         scale = q.shape[-1] ** -0.5
-        rows = decode.decode_rows(meta, q.device)
+        rows = decode.short_runs(meta, q.device)
         if rows:
             decode.indexer_select(q, head_weights(w, q.shape[1]), pooled, sel, kpool, topk_pools, rows)
-        for r, s0, s1 in prefill_runs(meta, rows):
+        for r, s0, s1 in prefill_runs(meta, rows.reqs):
             if s1 == s0:
                 continue
             n_pools = (meta.prefix_lens[r] + s1 - s0) // kpool
@@ -453,10 +453,10 @@ class ReferenceOps:
         dv = w_vc.shape[1]
         out = torch.empty(n, h, dv, dtype=q.dtype, device=q.device)
         flat = cache.view(-1, cache.shape[-1])
-        rows = decode.decode_rows(meta, q.device)
+        rows = decode.short_runs(meta, q.device)
         if rows:
             decode.sparse_mla(q, cache, w_kc, w_vc, sel, out, kpool, scale, with_tail, rows)
-        for r, s0, s1 in prefill_runs(meta, rows):
+        for r, s0, s1 in prefill_runs(meta, rows.reqs):
             if s1 == s0:
                 continue
             total = meta.prefix_lens[r] + s1 - s0

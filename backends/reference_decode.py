@@ -1,12 +1,15 @@
-"""The reference ops' decode rows, batched over requests.
+"""The reference ops' short runs, batched over requests.
 
-A decode row is one new token of a request that has history (seq_len 1, prefix_len > 0). The
-reference ops loop over requests, which at a CPU decode step of 100 requests cost ~0.4 ms a
-request and op: most of the step. Here the decode rows of a batch go through each op at once,
-with the same formulas as the per-request loop (padded to the longest request where lengths
-differ, the padding masked out); ReferenceOps keeps its loop for prefill runs.
+A short run is up to SHORT_RUN new tokens of a request that has history: a decode token, a
+speculative verify run, a rollback's replay. The reference ops loop over requests, which at a
+CPU decode step of 100 requests cost ~0.4 ms a request and op: most of the step. Here the
+short runs of a batch go through each op at once, with the formulas of the per-request loop's
+one-token path: the attention and the indexer's selection take each token as a query row
+(padded to the longest, the padding masked out), the convolution and KDA step through the
+runs' tokens in turn, batched over the runs of each length. ReferenceOps keeps its loop for
+prefill runs (and the indexer's pooling for runs of more than one token).
 
-Every function takes the `DecodeRows` of the batch (`decode_rows(meta)`, built once per forward)
+Every function takes the `ShortRuns` of the batch (`short_runs(meta)`, built once per forward)
 and the op's own arguments, and writes its outputs and caches in place.
 """
 
@@ -18,28 +21,35 @@ import torch.nn.functional as F
 from . import kv_fp8
 from .meta import BatchMeta
 
-# Requests x padded tokens gathered at once by the sparse-MLA decode (its latent rows and
-# scores): bounds the memory a batch of long contexts takes, ~128 MB of a 512-wide fp32 latent.
+SHORT_RUN = 8  # the most new tokens of a request (with history) taken as a short run
+# Query rows x padded tokens gathered at once by the sparse MLA (its latent rows and scores):
+# bounds the memory a batch of long contexts takes, ~128 MB of a 512-wide fp32 latent.
 MLA_GROUP_TOKENS = 1 << 16
 
 
-class DecodeRows:
-    """A batch's decode rows and the index tensors the ops build from them once per forward (the
-    same in every layer; a decode step's ops are small, and rebuilding them per layer cost a
-    one-request step ~15%)."""
+class ShortRuns:
+    """A batch's short runs, their tokens as query rows, and the index tensors the ops build from
+    them once per forward (the same in every layer; a decode step's ops are small, and rebuilding
+    them per layer cost a one-request step ~15%)."""
 
     def __init__(self, meta: BatchMeta, device: torch.device):
         cu = meta.cu_seqlens
-        self.reqs = [r for r, (p, s) in enumerate(zip(meta.prefix_lens, meta.seq_lens)) if s == 1 and p > 0]
-        self.totals = [meta.prefix_lens[r] + 1 for r in self.reqs]  # tokens each row's query sees (host)
-        self.req_t = torch.tensor(self.reqs, dtype=torch.long, device=device)
-        self.tok_t = torch.tensor([cu[r] for r in self.reqs], dtype=torch.long, device=device)  # flat token
+        self.reqs = {r for r, (p, s) in enumerate(zip(meta.prefix_lens, meta.seq_lens)) if 1 <= s <= SHORT_RUN and p > 0}
+        self.decode_reqs = {r for r in self.reqs if meta.seq_lens[r] == 1}
+        order = sorted(self.reqs)
+        # one row per token: its flat index, its request, the tokens its query sees (host)
+        row_req = [r for r in order for _ in range(meta.seq_lens[r])]
+        self.totals = [meta.prefix_lens[r] + i + 1 for r in order for i in range(meta.seq_lens[r])]
+        self.req_t = torch.tensor(row_req, dtype=torch.long, device=device)
+        self.tok_t = torch.tensor([cu[r] + i for r in order for i in range(meta.seq_lens[r])], dtype=torch.long,
+                                  device=device)
         self.slots = meta.slot_ids.to(device)[self.req_t]
+        self.is_decode = [meta.seq_lens[r] == 1 for r in row_req]
         self.meta, self.device = meta, device
         self._memo: dict = {}
 
     def __len__(self) -> int:
-        return len(self.reqs)
+        return len(self.totals)
 
     def memo(self, key, build):
         """build(), once per forward under `key`."""
@@ -56,47 +66,68 @@ class DecodeRows:
         pick = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long, device=self.device)
         return self.tok_t[pick], self.req_t[pick], self.slots[pick]
 
+    def by_length(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The runs grouped by length: ([B, T] flat token indices, [B] state slots) per length."""
+        def build():
+            meta, cu = self.meta, self.meta.cu_seqlens
+            lengths = sorted({meta.seq_lens[r] for r in self.reqs})
+            out = []
+            for n in lengths:
+                reqs = [r for r in sorted(self.reqs) if meta.seq_lens[r] == n]
+                toks = torch.tensor([[cu[r] + i for i in range(n)] for r in reqs], dtype=torch.long, device=self.device)
+                out.append((toks, meta.slot_ids.to(self.device)[torch.tensor(reqs, device=self.device)]))
+            return out
+        return self.memo("by-length", build)
 
-def decode_rows(meta: BatchMeta, device: torch.device) -> DecodeRows:
-    """The batch's decode rows (shared by every layer of the forward, through meta.derived)."""
-    key = ("reference-decode-rows", str(device))
+
+def short_runs(meta: BatchMeta, device: torch.device) -> ShortRuns:
+    """The batch's short runs (shared by every layer of the forward, through meta.derived)."""
+    key = ("reference-short-runs", str(device))
     if key not in meta.derived:
-        meta.derived[key] = DecodeRows(meta, device)
+        meta.derived[key] = ShortRuns(meta, device)
     return meta.derived[key]
 
 
 def causal_conv(x: torch.Tensor, out: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor,
-                rows: DecodeRows) -> None:
-    """out[tok] = SiLU(conv over the slot's K-1 kept inputs and this one); the slot keeps the last
+                rows: ShortRuns) -> None:
+    """out[tok] = SiLU(conv over the slot's K-1 kept inputs and the run's); the slot keeps the last
     K-1. w [K, C] fp32, row j multiplying the input j steps back (ReferenceOps.causal_conv's)."""
     k = w.shape[0]
-    seq = torch.cat([conv_state[rows.slots].float(), x[rows.tok_t].float()[:, None]], dim=1)  # [B, K, C]
-    acc = torch.zeros(len(rows), x.shape[1], dtype=torch.float32, device=x.device)
-    for j in range(k):
-        acc += w[j] * seq[:, k - 1 - j]
-    out[rows.tok_t] = F.silu(acc).to(out.dtype)
-    if k > 1:
-        conv_state[rows.slots] = seq[:, 1:].to(conv_state.dtype)
+    for toks, slots in rows.by_length():
+        n = toks.shape[1]
+        seq = torch.cat([conv_state[slots].float(), x[toks].float()], dim=1)  # [B, K-1+T, C]
+        acc = torch.zeros(toks.shape[0], n, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(k):
+            acc += w[j] * seq[:, k - 1 - j:k - 1 - j + n]
+        out[toks] = F.silu(acc).to(out.dtype)
+        if k > 1:
+            conv_state[slots] = seq[:, n:].to(conv_state.dtype)
 
 
-def kda_step(q, k, v, g, beta, out: torch.Tensor, state: torch.Tensor, rows: DecodeRows) -> None:
-    """One delta-rule step per decode row (q, k normalised, fp32 inputs), in place on the slots."""
-    tok = rows.tok_t
-    s = state[rows.slots].float() * g[tok].exp()[..., None]  # [B, H, dk, dv]
-    kt = k[tok]
-    delta = (v[tok] - torch.einsum("bhkv,bhk->bhv", s, kt)) * beta[tok][..., None]
-    s = s + kt[..., None] * delta[:, :, None, :]
-    out[tok] = torch.einsum("bhkv,bhk->bhv", s, q[tok])
-    state[rows.slots] = s.to(state.dtype)
+def kda_steps(q, k, v, g, beta, out: torch.Tensor, state: torch.Tensor, rows: ShortRuns) -> None:
+    """The delta rule token by token through each run (q, k normalised, fp32 inputs), in place on
+    the slots."""
+    for toks, slots in rows.by_length():
+        s = state[slots].float()  # [B, H, dk, dv]
+        for i in range(toks.shape[1]):
+            tok = toks[:, i]
+            s = s * g[tok].exp()[..., None]
+            kt = k[tok]
+            delta = (v[tok] - torch.einsum("bhkv,bhk->bhv", s, kt)) * beta[tok][..., None]
+            s = s + kt[..., None] * delta[:, :, None, :]
+            out[tok] = torch.einsum("bhkv,bhk->bhv", s, q[tok])
+        state[slots] = s.to(state.dtype)
 
 
 def indexer_update(k: torch.Tensor, g: torch.Tensor, ape32: torch.Tensor, pooled: torch.Tensor,
-                   tail_k: torch.Tensor, tail_g: torch.Tensor, kpool: int, rows: DecodeRows) -> None:
-    """Each row's key and gate join its slot's tail; a row that completes its pool writes the
-    pool's key (softmax over the pool's gates + position embedding, in fp32) instead."""
+                   tail_k: torch.Tensor, tail_g: torch.Tensor, kpool: int, rows: ShortRuns) -> None:
+    """The one-token runs: each row's key and gate join its slot's tail; a row that completes its
+    pool writes the pool's key (softmax over the pool's gates + position embedding, in fp32)."""
     def build():
-        done = [t % kpool == 0 for t in rows.totals]
-        at = torch.tensor([(t - 1) % kpool for t, d in zip(rows.totals, done) if not d], dtype=torch.long,
+        one = rows.is_decode
+        done = [d and t % kpool == 0 for t, d in zip(rows.totals, one)]
+        still = [d and t % kpool != 0 for t, d in zip(rows.totals, one)]
+        at = torch.tensor([(t - 1) % kpool for t, o in zip(rows.totals, still) if o], dtype=torch.long,
                           device=rows.device)
         pools_per_page = rows.meta.page_size // kpool
         closed = rows.select(done)
@@ -105,7 +136,7 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape32: torch.Tensor, pooled
                                 device=rows.device)
             pages = rows.meta.page_table.to(rows.device)[closed[1], pool // pools_per_page]
             closed = (closed[0], closed[2], pages, pool % pools_per_page)
-        return rows.select([not d for d in done]), at, closed
+        return rows.select(still), at, closed
 
     open_, at, closed = rows.memo(("indexer-update", kpool), build)
     if open_ is not None:
@@ -121,7 +152,7 @@ def indexer_update(k: torch.Tensor, g: torch.Tensor, ape32: torch.Tensor, pooled
 
 
 def indexer_select(q: torch.Tensor, w32: torch.Tensor, pooled: torch.Tensor, sel: torch.Tensor,
-                   kpool: int, topk_pools: int, rows: DecodeRows) -> None:
+                   kpool: int, topk_pools: int, rows: ShortRuns) -> None:
     """sel[tok]: every complete pool when there are at most topk_pools (the query sits past all of
     them), else the topk_pools best by the indexer score, ties to the lower index. w32: the
     head weights in fp32 (head_weights)."""
@@ -160,7 +191,7 @@ class _MlaGroup:
     """Rows of similar length attended together: their latent tokens (locations, and which lie
     past each row's own) and the parts of their masks that do not depend on the selection."""
 
-    def __init__(self, rows: DecodeRows, pick: list[int], kpool: int):
+    def __init__(self, rows: ShortRuns, pick: list[int], kpool: int):
         meta, dev = rows.meta, rows.device
         index = torch.tensor(pick, dtype=torch.long, device=dev)
         self.tok = rows.tok_t[index]
@@ -187,7 +218,7 @@ class _MlaGroup:
         return mask | self.tail if with_tail else mask
 
 
-def _mla_groups(rows: DecodeRows, kpool: int) -> list[_MlaGroup]:
+def _mla_groups(rows: ShortRuns, kpool: int) -> list[_MlaGroup]:
     """Rows by length, each group gathering at most MLA_GROUP_TOKENS padded tokens."""
     order = sorted(range(len(rows)), key=lambda i: rows.totals[i])
     groups, start = [], 0
@@ -202,7 +233,7 @@ def _mla_groups(rows: DecodeRows, kpool: int) -> list[_MlaGroup]:
 
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                sel: torch.Tensor | None, out: torch.Tensor, kpool: int, scale: float, with_tail: bool,
-               rows: DecodeRows) -> None:
+               rows: ShortRuns) -> None:
     """out[tok]: each row's query over its visible latent tokens in the absorbed form (scores
     against the latent, values read back through w_vc)."""
     w_k, w_v = w_kc.to(q.dtype), w_vc.to(q.dtype)

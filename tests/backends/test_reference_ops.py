@@ -115,12 +115,12 @@ def test_mtp_layer_is_cache_consistent(tmp_path):
 
 
 @pytest.mark.parametrize("kv_dtype, group_tokens", [(None, None), ("fp8_e4m3", None), (None, 300)])
-def test_batched_decode_rows_give_each_request_prefilled_alone(kv_dtype, group_tokens, monkeypatch):
-    """The reference ops take a batch's decode rows together (padded to the longest request):
-    each row's logits equal those of its request's last token prefilled alone, with selections
-    (over 16 pools) and without, pools completed by the row and not, a prefill run in the same
-    batch, the sparse MLA's rows in one group or several; and a second decode step reads back
-    what the first one cached."""
+def test_short_runs_give_each_request_prefilled_alone(kv_dtype, group_tokens, monkeypatch):
+    """The reference ops take a batch's short runs together (one decode token, or a few as a
+    speculative verify feeds them; padded to the longest request): each token's logits equal
+    those of its request's last token prefilled alone, with selections (over 16 pools) and
+    without, pools completed in the run and not, a prefill run in the same batch, the sparse
+    MLA's rows in one group or several; and a next step reads back what the last one cached."""
     from backends import reference_decode
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
@@ -130,7 +130,8 @@ def test_batched_decode_rows_give_each_request_prefilled_alone(kv_dtype, group_t
         monkeypatch.setattr(reference_decode, "MLA_GROUP_TOKENS", group_tokens)
     model = load_dummy(preset_config("tiny"), ReferenceOps(), dtype=torch.float32, seed=2)
     lens = [5, 12, 37, 64, 130, 203]  # 16-pool selection from 68 tokens (kpool 4); 12 and 64 complete a pool
-    ids = torch.randint(1, 900, (len(lens) + 1, 210), generator=torch.Generator().manual_seed(3))
+    runs = [[1, 1, 4], [1, 3, 1], [1, 1, 1], [4, 1, 2], [2, 1, 1], [1, 4, 1]]  # new tokens per step
+    ids = torch.randint(1, 900, (len(lens) + 1, 220), generator=torch.Generator().manual_seed(3))
 
     def alone(r, n):
         s = DirectSession(model, max_requests=1, max_tokens=256, kv_dtype=kv_dtype)
@@ -140,11 +141,14 @@ def test_batched_decode_rows_give_each_request_prefilled_alone(kv_dtype, group_t
     rids = [s.new_request() for _ in range(len(lens) + 1)]
     for rid, n in zip(rids, lens):
         s.step({rid: ids[rid, :n - 1]})
-    for step in range(2):
-        chunks = {rid: ids[rid, n - 1 + step:n + step] for rid, n in zip(rids, lens)}
-        chunks[rids[-1]] = ids[rids[-1], 20 * step:20 * step + 20]  # a prefill run beside the decode rows
-        out = s.step(chunks, all_logits=False)
-        for rid, n in zip(rids, lens):
-            want = alone(rid, n + step)
-            assert torch.allclose(out[rid][0], want, rtol=1e-4, atol=1e-4), (step, n, (out[rid][0] - want).abs().max())
-        assert torch.allclose(out[rids[-1]][0], alone(rids[-1], 20 * step + 20), rtol=1e-4, atol=1e-4)
+    done = [n - 1 for n in lens]
+    for step in range(3):
+        chunks = {rid: ids[rid, done[i]:done[i] + runs[i][step]] for i, rid in enumerate(rids[:-1])}
+        chunks[rids[-1]] = ids[rids[-1], 20 * step:20 * step + 20]  # a prefill run beside the short runs
+        out = s.step(chunks)
+        for i, rid in enumerate(rids[:-1]):
+            for j in range(runs[i][step]):
+                want = alone(rid, done[i] + j + 1)
+                assert torch.allclose(out[rid][j], want, rtol=1e-4, atol=1e-4), (step, i, j)
+            done[i] += runs[i][step]
+        assert torch.allclose(out[rids[-1]][-1], alone(rids[-1], 20 * step + 20), rtol=1e-4, atol=1e-4)
