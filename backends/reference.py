@@ -486,24 +486,8 @@ class ReferenceOps:
         scores = scores.float().masked_fill(~mask[None], float("-inf"))
         return torch.softmax(scores, dim=-1)
 
-    @staticmethod
-    def _token_mask(sel: torch.Tensor | None, pos: torch.Tensor, total: int, kpool: int,
-                    with_tail: bool) -> torch.Tensor:
-        """[S, T] bool: token s visible to query q (selected pools + visible tail)."""
-        t = torch.arange(total, device=pos.device)
-        causal = t[None, :] <= pos[:, None]
-        if sel is None:
-            return causal
-        pool_of = t // kpool
-        chosen = torch.zeros(pos.shape[0], total // kpool + 1, dtype=torch.bool, device=pos.device)
-        valid = sel >= 0
-        chosen.scatter_(1, torch.where(valid, sel, total // kpool), valid)
-        chosen[:, -1] = False
-        mask = chosen[:, pool_of] & causal
-        if with_tail:
-            tail_start = ((pos + 1) // kpool) * kpool
-            mask |= (t[None, :] >= tail_start[:, None]) & causal
-        return mask
+    # [S, T] bool: the tokens each query sees (selected pools + its incomplete pool's tail)
+    _token_mask = staticmethod(decode.token_mask)
 
 
 def kda_recurrent(q, k, v, g, beta, s):

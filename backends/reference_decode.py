@@ -36,7 +36,7 @@ class ShortRuns:
         cu = meta.cu_seqlens
         self.reqs = {r for r, (p, s) in enumerate(zip(meta.prefix_lens, meta.seq_lens)) if 1 <= s <= SHORT_RUN and p > 0}
         self.decode_reqs = {r for r in self.reqs if meta.seq_lens[r] == 1}
-        order = sorted(self.reqs)
+        self.order = order = sorted(self.reqs)
         # one row per token: its flat index, its request, the tokens its query sees (host)
         row_req = [r for r in order for _ in range(meta.seq_lens[r])]
         self.totals = [meta.prefix_lens[r] + i + 1 for r in order for i in range(meta.seq_lens[r])]
@@ -70,12 +70,12 @@ class ShortRuns:
         """The runs grouped by length: ([B, T] flat token indices, [B] state slots) per length."""
         def build():
             meta, cu = self.meta, self.meta.cu_seqlens
-            lengths = sorted({meta.seq_lens[r] for r in self.reqs})
+            slot_ids = meta.slot_ids.to(self.device)
             out = []
-            for n in lengths:
-                reqs = [r for r in sorted(self.reqs) if meta.seq_lens[r] == n]
+            for n in sorted({meta.seq_lens[r] for r in self.order}):
+                reqs = [r for r in self.order if meta.seq_lens[r] == n]
                 toks = torch.tensor([[cu[r] + i for i in range(n)] for r in reqs], dtype=torch.long, device=self.device)
-                out.append((toks, meta.slot_ids.to(self.device)[torch.tensor(reqs, device=self.device)]))
+                out.append((toks, slot_ids[torch.tensor(reqs, dtype=torch.long, device=self.device)]))
             return out
         return self.memo("by-length", build)
 
@@ -187,38 +187,45 @@ def indexer_select(q: torch.Tensor, w32: torch.Tensor, pooled: torch.Tensor, sel
         sel[tok] = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :topk_pools]
 
 
-class _MlaGroup:
-    """Rows of similar length attended together: their latent tokens (locations, and which lie
-    past each row's own) and the parts of their masks that do not depend on the selection."""
+def token_mask(sel: torch.Tensor | None, pos: torch.Tensor, total: int, kpool: int,
+               with_tail: bool) -> torch.Tensor:
+    """[S, T] bool, T = total: token t visible to the query at position pos[s] (t <= pos, and with
+    a selection sel [S, K] of pool indices (-1 = none): t in a selected pool, or with_tail in the
+    query's incomplete pool)."""
+    t = torch.arange(total, device=pos.device)
+    causal = t[None, :] <= pos[:, None]
+    if sel is None:
+        return causal
+    pool_of = t // kpool
+    chosen = torch.zeros(pos.shape[0], total // kpool + 1, dtype=torch.bool, device=pos.device)
+    valid = sel >= 0
+    chosen.scatter_(1, torch.where(valid, sel, total // kpool), valid)  # the last column catches -1
+    chosen[:, -1] = False
+    mask = chosen[:, pool_of] & causal
+    if with_tail:
+        tail_start = ((pos + 1) // kpool) * kpool
+        mask |= (t[None, :] >= tail_start[:, None]) & causal
+    return mask
 
-    def __init__(self, rows: ShortRuns, pick: list[int], kpool: int):
+
+class _MlaGroup:
+    """Rows of similar length attended together: their latent tokens' locations, the rows'
+    positions, and which tokens lie past each row's own."""
+
+    def __init__(self, rows: ShortRuns, pick: list[int]):
         meta, dev = rows.meta, rows.device
         index = torch.tensor(pick, dtype=torch.long, device=dev)
         self.tok = rows.tok_t[index]
-        totals = torch.tensor([rows.totals[i] for i in pick], dtype=torch.long, device=dev)
-        t_max = max(rows.totals[i] for i in pick)
+        self.pos = torch.tensor([rows.totals[i] - 1 for i in pick], dtype=torch.long, device=dev)
+        self.t_max = max(rows.totals[i] for i in pick)
         ps = meta.page_size
-        pages = meta.page_table.to(dev)[rows.req_t[index]][:, :-(-t_max // ps)].clamp_min(0)
-        self.locs = (pages[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)[:, :t_max]
-        t = torch.arange(t_max, device=dev)
-        self.causal = t[None, :] < totals[:, None]  # [B, T]; past it: unwritten slots (zeroed: 0 · NaN is NaN)
-        self.pool_of = t // kpool
-        self.n_cols = t_max // kpool + 1  # the last column catches unused (-1) selection entries
-        self.tail = (t[None, :] >= (totals // kpool * kpool)[:, None]) & self.causal
-
-    def visible(self, sel: torch.Tensor | None, with_tail: bool) -> torch.Tensor:
-        """[B, T] bool: the row's selected pools and, with_tail, its incomplete pool's tokens."""
-        if sel is None:
-            return self.causal
-        valid = sel >= 0
-        chosen = torch.zeros(sel.shape[0], self.n_cols, dtype=torch.bool, device=sel.device)
-        chosen.scatter_(1, torch.where(valid, sel, self.n_cols - 1), valid)
-        chosen[:, -1] = False
-        mask = chosen[:, self.pool_of] & self.causal
-        return mask | self.tail if with_tail else mask
+        pages = meta.page_table.to(dev)[rows.req_t[index]][:, :-(-self.t_max // ps)].clamp_min(0)
+        self.locs = (pages[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)[:, :self.t_max]
+        # past a row's own tokens: unwritten slots, zeroed (a zero probability times NaN is NaN)
+        self.past = torch.arange(self.t_max, device=dev)[None, :] > self.pos[:, None]
 
 
-def _mla_groups(rows: ShortRuns, kpool: int) -> list[_MlaGroup]:
+def _mla_groups(rows: ShortRuns) -> list[_MlaGroup]:
     """Rows by length, each group gathering at most MLA_GROUP_TOKENS padded tokens."""
     order = sorted(range(len(rows)), key=lambda i: rows.totals[i])
     groups, start = [], 0
@@ -226,7 +233,7 @@ def _mla_groups(rows: ShortRuns, kpool: int) -> list[_MlaGroup]:
         end = start + 1
         while end < len(order) and (end - start + 1) * rows.totals[order[end]] <= MLA_GROUP_TOKENS:
             end += 1
-        groups.append(_MlaGroup(rows, order[start:end], kpool))
+        groups.append(_MlaGroup(rows, order[start:end]))
         start = end
     return groups
 
@@ -238,11 +245,11 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
     against the latent, values read back through w_vc)."""
     w_k, w_v = w_kc.to(q.dtype), w_vc.to(q.dtype)
     flat = cache.view(-1, cache.shape[-1])
-    for grp in rows.memo(("mla-groups", kpool), lambda: _mla_groups(rows, kpool)):
+    for grp in rows.memo("mla-groups", lambda: _mla_groups(rows)):
         c = flat[grp.locs]
         c = kv_fp8.dequantize_rows(c, w_kc.shape[-1], q.dtype) if c.dtype == torch.uint8 else c.to(q.dtype)
-        c = c.masked_fill(~grp.causal[..., None], 0)
-        mask = grp.visible(sel[grp.tok] if sel is not None else None, with_tail)
+        c = c.masked_fill(grp.past[..., None], 0)
+        mask = token_mask(sel[grp.tok] if sel is not None else None, grp.pos, grp.t_max, kpool, with_tail)
         q_abs = torch.einsum("bhd,hdr->bhr", q[grp.tok], w_k)
         scores = (torch.einsum("bhr,btr->bht", q_abs, c) * scale).float().masked_fill(~mask[:, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
