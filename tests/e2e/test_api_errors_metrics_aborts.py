@@ -91,29 +91,45 @@ def _context_refusal(err, prompt_part: str, completion: int) -> int:
     return int(m.group(2))
 
 
+# A prompt a few tokens short of the context: the largest max_tokens that fits then takes the
+# request to the context's last position in a few decode steps rather than a thousand.
+LONG_WORDS = " ".join(f"w{i}" for i in range(280))   # ~990 prompt tokens with the template
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_chat_max_tokens_beyond_the_context_is_400(client, model, field):
-    for asked in (10**12, CONTEXT):   # far beyond, and the context itself (the prompt no longer fits)
-        with pytest.raises(openai.BadRequestError) as ei:
-            client.chat.completions.create(model=model, messages=USER, **{field: asked})
-        assert ei.value.status_code == 400 and ei.value.param == "messages"
-        prompt = _context_refusal(ei.value, "messages", asked)
+    for words in ("hi", LONG_WORDS):
+        messages = [{"role": "user", "content": words}]
+        for asked in (10**12, CONTEXT):   # far beyond, and the context itself (the prompt no longer fits)
+            with pytest.raises(openai.BadRequestError) as ei:
+                client.chat.completions.create(model=model, messages=messages, **{field: asked})
+            assert ei.value.status_code == 400 and ei.value.param == "messages"
+            prompt = _context_refusal(ei.value, "messages", asked)
+    assert CONTEXT - 64 < prompt < CONTEXT - 1, prompt
     # the largest that fits is served (the engine stops at the context's end)
-    r = client.chat.completions.create(model=model, messages=USER, max_tokens=CONTEXT - prompt, temperature=0)
-    assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens <= CONTEXT - prompt
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=CONTEXT - prompt, **GREEDY)
+    assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens == CONTEXT - prompt
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_max_tokens_beyond_the_context_is_400(client, model, stream):
-    ids = [5, 6, 7, 8]
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model=model, prompt=ids, max_tokens=CONTEXT - 3, stream=stream)
-    assert ei.value.status_code == 400 and ei.value.param == "prompt"
-    assert _context_refusal(ei.value, "prompt", CONTEXT - 3) == len(ids)
-    r = client.completions.create(model=model, prompt=ids, max_tokens=CONTEXT - len(ids), **GREEDY)
-    assert r.usage.completion_tokens == CONTEXT - len(ids)   # exactly the context: served to its end
+    for ids in ([5, 6, 7, 8], [(7 * i) % 900 + 1 for i in range(CONTEXT - 6)]):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(model=model, prompt=ids, max_tokens=CONTEXT - len(ids) + 1, stream=stream)
+        assert ei.value.status_code == 400 and ei.value.param == "prompt"
+        assert _context_refusal(ei.value, "prompt", CONTEXT - len(ids) + 1) == len(ids)
+    # exactly the context: served to its end (the long prompt reaches it in a few steps)
+    r = client.completions.create(model=model, prompt=ids, max_tokens=CONTEXT - len(ids), stream=stream,
+                                  stream_options={"include_usage": True} if stream else None, **GREEDY)
+    if stream:
+        chunks = list(r)
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        usage = r.usage
+    assert usage.completion_tokens == CONTEXT - len(ids)
 
 
 @pytest.mark.timeout(60)
