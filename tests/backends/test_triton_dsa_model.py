@@ -57,8 +57,10 @@ def _unsplit_mhc_when_interpreted(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_model_decode_matches_reference(device, dtype):
     """The tiny preset (3 DSA layers, H 4, R 32, kpool 4, top 4 pools) with the default cuda-h200
-    ops: the prefill runs the reference DSA path, then batched decode steps (sparse: up to 14
-    pools per request) run the kernels; logits match the fp32 reference model's."""
+    ops: the prefill runs the reference DSA path, then batched decode steps (sparse: up to 8
+    pools per request) run the kernels; logits match the fp32 reference model's. The prompts are
+    short since the interpreter runs every program: 26 + 3 tokens still give 8 pools where 4 are
+    selected, and the 9-token prompt the path of a context within the top-k."""
     got, truth, ref = _tiny_decode(device, dtype, prefill_kernels=False)
     if dtype == torch.float32:
         assert _rel(got, truth) < 1e-4
@@ -116,7 +118,7 @@ def _tiny_decode(device, dtype, *, prefill_kernels: bool, fla_kda: bool = False,
 
     cfg = preset_config("tiny")
     g = generator(12)
-    prompts = [torch.randint(1, 900, (n,), generator=g) for n in (37, 50, 9)]
+    prompts = [torch.randint(1, 900, (n,), generator=g) for n in (21, 26, 9)]
     steps = torch.randint(1, 900, (3, len(prompts)), generator=g)
 
     def decode_logits(ops, dt):
