@@ -236,9 +236,9 @@ def main(argv=None) -> int:
                    help="fixed kda.DECODE_LAUNCH shapes to time on the decode batches, BVxWARPSxSTAGES comma-separated "
                         "(e.g. 32x4x2,64x4x2,64x8x2,128x8x1); the first is fla's own")
     p.add_argument("--conv-rows", default="",
-                   help="conv.ROWS_BLOCK_T x ROWS_BLOCK_C x ROWS_WARPS settings of the long-batch conv kernel (from "
-                        "1024 tokens) also timed on the conv prefill cases (three planes, as the KDA layer writes "
-                        "them), comma-separated (e.g. 64x256x2,128x512x4); 'off' times the tile kernel there")
+                   help="conv.ROWS_BLOCK_T x ROWS_BLOCK_C x ROWS_WARPS settings of the long-batch conv kernel also "
+                        "timed on the conv prefill cases (three planes, as the KDA layer writes them), comma-separated "
+                        "(e.g. 64x256x2,128x512x4); 'off' times the tile kernel there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
                    help="comma-separated sections: decode, prefill, mixed, conv, graph")
@@ -308,9 +308,8 @@ def main(argv=None) -> int:
     for setting in filter(None, args.conv_rows.split(",")):
         saved = kconv.ROWS_MIN_TOKENS, kconv.ROWS_BLOCK_T, kconv.ROWS_BLOCK_C, kconv.ROWS_WARPS
         if setting == "off":
-            kconv.ROWS_MIN_TOKENS = None
+            kconv.ROWS_MIN_TOKENS = 1 << 62
         else:
-            kconv.ROWS_MIN_TOKENS = 1024
             kconv.ROWS_BLOCK_T, kconv.ROWS_BLOCK_C, kconv.ROWS_WARPS = (int(v) for v in setting.split("x"))
         for n in d["prefill_splits"]:
             safe(conv_case, f"conv prefill {n}x{t_all // n} rows {setting}", [0 if i % 2 else 40 for i in range(n)],

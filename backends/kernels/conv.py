@@ -14,9 +14,8 @@ slot_ids) with grids of N tokens and B requests, so a decode step can be graph-c
                       tile loads (the overlap comes from L1/L2, not HBM), history rows from the
                       slot where a shifted row falls before the request's first new token.
   _conv_rows_kernel   the same outputs for K = 4 on batches of ROWS_MIN_TOKENS or more (prefill
-                      chunks; off by default, see ROWS_MIN_TOKENS): a program walks its tokens
-                      in order with the last three inputs in registers, so each input row is
-                      read once.
+                      chunks): a program walks its tokens in order with the last three inputs
+                      in registers, so each input row is read once.
   _conv_state_kernel  any batch, launched after _conv_out_kernel (same stream) so every output
                       is computed from the old history: one program per request x BLOCK_C
                       writes the K-1 new history rows. New row i reads old row n+i (> i) when
@@ -160,12 +159,10 @@ def _conv_decode_kernel(X, STATE, W, OUT, CU, PREFIX, SLOTS, C, CP, stride_x, st
     tl.store(OUT + t * stride_o + o_col, (acc * tl.sigmoid(acc)).to(OUT.dtype.element_ty), mask=c_ok)
 
 
-# With ROWS_MIN_TOKENS set, batches of at least that many tokens (prefill chunks) take
-# _conv_rows_kernel, whose programs walk ROWS_BLOCK_T tokens each; shorter ones (speculative
-# verify rows, small mixed steps) the tile kernel, one short program per tile. None (the
-# default until it is timed against the tile kernel on the GPU: `python3 -m bench.kda_h200
-# --only conv --conv-rows off,64x256x2,...`): the tile kernel for every batch.
-ROWS_MIN_TOKENS: int | None = None
+# Batches of at least ROWS_MIN_TOKENS tokens (prefill chunks) take _conv_rows_kernel, whose
+# programs walk ROWS_BLOCK_T tokens each; shorter ones (speculative verify rows, small mixed
+# steps) the tile kernel, one short program per tile. Benches set these (bench.kda_h200).
+ROWS_MIN_TOKENS = 1024
 ROWS_BLOCK_T = 64
 ROWS_BLOCK_C = 256
 ROWS_WARPS = 2
@@ -226,7 +223,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                                      stride_o, stride_op, *st, *ws, K=k, BLOCK_C=block_c, **pdl.launch(x.device),
                                      num_warps=4)
         return out
-    if ROWS_MIN_TOKENS is not None and n >= ROWS_MIN_TOKENS and k == 4 and cp % ROWS_BLOCK_C == 0:
+    if n >= ROWS_MIN_TOKENS and k == 4 and cp % ROWS_BLOCK_C == 0:
         _conv_rows_kernel[(triton.cdiv(n, ROWS_BLOCK_T), triton.cdiv(c, ROWS_BLOCK_C))](
             x, conv_state, weight, out, meta.req_index, cu, pre, meta.slot_ids, n, c, cp, x.stride(0), stride_o,
             stride_op, *st, *ws, BLOCK_T=ROWS_BLOCK_T, BLOCK_C=ROWS_BLOCK_C, num_warps=ROWS_WARPS)
