@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 # the tile tables live in fused_moe_configs; re-exported here for tests and benches (fm.CONFIGS, ...)
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
@@ -129,13 +128,10 @@ def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 _FITTED: dict[tuple, tuple[int, int]] = {}
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
     key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc,
            k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False),
-           meta.get("X_FP8", False), meta.get("H_FP8", False))
+           meta.get("X_FP8", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:
@@ -216,13 +212,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     else:
         sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
         nb = block_expert.shape[0]
-    # w8a8 above INKERNEL_QUANT_MAX_TOKENS: x (and below, h) quantised once, not once per N tile
-    # inside the GEMMs: x by act_quant, h by gate/up's epilogue where its tile is one scale block
-    # wide (else act_quant too)
-    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
-    h_fp8 = pre and gu["BLOCK_N"] == bi and not flags["gate_up"]["SWAP_AB"]
-    h = torch.empty(m, i, dtype=torch.float8_e4m3fn if h_fp8 else x.dtype, device=x.device)
-    hs = torch.empty(m, triton.cdiv(i, bi), dtype=torch.float32, device=x.device) if h_fp8 else h
+    h = torch.empty(m, i, dtype=x.dtype, device=x.device)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if fp8:
         sg, su, sd = scales
@@ -230,6 +220,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         sg = su = sd = w_gate  # unused (FP8=False)
     sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
     launch = pdl.launch(x.device)
+    # w8a8 above INKERNEL_QUANT_MAX_TOKENS: x (and below, h) quantised once by act_quant, not once
+    # per N tile inside the GEMMs
+    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
     x_in, xs = act_quant(x, bi) if pre else (x, x)  # xs unused unless X_FP8
 
     _launch_fitting(
@@ -239,12 +232,12 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          x_in.stride(0),
          w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
          *sstr(sg), *sstr(su),
-         h.stride(0), xs, xs.stride(0), hs, hs.stride(0)),
+         h.stride(0), xs, xs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
              PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8,
-             X_FP8=pre, H_FP8=h_fp8, MODEL_DT=_TL_DTYPES[x.dtype] if h_fp8 else None, **launch),
+             X_FP8=pre, **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
-    h_in, hs = (h, hs) if h_fp8 else act_quant(h, bi) if pre else (h, h)
+    h_in, hs = act_quant(h, bi) if pre else (h, h)
     _launch_fitting(
         _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
         (h_in, w_down, sd, rw, y, sorted_ids, block_expert, block_rows, flat_ids,

@@ -164,27 +164,6 @@ def test_fused_moe_w8a8_prequantised(device, monkeypatch, name, config):
     assert _rel(pre, inside) < (1e-6 if _INTERPRET else 2.5e-2)
 
 
-def test_fused_moe_w8a8_h_quantised_in_gate_up(device, monkeypatch):
-    """Where gate/up's tile is one scale block wide (128 columns of h) its epilogue quantises h
-    (H_FP8) instead of writing 16-bit h for act_quant: the same e4m3 codes and scales, so the
-    output equals the act_quant route's (64-wide tiles) bit for bit; I = 192 ends in a partial
-    block."""
-    g = _gen("w8a8-h", 0)
-    x, ids, weights, ws, scales = _to(device, *_problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5))
-    monkeypatch.setattr(fm, "INKERNEL_QUANT_MAX_TOKENS", 4)
-    calls = []
-    act_quant = fm.act_quant
-    monkeypatch.setattr(fm, "act_quant", lambda t, group: calls.append(tuple(t.shape)) or act_quant(t, group))
-    outs = {}
-    for bn in (64, 128):
-        calls.clear()
-        cfg = dict(BLOCK_M=64, **_both(BLOCK_N=bn, num_warps=4, num_stages=2, SWAP_AB=False))
-        outs[bn] = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=cfg, pair_blocks=False, act_fp8=True)
-        assert calls == ([(9, 320), (27, 192)] if bn == 64 else [(9, 320)]), (bn, calls)
-    assert torch.equal(outs[128], outs[64])
-    assert _rel(outs[128], REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
-
-
 @pytest.mark.parametrize("pair_blocks", [True, False])
 def test_fused_moe_unreduced(device, pair_blocks):
     """reduce=False leaves the top-k sum to the consumer: MoEPartials whose reduce() is the
