@@ -7,15 +7,12 @@ conv_state[slot, K-1 + p] (p < 0; zeros when the request's prefix_len is 0, what
 slot holds) and the last K-1 inputs are written back to the slot in place
 (ReferenceOps.causal_conv; state layout [slots, K-1, C]).
 
-Four kernels, all reading only device tensors (req_index, cu_seqlens_t, prefix_lens_t,
+Three kernels, all reading only device tensors (req_index, cu_seqlens_t, prefix_lens_t,
 slot_ids) with grids of N tokens and B requests, so a decode step can be graph-captured:
 
   _conv_out_kernel    any batch: one program per BLOCK_T tokens x BLOCK_C channels, K shifted
                       tile loads (the overlap comes from L1/L2, not HBM), history rows from the
                       slot where a shifted row falls before the request's first new token.
-  _conv_rows_kernel   the same outputs for K = 4 on batches of ROWS_MIN_TOKENS or more (prefill
-                      chunks): a program walks its tokens in order with the last three inputs
-                      in registers, so each input row is read once.
   _conv_state_kernel  any batch, launched after _conv_out_kernel (same stream) so every output
                       is computed from the old history: one program per request x BLOCK_C
                       writes the K-1 new history rows. New row i reads old row n+i (> i) when
