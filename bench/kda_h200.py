@@ -134,8 +134,7 @@ def kda_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, s
     return row
 
 
-def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, block_t=16, block_c=256,
-              planes=1) -> dict:
+def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, block_t=16, block_c=256) -> dict:
     kernel_ms, ref_ms = timers
     b, c, kw = len(seqs), d["c"], d["k"]
     n_slots = 2 * b + 3
@@ -149,15 +148,14 @@ def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, 
     state[new] = float("nan")
     ref_state = state.float().clone()
     ref_state[new] = 0.0
-    truth = ReferenceOps().causal_conv(x.float(), ref_state, w, meta, planes=planes)
+    truth = ReferenceOps().causal_conv(x.float(), ref_state, w, meta)
     st = state.clone()
-    out = torch.full(truth.shape, float("nan"), dtype=x.dtype, device=dev)
-    kconv.causal_conv(x, st, w, meta, out=out, block_t=block_t, block_c=block_c, planes=planes)
+    out = torch.full_like(x, float("nan"))
+    kconv.causal_conv(x, st, w, meta, out=out, block_t=block_t, block_c=block_c)
     used = slots
     row = dict(case=name, kind="conv", reqs=b, tokens=n, dtype=str(dtype)[6:], block_t=block_t, block_c=block_c,
                out_rel=_rel(out, truth), state_rel=_rel(st[used].float(), ref_state[used]))
-    t = kernel_ms(lambda: kconv.causal_conv(x, state, w, meta, out=out, block_t=block_t, block_c=block_c,
-                                            planes=planes))
+    t = kernel_ms(lambda: kconv.causal_conv(x, state, w, meta, out=out, block_t=block_t, block_c=block_c))
     es = x.element_size()
     nbytes = 2 * n * c * es + b * 2 * (kw - 1) * c * state.element_size()
     row.update(us=t * 1e3, bytes=nbytes, tbps=nbytes / (t * 1e-3) / 1e12)
@@ -235,10 +233,6 @@ def main(argv=None) -> int:
     p.add_argument("--decode-sweep", default="",
                    help="fixed kda.DECODE_LAUNCH shapes to time on the decode batches, BVxWARPSxSTAGES comma-separated "
                         "(e.g. 32x4x2,64x4x2,64x8x2,128x8x1); the first is fla's own")
-    p.add_argument("--conv-rows", default="",
-                   help="conv.ROWS_BLOCK_T x ROWS_BLOCK_C x ROWS_WARPS settings of the long-batch conv kernel also "
-                        "timed on the conv prefill cases (three planes, as the KDA layer writes them), comma-separated "
-                        "(e.g. 64x256x2,128x512x4); 'off' times the tile kernel there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
                    help="comma-separated sections: decode, prefill, mixed, conv, graph")
@@ -305,16 +299,6 @@ def main(argv=None) -> int:
     for n in (d["prefill_splits"] if "conv" in only else ()):
         safe(conv_case, f"conv prefill {n}x{t_all // n}", [0 if i % 2 else 40 for i in range(n)],
              [t_all // n] * n, d, dev, gen, timers)
-    for setting in filter(None, args.conv_rows.split(",")):
-        saved = kconv.ROWS_MIN_TOKENS, kconv.ROWS_BLOCK_T, kconv.ROWS_BLOCK_C, kconv.ROWS_WARPS
-        if setting == "off":
-            kconv.ROWS_MIN_TOKENS = 1 << 62
-        else:
-            kconv.ROWS_BLOCK_T, kconv.ROWS_BLOCK_C, kconv.ROWS_WARPS = (int(v) for v in setting.split("x"))
-        for n in d["prefill_splits"]:
-            safe(conv_case, f"conv prefill {n}x{t_all // n} rows {setting}", [0 if i % 2 else 40 for i in range(n)],
-                 [t_all // n] * n, d, dev, gen, timers, planes=3)
-        kconv.ROWS_MIN_TOKENS, kconv.ROWS_BLOCK_T, kconv.ROWS_BLOCK_C, kconv.ROWS_WARPS = saved
     if args.sweep:
         for bt in (8, 16, 32):
             for bc in (128, 256, 512):

@@ -67,53 +67,6 @@ def _conv_out_kernel(X, STATE, W, OUT, REQ, CU, PREFIX, SLOTS,
 
 
 @triton.jit
-def _conv_rows_kernel(X, STATE, W, OUT, REQ, CU, PREFIX, SLOTS,
-                      N, C, CP, stride_x, stride_o, stride_op, stride_ss, stride_sr, stride_wc, stride_wk,
-                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """_conv_out_kernel for K = 4 on long batches: each input row is read once. A program walks
-    its BLOCK_T tokens in order (after the 3 before them, read but not written) keeping the last
-    three inputs of its channels in registers; a tap before the request's first new token reads
-    the slot's history instead (a load masked off everywhere else). BLOCK_C divides CP, so the
-    program's channels sit in one output plane."""
-    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
-    c0 = tl.program_id(1) * BLOCK_C
-    c = c0 + tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    plane = c0 // CP
-    o_ptr = OUT + plane.to(tl.int64) * stride_op + (c - plane * CP)
-    w0 = tl.load(W + c * stride_wc, mask=c_ok, other=0.0).to(tl.float32)
-    w1 = tl.load(W + c * stride_wc + stride_wk, mask=c_ok, other=0.0).to(tl.float32)
-    w2 = tl.load(W + c * stride_wc + 2 * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
-    w3 = tl.load(W + c * stride_wc + 3 * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
-    m0 = tl.zeros([BLOCK_C], dtype=tl.float32)  # the previous token's inputs at its positions 0, -1, -2
-    m1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i in range(BLOCK_T + 3):
-        t = t0 + i - 3
-        t_in = (t >= 0) & (t < N)
-        r = tl.load(REQ + t, mask=t_in, other=0)
-        local = t - tl.load(CU + r, mask=t_in, other=0)
-        has_hist = t_in & (tl.load(PREFIX + r, mask=t_in, other=0) > 0)
-        h = STATE + tl.load(SLOTS + r, mask=t_in, other=0).to(tl.int64) * stride_ss + c
-        x = tl.load(X + t * stride_x + c, mask=c_ok & t_in, other=0.0).to(tl.float32)
-        # position local - j: the previous token's input at local - j when it is in this forward
-        # (the same request), else history row 3 + local - j of the slot (zeros for a new request)
-        a1 = tl.where(local >= 1, m0, tl.load(h + (local + 2) * stride_sr, mask=c_ok & has_hist & (local < 1),
-                                              other=0.0).to(tl.float32))
-        a2 = tl.where(local >= 2, m1, tl.load(h + (local + 1) * stride_sr, mask=c_ok & has_hist & (local < 2),
-                                              other=0.0).to(tl.float32))
-        a3 = tl.where(local >= 3, m2, tl.load(h + local * stride_sr, mask=c_ok & has_hist & (local < 3),
-                                              other=0.0).to(tl.float32))
-        acc = w0 * a3
-        acc += w1 * a2
-        acc += w2 * a1
-        acc += w3 * x
-        y = acc * tl.sigmoid(acc)
-        tl.store(o_ptr + t * stride_o, y.to(OUT.dtype.element_ty), mask=c_ok & t_in & (i >= 3))
-        m0, m1, m2 = x, a1, a2
-
-
-@triton.jit
 def _conv_state_kernel(X, STATE, CU, PREFIX, SLOTS, C, stride_x, stride_ss, stride_sr,
                        K: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
@@ -154,15 +107,6 @@ def _conv_decode_kernel(X, STATE, W, OUT, CU, PREFIX, SLOTS, C, CP, stride_x, st
     tl.store(base + (K - 2) * stride_sr + c, x.to(STATE.dtype.element_ty), mask=c_ok)
     o_col = (c // CP) * stride_op + c % CP
     tl.store(OUT + t * stride_o + o_col, (acc * tl.sigmoid(acc)).to(OUT.dtype.element_ty), mask=c_ok)
-
-
-# Batches of at least ROWS_MIN_TOKENS tokens (prefill chunks) take _conv_rows_kernel, whose
-# programs walk ROWS_BLOCK_T tokens each; shorter ones (speculative verify rows, small mixed
-# steps) the tile kernel, one short program per tile. Benches set these (bench.kda_h200).
-ROWS_MIN_TOKENS = 1024
-ROWS_BLOCK_T = 64
-ROWS_BLOCK_C = 256
-ROWS_WARPS = 2
 
 
 def device_lens(meta: BatchMeta, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,11 +164,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                                      stride_o, stride_op, *st, *ws, K=k, BLOCK_C=block_c, **pdl.launch(x.device),
                                      num_warps=4)
         return out
-    if n >= ROWS_MIN_TOKENS and k == 4 and cp % ROWS_BLOCK_C == 0:
-        _conv_rows_kernel[(triton.cdiv(n, ROWS_BLOCK_T), triton.cdiv(c, ROWS_BLOCK_C))](
-            x, conv_state, weight, out, meta.req_index, cu, pre, meta.slot_ids, n, c, cp, x.stride(0), stride_o,
-            stride_op, *st, *ws, BLOCK_T=ROWS_BLOCK_T, BLOCK_C=ROWS_BLOCK_C, num_warps=ROWS_WARPS)
-    elif n:
+    if n:
         _conv_out_kernel[(triton.cdiv(n, block_t), cb)](x, conv_state, weight, out, meta.req_index, cu, pre,
                                                         meta.slot_ids, n, c, cp, x.stride(0), stride_o, stride_op,
                                                         *st, *ws, K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)

@@ -117,40 +117,6 @@ def test_conv_kernel_planes(device, case):
             assert torch.equal(st[s].cpu().float(), ref_state[s].float()), f"slot {s}"
 
 
-@pytest.mark.parametrize("planes", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_rows_kernel_on_long_batches(device, monkeypatch, planes, dtype):
-    """The one-read-per-row kernel of long batches, made to take this small batch: programs of 8
-    tokens, so requests start and end inside and across programs (runs shorter than K-1 over
-    history, a new request, an empty one); its output equals the reference and the tile kernel's,
-    and the slots hold the same history."""
-    from backends.kernels import conv
-
-    prefix, seqs = CONV_CASES["mixed"]
-    c, k = 96, 4
-    meta, slots, new, g = _batch(prefix, seqs, device, seed=41 + planes)
-    n = sum(seqs)
-    x = torch.randn(n, c, generator=g).to(dtype)
-    w = torch.randn(c, k, generator=g)
-    state = torch.randn(slots, k - 1, c, generator=g).to(dtype)
-    state[new] = float("nan")
-    ref_state = state.clone()
-    ref_state[new] = 0.0
-    ref = ReferenceOps().causal_conv(x.float(), ref_state, w, meta, planes=planes)
-    st_tile = state.clone().to(device)
-    tile = causal_conv(x.to(device), st_tile, w.to(device), meta, block_t=4, block_c=32, planes=planes)
-    monkeypatch.setattr(conv, "ROWS_MIN_TOKENS", 0)
-    monkeypatch.setattr(conv, "ROWS_BLOCK_T", 8)
-    monkeypatch.setattr(conv, "ROWS_BLOCK_C", 16)
-    st = state.clone().to(device)
-    rows = causal_conv(x.to(device), st, w.to(device), meta, block_t=4, block_c=32, planes=planes)
-    assert _rel(rows, ref) < _tol(dtype)
-    assert _rel(rows, tile) < 1e-6
-    for s in meta.slot_ids.tolist():
-        assert torch.equal(st[s].cpu().float(), ref_state[s].float()), f"slot {s}"
-        assert torch.equal(st[s], st_tile[s])
-
-
 def test_conv_via_ops_uses_device_lengths(device):
     """CudaH200Ops.causal_conv on a decode batch whose Python prefix_lens are placeholders (as in
     a captured CUDA graph): only the device tensors may be read."""
