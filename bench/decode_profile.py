@@ -5,7 +5,7 @@
 For each batch: the step replayed from its decode CUDA graph (GPU time per replay), the sum of
 the kernels inside it (from the profiler: the gap is launch bubbles between graph nodes), the
 kernels grouped by name, and an eager step with every `ops.*` call and every module wrapped in
-a profiler range, so each op's device time is attributed to what the model calls. The floor
+a profiler range, so each op's GPU time is attributed to what the model calls. The floor
 column is `bench.decode_overlap.floor_ms`'s bytes over the copy ceiling. A short table is printed
 last; JSON to $OUT/decode_profile.json when OUT is set.
 """

@@ -272,7 +272,7 @@ def _dev_us(fn, smoke):
 
 
 def _profile(fn, reps=10):
-    """Mean device time per call of each kernel (name -> us) via torch.profiler, or {}."""
+    """Mean GPU time per call of each kernel (name -> us) via torch.profiler, or {}."""
     try:
         return {k[:40]: us for k, (us, _) in profile_events(fn, reps)["kernels"].items()}
     except Exception as e:  # pragma: no cover - profiler availability varies
