@@ -34,7 +34,8 @@ Overridden today (everything else is the reference):
   gather_rows     the rollback's gather of the verify's kept rows: one launch per 8 tensors
   kda             every batch, with fla-core: fused_recurrent in place (decode; our launch shape,
                   kda.DECODE_LAUNCHES; and batches of short rows, speculative decoding's verify and
-                  rollback), chunk_kda (prefill)
+                  rollback), chunk_kda (prefill; its bounded-gate path where the model's gate has a lower
+                  bound in [-5, 0), ops.kda's gate_floor)
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -270,7 +271,8 @@ class CudaH200Ops(ReferenceOps):
     _fla_kda = None  # backends.kernels.kda once imported; False when fla-core is missing
 
     def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64) -> torch.Tensor:
+            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
+            gate_floor: float | None = None) -> torch.Tensor:
         if (q.is_cuda or _interpreting()) and CudaH200Ops._fla_kda is None:
             try:
                 from .kernels import kda as fla_kda
@@ -282,7 +284,7 @@ class CudaH200Ops(ReferenceOps):
         if (kk and (q.is_cuda or _interpreting()) and kk.supports(q, k, v, g, beta, state)
                 and meta.num_tokens == q.shape[0]
                 and (q.is_cuda or kk.INTERPRET_CHUNK or kk.short_rows(meta))):
-            return kk.kda(q, k, v, g, beta, state, meta)
+            return kk.kda(q, k, v, g, beta, state, meta, gate_floor=gate_floor)
         return super().kda(q, k, v, g, beta, state, meta, chunk_size)
 
     # ---- the MoE router (backends/kernels/moe_route.py) ----------------------------

@@ -320,11 +320,14 @@ class ReferenceOps:
         return column_planes(out, planes)
 
     def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64) -> torch.Tensor:
+            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
+            gate_floor: float | None = None) -> torch.Tensor:
         """Kimi delta attention per request; q/k are l2-normalised and q scaled here (in fp32).
 
         q, k [N, H, dk]; v [N, H, dv]; g [N, H, dk] log-decay; beta [N, H]; state [slots, H, dk, dv].
         Single-token requests with history take the recurrent step, others the chunked form.
+        gate_floor: a bound the caller guarantees, g >= gate_floor (the model's lower-bounded
+        gate); kernels may take a faster prefill path on it, the result is the same math.
         """
         dk = q.shape[-1]
         qf = q.float()

@@ -72,6 +72,9 @@ def _kda_inputs(n, d, dtype, dev, gen):
             torch.sigmoid(r(n, h)).to(dtype))
 
 
+GATE_FLOOR = -5.0  # _kda_inputs' gates are the model's, bounded below by -5 (ops.kda's gate_floor)
+
+
 def _pool(slots, d, dtype, dev, gen):
     return (0.3 * torch.randn(slots, d["h"], d["dk"], d["dv"], device=dev, generator=gen)).to(dtype)
 
@@ -90,18 +93,18 @@ def kda_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, s
     new = [s for s, p in zip(slots, prefix) if p == 0]
     pool[new] = float("nan")
     row = dict(case=name, kind="kda", reqs=b, tokens=sum(seqs), dtype=str(dtype)[6:], state=str(state_dtype)[6:],
-               split_decode=split_decode)
+               split_decode=split_decode, safe_gate=kk.safe_gate(GATE_FLOOR))
     if ref:
         truth_pool = pool.float().clone()
         truth_pool[new] = 0.0
         truth = ReferenceOps().kda(q.float(), k.float(), v.float(), g, beta.float(), truth_pool, meta)
         st = pool.clone()
-        out = kk.kda(q, k, v, g, beta, st, meta, split_decode=split_decode)
+        out = kk.kda(q, k, v, g, beta, st, meta, split_decode=split_decode, gate_floor=GATE_FLOOR)
         used = [s for s, n in zip(slots, seqs) if n > 0]
         row.update(out_rel=_rel(out, truth), state_rel=_rel(st[used].float(), truth_pool[used]),
                    max_abs=float((out.float() - truth).abs().max()))
         del truth_pool, truth, st, out
-    t = kernel_ms(lambda: kk.kda(q, k, v, g, beta, pool, meta, split_decode=split_decode))
+    t = kernel_ms(lambda: kk.kda(q, k, v, g, beta, pool, meta, split_decode=split_decode, gate_floor=GATE_FLOOR))
     sb = d["h"] * d["dk"] * d["dv"] * pool.element_size()
     state_bytes = sum(2 * sb for n in seqs if n > 0)
     io_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, g, beta)) + v.numel() * v.element_size()
@@ -233,6 +236,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode-sweep", default="",
                    help="fixed kda.DECODE_LAUNCH shapes to time on the decode batches, BVxWARPSxSTAGES comma-separated "
                         "(e.g. 32x4x2,64x4x2,64x8x2,128x8x1); the first is fla's own")
+    p.add_argument("--safe-gate", default="on",
+                   help="chunk_kda's bounded-gate path for the prefill and mixed cases (kda.SAFE_GATE): "
+                        "on, off, or both in turn (on,off)")
+    p.add_argument("--prefill-tokens", type=int, default=0, help="prefill tokens (default 8192 at full size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
                    help="comma-separated sections: decode, prefill, mixed, conv, graph")
@@ -251,7 +258,7 @@ def main(argv=None) -> int:
                ceiling_tbps=CEILING_TBPS)
     print("env", env, flush=True)
     rows, ref = [], not args.no_ref
-    t_all = d["prefill_t"]
+    t_all = args.prefill_tokens or d["prefill_t"]
 
     def safe(fn, *a, **kw):
         try:
@@ -279,19 +286,25 @@ def main(argv=None) -> int:
         for b in d["decode"]:
             safe(kda_case, f"kda decode B={b} tile {shape}", [100] * b, [1] * b, d, dev, gen, timers, ref=ref)
         kk.DECODE_LAUNCH = saved
-    # ---- KDA prefill ----
-    for n in (d["prefill_splits"] if "prefill" in only else ()):
-        seqs = [t_all // n] * n
-        safe(kda_case, f"kda prefill {n}x{t_all // n} new", [0] * n, seqs, d, dev, gen, timers, ref=ref)
-        safe(kda_case, f"kda prefill {n}x{t_all // n} hist", [300] * n, seqs, d, dev, gen, timers, ref=ref)
-    if "prefill" in only:
-        safe(kda_case, f"kda prefill 1x{t_all} fp32", [300], [t_all], d, dev, gen, timers, dtype=torch.float32,
-             ref=ref)
-    # ---- mixed: one prefill chunk + decode rows, both strategies ----
-    pt, nd = d["mixed"]
-    for split in ((True, False) if "mixed" in only else ()):
-        safe(kda_case, f"kda mixed {pt}+{nd}x1 split={split}", [64] + [200] * nd, [pt] + [1] * nd, d, dev, gen,
-             timers, split_decode=split, ref=ref)
+    for setting in args.safe_gate.split(","):
+        if setting not in ("on", "off"):
+            p.error(f"--safe-gate: on or off, not {setting!r}")
+        kk.SAFE_GATE = setting == "on"
+        sg = f" safe={setting}"
+        # ---- KDA prefill ----
+        for n in (d["prefill_splits"] if "prefill" in only else ()):
+            seqs = [t_all // n] * n
+            safe(kda_case, f"kda prefill {n}x{t_all // n} new{sg}", [0] * n, seqs, d, dev, gen, timers, ref=ref)
+            safe(kda_case, f"kda prefill {n}x{t_all // n} hist{sg}", [300] * n, seqs, d, dev, gen, timers, ref=ref)
+        if "prefill" in only:
+            safe(kda_case, f"kda prefill 1x{t_all} fp32{sg}", [300], [t_all], d, dev, gen, timers,
+                 dtype=torch.float32, ref=ref)
+        # ---- mixed: one prefill chunk + decode rows, both strategies ----
+        pt, nd = d["mixed"]
+        for split in ((True, False) if "mixed" in only else ()):
+            safe(kda_case, f"kda mixed {pt}+{nd}x1 split={split}{sg}", [64] + [200] * nd, [pt] + [1] * nd, d, dev,
+                 gen, timers, split_decode=split, ref=ref)
+    kk.SAFE_GATE = True
     # ---- conv ----
     for b in (d["decode"] if "conv" in only else ()):
         safe(conv_case, f"conv decode B={b}", [0 if i % 7 == 3 else 9 for i in range(b)], [1] * b, d, dev, gen,
@@ -316,16 +329,16 @@ def main(argv=None) -> int:
     if path:
         print("wrote", path)
     print()
-    print(f"{'case':<36} {'us':>9} {'ref_us':>10} {'TB/s':>6} {'%ceil':>6} {'out_rel':>9} {'state_rel':>9} "
+    print(f"{'case':<44} {'us':>9} {'ref_us':>10} {'TB/s':>6} {'%ceil':>6} {'out_rel':>9} {'state_rel':>9} "
           f"{'graph us':>9} {'%ceil':>6}")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:<36} ERROR {r['error'][:80]}")
+            print(f"{r['case']:<44} ERROR {r['error'][:80]}")
         elif r.get("kind") == "graph":
-            print(f"{r['case']:<36} {r['replay_us']:>9.1f} {'':>10} {'':>6} {'':>6} "
+            print(f"{r['case']:<44} {r['replay_us']:>9.1f} {'':>10} {'':>6} {'':>6} "
                   f"{max(r['conv_rel'], r['kda_rel']):>9.2e} {max(r['conv_state_rel'], r['state_rel']):>9.2e}")
         else:
-            print(f"{r['case']:<36} {r['us']:>9.1f} {r.get('ref_us', float('nan')):>10.1f} {r['tbps']:>6.2f} "
+            print(f"{r['case']:<44} {r['us']:>9.1f} {r.get('ref_us', float('nan')):>10.1f} {r['tbps']:>6.2f} "
                   f"{r['pct_ceiling']:>6.1f} {r.get('out_rel', float('nan')):>9.2e} "
                   f"{r.get('state_rel', float('nan')):>9.2e} {r.get('graph_us', float('nan')):>9.1f} "
                   f"{r.get('graph_pct_ceiling', float('nan')):>6.1f}")

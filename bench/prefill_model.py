@@ -95,6 +95,12 @@ def as_int_or_name(value: str) -> int | str:
     return int(value) if value.isdigit() else value
 
 
+def on_off(v: str) -> bool:
+    if v not in ("on", "off"):
+        raise SystemExit(f"expected on or off, not {v!r}")
+    return v == "on"
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="flash-4l")
@@ -113,6 +119,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--moe-tile", default="", help="fused MoE tile variants also timed on the triton backend, "
                    "','-separated, each 'table' or '+'-joined GEMM.KEY=INT items as in bench.decode_profile "
                    "(BLOCK_M=64+gate_up.BLOCK_N=64)")
+    p.add_argument("--kda-safe-gate", default="", help="kda.SAFE_GATE values also timed on the triton backend, "
+                   "e.g. off,on (chunk_kda's bounded-gate path)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -124,6 +132,7 @@ def main(argv=None) -> list[dict]:
     from backends.kernels import mhc
     from backends.kernels import fused_moe_configs as fmc
     from backends.kernels import sparse_mla as sm
+    from backends.kernels import kda as kk
     from bench.decode_profile import moe_tile
     from glmrt.checkpoint.presets import preset_config
     from glmrt.model.loader import load_dummy
@@ -167,7 +176,8 @@ def main(argv=None) -> list[dict]:
                      as_int_or_name),
                     (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
                                                                                   "kernel", as_int_or_name),
-                    (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}", moe_tile)):
+                    (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}", moe_tile),
+                    (args.kda_safe_gate, kk, "SAFE_GATE", "kda_safe_gate", "chunk_kda's safe gate {}", on_off)):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)

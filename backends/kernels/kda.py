@@ -74,6 +74,13 @@ DECODE_LAUNCHES: list[tuple[int, dict]] = [   # (up to this many rows, launch)
     (1 << 62, dict(BV=64, num_warps=2, num_stages=2)),
 ]
 DECODE_LAUNCH: dict | None = None  # a fixed launch for every batch (benches set it), else the table
+# chunk_kda's `safe_gate` path where the layer's gates are bounded below (the model's
+# linear_lower_bound, ops.kda's gate_floor) by at most SAFE_GATE_FLOOR in magnitude: its 16-token
+# diagonal blocks of the intra-chunk factors are tensor-core products (exp of bounded gate
+# differences stays in fp32 range) instead of the token-parallel kernel's scalar loops. False
+# keeps the general path for every gate (bench.kda_h200 --safe-gate times both).
+SAFE_GATE = True
+SAFE_GATE_FLOOR = -5.0  # fla's stated range for it: lower_bound in [-5, 0)
 # Batches whose requests all have 1..RECURRENT_MAX_TOKENS new tokens run fused_recurrent in place
 # (the verify and rollback of speculative decoding); 0 sends multi-token rows to chunk_kda.
 RECURRENT_MAX_TOKENS = 8
@@ -162,13 +169,19 @@ def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launc
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def safe_gate(gate_floor: float | None) -> bool:
+    """Whether chunk_kda may take its bounded-gate path for gates >= gate_floor."""
+    return SAFE_GATE and gate_floor is not None and SAFE_GATE_FLOOR <= gate_floor < 0
+
+
 def kda_chunked(q, k, v, g, beta, state, slots: torch.Tensor, has_hist: list[bool], keep: torch.Tensor | None,
-                cu: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                cu: tuple[torch.Tensor, torch.Tensor], gate_floor: float | None = None) -> torch.Tensor:
     """The multi-token requests (their tokens are q.. in order) through chunk_kda, their states
     gathered from and scattered back to `slots`. `keep`: has_hist on the device (where a request
     continues from its slot), needed only when some do and some do not. `cu`: cu_seqlens on the
     device and on the host; the same two tensors in every KDA layer of a forward let fla's
-    identity cache keep its chunk indices (their own blocking copy) after the first layer."""
+    identity cache keep its chunk indices (their own blocking copy) after the first layer.
+    `gate_floor`: g >= it (see SAFE_GATE)."""
     cu_dev, cu_cpu = cu
     init = None
     if any(has_hist):
@@ -180,7 +193,7 @@ def kda_chunked(q, k, v, g, beta, state, slots: torch.Tensor, has_hist: list[boo
     q, k = l2norm(q), l2norm(k)
     o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
                          initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=False,
-                         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu)
+                         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, safe_gate=safe_gate(gate_floor))
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[0]
 
@@ -235,7 +248,8 @@ class _Split:
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True) -> torch.Tensor:
+        state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True,
+        gate_floor: float | None = None) -> torch.Tensor:
     """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype."""
     pre_t, cu_t = device_lens(meta, q.device)
     seq = meta.seq_lens
@@ -251,7 +265,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     if sp.whole:
         # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours
         # (no [N, H, dv] copy), and meta's cu_seqlens (device and host) are chunk_kda's
-        o = kda_chunked(q, k, v, g, beta, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu)
+        o = kda_chunked(q, k, v, g, beta, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu, gate_floor)
         return o if o.dtype == v.dtype else o.to(v.dtype)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Requests with no new token keep their state untouched (as the reference does).
@@ -261,7 +275,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
                               sp.ones_cu)
     if sp.many:  # gather the multi-token rows (q, k, v are copied to contiguous anyway)
         args = tuple(t[sp.many_rows] for t in (q, k, v, g, beta))
-        o = kda_chunked(*args, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu)
+        o = kda_chunked(*args, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu, gate_floor)
         out[sp.many_rows] = o.to(out.dtype)
     return out
 
@@ -272,10 +286,14 @@ def enable_interpreted_chunk() -> None:
 
     Three fixes to Triton 3.6's interpreter, process-wide (compiled runs are untouched): tensor
     loop variables, no autotune benchmarking, bf16 elementwise math; see
-    `backends.kernels.interpreter.patch_interpreter(fla_chunk=True)`.
+    `backends.kernels.interpreter.patch_interpreter(fla_chunk=True)`. And one to fla: its safe-gate
+    intra kernel calls `tl.gather` through a module alias taken outside any kernel, which the
+    interpreter cannot run; without it the kernel loads the same gate row from memory.
     """
     global INTERPRET_CHUNK
     if not interpreting():
         return  # compiled Triton needs none of the fixes
     patch_interpreter(fla_chunk=True)
+    from fla.ops.kda import chunk_intra
+    chunk_intra.IS_GATHER_SUPPORTED = False
     INTERPRET_CHUNK = True

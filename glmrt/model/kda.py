@@ -77,7 +77,7 @@ class KDAAttention(nn.Module):
         g = self.forget_gate(f_a)
         if capture is not None:
             capture.take(self.layer, pre, *(capture.select(t) for t in (q, k, v, g, beta)))
-        o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta)
+        o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta, gate_floor=self.lower_bound)
         gate = self.g_b_proj(g_a).view(shape)
         o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

@@ -245,17 +245,20 @@ def interpreted_chunk(device):
     kk.INTERPRET_CHUNK = False
 
 
-# One chunk_kda call costs seconds in the interpreter: few cases, small heads.
+# One chunk_kda call costs seconds in the interpreter: few cases, small heads. gate_floor -5.0
+# (the inputs' gates are in (-5, 0), as the model's) takes chunk_kda's safe-gate path, None the
+# general one.
 @needs_fla
-@pytest.mark.parametrize("split_decode", [True, False])
-def test_kda_mixed_batch(device, interpreted_chunk, split_decode):
+@pytest.mark.parametrize("split_decode,gate_floor", [(True, None), (True, -5.0), (False, -5.0)])
+def test_kda_mixed_batch(device, interpreted_chunk, split_decode, gate_floor):
     """A prefill chunk of 70 tokens (two chunks of 64) over history, a new request, an empty one and
     decode rows (one new): fused_recurrent on the single-token rows, chunk_kda with gathered and
     scattered states on the rest; or (split_decode=False) everything through chunk_kda."""
     from backends.kernels import kda as kk
+    assert kk.safe_gate(gate_floor) == (gate_floor is not None)
 
     def run(q, k, v, gate, beta, st, meta):
-        return kk.kda(q, k, v, gate, beta, st, meta, split_decode=split_decode)
+        return kk.kda(q, k, v, gate, beta, st, meta, split_decode=split_decode, gate_floor=gate_floor)
 
     # compiled, fla's fp32 tl.dot runs in tf32 (10-bit mantissa): a tf32-level bound there
     _kda_check(device, [0, 5, 3, 7, 0], [9, 1, 0, 70, 1], torch.float32, torch.float32, seed=13, h=1, run=run,
@@ -263,12 +266,13 @@ def test_kda_mixed_batch(device, interpreted_chunk, split_decode):
 
 
 @needs_fla
-def test_kda_prefill_bf16_via_ops(device, interpreted_chunk):
+@pytest.mark.parametrize("gate_floor", [None, -5.0])
+def test_kda_prefill_bf16_via_ops(device, interpreted_chunk, gate_floor):
     """bf16 inputs and state, prefill only (one request over history, one new), through CudaH200Ops."""
     from backends.cuda_h200 import CudaH200Ops
 
     def run(q, k, v, gate, beta, st, meta):
-        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta)
+        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta, gate_floor=gate_floor)
 
     _kda_check(device, [4, 0], [20, 3], torch.bfloat16, torch.bfloat16, seed=14, h=1, run=run)
 
@@ -278,11 +282,12 @@ def test_kda_prefill_bf16_via_ops(device, interpreted_chunk):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_kda_real_head_dims_gpu(state_dtype):
+@pytest.mark.parametrize("gate_floor", [None, -5.0])
+def test_kda_real_head_dims_gpu(state_dtype, gate_floor):
     from backends.cuda_h200 import CudaH200Ops
 
     def run(q, k, v, gate, beta, st, meta):
-        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta)
+        return CudaH200Ops().kda(q, k, v, gate, beta, st, meta, gate_floor=gate_floor)
 
     dev = torch.device("cuda")
     _kda_check(dev, [0, 300, 7, 12], [200, 1, 1, 129], torch.bfloat16, state_dtype, seed=21, h=4, dk=128, dv=128,
