@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backends.reference import ReferenceOps, column_planes, head_weights, kda_chunked
+from backends.reference import ReferenceOps, column_planes, head_weights
+from backends.reference_kda import kda_chunked
 
 _FLOOR = -1e30
 
@@ -106,7 +107,9 @@ class TrainingOps(ReferenceOps):
                         raise
         return self._chunk_kda
 
-    def kda(self, q, k, v, g, beta, state, meta: DenseBatch, chunk_size: int = 64):
+    def kda(self, q, k, v, g, beta, state, meta: DenseBatch, chunk_size: int = 64, *, gate_floor=None):
+        # gate_floor (ops.kda's hint that g >= it) is not used here: training keeps fla's general
+        # chunk path, whose backward is the one the training runs were measured with
         b, t = meta.batch, meta.length
         h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
         qf, kf = q.float(), k.float()
