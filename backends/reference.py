@@ -26,55 +26,9 @@ import torch.nn.functional as F
 
 from . import kv_fp8
 from . import reference_decode as decode
+from .fp8_numerics import dequantize_block_fp8, w8a8_applies, w8a8_product
 from .meta import BatchMeta
-
-
-def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                         dtype: torch.dtype) -> torch.Tensor:
-    """W[i, j] = fp8[i, j] * scale_inv[i // bo, j // bi] (DeepSeek-V3 block convention).
-
-    Works on [out, in] or stacked [E, out, in] weights.
-    """
-    bo, bi = block
-    out_dim, in_dim = w.shape[-2], w.shape[-1]
-    s = scale_inv.to(torch.float32)
-    s = s.repeat_interleave(bo, dim=-2)[..., :out_dim, :].repeat_interleave(bi, dim=-1)[..., :in_dim]
-    return (w.to(torch.float32) * s).to(dtype)
-
-
-def act_quant_e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Dynamic fp8 activation quantisation (w8a8), returned dequantised in fp32: per row and
-    `group`-wide block of the last dim, s = max|x| / 448 and x ≈ e4m3(x / s) · s (DeepSeek-V3's
-    per-token-group quantisation; all-zero groups stay zero). The kernels' quant_act_e4m3."""
-    k = x.shape[-1]
-    pad = (-k) % group
-    xf = F.pad(x.float(), (0, pad)).unflatten(-1, (-1, group))
-    s = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
-    q = (xf / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return (q.float() * s).flatten(-2)[..., :k]
-
-
-def w8a8_product(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """x · dequant(weight)ᵀ in fp32 with x quantised as the w8a8 kernels do (act_quant_e4m3 per
-    K scale block): the reference product of every w8a8 GEMM (dense linear and MoE experts)."""
-    return F.linear(act_quant_e4m3(x, int(block[1])), dequantize_block_fp8(weight, scale_inv, block, torch.float32))
-
-
-def w8a8_possible(act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
-    """Whether a product can quantise its activations (w8a8): e4m3 weights, 16-bit activations and a
-    K scale block of 32..256 (one activation group per K tile; an fp8 MMA takes K >= 32: a 16-wide
-    block failed to compile on the H200). The one rule for this and the kernels' act_fp8_supported."""
-    return (weight_dtype == torch.float8_e4m3fn and act_dtype in (torch.bfloat16, torch.float16)
-            and 32 <= int(block[1]) <= 256)
-
-
-def w8a8_applies(mode: str, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int],
-                 max_rows: int | None = None) -> bool:
-    """Whether fp8_activations=mode quantises x [..., in] for this fp8 weight: "dynamic",
-    w8a8_possible, and at most max_rows rows (None: any)."""
-    rows = x.numel() // max(1, x.shape[-1])
-    return (mode == "dynamic" and w8a8_possible(x.dtype, weight.dtype, block)
-            and (max_rows is None or rows <= max_rows))
+from .reference_kda import kda_chunked, kda_recurrent
 
 
 class MoEPartials(NamedTuple):
@@ -491,47 +445,3 @@ class ReferenceOps:
 
     # [S, T] bool: the tokens each query sees (selected pools + its incomplete pool's tail)
     _token_mask = staticmethod(decode.token_mask)
-
-
-def kda_recurrent(q, k, v, g, beta, s):
-    """One or more delta-rule steps, token by token. q,k [T,H,dk]; v [T,H,dv]; s [H,dk,dv] fp32."""
-    outs = []
-    for t in range(q.shape[0]):
-        s = s * g[t].exp()[..., None]
-        delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]
-        s = s + k[t][..., None] * delta[:, None, :]
-        outs.append(torch.einsum("hkv,hk->hv", s, q[t]))
-    return torch.stack(outs), s
-
-
-def kda_chunked(q, k, v, g, beta, s, chunk_size: int = 64):
-    """The delta rule over chunks, exactly re-arranged (no approximation).
-
-    Within a chunk with cumulative log-decay G_t, the per-token updates
-    delta_t = beta_t (v_t - S~_t^T k_t) form a unit lower-triangular system
-    (I + diag(beta) A) delta = beta (v - (e^G * k) S0), A[t,s] = sum_c k_t k_s e^{G_t - G_s} (s < t),
-    solved directly; outputs and the carried state follow in closed form. Every exponent is
-    G_t - G_s with s <= t (<= 0), so nothing overflows.
-    """
-    total = q.shape[0]
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    for c0 in range(0, total, chunk_size):
-        c1 = min(c0 + chunk_size, total)
-        n = c1 - c0
-        qc, kc, vc, gc = (x[c0:c1].transpose(0, 1) for x in (q, k, v, g))  # [H, C, *]
-        bc = beta[c0:c1].transpose(0, 1)  # [H, C]
-        big_g = gc.cumsum(1)
-        incl = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        diff = (big_g[:, :, None, :] - big_g[:, None, :, :]).masked_fill(~incl[None, :, :, None], float("-inf"))
-        decay = diff.exp()  # [H, C(t), C(s), dk]
-        a_kk = torch.einsum("htc,hsc,htsc->hts", kc, kc, decay)
-        a_qk = torch.einsum("htc,hsc,htsc->hts", qc, kc, decay)
-        eye = torch.eye(n, device=q.device)
-        strict = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
-        lower = eye + bc[:, :, None] * a_kk * strict
-        rhs = bc[..., None] * (vc - (kc * big_g.exp()) @ s)
-        delta = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        out[c0:c1] = ((qc * big_g.exp()) @ s + a_qk @ delta).transpose(0, 1)
-        last = big_g[:, -1:, :]
-        s = last.transpose(1, 2).exp() * s + (kc * (last - big_g).exp()).transpose(1, 2) @ delta
-    return out, s

@@ -47,7 +47,8 @@ import triton  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fp8_linear as f8  # noqa: E402
-from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.fp8_numerics import dequantize_block_fp8  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (128, 128)

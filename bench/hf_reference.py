@@ -221,7 +221,7 @@ def build_hf_from_ours(model, device: torch.device | str, dtype: torch.dtype, *,
     """
     from transformers import Glm5NextForConditionalGeneration
 
-    from backends.reference import dequantize_block_fp8
+    from backends.fp8_numerics import dequantize_block_fp8
 
     cfg = hf_config(model.config, attn=attn, experts=experts)
     with torch.device("meta"):

@@ -62,7 +62,8 @@ from bench.moe_sweep import SWEEP, SWEEP_FP8, print_sweep, sweep  # noqa: E402
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
 from backends.kernels import moe_align as ma  # noqa: E402
-from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.fp8_numerics import dequantize_block_fp8  # noqa: E402
 
 def truth_fp32(x, ids, rw, ws, scales, limit):
     """fp32 MoE over the routed experts only (their weights upcast; ids remapped)."""

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import w8a8_possible
+from ..fp8_numerics import w8a8_possible
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
@@ -44,7 +44,7 @@ def quant_act_e4m3(a, AXIS: tl.constexpr, EXACT: tl.constexpr = False):
 
 
 def act_fp8_supported(want: bool, act_dtype: torch.dtype, weight_dtype: torch.dtype, block: tuple[int, int]) -> bool:
-    """Whether a w8a8 product is asked for and possible (reference.w8a8_possible, the one rule).
+    """Whether a w8a8 product is asked for and possible (fp8_numerics.w8a8_possible, the one rule).
     Else the kernels run w8a16."""
     return bool(want and w8a8_possible(act_dtype, weight_dtype, block))
 

@@ -104,7 +104,7 @@ class Linear(nn.Module):
             key = (dtype, self.weight.data_ptr(), self.weight_scale_inv.data_ptr())
             kept = self.__dict__.get("_dense")
             if kept is None or kept[0] != key:
-                from backends.reference import dequantize_block_fp8
+                from backends.fp8_numerics import dequantize_block_fp8
                 kept = (key, dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype))
                 self.__dict__["_dense"] = kept
             return kept[1]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from backends.kernels import fused_moe as fm
-from backends.reference import ReferenceOps, dequantize_block_fp8
+from backends.reference import ReferenceOps
+from backends.fp8_numerics import dequantize_block_fp8
 from tests.backends.conftest import INTERPRET, rel as _rel, tol as _tol
 
 REF = ReferenceOps()

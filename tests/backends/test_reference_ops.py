@@ -9,7 +9,8 @@ import torch
 torch.set_num_threads(1)
 
 from backends.meta import BatchMeta  # noqa: E402
-from backends.reference import ReferenceOps, kda_chunked, kda_recurrent  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.reference_kda import kda_chunked, kda_recurrent  # noqa: E402
 
 
 def _kda_inputs(t=150, h=3, dk=8, dv=5, seed=0):

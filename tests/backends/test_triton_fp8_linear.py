@@ -21,7 +21,8 @@ triton = pytest.importorskip("triton")
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fp8_linear as f8  # noqa: E402
-from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.fp8_numerics import dequantize_block_fp8  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 from tests.backends.conftest import gen as _gen, rel as _rel, tol as _tol  # noqa: E402
@@ -182,7 +183,7 @@ def test_act_quant_kernel(device):
     """act_quant (the launch before a w8a8 GEMM of more than INKERNEL_QUANT_MAX_ROWS rows) gives
     exactly act_quant_e4m3's values: e4m3 codes and fp32 scales per row and 128-wide group
     (K 300: a partial last group; a zero row; a row of large values)."""
-    from backends.reference import act_quant_e4m3
+    from backends.fp8_numerics import act_quant_e4m3
 
     g = _gen("act-quant-kernel")
     x = torch.randn(5, 300, generator=g).to(torch.bfloat16)

@@ -21,7 +21,8 @@ triton = pytest.importorskip("triton")
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
 from backends.kernels import fused_moe as fm  # noqa: E402
-from backends.reference import ReferenceOps, dequantize_block_fp8  # noqa: E402
+from backends.reference import ReferenceOps  # noqa: E402
+from backends.fp8_numerics import dequantize_block_fp8  # noqa: E402
 from tests.backends.conftest import INTERPRET as _INTERPRET, gen as _gen, rel as _rel  # noqa: E402
 from tests.backends.moe_problems import (FP8, REF, check as _check, problem as _problem,  # noqa: E402
                                          route as _route, same as _same, to as _to, truth as _truth)
@@ -182,7 +183,7 @@ def test_fused_moe_unreduced(device, pair_blocks):
 def test_fused_moe_w8a8_falls_back():
     """act_fp8 applies to e4m3 weights with 16-bit activations and K blocks of 32..256 only (an
     fp8 MMA needs K >= 32); the reference and the kernels agree on where (else both are w8a16)."""
-    from backends.reference import w8a8_applies
+    from backends.fp8_numerics import w8a8_applies
 
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     cases = [(FP8, torch.bfloat16, (128, 128), True), (FP8, torch.float16, (16, 32), True),
@@ -200,7 +201,7 @@ def test_act_quant_e4m3():
     """Per row and group: the group's largest magnitude maps to 448 (exactly representable), every
     value is an e4m3 value times the group's scale, zero groups stay zero, a partial last group is
     scaled by its own elements only."""
-    from backends.reference import act_quant_e4m3
+    from backends.fp8_numerics import act_quant_e4m3
 
     g = _gen("act-quant")
     x = torch.randn(3, 200, generator=g).to(torch.bfloat16)

@@ -149,7 +149,7 @@ def test_fp8_dense_weight_is_dequantised_once_and_follows_reloads():
     """kv_b_proj's dense weight (read by MLA every step) is dequantised once; after an in-place
     write of the weight or its scales (a reload), forget_derived makes the next call dequantise
     again; a model loaded with fp8 weights serves the loaded values, not a copy kept before."""
-    from backends.reference import dequantize_block_fp8
+    from backends.fp8_numerics import dequantize_block_fp8
     lin = Linear(ReferenceOps(), 64, 48, dtype=torch.bfloat16)
     lin.to_fp8((16, 16))
     g = torch.Generator().manual_seed(0)
