@@ -36,6 +36,8 @@ Overridden today (everything else is the reference):
                   kda.DECODE_LAUNCHES; and batches of short rows, speculative decoding's verify and
                   rollback), chunk_kda (prefill; its bounded-gate path where the model's gate has a lower
                   bound in [-5, 0), ops.kda's gate_floor)
+  kda_gated       batches of multi-token requests only, with a gate bound in [-5, 0): chunk_kda with the
+                  forget gate computed in its cumsum kernel (no kda_gate launch, no fp32 gate tensor)
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -270,19 +272,34 @@ class CudaH200Ops(ReferenceOps):
 
     _fla_kda = None  # backends.kernels.kda once imported; False when fla-core is missing
 
-    def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
-            gate_floor: float | None = None) -> torch.Tensor:
-        if (q.is_cuda or _interpreting()) and CudaH200Ops._fla_kda is None:
+    def _fla(self, q: torch.Tensor):
+        """backends.kernels.kda where fla-core is installed and q is on a kernel device, else None."""
+        if not (q.is_cuda or _interpreting()):
+            return None
+        if CudaH200Ops._fla_kda is None:
             try:
                 from .kernels import kda as fla_kda
             except ImportError:  # fla-core not installed: the reference
                 fla_kda = False
             CudaH200Ops._fla_kda = fla_kda
-        kk = CudaH200Ops._fla_kda
+        return CudaH200Ops._fla_kda or None
+
+    def kda_gated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor,
+                  a_log: torch.Tensor, lower_bound: float | None, beta: torch.Tensor, state: torch.Tensor,
+                  meta: BatchMeta) -> torch.Tensor:
+        kk = self._fla(q)
         # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
-        if (kk and (q.is_cuda or _interpreting()) and kk.supports(q, k, v, g, beta, state)
-                and meta.num_tokens == q.shape[0]
+        if (kk and (q.is_cuda or kk.INTERPRET_CHUNK) and meta.num_tokens == q.shape[0]
+                and kk.gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)):
+            return kk.kda_gated(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
+        return super().kda_gated(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
+
+    def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
+            gate_floor: float | None = None) -> torch.Tensor:
+        kk = self._fla(q)
+        # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
+        if (kk and kk.supports(q, k, v, g, beta, state) and meta.num_tokens == q.shape[0]
                 and (q.is_cuda or kk.INTERPRET_CHUNK or kk.short_rows(meta))):
             return kk.kda(q, k, v, g, beta, state, meta, gate_floor=gate_floor)
         return super().kda(q, k, v, g, beta, state, meta, chunk_size)

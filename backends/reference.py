@@ -273,6 +273,15 @@ class ReferenceOps:
                 conv_state[slot] = seq[-(k - 1):].to(conv_state.dtype)
         return column_planes(out, planes)
 
+    def kda_gated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor,
+                  a_log: torch.Tensor, lower_bound: float | None, beta: torch.Tensor, state: torch.Tensor,
+                  meta: BatchMeta) -> torch.Tensor:
+        """kda with its forget gate from the gate projection's output f [N, H·dk] (kda_gate's inputs):
+        one op, so that a kernel set may compute the gate inside its prefill kernels. Here: kda_gate,
+        then kda with the bound as its gate_floor."""
+        g = self.kda_gate(f, dt_bias, a_log, lower_bound, q.shape[1])
+        return self.kda(q, k, v, g, beta, state, meta, gate_floor=lower_bound)
+
     def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
             gate_floor: float | None = None) -> torch.Tensor:

@@ -137,6 +137,43 @@ def kda_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, s
     return row
 
 
+def gated_case(name, prefix, seqs, d, dev, gen, timers, *, ref=True) -> dict:
+    """ops.kda_gated through CudaH200Ops (the gate from the projection's bf16 output f, dt_bias and
+    A_log as the model holds them): with kda.GATE_IN_KERNEL chunk_kda computes the gate, else our
+    kda_gate kernel then kda. Error against ReferenceOps.kda_gated in fp32 on the same inputs."""
+    kernel_ms, _ = timers
+    b, h, dk = len(seqs), d["h"], d["dk"]
+    n_slots = 2 * b + 3
+    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(b + 7))[:b].tolist()
+    meta = _meta(prefix, seqs, slots, dev)
+    q, k, v, _, beta = _kda_inputs(sum(seqs), d, torch.bfloat16, dev, gen)
+    f = torch.randn(sum(seqs), h * dk, device=dev, generator=gen).to(torch.bfloat16)
+    dt_bias = 0.5 * torch.randn(h * dk, device=dev, generator=gen)
+    a_log = 0.5 * torch.randn(h, device=dev, generator=gen)
+    pool = _pool(n_slots, d, torch.float32, dev, gen)
+    ops = CudaH200Ops()
+    row = dict(case=name, kind="kda", reqs=b, tokens=sum(seqs), dtype="bfloat16", state="float32",
+               gate_in_kernel=kk.GATE_IN_KERNEL and kk.gate_in_kernel(q, k, v, f, dt_bias, a_log, GATE_FLOOR, beta,
+                                                                      pool, meta))
+    if ref:
+        truth_pool = pool.clone()
+        truth = ReferenceOps().kda_gated(q.float(), k.float(), v.float(), f.float(), dt_bias, a_log, GATE_FLOOR,
+                                         beta.float(), truth_pool, meta)
+        st = pool.clone()
+        out = ops.kda_gated(q, k, v, f, dt_bias, a_log, GATE_FLOOR, beta, st, meta)
+        used = [s for s, n in zip(slots, seqs) if n > 0]
+        row.update(out_rel=_rel(out, truth), state_rel=_rel(st[used], truth_pool[used]))
+        del truth_pool, truth, st, out
+    t = kernel_ms(lambda: ops.kda_gated(q, k, v, f, dt_bias, a_log, GATE_FLOOR, beta, pool, meta))
+    io_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, f, beta)) + v.numel() * v.element_size()
+    state_bytes = 2 * b * h * dk * d["dv"] * 4
+    row.update(us=t * 1e3, state_bytes=state_bytes, io_bytes=io_bytes,
+               tbps=(state_bytes + io_bytes) / (t * 1e-3) / 1e12)
+    row["pct_ceiling"] = 100 * row["tbps"] / CEILING_TBPS
+    print(name, row, flush=True)
+    return row
+
+
 def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, block_t=16, block_c=256) -> dict:
     kernel_ms, ref_ms = timers
     b, c, kw = len(seqs), d["c"], d["k"]
@@ -239,10 +276,14 @@ def main(argv=None) -> int:
     p.add_argument("--safe-gate", default="on",
                    help="chunk_kda's bounded-gate path for the prefill and mixed cases (kda.SAFE_GATE): "
                         "on, off, or both in turn (on,off)")
+    p.add_argument("--gate-in-kernel", default="on",
+                   help="ops.kda_gated on the prefill cases with the gate computed in chunk_kda "
+                        "(kda.GATE_IN_KERNEL): on, off (kda_gate, then kda), or both in turn (on,off)")
     p.add_argument("--prefill-tokens", type=int, default=0, help="prefill tokens (default 8192 at full size)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="decode,prefill,mixed,conv,graph",
-                   help="comma-separated sections: decode, prefill, mixed, conv, graph")
+    p.add_argument("--only", default="decode,prefill,gated,mixed,conv,graph",
+                   help="comma-separated sections: decode, prefill, gated (ops.kda_gated at prefill), mixed, conv, "
+                        "graph")
     args = p.parse_args(argv)
     dev = kernel_device()
     if dev is None:
@@ -299,6 +340,12 @@ def main(argv=None) -> int:
         if "prefill" in only:
             safe(kda_case, f"kda prefill 1x{t_all} fp32{sg}", [300], [t_all], d, dev, gen, timers,
                  dtype=torch.float32, ref=ref)
+        for setting_g in (args.gate_in_kernel.split(",") if "gated" in only else ()):
+            kk.GATE_IN_KERNEL = setting_g == "on"
+            for n in d["prefill_splits"]:
+                safe(gated_case, f"kda_gated {n}x{t_all // n} gate_in_kernel={setting_g}{sg}",
+                     [0] * (n // 2) + [300] * (n - n // 2), [t_all // n] * n, d, dev, gen, timers, ref=ref)
+            kk.GATE_IN_KERNEL = True
         # ---- mixed: one prefill chunk + decode rows, both strategies ----
         pt, nd = d["mixed"]
         for split in ((True, False) if "mixed" in only else ()):

@@ -121,6 +121,8 @@ def main(argv=None) -> list[dict]:
                    "(BLOCK_M=64+gate_up.BLOCK_N=64)")
     p.add_argument("--kda-safe-gate", default="", help="kda.SAFE_GATE values also timed on the triton backend, "
                    "e.g. off,on (chunk_kda's bounded-gate path)")
+    p.add_argument("--kda-gate-in-kernel", default="", help="kda.GATE_IN_KERNEL values also timed on the triton "
+                   "backend, e.g. off,on (the forget gate computed inside chunk_kda)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -177,7 +179,9 @@ def main(argv=None) -> list[dict]:
                     (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
                                                                                   "kernel", as_int_or_name),
                     (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}", moe_tile),
-                    (args.kda_safe_gate, kk, "SAFE_GATE", "kda_safe_gate", "chunk_kda's safe gate {}", on_off)):
+                    (args.kda_safe_gate, kk, "SAFE_GATE", "kda_safe_gate", "chunk_kda's safe gate {}", on_off),
+                    (args.kda_gate_in_kernel, kk, "GATE_IN_KERNEL", "kda_gate_in_kernel",
+                     "the KDA gate inside chunk_kda {}", on_off)):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)

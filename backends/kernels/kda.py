@@ -81,6 +81,11 @@ DECODE_LAUNCH: dict | None = None  # a fixed launch for every batch (benches set
 # keeps the general path for every gate (bench.kda_h200 --safe-gate times both).
 SAFE_GATE = True
 SAFE_GATE_FLOOR = -5.0  # fla's stated range for it: lower_bound in [-5, 0)
+# ops.kda_gated on prefill batches (every request more than one token) with a bounded gate:
+# chunk_kda computes lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) inside its chunk-cumsum
+# kernel (use_gate_in_kernel) from the bf16 projection f, instead of our kda_gate writing an fp32
+# g that its cumsum then reads (bench.kda_h200 --gate-in-kernel times both). False: kda_gate + kda.
+GATE_IN_KERNEL = True
 # Batches whose requests all have 1..RECURRENT_MAX_TOKENS new tokens run fused_recurrent in place
 # (the verify and rollback of speculative decoding); 0 sends multi-token rows to chunk_kda.
 RECURRENT_MAX_TOKENS = 8
@@ -175,13 +180,15 @@ def safe_gate(gate_floor: float | None) -> bool:
 
 
 def kda_chunked(q, k, v, g, beta, state, slots: torch.Tensor, has_hist: list[bool], keep: torch.Tensor | None,
-                cu: tuple[torch.Tensor, torch.Tensor], gate_floor: float | None = None) -> torch.Tensor:
+                cu: tuple[torch.Tensor, torch.Tensor], gate_floor: float | None = None,
+                gate_params: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The multi-token requests (their tokens are q.. in order) through chunk_kda, their states
     gathered from and scattered back to `slots`. `keep`: has_hist on the device (where a request
     continues from its slot), needed only when some do and some do not. `cu`: cu_seqlens on the
     device and on the host; the same two tensors in every KDA layer of a forward let fla's
     identity cache keep its chunk indices (their own blocking copy) after the first layer.
-    `gate_floor`: g >= it (see SAFE_GATE)."""
+    `gate_floor`: g >= it (see SAFE_GATE). `gate_params` (dt_bias, A_log): g is the gate
+    projection's output [N, H, dk] and chunk_kda computes the gate, with gate_floor as its bound."""
     cu_dev, cu_cpu = cu
     init = None
     if any(has_hist):
@@ -191,9 +198,12 @@ def kda_chunked(q, k, v, g, beta, state, slots: torch.Tensor, has_hist: list[boo
     # q, k normalised by our l2norm (fla's formula): fla's in-kernel option autotunes its l2norm
     # per multiple of 1024 batch tokens (backends/kernels/norms.py, l2norm), a stall each
     q, k = l2norm(q), l2norm(k)
+    gate = {}
+    if gate_params is not None:
+        gate = dict(use_gate_in_kernel=True, dt_bias=gate_params[0], A_log=gate_params[1], lower_bound=gate_floor)
     o, final = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
                          initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=False,
-                         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, safe_gate=safe_gate(gate_floor))
+                         cu_seqlens=cu_dev, cu_seqlens_cpu=cu_cpu, safe_gate=safe_gate(gate_floor), **gate)
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[0]
 
@@ -278,6 +288,28 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         o = kda_chunked(*args, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu, gate_floor)
         out[sp.many_rows] = o.to(out.dtype)
     return out
+
+
+def gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta: BatchMeta) -> bool:
+    """Whether kda_gated takes the batch: GATE_IN_KERNEL, a bounded gate on the safe-gate path, every
+    request more than one new token (a prefill batch: all of it goes through chunk_kda) and
+    inputs fla takes (dt_bias [H·dk] and A_log [H] in fp32, f [N, H·dk] contiguous)."""
+    n, h, dk = q.shape
+    return (GATE_IN_KERNEL and safe_gate(lower_bound) and meta.num_reqs > 0 and all(s > 1 for s in meta.seq_lens)
+            and tuple(f.shape) == (n, h * dk) and f.is_contiguous() and f.dtype in (torch.bfloat16, torch.float32)
+            and tuple(dt_bias.shape) == (h * dk,) and tuple(a_log.shape) == (h,)
+            and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.device == a_log.device == q.device
+            and supports(q, k, v, q, beta, state) and f.device == q.device)
+
+
+def kda_gated(q, k, v, f, dt_bias, a_log, lower_bound: float, beta, state, meta: BatchMeta) -> torch.Tensor:
+    """ops.kda_gated on a prefill batch (gate_in_kernel): the whole batch through chunk_kda, the
+    forget gate computed in its cumsum kernel. Returns [N, H, dv] in v.dtype."""
+    sp = _Split.of(meta, q.device, True)
+    assert sp.whole, "kda_gated takes batches of multi-token requests only"
+    o = kda_chunked(q, k, v, f.view(q.shape), beta, state, sp.many_slots, sp.has_hist, sp.keep, sp.many_cu,
+                    lower_bound, gate_params=(dt_bias, a_log))
+    return o if o.dtype == v.dtype else o.to(v.dtype)
 
 
 # ---- Triton interpreter support for chunk_kda (CPU tests only) --------------------------------

@@ -74,10 +74,13 @@ class KDAAttention(nn.Module):
         q, k, v = (t.view(shape) for t in self.ops.causal_conv(mixed, cache.conv(self.layer),
                                                                  self.conv_weight(), meta, planes=3))
         beta = torch.sigmoid(b)  # model dtype, as the reference computes it
-        g = self.forget_gate(f_a)
-        if capture is not None:
+        if capture is None:  # the gate and the recurrence in one op: a kernel set may fuse them
+            o = self.ops.kda_gated(q, k, v, self.f_b_proj(f_a), self.dt_bias, self.A_log, self.lower_bound, beta,
+                                   cache.recurrent(self.layer), meta)
+        else:
+            g = self.forget_gate(f_a)
             capture.take(self.layer, pre, *(capture.select(t) for t in (q, k, v, g, beta)))
-        o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta, gate_floor=self.lower_bound)
+            o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta, gate_floor=self.lower_bound)
         gate = self.g_b_proj(g_a).view(shape)
         o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

@@ -277,6 +277,37 @@ def test_kda_prefill_bf16_via_ops(device, interpreted_chunk, gate_floor):
     _kda_check(device, [4, 0], [20, 3], torch.bfloat16, torch.bfloat16, seed=14, h=1, run=run)
 
 
+@needs_fla
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+def test_kda_gated(device, interpreted_chunk, case):
+    """ops.kda_gated: on a prefill batch (every request more than one token, one over history, one
+    new) chunk_kda computes the bounded gate from the projection's output in its cumsum kernel; a
+    batch with a decode row takes kda_gate, then kda. Both against the fp32 reference."""
+    from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import kda as kk
+
+    prefix, seqs = ([4, 0], [20, 3]) if case == "prefill" else ([4, 0, 9], [20, 3, 1])
+    h, dk, dv = 2, 16, 32
+    meta, slots, new, g = _batch(prefix, seqs, device, seed=31 + len(seqs))
+    n = sum(seqs)
+    q, k, v, _, beta = _kda_inputs(n, h, dk, dv, torch.bfloat16, g)
+    f = torch.randn(n, h * dk, generator=g).to(torch.bfloat16)
+    dt_bias, a_log = 0.5 * torch.randn(h * dk, generator=g), 0.5 * torch.randn(h, generator=g)
+    state = 0.3 * torch.randn(slots, h, dk, dv, generator=g)
+    state[new] = float("nan")
+    truth_state = state.clone()
+    truth_state[new] = 0.0
+    ref = ReferenceOps().kda_gated(q.float(), k.float(), v.float(), f.float(), dt_bias, a_log, -5.0, beta.float(),
+                                   truth_state, meta)
+    args = [t.to(device) for t in (q, k, v, f, dt_bias, a_log)]
+    st = state.to(device)
+    assert kk.gate_in_kernel(*args, -5.0, beta.to(device), st, meta) == (case == "prefill")
+    out = CudaH200Ops().kda_gated(*args, -5.0, beta.to(device), st, meta)
+    assert out.dtype == v.dtype and _rel(out, ref) < _tol(torch.bfloat16)
+    for s in {int(x) for x in meta.slot_ids.tolist()}:
+        assert _rel(st[s], truth_state[s]) < _tol(torch.bfloat16), f"slot {s}"
+
+
 # ---- real head sizes, GPU only (fla specializes its kernels on dk/dv) -------------------------------
 @needs_fla
 @pytest.mark.gpu
