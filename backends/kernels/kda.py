@@ -292,10 +292,12 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
 
 def gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta: BatchMeta) -> bool:
     """Whether kda_gated takes the batch: GATE_IN_KERNEL, a bounded gate on the safe-gate path, every
-    request more than one new token (a prefill batch: all of it goes through chunk_kda) and
-    inputs fla takes (dt_bias [H·dk] and A_log [H] in fp32, f [N, H·dk] contiguous)."""
+    request more than one new token and not all of them short rows (the batches kda sends through
+    chunk_kda whole) and inputs fla takes (dt_bias [H·dk] and A_log [H] in fp32, f [N, H·dk]
+    contiguous)."""
     n, h, dk = q.shape
     return (GATE_IN_KERNEL and safe_gate(lower_bound) and meta.num_reqs > 0 and all(s > 1 for s in meta.seq_lens)
+            and not short_rows(meta)
             and tuple(f.shape) == (n, h * dk) and f.is_contiguous() and f.dtype in (torch.bfloat16, torch.float32)
             and tuple(dt_bias.shape) == (h * dk,) and tuple(a_log.shape) == (h,)
             and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.device == a_log.device == q.device

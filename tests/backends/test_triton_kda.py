@@ -278,15 +278,17 @@ def test_kda_prefill_bf16_via_ops(device, interpreted_chunk, gate_floor):
 
 
 @needs_fla
-@pytest.mark.parametrize("case", ["prefill", "mixed"])
+@pytest.mark.parametrize("case", ["prefill", "mixed", "short"])
 def test_kda_gated(device, interpreted_chunk, case):
     """ops.kda_gated: on a prefill batch (every request more than one token, one over history, one
     new) chunk_kda computes the bounded gate from the projection's output in its cumsum kernel; a
-    batch with a decode row takes kda_gate, then kda. Both against the fp32 reference."""
+    batch with a decode row, or of short rows only, takes kda_gate, then kda. Each against the fp32
+    reference."""
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import kda as kk
 
-    prefix, seqs = ([4, 0], [20, 3]) if case == "prefill" else ([4, 0, 9], [20, 3, 1])
+    # "short": every request at most RECURRENT_MAX_TOKENS new tokens, kda's in-place recurrent path
+    prefix, seqs = {"prefill": ([4, 0], [20, 3]), "mixed": ([4, 0, 9], [20, 3, 1]), "short": ([4, 0], [5, 3])}[case]
     h, dk, dv = 2, 16, 32
     meta, slots, new, g = _batch(prefix, seqs, device, seed=31 + len(seqs))
     n = sum(seqs)
