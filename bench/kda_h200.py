@@ -327,9 +327,10 @@ def main(argv=None) -> int:
         for b in d["decode"]:
             safe(kda_case, f"kda decode B={b} tile {shape}", [100] * b, [1] * b, d, dev, gen, timers, ref=ref)
         kk.DECODE_LAUNCH = saved
+    for flag, values in (("--safe-gate", args.safe_gate), ("--gate-in-kernel", args.gate_in_kernel)):
+        if any(v not in ("on", "off") for v in values.split(",")):
+            p.error(f"{flag}: on, off or both (on,off), not {values!r}")
     for setting in args.safe_gate.split(","):
-        if setting not in ("on", "off"):
-            p.error(f"--safe-gate: on or off, not {setting!r}")
         kk.SAFE_GATE = setting == "on"
         sg = f" safe={setting}"
         # ---- KDA prefill ----
