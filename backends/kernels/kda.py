@@ -301,7 +301,7 @@ def gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta: B
             and tuple(f.shape) == (n, h * dk) and f.is_contiguous() and f.dtype in (torch.bfloat16, torch.float32)
             and tuple(dt_bias.shape) == (h * dk,) and tuple(a_log.shape) == (h,)
             and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.device == a_log.device == q.device
-            and supports(q, k, v, q, beta, state) and f.device == q.device)
+            and supports(q, k, v, q, beta, state) and f.device == q.device)  # q stands in for the gate made inside
 
 
 def kda_gated(q, k, v, f, dt_bias, a_log, lower_bound: float, beta, state, meta: BatchMeta) -> torch.Tensor:
