@@ -79,19 +79,33 @@ def _pool(slots, d, dtype, dev, gen):
     return (0.3 * torch.randn(slots, d["h"], d["dk"], d["dv"], device=dev, generator=gen)).to(dtype)
 
 
+def _batch(seed, prefix, seqs, d, dev, gen, state_dtype):
+    """(meta, slots, pool, new): the batch's slots shuffled in a pool of 2B + 3, the slots of new
+    requests (prefix 0) filled with NaN (the op must ignore them)."""
+    b = len(seqs)
+    n_slots = 2 * b + 3
+    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(seed))[:b].tolist()
+    pool = _pool(n_slots, d, state_dtype, dev, gen)
+    new = [s for s, p in zip(slots, prefix) if p == 0]
+    pool[new] = float("nan")
+    return _meta(prefix, seqs, slots, dev), slots, pool, new
+
+
+def _rate(row, ms, state_bytes, io_bytes) -> None:
+    """The time and bandwidth columns of a case's row."""
+    row.update(us=ms * 1e3, state_bytes=state_bytes, io_bytes=io_bytes,
+               tbps=(state_bytes + io_bytes) / (ms * 1e-3) / 1e12)
+    row["pct_ceiling"] = 100 * row["tbps"] / CEILING_TBPS
+
+
 def kda_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, state_dtype=torch.float32,
              split_decode=True, ref=True) -> dict:
     """One batch through kk.kda: error vs the fp32 reference (output and the batch's slots), time,
     state bytes and bandwidth."""
     kernel_ms, ref_ms = timers
     b = len(seqs)
-    n_slots = 2 * b + 3
-    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(len(name) + b))[:b].tolist()
-    meta = _meta(prefix, seqs, slots, dev)
+    meta, slots, pool, new = _batch(len(name) + b, prefix, seqs, d, dev, gen, state_dtype)
     q, k, v, g, beta = _kda_inputs(sum(seqs), d, dtype, dev, gen)
-    pool = _pool(n_slots, d, state_dtype, dev, gen)
-    new = [s for s, p in zip(slots, prefix) if p == 0]
-    pool[new] = float("nan")
     row = dict(case=name, kind="kda", reqs=b, tokens=sum(seqs), dtype=str(dtype)[6:], state=str(state_dtype)[6:],
                split_decode=split_decode, safe_gate=kk.safe_gate(GATE_FLOOR))
     if ref:
@@ -108,9 +122,7 @@ def kda_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, s
     sb = d["h"] * d["dk"] * d["dv"] * pool.element_size()
     state_bytes = sum(2 * sb for n in seqs if n > 0)
     io_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, g, beta)) + v.numel() * v.element_size()
-    row.update(us=t * 1e3, state_bytes=state_bytes, io_bytes=io_bytes,
-               tbps=(state_bytes + io_bytes) / (t * 1e-3) / 1e12)
-    row["pct_ceiling"] = 100 * row["tbps"] / CEILING_TBPS
+    _rate(row, t, state_bytes, io_bytes)
     if dev.type == "cuda" and all(s == 1 for s in seqs):
         # the decode op captured in a CUDA graph (as the step runs it): no host launch cost, which
         # bounds the eager time below 64 rows (measured on the H200: ~50-190 µs whatever the tile)
@@ -143,20 +155,17 @@ def gated_case(name, prefix, seqs, d, dev, gen, timers, *, ref=True) -> dict:
     kda_gate kernel then kda. Error against ReferenceOps.kda_gated in fp32 on the same inputs."""
     kernel_ms, _ = timers
     b, h, dk = len(seqs), d["h"], d["dk"]
-    n_slots = 2 * b + 3
-    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(b + 7))[:b].tolist()
-    meta = _meta(prefix, seqs, slots, dev)
+    meta, slots, pool, new = _batch(b + 7, prefix, seqs, d, dev, gen, torch.float32)
     q, k, v, _, beta = _kda_inputs(sum(seqs), d, torch.bfloat16, dev, gen)
     f = torch.randn(sum(seqs), h * dk, device=dev, generator=gen).to(torch.bfloat16)
     dt_bias = 0.5 * torch.randn(h * dk, device=dev, generator=gen)
     a_log = 0.5 * torch.randn(h, device=dev, generator=gen)
-    pool = _pool(n_slots, d, torch.float32, dev, gen)
     ops = CudaH200Ops()
     row = dict(case=name, kind="kda", reqs=b, tokens=sum(seqs), dtype="bfloat16", state="float32",
-               gate_in_kernel=kk.GATE_IN_KERNEL and kk.gate_in_kernel(q, k, v, f, dt_bias, a_log, GATE_FLOOR, beta,
-                                                                      pool, meta))
+               gate_in_kernel=kk.gate_in_kernel(q, k, v, f, dt_bias, a_log, GATE_FLOOR, beta, pool, meta))
     if ref:
         truth_pool = pool.clone()
+        truth_pool[new] = 0.0
         truth = ReferenceOps().kda_gated(q.float(), k.float(), v.float(), f.float(), dt_bias, a_log, GATE_FLOOR,
                                          beta.float(), truth_pool, meta)
         st = pool.clone()
@@ -166,10 +175,7 @@ def gated_case(name, prefix, seqs, d, dev, gen, timers, *, ref=True) -> dict:
         del truth_pool, truth, st, out
     t = kernel_ms(lambda: ops.kda_gated(q, k, v, f, dt_bias, a_log, GATE_FLOOR, beta, pool, meta))
     io_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, f, beta)) + v.numel() * v.element_size()
-    state_bytes = 2 * b * h * dk * d["dv"] * 4
-    row.update(us=t * 1e3, state_bytes=state_bytes, io_bytes=io_bytes,
-               tbps=(state_bytes + io_bytes) / (t * 1e-3) / 1e12)
-    row["pct_ceiling"] = 100 * row["tbps"] / CEILING_TBPS
+    _rate(row, t, 2 * b * h * dk * d["dv"] * pool.element_size(), io_bytes)
     print(name, row, flush=True)
     return row
 
