@@ -5,7 +5,7 @@
 Runs the trainer's own step (glmrt/train/trainer.py: forward_losses, backward, AdamW, router
 bias) on the corpus's batches and prints, per step after warm-up, the wall time split into the
 batch's host preparation and the device step, then (with --profile) the kernels that take the
-most device time. Ends with a short table.
+most GPU time. Ends with a short table.
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ class TrainingOps(ReferenceOps):
         return self._chunk_kda
 
     def kda(self, q, k, v, g, beta, state, meta: DenseBatch, chunk_size: int = 64, *, gate_floor=None):
-        # gate_floor (ops.kda's hint that g >= it) is not used here: training keeps fla's general
-        # chunk path, whose backward is the one the training runs were measured with
+        # gate_floor (ops.kda's hint that g >= it) is not used here: the reference form needs none,
+        # and `--kda fla` keeps fla's general chunk path, whose backward is the one measured
         b, t = meta.batch, meta.length
         h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
         qf, kf = q.float(), k.float()
