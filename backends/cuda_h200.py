@@ -28,6 +28,8 @@ Overridden today (everything else is the reference):
                   from 1024 tokens); at decode sizes the sublayer's input RMSNorm inside the collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
                   rows (MoEPartials) and does its top-k sum on the way in
+  mhc_post_pre    from 1024 tokens (mhc_post.POST_MIX): the post combine and the next mhc_pre's mixing
+                  products in one launch, then mhc_pre's split epilogue; below, mhc_post + mhc_pre
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
   copy_slots      the state-pool slot copies of speculative decoding (snapshot, rollback): one launch
@@ -235,31 +237,52 @@ class CudaH200Ops(ReferenceOps):
                 return norms.gated_rms_norm(x, gate, weight, eps)
         return super().gated_rms_norm(x, gate, weight, eps)
 
+    @staticmethod
+    def _mhc_pre_ok(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    norm: tuple[torch.Tensor, float] | None) -> bool:
+        m = streams.shape[1] if streams.dim() == 3 else 0
+        return ((streams.is_cuda or _interpreting()) and 1 <= m <= 8
+                and tuple(fn.shape) == ((2 + m) * m, m * streams.shape[2])
+                and all(t.device == streams.device for t in (fn, base, scale))
+                and (norm is None or (norm[0].shape == (streams.shape[2],) and norm[0].device == streams.device)))
+
+    @staticmethod
+    def _mhc_post_ok(y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> bool:
+        m = streams.shape[1] if streams.dim() == 3 else 0
+        y2 = y.y[:, 0] if isinstance(y, MoEPartials) else y  # the [N, D] shape and dtype checked below
+        return ((streams.is_cuda or _interpreting()) and 1 <= m <= 8 and y2.dtype == streams.dtype
+                and tuple(y2.shape) == (streams.shape[0], streams.shape[2])
+                and all(t.device == streams.device for t in (y2, post, comb)))
+
     def mhc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 sinkhorn_iters: int, hc_eps: float, norm_eps: float,
                 norm: tuple[torch.Tensor, float] | None = None):
-        m = streams.shape[1] if streams.dim() == 3 else 0
-        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8
-                or tuple(fn.shape) != ((2 + m) * m, m * streams.shape[2])
-                or any(t.device != streams.device for t in (fn, base, scale))
-                or (norm is not None and (norm[0].shape != (streams.shape[2],) or norm[0].device != streams.device))):
+        if not self._mhc_pre_ok(streams, fn, base, scale, norm):
             return super().mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
         from .kernels.mhc import mhc_pre
         return mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
 
     def mhc_post(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
                  comb: torch.Tensor) -> torch.Tensor:
-        m = streams.shape[1] if streams.dim() == 3 else 0
-        parts = y if isinstance(y, MoEPartials) else None
-        y2 = parts.y[:, 0] if parts is not None else y  # the [N, D] shape and dtype checked below
-        if (not (streams.is_cuda or _interpreting()) or not 1 <= m <= 8 or y2.dtype != streams.dtype
-                or tuple(y2.shape) != (streams.shape[0], streams.shape[2])
-                or any(t.device != streams.device for t in (y2, post, comb))):
+        if not self._mhc_post_ok(y, streams, post, comb):
             return super().mhc_post(y, streams, post, comb)
-        from .kernels.mhc import mhc_post
-        if parts is not None:  # the MoE's top-k sum on the way in (no sum launch)
-            return mhc_post(parts.y, streams, post, comb, ids=parts.ids, num_experts=parts.num_experts)
+        from .kernels.mhc_post import mhc_post
+        if isinstance(y, MoEPartials):  # the MoE's top-k sum on the way in (no sum launch)
+            return mhc_post(y.y, streams, post, comb, ids=y.ids, num_experts=y.num_experts)
         return mhc_post(y, streams, post, comb)
+
+    def mhc_post_pre(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                     norm: tuple[torch.Tensor, float] | None = None):
+        from .kernels import mhc, mhc_post as mp
+        if (not mp.POST_MIX or streams.dim() != 3 or streams.shape[0] < mhc._LARGE_N
+                or not self._mhc_post_ok(y, streams, post, comb) or not self._mhc_pre_ok(streams, fn, base, scale, norm)):
+            return super().mhc_post_pre(y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
+        parts = dict(ids=y.ids, num_experts=y.num_experts) if isinstance(y, MoEPartials) else {}
+        return mp.mhc_post_pre(y.y if parts else y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps,
+                                norm_eps, norm=norm, **parts)
 
     # ---- KDA (every batch; in place on the state slots; backends/kernels/{conv,kda}.py) -------
     def causal_conv(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,

@@ -166,7 +166,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
     (token, slot) pair without alignment (True) or the aligned blocks (False); None: pair blocks
     up to PAIR_BLOCKS_MAX_PAIRS pairs. `reduce=False`: no sum launch, MoEPartials (the weighted
-    per-pair rows) for a consumer that sums them itself (mhc.mhc_post)."""
+    per-pair rows) for a consumer that sums them itself (mhc_post.mhc_post)."""
     n, d = x.shape
     top_k = ids.shape[1]
     e, i, _ = w_gate.shape

@@ -22,9 +22,7 @@ Two shapes of launch, chosen by the number of 16-token blocks:
     through one SM; splitting spreads it over the chip.
 M is padded to BLOCK_M = max(4, next_pow2(M)) (M <= 8), so BLOCK_M² >= 16 for tl.dot.
 
-mhc_post: X'[j] = post[j]·y + Σ_i C[i, j]·X[i] with post and C rounded to the model dtype
-first and both terms rounded to the model dtype before their sum (HF / ReferenceOps order;
-the i-sum runs in fp32, one rounding, like torch's bf16 matmul).
+mhc_post and mhc_post_pre (the post combine, alone or with the next mix): mhc_post.py.
 """
 
 from __future__ import annotations
@@ -78,6 +76,14 @@ _SPLIT_WARPS = 4
 # (64 fp32 registers a thread for the tile).
 _NORM_TILE = 16384
 _NORM_WARPS = 8
+# ... or at prefill sizes (>= _LARGE_N tokens), with NORM_CHUNK > 0, in a loop over chunks of
+# NORM_CHUNK columns on _NORM_LOOP_WARPS: the collapse stored as it goes, then read back (L2) for
+# the norm once the row's sum of squares is known. Fewer registers per program than the whole
+# row, so more programs per SM keep loads in flight. `bench.mhc_h200` on an H100 (M 4, D 4096,
+# mhc_post then mhc_pre with the norm, ms at 16K tokens, 0 / 1024 / 2048): 1.084 / 1.017 / 0.993
+# after an attention output, 1.388 / 1.320 / 1.295 after an MoE's rows. 0: the whole row.
+NORM_CHUNK = 2048
+_NORM_LOOP_WARPS = 4
 
 
 @triton.jit
@@ -209,6 +215,35 @@ def _mhc_post_comb(zp, zc, tok64, n_ok, BASE, SCALE, POST, COMB, M, iters, hc_ep
              mask=n_ok[:, None, None] & v3)
 
 
+@triton.jit
+def _collapse_norm_loop(x_base, xm, pre, U, NW, tok64, n_ok, stride_un, D, out_eps,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """u = Σ_i pre[i]·X[i] rounded to the stream dtype, then RMSNorm (ReferenceOps.rms_norm's
+    cast order), a row in BLOCK_D chunks: the collapse is stored chunk by chunk with its sum of
+    squares, then read back (this program's own stores, from L2) and normalised in place."""
+    xdt = U.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_D)
+    sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + offs_d
+        d_ok = dd < D
+        x = tl.load(x_base + dd[None, None, :], mask=xm & d_ok[None, None, :], other=0.0).to(tl.float32)
+        u = tl.sum(x * pre[:, :, None], 1).to(xdt)
+        tl.store(U + tok64[:, None] * stride_un + dd[None, :], u, mask=n_ok[:, None] & d_ok[None, :])
+        uf = u.to(tl.float32)
+        sq += tl.sum(uf * uf, 1)
+    rn = tl.rsqrt(sq / D + out_eps)
+    tl.debug_barrier()  # every thread's stores above seen by the threads that read them back
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + offs_d
+        d_ok = dd < D
+        ok = n_ok[:, None] & d_ok[None, :]
+        u = tl.load(U + tok64[:, None] * stride_un + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(NW + dd, mask=d_ok, other=0.0).to(xdt).to(tl.float32)
+        tl.store(U + tok64[:, None] * stride_un + dd[None, :], (w[None, :] * (u * rn[:, None]).to(xdt).to(tl.float32)).to(xdt),
+                 mask=ok)
+
+
 # n_split unspecialised: it follows the token count, and a multiple of 16 compiled its own
 # variant mid-traffic (a step of 2048 tokens)
 @triton.jit(do_not_specialize=["n_split"])
@@ -217,14 +252,15 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_PP: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    NORM_LOOP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Fused (SPLIT=False): grid (token blocks,), each program does the whole token block.
     Split epilogue (SPLIT=True): grid (token blocks, D tiles of BLOCK_D); every program sums the
     partials it needs for r and pre and collapses its own D tile; the D-tile-0 programs also do
     post and comb (the Sinkhorn), in parallel with the other tiles' collapse.
     Split with NORM: grid (tokens, 2): program 1 collapses the whole row (BLOCK_D >= D) and
     applies the layer's RMSNorm (weight NW, eps out_eps, ReferenceOps.rms_norm's cast order)
-    before the store; program 0 does the Sinkhorn alone, concurrently."""
+    before the store; program 0 does the Sinkhorn alone, concurrently. NORM_LOOP: program 1
+    goes over the row in BLOCK_D chunks, storing the collapse, then normalises what it stored."""
     pdl_enter(PDL)
     nb = tl.program_id(0)
     tok = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -246,8 +282,8 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
         dd = offs_d if NORM else db * BLOCK_D + offs_d
         d_ok = dd < D
         ld_ok = d_ok
-        if NORM:  # program 0 only does the Sinkhorn
-            ld_ok = d_ok & (db == 1)
+        if NORM:  # program 0 only does the Sinkhorn; NORM_LOOP loads its chunks in the loop
+            ld_ok = d_ok & (db == 1) & (not NORM_LOOP)
         x = tl.load(x_base + dd[None, None, :], mask=xm & ld_ok[None, None, :], other=0.0).to(tl.float32)
         # all partials in one load each and a tree sum: a loop over the splits costs a dependent
         # round trip per split (~0.25 µs each on the H200, 8 µs a call at 32 splits)
@@ -260,7 +296,10 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
         r = tl.rsqrt(ss / K + norm_eps)
         zp = zp * r[:, None]
         pre = _mhc_gate_pre(zp, BASE, SCALE, M, hc_eps, BLOCK_M, BLOCK_PP)
-        if (not NORM) or db == 1:
+        if NORM_LOOP:
+            if db == 1:
+                _collapse_norm_loop(x_base, xm, pre, U, NW, tok64, n_ok, stride_un, D, out_eps, BLOCK_N, BLOCK_D)
+        elif (not NORM) or db == 1:
             u = tl.sum(x * pre[:, :, None], 1)
             if NORM:  # u rounded to the stream dtype, then RMSNorm as ReferenceOps.rms_norm
                 xdt = X.dtype.element_ty
@@ -298,6 +337,46 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
 def _block_m(m: int) -> int:
     assert 1 <= m <= 8, f"mhc kernels support 1 <= M <= 8 streams, got {m}"
     return max(4, triton.next_power_of_2(m))
+
+
+def _partials(n_split: int, n: int, bm: int, dev: torch.device):
+    """The mixing pass's fp32 partials, one row per (K split, token): z's pre|post columns, its
+    comb columns and the sum of squares (no atomics: the epilogue sums them in split order)."""
+    return (torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev),
+            torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev),
+            torch.empty(n_split, n, dtype=torch.float32, device=dev))
+
+
+def _split_epilogue(x, fn, base, scale, partials, post, comb, u, sinkhorn_iters, hc_eps, norm_eps, norm):
+    """mhc_pre's epilogue from the partials of a split mixing pass (_mhc_mix_kernel's, or the
+    post kernel's when it mixed the streams it wrote): post, comb and the collapse u, through
+    `norm` where given.
+
+    It needs no tl.dot: one token per program, so that the partial sums, Sinkhorn and the
+    collapse over D (M·D model-dtype values per token) spread over N programs instead of N/16
+    (the H200 decode profile: at batch 64 four programs streamed the collapse, 44 µs a call). It
+    also splits D: a 2-D grid of (tokens, D tiles) (see _SPLIT_TILE for the tile size)."""
+    n, m, d = x.shape
+    bm = _block_m(m)
+    zp, zc, ss = partials
+    n_split = zp.shape[0]
+    norm_loop = norm is not None and n >= _LARGE_N and 0 < NORM_CHUNK < triton.next_power_of_2(d)
+    fuse_norm = norm is not None and (norm_loop or bm * triton.next_power_of_2(d) <= _NORM_TILE)
+    block_d = max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
+    grid = (n, triton.cdiv(d, block_d))
+    if fuse_norm:
+        block_d, grid = NORM_CHUNK if norm_loop else triton.next_power_of_2(d), (n, 2)
+    nw, out_eps = (norm[0], float(norm[1])) if fuse_norm else (u, 0.0)
+    _mhc_pre_kernel[grid](x, fn, base, scale, zp, zc, ss, post, comb, u, nw,
+                          n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
+                          int(sinkhorn_iters), float(hc_eps), float(norm_eps), out_eps,
+                          BLOCK_N=1, BLOCK_K=64, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                          BLOCK_D=block_d, SPLIT=True, BLOCK_S=triton.next_power_of_2(n_split),
+                          PRECISION="ieee", NORM=fuse_norm, NORM_LOOP=norm_loop, **pdl.launch(x.device),
+                          num_warps=(_NORM_LOOP_WARPS if norm_loop else _NORM_WARPS) if fuse_norm else _SPLIT_WARPS)
+    if norm is not None and not fuse_norm:  # in place: `out`'s collapse is the normed one either way
+        from .norms import rms_norm
+        rms_norm(u, norm[0], float(norm[1]), out=u)
 
 
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -363,105 +442,22 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     mix_k = (_SPLIT_BLOCK_K if precision == "ieee" else _SPLIT_BLOCK_K // 2) if split > 1 else block_k
     k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k
     n_split = triton.cdiv(k, k_per)
-    # The epilogue needs no tl.dot when the partials come from the split kernel: one token per
-    # program there, so that the partial sums, Sinkhorn and the collapse over D (M·D model-dtype
-    # values per token) spread over N programs instead of N/16 (the H200 decode profile: at
-    # batch 64 four programs streamed the collapse, 44 µs a call). It also splits D: a 2-D grid
-    # of (tokens, D tiles) (see _SPLIT_TILE for the tile size).
-    split_epi = n_split > 1
-    bn_fin = 1 if split_epi else block_n
-    fuse_norm = norm is not None and split_epi and bm * triton.next_power_of_2(d) <= _NORM_TILE
-    if split_epi:
-        block_d = max(32, min(triton.next_power_of_2(d), _SPLIT_TILE // bm))
-        grid = (n, triton.cdiv(d, block_d))
-        if fuse_norm:
-            block_d, grid = triton.next_power_of_2(d), (n, 2)
-        zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
-        zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
-        ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
+    if n_split > 1:
+        zp, zc, ss = _partials(n_split, n, bm, dev)
         _mhc_mix_kernel[(nblocks, n_split)](x, fn, zp, zc, ss, n, x.stride(0), fn.stride(0), m, k, k_per,
                                             BLOCK_N=block_n, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                                             PRECISION=precision, **pdl.launch(x.device), num_warps=num_warps or 4,
                                             **({"num_stages": num_stages} if num_stages else {}))
-    else:
-        block_d = min(triton.next_power_of_2(d), max(32, 4096 // (bn_fin * bm)))
-        grid = (triton.cdiv(n, bn_fin),)
-        zp = zc = ss = post  # unused
-    nw, out_eps = (norm[0], float(norm[1])) if fuse_norm else (u, 0.0)
-    _mhc_pre_kernel[grid](x, fn, base, scale, zp, zc, ss, post, comb, u, nw,
-                          n, x.stride(0), fn.stride(0), u.stride(0), m, d, n_split,
-                          int(sinkhorn_iters), float(hc_eps), float(norm_eps), out_eps,
-                          BLOCK_N=bn_fin, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
-                          BLOCK_D=block_d, SPLIT=split_epi, BLOCK_S=triton.next_power_of_2(n_split),
-                          PRECISION=precision, NORM=fuse_norm, **pdl.launch(x.device),
-                          num_warps=(_NORM_WARPS if fuse_norm else _SPLIT_WARPS) if split_epi else num_warps or 4,
-                          **({"num_stages": num_stages} if num_stages and not split_epi else {}))
-    if norm is not None and not fuse_norm:  # in place: `out`'s collapse is the normed one either way
+        _split_epilogue(x, fn, base, scale, (zp, zc, ss), post, comb, u, sinkhorn_iters, hc_eps, norm_eps, norm)
+        return post, comb, u
+    _mhc_pre_kernel[(nblocks,)](x, fn, base, scale, post, post, post, post, comb, u, u,
+                                n, x.stride(0), fn.stride(0), u.stride(0), m, d, 1,
+                                int(sinkhorn_iters), float(hc_eps), float(norm_eps), 0.0,
+                                BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
+                                BLOCK_D=min(triton.next_power_of_2(d), max(32, 4096 // (block_n * bm))),
+                                SPLIT=False, BLOCK_S=1, PRECISION=precision, **pdl.launch(x.device),
+                                num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}))
+    if norm is not None:  # in place: `out`'s collapse is the normed one either way
         from .norms import rms_norm
         u = rms_norm(u, norm[0], float(norm[1]), out=u)
     return post, comb, u
-
-
-@triton.jit
-def _mhc_post_kernel(Y, X, POST, COMB, OUT, IDS, stride_yn, stride_xn, stride_on, M, D, E,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TOP_K: tl.constexpr = 0,
-                     PDL: tl.constexpr = False):
-    """TOP_K > 0: y is an MoE's unsummed pair rows Y [N·TOP_K, D] (pairs with ids outside [0, E)
-    count as zero): summed here in fp32 and rounded once, as the fused MoE's _sum_kernel does
-    (fused_moe_kernels.py)."""
-    pdl_enter(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    db = tl.program_id(1)
-    dt = OUT.dtype.element_ty
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    x = tl.load(X + n * stride_xn + offs_m[:, None] * D + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)       # [BM(i), BD]
-    if TOP_K > 0:
-        y = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in range(0, TOP_K):
-            e = tl.load(IDS + n * TOP_K + k)
-            routed = (e >= 0) & (e < E)
-            y += tl.load(Y + (n * TOP_K + k) * stride_yn + offs_d, mask=d_ok & routed, other=0.0).to(tl.float32)
-        y = y.to(dt).to(tl.float32)
-    else:
-        y = tl.load(Y + n * stride_yn + offs_d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
-    post = tl.load(POST + n * M + offs_m, mask=m_ok, other=0.0).to(dt).to(tl.float32)
-    cm = m_ok[:, None] & m_ok[None, :]
-    comb = tl.load(COMB + n * M * M + offs_m[:, None] * M + offs_m[None, :], mask=cm,
-                   other=0.0).to(dt).to(tl.float32)                                  # [BM(i), BM(j)]
-    a = (post[:, None] * y[None, :]).to(dt).to(tl.float32)                           # [BM(j), BD]
-    b = tl.sum(comb[:, :, None] * x[:, None, :], 0).to(dt).to(tl.float32)           # [BM(j), BD]
-    tl.store(OUT + n * stride_on + offs_m[:, None] * D + offs_d[None, :], (a + b).to(dt),
-             mask=m_ok[:, None] & d_ok[None, :])
-
-
-def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-             out: torch.Tensor | None = None, block_d: int | None = None, ids: torch.Tensor | None = None,
-             num_experts: int = 0) -> torch.Tensor:
-    """ReferenceOps.mhc_post: y [N, D], streams [N, M, D], post [N, M], comb [N, M, M] ->
-    [N, M, D] in streams.dtype. `out` may alias nothing it reads except `streams` itself
-    (each program reads its tile of streams before writing the same tile). With `ids` [N, k], y
-    is an MoE's unsummed rows [N, k, D] (MoEPartials: ids outside [0, num_experts) count as 0)."""
-    n, m, d = streams.shape
-    top_k = 0 if ids is None else ids.shape[1]
-    assert y.shape == ((n, top_k, d) if top_k else (n, d)) and post.shape == (n, m) and comb.shape == (n, m, m)
-    bm = _block_m(m)
-    x = streams if streams.is_contiguous() else streams.contiguous()
-    y = y.reshape(n * top_k, d) if top_k else y
-    y = y if y.stride(-1) == 1 else y.contiguous()
-    ids = (ids if ids.is_contiguous() else ids.contiguous()) if top_k else post  # unused when TOP_K = 0
-    post = post.contiguous()
-    comb = comb.contiguous()
-    if out is None:
-        out = torch.empty(n, m, d, dtype=streams.dtype, device=streams.device)
-    assert out.shape == (n, m, d) and out.dtype == streams.dtype and out.is_contiguous()
-    if n == 0:
-        return out
-    bd = block_d or min(triton.next_power_of_2(d), 4096 // bm)
-    _mhc_post_kernel[(n, triton.cdiv(d, bd))](y, x, post, comb, out, ids, y.stride(0), x.stride(0), out.stride(0),
-                                              m, d, num_experts, BLOCK_M=bm, BLOCK_D=bd, TOP_K=top_k,
-                                              **pdl.launch(x.device), num_warps=4)
-    return out
