@@ -28,8 +28,6 @@ Overridden today (everything else is the reference):
                   from 1024 tokens); at decode sizes the sublayer's input RMSNorm inside the collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
                   rows (MoEPartials) and does its top-k sum on the way in
-  mhc_post_pre    from 1024 tokens (mhc_post.POST_MIX): the post combine and the next mhc_pre's mixing
-                  products in one launch, then mhc_pre's split epilogue; below, mhc_post + mhc_pre
   moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
   copy_slots      the state-pool slot copies of speculative decoding (snapshot, rollback): one launch
@@ -271,18 +269,6 @@ class CudaH200Ops(ReferenceOps):
         if isinstance(y, MoEPartials):  # the MoE's top-k sum on the way in (no sum launch)
             return mhc_post(y.y, streams, post, comb, ids=y.ids, num_experts=y.num_experts)
         return mhc_post(y, streams, post, comb)
-
-    def mhc_post_pre(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                     norm: tuple[torch.Tensor, float] | None = None):
-        from .kernels import mhc, mhc_post as mp
-        if (not mp.POST_MIX or streams.dim() != 3 or streams.shape[0] < mhc._LARGE_N
-                or not self._mhc_post_ok(y, streams, post, comb) or not self._mhc_pre_ok(streams, fn, base, scale, norm)):
-            return super().mhc_post_pre(y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
-        parts = dict(ids=y.ids, num_experts=y.num_experts) if isinstance(y, MoEPartials) else {}
-        return mp.mhc_post_pre(y.y if parts else y, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps,
-                                norm_eps, norm=norm, **parts)
 
     # ---- KDA (every batch; in place on the state slots; backends/kernels/{conv,kda}.py) -------
     def causal_conv(self, x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,

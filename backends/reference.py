@@ -191,16 +191,6 @@ class ReferenceOps:
         dt = streams.dtype
         return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 
-    def mhc_post_pre(self, y: torch.Tensor | MoEPartials, streams: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                     sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                     norm: tuple[torch.Tensor, float] | None = None):
-        """One boundary between sublayers: mhc_post of the sublayer's output, then the next
-        sublayer's mhc_pre -> (streams, post, comb, collapsed). A backend may mix the new streams
-        as it writes them instead of reading them back."""
-        streams = self.mhc_post(y, streams, post, comb)
-        return (streams, *self.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm))
-
     # ---- MoE ------------------------------------------------------------------------------
     def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
                   topk_group: int, norm_topk_prob: bool, scaling: float, *, append_expert: int | None = None):

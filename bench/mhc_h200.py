@@ -7,7 +7,7 @@ Every variant of `--variants` (';'-separated `key=value,...` for backends.kernel
 block_n, block_k, split, precision, num_warps, num_stages; '' = its defaults) runs on the same
 streams [N, M, D] (bf16, the flash shapes M 4, D 4096, 20 Sinkhorn iterations) and is checked
 against ReferenceOps.mhc_pre in fp32 (post, comb and the collapse). mhc_post is timed beside it,
-and a whole boundary between sublayers: mhc_post then mhc_pre against mhc_post_pre (one pass).
+and a whole boundary between sublayers (mhc_post, then mhc_pre with the input norm).
 The floor is the bytes the pre block must read (the streams once, fn once) and write, over the
 measured copy rate. Prints a short table last; JSON to $OUT/mhc_h200.json when OUT is set.
 """
@@ -15,7 +15,6 @@ measured copy rate. Prints a short table last; JSON to $OUT/mhc_h200.json when O
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 from bench.h200 import CEILING_TBPS, interpret_if_smoke, kernel_device, write_out
@@ -44,9 +43,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _boundary_rows(args, kernel_ms, mhc, mhc_post, ref_ops, x, fn, base, scale, post, comb, iters, g) -> list[dict]:
     """One boundary between sublayers, the sublayer's output combined and the next input made:
-    mhc_post then mhc_pre (two passes over the new streams) against mhc_post_pre (one), for an
-    attention output y [N, D] and an MoE's unsummed rows [N, top_k, D]. Floor: x, y and the new
-    streams once each, the input u written; rel: the collapse against the reference's."""
+    mhc_post then mhc_pre with the input norm, for an attention output y [N, D] and an MoE's
+    unsummed rows [N, top_k, D], at each mhc.NORM_CHUNK of --norm-chunk. Floor: x and y read, the
+    new streams written and read back, the input u written; rel: u against the reference's."""
     from backends.reference import MoEPartials
 
     n, m, d = x.shape
@@ -56,34 +55,22 @@ def _boundary_rows(args, kernel_ms, mhc, mhc_post, ref_ops, x, fn, base, scale, 
         y = torch.randn(n, *((top_k,) if top_k else ()), d, generator=g).to(x.device, torch.bfloat16)
         ids = torch.randint(0, 256, (n, top_k), generator=g).to(x.device) if top_k else None
         kw = dict(ids=ids, num_experts=256) if top_k else {}
-        ref = ref_ops.mhc_post_pre(MoEPartials(y, ids, 256) if top_k else y, x, post, comb, fn, base, scale,
-                                   iters, 1e-6, 1e-6, (w, 1e-5))[3]
+        ref = ref_ops.mhc_pre(ref_ops.mhc_post(MoEPartials(y, ids, 256) if top_k else y, x, post, comb), fn, base,
+                              scale, iters, 1e-6, 1e-6, (w, 1e-5))[2]
         floor_ms = (3 * x.numel() * 2 + y.numel() * 2 + n * d * 2) / (CEILING_TBPS * 1e12) * 1e3
 
-        def two(norm_chunk):
-            keep, mhc.NORM_CHUNK = mhc.NORM_CHUNK, norm_chunk
+        def boundary():
+            return mhc.mhc_pre(mhc_post.mhc_post(y, x, post, comb, **kw), fn, base, scale, iters, 1e-6, 1e-6,
+                               norm=(w, 1e-5))
+
+        for chunk in [int(c) for c in args.norm_chunk.split(",")]:
+            keep, mhc.NORM_CHUNK = mhc.NORM_CHUNK, chunk
             try:
-                return mhc.mhc_pre(mhc_post.mhc_post(y, x, post, comb, **kw), fn, base, scale, iters, 1e-6, 1e-6,
-                                   norm=(w, 1e-5))
+                row = dict(op="post+pre", tokens=n, variant=f"y: {f'{top_k} MoE rows' if top_k else 'one row'}; norm chunk {chunk}",
+                           ms=kernel_ms(boundary), floor_ms=floor_ms, post_rel=float("nan"), comb_rel=float("nan"),
+                           collapse_rel=_rel(boundary()[2], ref))
             finally:
                 mhc.NORM_CHUNK = keep
-
-        def one(**variant):
-            return mhc_post.mhc_post_pre(y, x, post, comb, fn, base, scale, iters, 1e-6, 1e-6, norm=(w, 1e-5),
-                                         **kw, **variant)
-
-        ys = f"{top_k} MoE rows" if top_k else "one row"
-        cases = [("post+pre", f"y: {ys}; norm chunk {c}", functools.partial(two, norm_chunk=int(c)), 2)
-                 for c in args.norm_chunk.split(",")] + [
-            ("post_pre", f"{ys}; {spec or 'default'}", functools.partial(one, **_variant(spec)), 3)
-            for spec in (args.post_mix.split(";") if args.post_mix else [""])]
-        for name, variant, fwd, res in cases:
-            try:
-                row = dict(op=name, tokens=n, variant=variant, ms=kernel_ms(fwd), floor_ms=floor_ms,
-                           post_rel=float("nan"), comb_rel=float("nan"), collapse_rel=_rel(fwd()[res], ref))
-            except Exception as err:  # noqa: BLE001 - a variant that does not compile: say so, go on
-                print("variant", variant, n, "failed:", str(err).splitlines()[0][:160], flush=True)
-                continue
             out.append(row)
             print("row", json.dumps(row), flush=True)
     return out
@@ -95,10 +82,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--variants", default="", help="';'-separated mhc_pre keyword sets ('' = the defaults)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-k", type=int, default=8, help="the MoE rows per token of the boundary rows")
-    p.add_argument("--norm-chunk", default="0,1024", help="mhc.NORM_CHUNK values the two-pass boundary rows "
+    p.add_argument("--norm-chunk", default="0,2048", help="mhc.NORM_CHUNK values the two-pass boundary rows "
                    "take in turn (0: the input norm on the whole row in one tile)")
-    p.add_argument("--post-mix", default="", help="';'-separated mhc_post_pre keyword sets (block_n, block_d, "
-                   "num_warps, split; '' = its defaults) for the boundary rows")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
     args = p.parse_args(argv)
 

@@ -124,9 +124,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--kda-gate-in-kernel", default="", help="kda.GATE_IN_KERNEL values also timed on the triton "
                    "backend, e.g. off,on (the forget gate computed inside chunk_kda)")
     p.add_argument("--mhc-norm-chunk", default="", help="mhc.NORM_CHUNK values also timed on the triton backend, "
-                   "e.g. 0,1024 (0: mhc_pre's input norm on the whole row in one tile)")
-    p.add_argument("--mhc-post-mix", default="", help="mhc_post.POST_MIX values also timed on the triton backend, "
-                   "e.g. off,on (the post combine and the next mhc_pre's mix in one pass)")
+                   "e.g. 0,2048 (0: mhc_pre's input norm on the whole row in one tile)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -136,7 +134,6 @@ def main(argv=None) -> list[dict]:
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import mhc
-    from backends.kernels import mhc_post as mp
     from backends.kernels import fused_moe_configs as fmc
     from backends.kernels import sparse_mla as sm
     from backends.kernels import kda as kk
@@ -188,9 +185,7 @@ def main(argv=None) -> list[dict]:
                     (args.kda_gate_in_kernel, kk, "GATE_IN_KERNEL", "kda_gate_in_kernel",
                      "the KDA gate inside chunk_kda {}", on_off),
                     (args.mhc_norm_chunk, mhc, "NORM_CHUNK", "mhc_norm_chunk", "mhc_pre's input norm in chunks of {}",
-                     as_int_or_name),
-                    (args.mhc_post_mix, mp, "POST_MIX", "mhc_post_mix", "mHC post and the next mix in one pass {}",
-                     on_off)):
+                     as_int_or_name)):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)

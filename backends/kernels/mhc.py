@@ -22,7 +22,7 @@ Two shapes of launch, chosen by the number of 16-token blocks:
     through one SM; splitting spreads it over the chip.
 M is padded to BLOCK_M = max(4, next_pow2(M)) (M <= 8), so BLOCK_M² >= 16 for tl.dot.
 
-mhc_post and mhc_post_pre (the post combine, alone or with the next mix): mhc_post.py.
+mhc_post (the post combine): mhc_post.py.
 """
 
 from __future__ import annotations
@@ -348,9 +348,8 @@ def _partials(n_split: int, n: int, bm: int, dev: torch.device):
 
 
 def _split_epilogue(x, fn, base, scale, partials, post, comb, u, sinkhorn_iters, hc_eps, norm_eps, norm):
-    """mhc_pre's epilogue from the partials of a split mixing pass (_mhc_mix_kernel's, or the
-    post kernel's when it mixed the streams it wrote): post, comb and the collapse u, through
-    `norm` where given.
+    """mhc_pre's epilogue from the partials of the split mixing pass (_mhc_mix_kernel's): post,
+    comb and the collapse u, through `norm` where given.
 
     It needs no tl.dot: one token per program, so that the partial sums, Sinkhorn and the
     collapse over D (M·D model-dtype values per token) spread over N programs instead of N/16

@@ -51,33 +51,26 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, ops, dtype, parallel) if cfg.is_moe(layer) else \
             SwiGLUMLP(ops, d, cfg.intermediate_size, cfg.swiglu_limit, dtype=dtype, parallel=parallel)
 
-    def _hc_pre(self, streams, pending, fn, base, scale, norm: RMSNorm):
-        """mHC pre, its collapse through the sublayer's input norm, after `pending` (the last
-        sublayer's (output, post, comb), or None) is combined into the streams: one op per
-        boundary, so that the kernels can fuse them -> (streams, post, comb, sublayer input)."""
+    def _hc_pre(self, streams, fn, base, scale, norm: RMSNorm):
+        """mHC pre, its collapse through the sublayer's input norm (one op: the kernels fuse it)."""
         c = self.cfg
-        if pending is None:
-            return (streams, *self.ops.mhc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                               c.rms_norm_eps, norm=(norm.weight, norm.eps)))
-        y, post, comb = pending
-        return self.ops.mhc_post_pre(y, streams, post, comb, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                     c.rms_norm_eps, norm=(norm.weight, norm.eps))
+        return self.ops.mhc_pre(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                                norm=(norm.weight, norm.eps))
 
-    def forward(self, streams: torch.Tensor, meta, cache, carried_sel, pending=None):
-        """-> (streams, pending, sel): the MLP's output with its post and comb is left pending
-        for the next layer's first boundary (TextModel combines the last one)."""
-        streams, post, comb, h = self._hc_pre(streams, pending, self.hc_attn_fn, self.hc_attn_base,
-                                              self.hc_attn_scale, self.input_layernorm)
+    def forward(self, streams: torch.Tensor, meta, cache, carried_sel):
+        post, comb, h = self._hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                     self.input_layernorm)
         sel = None
         if self.is_dsa:
             h, sel = self.self_attn(h, meta, cache, carried_sel)
         else:
             h = self.self_attn(h, meta, cache)
-        streams, post, comb, x = self._hc_pre(streams, (h, post, comb), self.hc_ffn_fn, self.hc_ffn_base,
-                                              self.hc_ffn_scale, self.post_attention_layernorm)
-        # the MoE's top-k sum is left to the mHC post where the ops can (one launch less per layer)
+        streams = self.ops.mhc_post(h, streams, post, comb)
+        post, comb, x = self._hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                     self.post_attention_layernorm)
+        # the MoE's top-k sum is left to mhc_post where the ops can (one launch less per layer)
         h = self.mlp(x, defer_sum=True) if isinstance(self.mlp, MoE) else self.mlp(x)
-        return streams, (h, post, comb), sel
+        return self.ops.mhc_post(h, streams, post, comb), sel
 
 
 class TextModel(nn.Module):
@@ -105,11 +98,9 @@ class TextModel(nn.Module):
         """embeds [N, D] -> final normed hidden states [N, D] (the lm_head input)."""
         self.ops.begin_forward(embeds.shape[0])
         streams = embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        sel = pending = None
+        sel = None
         for layer in self.layers:
-            streams, pending, sel = layer(streams, meta, cache, sel, pending)
-        y, post, comb = pending
-        streams = self.ops.mhc_post(y, streams, post, comb)
+            streams, sel = layer(streams, meta, cache, sel)
         return self.norm(streams.mean(dim=1))
 
 

@@ -102,23 +102,6 @@ def test_tiny_model_with_fused_small_ops(device, dtype):
         assert _rel(got, truth) < max(1.5 * _rel(ref, truth), 1e-2)
 
 
-def test_tiny_model_with_one_pass_mhc_boundaries(device, monkeypatch):
-    """The prefill's mHC boundaries on the one-pass kernels (mhc_post_pre: the post combine and
-    the next mix in one launch), which a prefill takes from mhc._LARGE_N tokens (lowered here to
-    the tiny prompts' size); the decodes below it keep mhc_post + mhc_pre. bf16, the bound of the
-    decode test (fp32 streams take the same kernels with tf32x3 products: test_triton_norms_mhc)."""
-    from backends.kernels import mhc, mhc_post as mp
-
-    sizes = []
-    one_pass = mp.mhc_post_pre
-    monkeypatch.setattr(mp, "mhc_post_pre", lambda *a, **k: sizes.append(a[1].shape[0]) or one_pass(*a, **k))
-    monkeypatch.setattr(mhc, "_LARGE_N", 16)
-    monkeypatch.setattr(mp, "POST_MIX_BLOCK_N", 16)
-    got, truth, ref = _tiny_decode(device, torch.bfloat16, prefill_kernels=False)
-    assert sizes and min(sizes) >= 16
-    assert _rel(got, truth) < max(1.5 * _rel(ref, truth), 1e-2)
-
-
 def _check_fla_tf32(device, truth, *, prefill_kernels: bool) -> None:
     """On a GPU with fla-core the KDA op is fla's, whose fp32 dots run in TF32 (10-bit mantissa):
     the fp32 checks above hold KDA on the reference so that they bound our kernels at 1e-4; the

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from backends.reference import ReferenceOps  # noqa: E402
 from backends.kernels.mhc import _SPLIT_TILE, _block_m, mhc_pre  # noqa: E402
-from backends.kernels.mhc_post import mhc_post, mhc_post_pre  # noqa: E402
+from backends.kernels.mhc_post import mhc_post  # noqa: E402
 from backends.kernels.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm, rms_norm_pair  # noqa: E402
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -359,96 +359,6 @@ def test_mhc_pre_with_the_input_norm(device, dtype, m, d, n, split, chunk, monke
     # the norm really applied: the un-normed collapse is far from it
     assert _rel(unfused[2], ref[2]) > 0.05
     assert _rel(got[2], rms_norm(unfused[2], w.to(device), 1e-5)) < _tol(dtype)
-
-
-# ---- mHC post and the next pre in one pass --------------------------------------------------------
-def _boundary_inputs(key, dtype, m, d, n, top_k=0, e=6):
-    """A boundary's inputs: streams, the sublayer's output (an MoE's unsummed rows when top_k,
-    with two dropped pairs whose rows hold garbage), its post and comb, the next fn/base/scale
-    and input-norm weight."""
-    from backends.reference import MoEPartials
-
-    g = _gen("boundary", key, str(dtype), m, d, n, top_k)
-    streams = torch.randn(n, m, d, generator=g).to(dtype)
-    if top_k:
-        ids = torch.randint(0, e, (n, top_k), generator=g)
-        ids[0, 1], ids[-1, 0] = -1, e
-        rows = torch.randn(n, top_k, d, generator=g).to(dtype)
-        rows[0, 1], rows[-1, 0] = float("nan"), float("inf")
-        y = MoEPartials(rows, ids, e)
-    else:
-        y = torch.randn(n, d, generator=g).to(dtype)
-    post = 2 * torch.rand(n, m, generator=g)
-    comb = torch.rand(n, m, m, generator=g)
-    comb = comb / comb.sum(-2, keepdim=True)
-    fn, base, scale = _hc_params(m, d, g)
-    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
-    return y, streams, post, comb, fn, base, scale, w
-
-
-def _on(y, device):
-    from backends.reference import MoEPartials
-    return MoEPartials(y.y.to(device), y.ids.to(device), y.num_experts) if isinstance(y, MoEPartials) else y.to(device)
-
-
-def _check_boundary(got, ref, dtype, fn, base, scale, norm):
-    streams, post, comb, u = got
-    assert streams.dtype == u.dtype == dtype and _rel(streams, ref[0]) < _tol(dtype)
-    assert _rel(u, ref[3]) < _tol(dtype)
-    # post and comb are fp32 functions of the new streams: fp32 bounds (as mhc_pre's) against the
-    # reference's pre of the streams written (compiled, the combine's products may be contracted
-    # otherwise than the reference's: a bf16 stream value an ulp off moves post ~1e-4)
-    again = REF.mhc_pre(streams.cpu(), fn, base, scale, 20, 1e-6, 1e-6, norm)
-    assert _rel(post, again[0]) < 1e-5 and _rel(comb, again[1]) < 1e-5
-    assert _rel(u, again[2]) < _tol(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,d,n,top_k,split", [(4, 96, 37, 0, 2), (3, 64, 20, 3, None), (4, 128, 5, 2, 4),
-                                               (8, 40, 17, 0, 1)])
-@pytest.mark.parametrize("with_norm", [True, False])
-def test_mhc_post_pre(device, dtype, m, d, n, top_k, split, with_norm):
-    """mhc_post_pre against the reference's mhc_post then mhc_pre: several token blocks (the
-    last partly filled), D ranges of 32-column steps (96 in 2 ranges: 64 + 32; D 40: a masked
-    step), the MoE's unsummed rows summed on the way in, M 3 and 8 (padded stream rows), the
-    input norm fused in the epilogue or not; fp32 streams mix with tf32x3 products."""
-    y, streams, post, comb, fn, base, scale, w = _boundary_inputs("post-pre", dtype, m, d, n, top_k)
-    norm = (w, 1e-5) if with_norm else None
-    ref = REF.mhc_post_pre(y, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-6, norm)
-    extra = dict(ids=y.ids.to(device), num_experts=y.num_experts) if top_k else {}
-    got = mhc_post_pre(_on(y, device).y if top_k else y.to(device),
-                       *(t.to(device) for t in (streams, post, comb, fn, base, scale)), 20, 1e-6, 1e-6,
-                       norm=(w.to(device), 1e-5) if with_norm else None, split=split, block_n=16, block_d=32,
-                       **extra)
-    _check_boundary(got, ref, dtype, fn, base, scale, norm)
-    # the streams it wrote are mhc_post's (the same roundings; the i-sum's order may move an ulp)
-    first = mhc_post(_on(y, device).y if top_k else y.to(device), *(t.to(device) for t in (streams, post, comb)),
-                     **extra)
-    assert _rel(got[0], first) < (1e-6 if dtype == torch.float32 else 4e-3)
-
-
-def test_cuda_h200_ops_post_pre(device, monkeypatch):
-    """CudaH200Ops.mhc_post_pre takes the one-pass kernels from mhc._LARGE_N tokens when
-    mhc_post.POST_MIX is on (MoE partials too), and mhc_post + mhc_pre below it or when off; both
-    against the reference."""
-    from backends.cuda_h200 import CudaH200Ops
-    from backends.kernels import mhc, mhc_post as mp
-
-    calls = []
-    one_pass = mp.mhc_post_pre
-    monkeypatch.setattr(mp, "mhc_post_pre", lambda *a, **k: calls.append(a[1].shape[0]) or one_pass(*a, **k))
-    monkeypatch.setattr(mp, "POST_MIX_BLOCK_N", 16)
-    monkeypatch.setattr(mhc, "_LARGE_N", 24)
-    ops = CudaH200Ops()
-    dtype = torch.bfloat16
-    for n, top_k, on in ((30, 3, True), (30, 0, True), (20, 0, True), (30, 0, False)):
-        monkeypatch.setattr(mp, "POST_MIX", on)
-        y, streams, post, comb, fn, base, scale, w = _boundary_inputs("ops", dtype, 4, 64, n, top_k)
-        ref = REF.mhc_post_pre(y, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-6, (w, 1e-5))
-        got = ops.mhc_post_pre(_on(y, device), *(t.to(device) for t in (streams, post, comb, fn, base, scale)),
-                               20, 1e-6, 1e-6, (w.to(device), 1e-5))
-        _check_boundary(got, ref, dtype, fn, base, scale, (w, 1e-5))
-    assert calls == [30, 30]
 
 
 # ---- the ops ------------------------------------------------------------------------------------
