@@ -78,8 +78,9 @@ _NORM_TILE = 16384
 _NORM_WARPS = 8
 # ... or at prefill sizes (>= _LARGE_N tokens), with NORM_CHUNK > 0, in a loop over chunks of
 # NORM_CHUNK columns on _NORM_LOOP_WARPS: the collapse stored as it goes, then read back (L2) for
-# the norm once the row's sum of squares is known. Fewer registers per program than the whole
-# row, so more programs per SM keep loads in flight. `bench.mhc_h200` on an H100 (M 4, D 4096,
+# the norm once the row's sum of squares is known (likely why it is faster, not profiled: fewer
+# registers per program than the whole row, so more programs per SM keep loads in flight).
+# `bench.mhc_h200` on an H100 (M 4, D 4096,
 # mhc_post then mhc_pre with the norm, ms at 16K tokens, 0 / 1024 / 2048): 1.084 / 1.017 / 0.993
 # after an attention output, 1.388 / 1.320 / 1.295 after an MoE's rows. 0: the whole row.
 NORM_CHUNK = 2048
