@@ -66,7 +66,8 @@ def _boundary_rows(args, kernel_ms, mhc, mhc_post, ref_ops, x, fn, base, scale, 
         for chunk in [int(c) for c in args.norm_chunk.split(",")]:
             keep, mhc.NORM_CHUNK = mhc.NORM_CHUNK, chunk
             try:
-                row = dict(op="post+pre", tokens=n, variant=f"y: {f'{top_k} MoE rows' if top_k else 'one row'}; norm chunk {chunk}",
+                ys = f"{top_k} MoE rows" if top_k else "one row"
+                row = dict(op="post+pre", tokens=n, variant=f"y: {ys}; norm chunk {chunk}",
                            ms=kernel_ms(boundary), floor_ms=floor_ms, post_rel=float("nan"), comb_rel=float("nan"),
                            collapse_rel=_rel(boundary()[2], ref))
             finally:

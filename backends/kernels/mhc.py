@@ -282,10 +282,11 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
         # latency overlaps theirs (with NORM the one tile is the whole row)
         dd = offs_d if NORM else db * BLOCK_D + offs_d
         d_ok = dd < D
-        ld_ok = d_ok
-        if NORM:  # program 0 only does the Sinkhorn; NORM_LOOP loads its chunks in the loop
-            ld_ok = d_ok & (db == 1) & (not NORM_LOOP)
-        x = tl.load(x_base + dd[None, None, :], mask=xm & ld_ok[None, None, :], other=0.0).to(tl.float32)
+        if not NORM_LOOP:  # (the loop loads its chunks itself)
+            ld_ok = d_ok
+            if NORM:  # program 0 only does the Sinkhorn
+                ld_ok = d_ok & (db == 1)
+            x = tl.load(x_base + dd[None, None, :], mask=xm & ld_ok[None, None, :], other=0.0).to(tl.float32)
         # all partials in one load each and a tree sum: a loop over the splits costs a dependent
         # round trip per split (~0.25 µs each on the H200, 8 µs a call at 32 splits)
         offs_s = tl.arange(0, BLOCK_S)
@@ -338,14 +339,6 @@ def _mhc_pre_kernel(X, FN, BASE, SCALE, ZP, ZC, SS, POST, COMB, U, NW,
 def _block_m(m: int) -> int:
     assert 1 <= m <= 8, f"mhc kernels support 1 <= M <= 8 streams, got {m}"
     return max(4, triton.next_power_of_2(m))
-
-
-def _partials(n_split: int, n: int, bm: int, dev: torch.device):
-    """The mixing pass's fp32 partials, one row per (K split, token): z's pre|post columns, its
-    comb columns and the sum of squares (no atomics: the epilogue sums them in split order)."""
-    return (torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev),
-            torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev),
-            torch.empty(n_split, n, dtype=torch.float32, device=dev))
 
 
 def _split_epilogue(x, fn, base, scale, partials, post, comb, u, sinkhorn_iters, hc_eps, norm_eps, norm):
@@ -443,7 +436,10 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     k_per = triton.cdiv(triton.cdiv(k, max(1, split)), mix_k) * mix_k
     n_split = triton.cdiv(k, k_per)
     if n_split > 1:
-        zp, zc, ss = _partials(n_split, n, bm, dev)
+        # fp32 partials, a row per (K split, token); no atomics: the epilogue sums them in split order
+        zp = torch.empty(n_split, n, _BLOCK_PP, dtype=torch.float32, device=dev)
+        zc = torch.empty(n_split, n, bm * bm, dtype=torch.float32, device=dev)
+        ss = torch.empty(n_split, n, dtype=torch.float32, device=dev)
         _mhc_mix_kernel[(nblocks, n_split)](x, fn, zp, zc, ss, n, x.stride(0), fn.stride(0), m, k, k_per,
                                             BLOCK_N=block_n, BLOCK_K=mix_k, BLOCK_M=bm, BLOCK_PP=_BLOCK_PP,
                                             PRECISION=precision, **pdl.launch(x.device), num_warps=num_warps or 4,
