@@ -28,7 +28,8 @@ Overridden today (everything else is the reference):
                   from 1024 tokens); at decode sizes the sublayer's input RMSNorm inside the collapse
   mhc_post        every batch: fused post·y + Cᵀ·X in the model dtype; takes the MoE's unsummed
                   rows (MoEPartials) and does its top-k sum on the way in
-  moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post
+  moe_experts     every batch: the fused MoE (fused_moe); defer_sum leaves the sum to mhc_post.
+                  16-bit weights from GROUPED_MIN_TOKENS tokens: grouped GEMMs (grouped_moe), summed
   causal_conv     every batch: KDA conv + SiLU, conv state read/written in place (graph-safe decode)
   copy_slots      the state-pool slot copies of speculative decoding (snapshot, rollback): one launch
   gather_rows     the rollback's gather of the verify's kept rows: one launch per 8 tensors
@@ -100,6 +101,10 @@ class CudaH200Ops(ReferenceOps):
     # H200, flash-4l decode step at batch 64: 7.37 ms w8a16 -> 5.94 ms; H100, 16K-token prefill:
     # 209 ms -> 112 ms (bench/RESULTS.md). `--fp8-activations none` keeps w8a16 everywhere.
     fp8_activations = "dynamic"
+    # 16-bit experts from this many tokens on grouped GEMMs (kernels/grouped_moe.py: torch's
+    # CUTLASS grouped GEMM over the pairs sorted by expert) instead of fused_moe's Triton GEMMs;
+    # None keeps fused_moe at every size.
+    GROUPED_MIN_TOKENS: int | None = None
 
     def begin_forward(self, num_tokens: int) -> None:
         # PDL for the step's Triton kernels at batch 1 only (backends/kernels/pdl.py)
@@ -331,6 +336,10 @@ class CudaH200Ops(ReferenceOps):
                     block: tuple[int, int] = (128, 128), *, defer_sum: bool = False) -> torch.Tensor:
         if x.is_cuda or _interpreting():
             from .kernels import fused_moe as fm
+            from .kernels import grouped_moe as gm
+            if (scales is None and self.GROUPED_MIN_TOKENS is not None and x.shape[0] >= self.GROUPED_MIN_TOKENS
+                    and gm.supported(x, ids, weights, w_gate, w_up, w_down)):
+                return gm.grouped_moe(x, ids, weights, w_gate, w_up, w_down, limit)  # summed: see its doc
             if fm.supported(x, ids, weights, w_gate, w_up, w_down, scales, block):
                 return fm.fused_moe(x, ids, weights, w_gate, w_up, w_down, limit, scales, block,
                                     act_fp8=scales is not None and self.uses_w8a8(x, w_gate, block),

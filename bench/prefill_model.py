@@ -125,6 +125,8 @@ def main(argv=None) -> list[dict]:
                    "backend, e.g. off,on (the forget gate computed inside chunk_kda)")
     p.add_argument("--mhc-norm-chunk", default="", help="mhc.NORM_CHUNK values also timed on the triton backend, "
                    "e.g. 0,2048 (0: mhc_pre's input norm on the whole row in one tile)")
+    p.add_argument("--moe-grouped-min-tokens", default="", help="CudaH200Ops.GROUPED_MIN_TOKENS values also timed "
+                   "on the triton backend, e.g. off,4096 (off: the fused MoE's Triton GEMMs at every size)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
@@ -185,7 +187,9 @@ def main(argv=None) -> list[dict]:
                     (args.kda_gate_in_kernel, kk, "GATE_IN_KERNEL", "kda_gate_in_kernel",
                      "the KDA gate inside chunk_kda {}", on_off),
                     (args.mhc_norm_chunk, mhc, "NORM_CHUNK", "mhc_norm_chunk", "mhc_pre's input norm in chunks of {}",
-                     as_int_or_name)):
+                     as_int_or_name),
+                    (args.moe_grouped_min_tokens, CudaH200Ops, "GROUPED_MIN_TOKENS", "moe_grouped",
+                     "16-bit experts on grouped GEMMs from {} tokens", lambda v: None if v == "off" else int(v))):
                 if name != "triton" or not values:
                     continue
                 keep = getattr(mod, attr)

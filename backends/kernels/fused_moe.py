@@ -249,6 +249,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     if not reduce:
         return MoEPartials(y.view(n, top_k, d), ids, e)
     block_d = min(1024, triton.next_power_of_2(d))
-    _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0),
+    _sum_kernel[(n, triton.cdiv(d, block_d))](y, flat_ids, out, d, e, top_k, y.stride(0), out.stride(0), y, y,
                                               BLOCK_D=block_d, **launch, num_warps=4)
     return out

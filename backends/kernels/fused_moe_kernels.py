@@ -278,14 +278,23 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(Y, IDS, OUT, D, E, top_k, stride_ym, stride_om, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _sum_kernel(Y, IDS, OUT, D, E, top_k, stride_ym, stride_om, ROWS, RW, BLOCK_D: tl.constexpr,
+                GATHER: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out[t] = Σ_k y[t, k] in fp32, one rounding. GATHER (grouped_moe.py): pair p's row of Y is
+    ROWS[p] and it is weighted here, w = RW[p], the term rounded to the model dtype first."""
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in range(0, top_k):
-        e = tl.load(IDS + t * top_k + k)
+        p = t * top_k + k
+        e = tl.load(IDS + p)
         routed = (e >= 0) & (e < E)
-        acc += tl.load(Y + (t * top_k + k) * stride_ym + offs, mask=ok & routed, other=0.0).to(tl.float32)
+        if GATHER:
+            row = tl.load(ROWS + p).to(tl.int64)
+            y = tl.load(Y + row * stride_ym + offs, mask=ok & routed, other=0.0).to(tl.float32)
+            acc += (y * tl.load(RW + p).to(tl.float32)).to(OUT.dtype.element_ty).to(tl.float32)
+        else:
+            acc += tl.load(Y + p * stride_ym + offs, mask=ok & routed, other=0.0).to(tl.float32)
     tl.store(OUT + t * stride_om + offs, acc.to(OUT.dtype.element_ty), mask=ok)
