@@ -20,8 +20,16 @@ SMOKE = dict(d=256, i=128, e=16, k=4, limit=10.0, scaling=2.5)
 
 
 def weights_of(kind: str) -> str:
-    """fp8a8 runs the fp8 weights (w8a8: act_fp8=True)."""
-    return "fp8" if kind == "fp8a8" else kind
+    """fp8a8 runs the fp8 weights (w8a8: act_fp8=True), bf16g the bf16 weights on grouped GEMMs."""
+    return {"fp8a8": "fp8", "bf16g": "bf16"}.get(kind, kind)
+
+
+def moe_call(kind: str, x, ids, rw, ws, scales, limit, out=None):
+    """One MoE call of this kind: fused_moe, or for bf16g grouped_moe (the prefill path)."""
+    if kind == "bf16g":
+        from backends.kernels import grouped_moe as gm
+        return gm.grouped_moe(x, ids, rw, *ws, limit, out=out)
+    return fm.fused_moe(x, ids, rw, *ws, limit, scales, BLOCK, out=out, act_fp8=kind == "fp8a8")
 
 
 def table_config(kind: str, n: int) -> dict:

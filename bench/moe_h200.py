@@ -56,11 +56,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.timing import timers  # noqa: E402
-from bench.moe_cases import BLOCK, FULL, SMOKE, expert_bytes, make_inputs, make_weights, rel, table_config, weights_of  # noqa: E402
+from bench.moe_cases import (BLOCK, FULL, SMOKE, expert_bytes, make_inputs, make_weights, moe_call, rel,  # noqa: E402
+                             table_config, weights_of)
 from bench.moe_sweep import SWEEP, SWEEP_FP8, print_sweep, sweep  # noqa: E402
 
 from backends.cuda_h200 import CudaH200Ops  # noqa: E402
-from backends.kernels import fused_moe as fm  # noqa: E402
 from backends.kernels import moe_align as ma  # noqa: E402
 from backends.reference import ReferenceOps  # noqa: E402
 from backends.fp8_numerics import dequantize_block_fp8  # noqa: E402
@@ -86,8 +86,8 @@ def check(kind: str, w: dict, dims: dict, dev: torch.device, gd: torch.Generator
         (x, ids, rw), = make_inputs(n, dims, w, dev, gd, 1)
         out = torch.full_like(x, float("nan"))
         try:
-            fm.fused_moe(x, ids, rw, *ws, dims["limit"], scales, BLOCK, out=out, act_fp8=a8)
-            again = fm.fused_moe(x, ids, rw, *ws, dims["limit"], scales, BLOCK, act_fp8=a8)
+            moe_call(kind, x, ids, rw, ws, scales, dims["limit"], out=out)
+            again = moe_call(kind, x, ids, rw, ws, scales, dims["limit"])
         except Exception as err:  # noqa: BLE001 - e.g. a table entry that does not compile: go on to the sweep
             row = dict(check=kind, tokens=n, experts=int(torch.unique(ids).numel()), nan=True, deterministic=False,
                        rel_vs_ref=float("nan"), max_abs_vs_ref=float("nan"), pass_=False,
@@ -109,7 +109,7 @@ def check(kind: str, w: dict, dims: dict, dev: torch.device, gd: torch.Generator
         # activations' e4m3 rounding (~3%), reported, bounded at 6e-2
         bound = 1e-2
         row["pass"] = (not row["nan"] and row["deterministic"]
-                       and row["rel_vs_ref"] < (2 * bound if kind != "bf16" else bound)
+                       and row["rel_vs_ref"] < (2 * bound if weights_of(kind) != "bf16" else bound)
                        and row.get("rel_ours_truth", 0.0) < (6 * bound if a8 else bound))
         rows.append(row)
         print("check", json.dumps(row), flush=True)
@@ -177,7 +177,7 @@ def time_case(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: tor
         j = it[0] % len(sets)
         it[0] += 1
         x, ids, rw = sets[j]
-        fm.fused_moe(x, ids, rw, *ws, lim, scales, BLOCK, out=outs[j], act_fp8=a8)
+        moe_call(kind, x, ids, rw, ws, scales, lim, out=outs[j])
 
     run()
     ms = kernel_ms(run)
@@ -193,11 +193,11 @@ def time_case(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: tor
     if dev.type == "cuda" and n <= args.graph_max:
         try:
             out_g = torch.empty_like(x0)
-            fm.fused_moe(x0, ids0, rw0, *ws, lim, scales, BLOCK, out=out_g, act_fp8=a8)
+            moe_call(kind, x0, ids0, rw0, ws, scales, lim, out=out_g)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                fm.fused_moe(x0, ids0, rw0, *ws, lim, scales, BLOCK, out=out_g, act_fp8=a8)
+                moe_call(kind, x0, ids0, rw0, ws, scales, lim, out=out_g)
             row["graph_ms"] = kernel_ms(graph.replay)
             del graph
         except Exception as err:  # noqa: BLE001
@@ -217,7 +217,8 @@ def time_case(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: tor
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,16,64,128,4096,16384")
-    p.add_argument("--kinds", default="bf16,fp8", help="bf16, fp8 (w8a16), fp8a8 (fp8 weights, w8a8)")
+    p.add_argument("--kinds", default="bf16,fp8", help="bf16, fp8 (w8a16), fp8a8 (fp8 weights, w8a8), bf16g (bf16 "
+                   "weights on grouped GEMMs, kernels/grouped_moe.py: prefill sizes)")
     p.add_argument("--check-tokens", default="1,5,64,4096")
     p.add_argument("--truth-max", type=int, default=8, help="largest N checked against fp32 too")
     p.add_argument("--rotate", type=int, default=4, help="input sets cycled while timing")
