@@ -1,6 +1,6 @@
 """E2E: `glmrt up` refuses a bad engine or log value, given as a flag or in a topology file, in one
 line on stderr with exit status 2, before it starts anything (it prints nothing on stdout: the
-"serving" line comes before the first actor is spawned), within a second or two."""
+"serving" line comes before the first actor is spawned), in seconds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import pytest
 
 from tests.e2e.conftest import REPO, free_port, glmrt_cmd
 
-QUICK_S = 5.0   # the refusal imports no torch and starts no actor
+# The refusal imports no torch and starts no actor (both checked apart: stdout empty, and
+# test_a_refusal_imports_no_torch_and_no_actor); it takes ~1 s alone, and 5.0-5.2 s was seen on a
+# loaded 2-core machine, so the bound only tells a refusal from a start that waits for readiness.
+QUICK_S = 20.0
 
 # flag, bad value, the requirement the refusal must state
 BAD_VALUES = [
@@ -31,7 +34,7 @@ ACTORS = '[[actors]]\nkind = "tokenizer"\n[[actors]]\nkind = "engine"\n[[actors]
 def _refused(args: list[str], env) -> tuple[str, str]:
     t0 = time.monotonic()
     port = [] if "--port" in args else ["--port", str(free_port())]
-    r = subprocess.run(glmrt_cmd() + ["up", *args, *port, "--ready-timeout", "5"],
+    r = subprocess.run(glmrt_cmd() + ["up", *args, *port, "--ready-timeout", "30"],
                        cwd=str(REPO), env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     took = time.monotonic() - t0
     assert r.returncode == 2, f"status {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
