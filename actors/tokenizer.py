@@ -75,14 +75,13 @@ class TokenizerActor(Actor):
             await self._tokenize(msg)
 
     async def _tokenize(self, m: P.TokenizeRequest) -> None:
-        from glmrt.serving.chat_template import render_chat
+        from glmrt.serving.chat_template import render_chat, thinking_on
 
         self.num += 1
         try:
             thinking = True
             if m.kind == "chat":
-                kwargs = m.chat_template_kwargs or {}
-                thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
+                thinking = thinking_on(m.chat_template_kwargs or {})
                 # decoding images/video is CPU work: keep it off the event loop
                 media = await asyncio.get_running_loop().run_in_executor(None, self._media_items, m.messages or [])
                 text = render_chat(m.messages or [], m.tools, thinking=thinking, reasoning_effort=m.reasoning_effort)

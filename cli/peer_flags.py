@@ -52,8 +52,8 @@ PEER_FLAGS: tuple[PeerFlag, ...] = (
     PeerFlag(("--disaggregation-mode",), 'a topology file places the prefill and decode engines of one '
              'deployment: [[actors]] kind = "prefill" and kind = "decode"'),
     PeerFlag(("--disaggregation-transfer-backend",), "set GLMRT_KV_TRANSFER=nixl|zmq (default auto)"),
-    PeerFlag(("--grammar-backend",), "structured output is not built yet (a response_format other than text is "
-             "answered 400)", accepts=("none",)),
+    PeerFlag(("--grammar-backend",), "glmrt compiles structured output (response_format, regex, ebnf, forced "
+             "tool calls) with xgrammar and no other backend", accepts=("xgrammar",)),
     PeerFlag(("--reasoning-parser",), "glmrt parses GLM-5.3's reasoning (the glm45 format) and no other",
              accepts=("glm45",)),
     PeerFlag(("--tool-call-parser",), "glmrt parses GLM-5.3's tool calls (the glm47 format) and no other",

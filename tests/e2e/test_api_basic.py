@@ -115,6 +115,11 @@ def test_chat_thinking_off_gives_content_and_default_gives_reasoning(client, mod
     assert on.choices[0].finish_reason == "length"
     assert extra_field(m, "reasoning_content"), m  # cut by length inside the think block: all reasoning
     assert not m.content
+    # a null thinking is the default, in the prompt the tokenizer renders and in the reply's parsing
+    null = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": None}})
+    assert null.usage.prompt_tokens == on.usage.prompt_tokens
+    assert extra_field(null.choices[0].message, "reasoning_content") == extra_field(m, "reasoning_content")
 
 
 @pytest.mark.timeout(60)

@@ -282,6 +282,14 @@ def test_thinking_and_reasoning_effort():
     assert not chat(chat_template_kwargs={"thinking": False}).thinking
     assert not chat(chat_template_kwargs={"enable_thinking": False}).thinking
     assert chat(chat_template_kwargs={"thinking": True}).thinking
+    # null is absent: thinking stays on, or enable_thinking decides
+    assert chat(chat_template_kwargs={"thinking": None}).thinking
+    assert chat(chat_template_kwargs={"enable_thinking": None}).thinking
+    assert not chat(chat_template_kwargs={"thinking": None, "enable_thinking": False}).thinking
+    assert chat(chat_template_kwargs={"thinking": True, "enable_thinking": False}).thinking
+    for key in ("thinking", "enable_thinking"):
+        with pytest.raises(A.APIError, match=f"chat_template_kwargs.{key}"):
+            chat(chat_template_kwargs={key: "no"})
     assert chat(reasoning_effort="low").reasoning_effort == "low"
 
 

@@ -169,9 +169,8 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | 
 def check_template_kwargs(body: Mapping) -> dict[str, Any]:
     kw = read_object(body, "chat_template_kwargs")
     kw = dict(kw or {})
-    if kw.get("thinking") is None and isinstance(kw.get("enable_thinking"), bool):
-        kw["thinking"] = kw["enable_thinking"]  # Qwen/SGLang spelling
-    if kw.get("thinking") is not None and not isinstance(kw["thinking"], bool):
-        raise type_error("chat_template_kwargs.thinking", "a boolean", kw["thinking"])
+    for key in ("thinking", "enable_thinking"):   # read by chat_template.thinking_on
+        if kw.get(key) is not None and not isinstance(kw[key], bool):
+            raise type_error(f"chat_template_kwargs.{key}", "a boolean", kw[key])
     return kw
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from glmrt.protocol import RequestKey, TokenizeRequest
 from glmrt.sampling_params import MAX_N, MAX_TOP_LOGPROBS, Grammar, SamplingParams
+from glmrt.serving.chat_template import thinking_on
 from glmrt.serving.openai_api.chat_messages import (check_messages, check_template_kwargs, check_tool_choice,
                                                     check_tools)
 from glmrt.serving.openai_api.errors import bad_request, not_supported
@@ -55,8 +56,7 @@ class ChatRequest:
     @property
     def thinking(self) -> bool:
         """The template opens a think block (the default) unless `{"thinking": false}`."""
-        v = self.chat_template_kwargs.get("thinking")
-        return v is None or bool(v)
+        return thinking_on(self.chat_template_kwargs)
 
 
 @dataclass
