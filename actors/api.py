@@ -64,7 +64,7 @@ class ApiServer:
         self.served_model = served_model
         self.host, self.port = host, port
         self.api_key = api_key
-        self.max_body = int(max_request_mb * 2**20)
+        self.max_body = max(1, int(max_request_mb * 2**20))   # aiohttp reads 0 as no limit
         self.max_queued = max_queued_requests
         self.generation_config = generation_config
         self.log_requests = log_requests

@@ -135,7 +135,9 @@ class Supervisor:
         if kind_of(spec.kind).engine_role is not None:
             return engine_actor_config(self.topo, spec, self.model_path)
         if spec.kind == "vision":
-            return VisionActorConfig(model_path=self.model_path, dtype=self.topo.model.dtype,
+            engines = self.topo.prompt_engines()   # prefill and decode agree on dtype (validate)
+            dtype = self.topo.engine_config(engines[0]).dtype if engines else self.topo.model.dtype
+            return VisionActorConfig(model_path=self.model_path, dtype=dtype,
                                      feature_transport=self.topo.feature_transport)
         if spec.kind == "detokenizer":
             return DetokenizerActorConfig(model_path=self.model_path)

@@ -425,6 +425,11 @@ def run(args: argparse.Namespace) -> int:
     except (TopologyError, ValueError, TypeError) as e:
         return refuse(str(e))
     path = topo.model.path
+    if topo.model.preset is not None:   # the server needs the tokenizer and config a preset has no files for
+        p = topo.model.preset
+        return refuse(f"[model] preset {p!r}: glmrt up serves a checkpoint directory; write one with `glmrt "
+                      f"make-checkpoint --preset {p} --no-weights --out DIR` and serve it with [model] path = DIR "
+                      f"and load_format = \"dummy\" (random weights, as the preset would have)")
     if path is not None and not os.path.exists(os.path.join(path, "config.json")):
         return refuse(f"no config.json in {path}")
     from cli.nodes import check_node_addresses, serve_node

@@ -4,7 +4,7 @@
     \"\"\"Tokens per KV page.\"\"\"
 
 `check_fields(obj)` checks every field of a config dataclass: its type (an int field takes
-neither a str nor a bool; a float field takes an int too; `X | None` takes None) and its
+neither a str nor a bool; a float field takes an int too, and no infinity or NaN; `X | None` takes None) and its
 declared bound. The first violation raises `ConfigValueError`, which keeps the field name, the
 value and the requirement apart so that each caller can spell the field its own way: the
 command line says `--page-size must be >= 1 (got 0)`; Python callers and topology files read
@@ -14,6 +14,7 @@ command line says `--page-size must be >= 1 (got 0)`; Python callers and topolog
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -80,6 +81,8 @@ def _type_requirement(hint: Any, value: Any) -> str | None:
         return "must be an integer"
     if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
         return "must be a number"
+    if hint is float and not math.isfinite(value):
+        return "must be a finite number"
     if hint is str and not isinstance(value, str):
         return "must be a string"
     return None

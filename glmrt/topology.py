@@ -52,7 +52,8 @@ class ModelSection:
     load_format: str = bounded("auto", choices=LOAD_FORMATS)
     """auto (safetensors) | dummy (random weights)."""
     preset: str | None = None
-    """The preset built with load_format = "dummy" and no path."""
+    """The preset an engine builds with load_format = "dummy" and no path (memory plans read it; `glmrt
+    up` refuses it: a server needs a checkpoint directory's tokenizer and config)."""
     quantization: str | None = None
     """Weight format (EngineConfig.quantization)."""
     served_model_name: str | None = None
@@ -204,12 +205,22 @@ def _expand_paths(kw: dict, *names: str) -> dict:
     return kw
 
 
+# Engine fields a topology sets elsewhere: given in an engine table they would be overwritten.
+_PLACED_ENGINE_FIELDS = {
+    "model": "the checkpoint is [model] path, one for every actor",
+    "preset": "a preset is [model] preset",
+    "role": "an engine's role is its entry's kind (engine, prefill or decode)",
+}
+
+
 def _engine_flags(table: dict, where: str) -> dict:
-    names = set(EngineConfig.field_names())
+    names = set(EngineConfig.field_names()) - set(_PLACED_ENGINE_FIELDS)
     for key in table:
+        if key in _PLACED_ENGINE_FIELDS:
+            raise TopologyError(f"{key!r} is not an engine flag in {where}: {_PLACED_ENGINE_FIELDS[key]}")
         if key not in names:
             raise TopologyError(f"unknown engine flag {key!r} in {where}; known: {', '.join(sorted(names))}")
-    return _expand_paths(dict(table), "model")
+    return dict(table)
 
 
 def parse_topology(data: dict) -> Topology:

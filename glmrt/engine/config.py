@@ -7,6 +7,7 @@ Every field has a docstring and, where it has one, its bound declared beside it
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from glmrt.config_bounds import ConfigValueError, bounded, check_fields
@@ -159,6 +160,8 @@ class EngineConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigValueError("device", self.device, "must be auto, cpu, cuda or cuda:N")
         self._check_speculative()
         self._check_batched_tokens()
         if self.enable_hierarchical_cache and self.disable_radix_cache:

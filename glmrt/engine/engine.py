@@ -188,7 +188,9 @@ class Engine(ModelRank):
             from glmrt.engine.mm import MMState, cache_key_ids, placeholder_positions
             precomputed = all(it.embeds is not None for it in mm_items)
             if self.model.visual is None and not precomputed:
-                raise ValueError("this model has no vision tower: image and video input is refused")
+                why = ("this engine runs without its vision tower (load_vision = false)" if not self.config.load_vision
+                       else "this model has no vision tower")
+                raise ValueError(f"{why}: image and video input is refused")
             pos = placeholder_positions(prompt, self.model_config.image_token_id, mm_items)
             mm_state = MMState(list(mm_items), torch.tensor(pos, dtype=torch.long))
             if precomputed:  # a separate vision actor ran the tower

@@ -169,6 +169,25 @@ def test_a_prefill_and_decode_of_different_tp_sizes_are_one_line(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-memory-gb", "inf"], "--cache-memory-gb must be a finite number (got inf)"),
+    (["--max-request-mb", "inf"], "--max-request-mb must be a finite number (got inf)"),
+    (["--mamba-full-memory-ratio", "nan"], "--mamba-full-memory-ratio must be a finite number (got nan)"),
+], ids=["cache-inf", "request-inf", "ratio-nan"])
+def test_numbers_that_are_not_finite_are_one_line(flags, message):
+    assert one_line_refusal(glmrt_run("up", *flags)) == f"glmrt up: error: {message}"
+
+
+@pytest.mark.timeout(60)
+def test_a_preset_is_refused_naming_the_checkpoint_to_write(tmp_path):
+    path = tmp_path / "preset.toml"
+    path.write_text('[model]\nload_format = "dummy"\npreset = "flash-4l"\n')
+    line = one_line_refusal(glmrt_run("up", str(path)))
+    assert line.startswith("glmrt up: error: [model] preset 'flash-4l': glmrt up serves a checkpoint directory; "
+                           "write one with `glmrt make-checkpoint --preset flash-4l --no-weights --out DIR`"), line
+
+
+@pytest.mark.timeout(60)
 def test_version():
     r = glmrt_run("--version")
     assert r.returncode == 0 and r.stdout == f"glmrt {glmrt.__version__}\n", (r.stdout, r.stderr)

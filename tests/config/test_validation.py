@@ -5,6 +5,7 @@ table of actor kinds."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -30,6 +31,10 @@ BAD_ENGINE_VALUES = [
     ("cuda_graph_warmup_tokens", -1, "must be >= 0"),
     ("mem_fraction_static", 1.0, "must be > 0 and < 1"),
     ("cache_memory_gb", 0.0, "must be > 0"),
+    ("cache_memory_gb", float("inf"), "must be a finite number"),
+    ("mamba_full_memory_ratio", float("inf"), "must be a finite number"),
+    ("device", "tpu", "must be auto, cpu, cuda or cuda:N"),
+    ("device", "cuda:x", "must be auto, cpu, cuda or cuda:N"),
     ("page_size", "big", "must be an integer"),
     ("page_size", True, "must be an integer"),
     ("disable_radix_cache", "yes", "must be true or false"),
@@ -109,12 +114,24 @@ def test_prefill_and_decode_must_share_a_layout():
 
 
 def test_engine_config_takes_role_and_vision_from_placement():
-    topo = parse_topology({"engine": {"role": "decode"}, "actors": [
+    topo = parse_topology({"actors": [
         {"kind": "tokenizer"}, {"kind": "vision"}, {"kind": "prefill"}, {"kind": "decode"}, {"kind": "detokenizer"}]})
     configs = topo.engine_configs()
     assert {k: c.role for k, c in configs.items()} == {"prefill": "prefill", "decode": "decode"}
     assert not any(c.load_vision for c in configs.values())
     assert default_topology().engine_config(default_topology().actor("engine")).load_vision
+
+
+@pytest.mark.parametrize("key, value, why", [("role", "decode", "its entry's kind"), ("model", "/ckpt", "[model] path"),
+                                            ("preset", "flash", "[model] preset")])
+@pytest.mark.parametrize("where", ["[engine]", "[[actors]] entry 1 engine"])
+def test_engine_fields_set_by_placement_or_the_model_section_are_refused_in_engine_tables(key, value, why, where):
+    """Given there, they would be overwritten: the kind sets the role, [model] the checkpoint."""
+    engine = {key: value}
+    data = ({"engine": engine} if where == "[engine]" else
+            {"actors": [{"kind": "tokenizer"}, {"kind": "engine", "engine": engine}, {"kind": "detokenizer"}]})
+    with pytest.raises(TopologyError, match=rf"^'{key}' is not an engine flag in {re.escape(where)}: .*{re.escape(why)}"):
+        parse_topology(data)
 
 
 def test_scale_requests():
@@ -140,7 +157,7 @@ def test_run_specs_round_trip_with_typed_sections(tmp_path):
     from actors.base import RunSpec, decode_run_specs, encode_run_specs
     from actors.supervisor import Supervisor
 
-    topo = parse_topology({"engine": {"max_running_requests": 3}, "actors": [
+    topo = parse_topology({"engine": {"max_running_requests": 3, "dtype": "float16"}, "actors": [
         {"kind": "tokenizer"}, {"kind": "vision"}, {"kind": "prefill"}, {"kind": "decode"}, {"kind": "detokenizer"}]})
     sup = Supervisor(topo, str(tmp_path), "/models/m", vocab_size=512)
     try:
@@ -155,6 +172,7 @@ def test_run_specs_round_trip_with_typed_sections(tmp_path):
     assert by_kind["decode"].engine == topo.engine_config(topo.actor("decode")).replace(model="/models/m")
     assert by_kind["decode"].engine.max_running_requests == 3
     assert by_kind["detokenizer"].model_path == "/models/m"
+    assert by_kind["vision"].dtype == "float16"   # the engines' dtype, so both vision paths compute alike
 
 
 def test_env_accessors(monkeypatch):
