@@ -41,7 +41,8 @@ from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError,
 
 log = logging.getLogger("glmrt")
 
-# Set by [model] flags, or by placement (role, load_vision), not by engine flags.
+# Not engine flags: [model]'s keys and flags (model, preset, load_format, quantization, dtype, backend,
+# kv_cache_dtype), placement (role, load_vision; device follows an entry's gpus, or [engine] device).
 _ENGINE_FLAG_SKIP = {"model", "preset", "load_format", "quantization", "dtype", "backend", "kv_cache_dtype",
                      "device", "role", "load_vision"}
 
