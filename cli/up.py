@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 from actors.logs import configure_logging
 from cli.parsing import field_help, print_error, with_default
@@ -462,7 +461,7 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
     gen_path = os.path.join(path, "generation_config.json")
     gen = json.load(open(gen_path, encoding="utf-8")) if os.path.exists(gen_path) else {}
     served = topo.model.served_model_name or os.path.basename(os.path.normpath(path))
-    run_dir = str(make_run_dir(os.path.join(tempfile.gettempdir(), f"glmrt-{os.getpid()}")))
+    run_dir = str(make_run_dir())
     api_holder: list = []
     sup = Supervisor(topo, run_dir, path, vocab_size=mc.text.vocab_size,
                      on_failure=lambda actor_id: api_holder and api_holder[0].fail_actor(actor_id),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,9 +49,20 @@ def address_id(kind: str, replica: int = 0) -> str:
 
 
 def make_run_dir(base: str | os.PathLike | None = None) -> Path:
-    """Create (mode 0700) and return the run directory for ipc sockets: /tmp/glmrt-<pid>/."""
-    path = Path(base) if base is not None else Path(tempfile.gettempdir()) / f"glmrt-{os.getpid()}"
+    """The run directory for ipc sockets, mode 0700: a new /tmp/glmrt-<pid>-XXXXXXXX/, or `base`.
+
+    Whoever can write into it can talk to every actor's inbox, so a fresh name is made atomically
+    (mkdtemp: no other user can have made it first), and a `base` that already exists must be a
+    directory of ours that no one else can enter; anything else raises PermissionError."""
+    if base is None:
+        return Path(tempfile.mkdtemp(prefix=f"glmrt-{os.getpid()}-"))
+    path = Path(base)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"run directory {path}: must be a directory owned by this user with mode 0700 "
+                              f"(found mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}"
+                              f"{', a symbolic link' if stat.S_ISLNK(st.st_mode) else ''})")
     return path
 
 

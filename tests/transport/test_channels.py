@@ -212,5 +212,20 @@ def test_address_for():
     with pytest.raises(ValueError, match="placement"):
         address_for("engine", 0, "gpu")
     default = make_run_dir()
-    assert default.name == f"glmrt-{os.getpid()}" and default.stat().st_mode & 0o777 == 0o700
+    assert default.name.startswith(f"glmrt-{os.getpid()}-") and default.stat().st_mode & 0o777 == 0o700
+    other = make_run_dir()
+    assert other != default   # a fresh directory each time: none another user made first
     default.rmdir()
+    other.rmdir()
+
+
+def test_a_run_directory_another_user_could_enter_is_refused(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    open_dir.chmod(0o777)
+    with pytest.raises(PermissionError, match="mode 0700 \\(found mode 777"):
+        make_run_dir(open_dir)
+    (tmp_path / "link").symlink_to(open_dir)
+    with pytest.raises(PermissionError, match="a symbolic link"):
+        make_run_dir(tmp_path / "link")
+    assert make_run_dir(tmp_path / "new").stat().st_mode & 0o777 == 0o700
