@@ -74,7 +74,7 @@ class LocalDiskStore(NodeStore):
         if capacity_bytes <= 0:
             raise ValueError("the disk tier needs a positive size")
         self.dir = os.path.abspath(os.path.expanduser(directory))
-        os.makedirs(self.dir, exist_ok=True)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)   # cached prompts' KV: this user's only
         self.capacity_bytes = capacity_bytes
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> file bytes
         self._used = 0
@@ -115,6 +115,8 @@ class LocalDiskStore(NodeStore):
             return True
         self._trim(size)
         tmp = self._path(key) + ".tmp"
+        # created 0600 before a byte is written: other local users never read a prompt's KV
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
         save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, tmp)
         os.replace(tmp, self._path(key))  # a reader never sees half a file
         real = os.path.getsize(self._path(key))

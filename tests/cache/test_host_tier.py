@@ -127,6 +127,9 @@ def test_disk_store_keeps_its_cap_least_recently_used_first(tmp_path):
     assert not store.put("huge", {"x": torch.ones(10_000)})
     again = LocalDiskStore(str(tmp_path), 4 * 1100)   # a new store adopts the files it finds
     assert all(again.contains(k) for k in "acde") and again.used_bytes == store.used_bytes
+    # cached prompts' KV is readable by this user only
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
+    assert LocalDiskStore(str(tmp_path / "new"), 1100).dir and (tmp_path / "new").stat().st_mode & 0o777 == 0o700
 
 
 def test_dropped_host_nodes_come_back_from_disk(tmp_path):
