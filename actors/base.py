@@ -131,7 +131,16 @@ class Actor:
                                                 host=socket.gethostname(), gpus=list(spec.gpus), info=info))
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat()),
                  asyncio.create_task(self.background())]
-        await self._stop.wait()
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        crashed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if crashed is not None:
+            # NOTE: a loop that died leaves an actor whose heartbeat still says alive while its
+            # requests wait forever: the process exits instead, and the supervisor fails what it
+            # held and restarts it.
+            for t in (stop, *tasks):
+                t.cancel()
+            raise RuntimeError(f"{spec.actor_id}: {crashed.get_coro().__qualname__} failed") from crashed.exception()
         if self._drain:
             # NOTE: requests routed to us before the api stopped routing here can still be in
             # flight (a tokenizer hop away): serve them too, and leave only once quiet and idle.

@@ -35,6 +35,10 @@ PD_LAYOUT_FIELDS = ("model", "dtype", "kv_cache_dtype", "mamba_ssm_dtype", "page
                     "quantization", "speculative_algorithm")
 
 
+# Most processes of one actor kind: a scale request past it is refused before a process starts.
+MAX_REPLICAS = 64
+
+
 class TopologyError(ValueError):
     """A topology that cannot run; the message names the key or entry."""
 
@@ -97,7 +101,7 @@ class ActorSpec:
     kind: str
     """One of glmrt.actor_kinds.KIND_NAMES."""
     replicas: int = 1
-    """Processes of this kind (bounds: the kind's min_replicas)."""
+    """Processes of this kind (bounds: the kind's min_replicas, MAX_REPLICAS)."""
     gpus: tuple[int, ...] = ()
     """GPUs the replicas are placed on: one each in turn (tp = 1), or replicas x tp of them, tp
     consecutive ones per replica (empty on a GPU machine: the first replicas x tp GPUs)."""
@@ -366,6 +370,8 @@ def _check_placement(topo: Topology, num_gpus: int | None) -> None:
         if a.replicas < row.min_replicas:
             extra = " (leave the entry out to run the tower in the engine)" if a.kind == "vision" else ""
             raise TopologyError(f"{a.kind}: replicas must be >= {row.min_replicas}, got {a.replicas}{extra}")
+        if a.replicas > MAX_REPLICAS:
+            raise TopologyError(f"{a.kind}: replicas must be <= {MAX_REPLICAS}, got {a.replicas}")
         if a.kind not in ("prefill", "decode"):
             _check_parallel(a, num_gpus, topo.nodes.nnodes)
         if a.gpus and not row.uses_gpus:
@@ -477,6 +483,8 @@ def check_scale_request(kind: str, n: int) -> str:
         raise ValueError(f"cannot scale {kind!r}; scalable kinds: {', '.join(SCALABLE_KINDS)}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{name} needs at least 1 replica, got {n}")
+    if n > MAX_REPLICAS:
+        raise ValueError(f"{name}: at most {MAX_REPLICAS} replicas, got {n}")
     return name
 
 

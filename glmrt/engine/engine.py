@@ -38,6 +38,13 @@ from glmrt.engine.warmup import warm_up_prefill
 from glmrt.parallel import Parallel
 from glmrt.sampling_params import Grammar, SamplingParams
 
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed: seed + i, wrapped into the 64 bits a torch generator takes ([-2^63, 2^64))."""
+    s = seed + i
+    return s - 2**64 if s >= 2**64 else s
+
+
 class ContextLengthExceeded(ValueError):
     """The prompt (plus one generated token) cannot fit the context or the KV pool."""
 
@@ -199,7 +206,7 @@ class Engine(ModelRank):
         parent = Request(rid, prompt, params, self.next_arrival(), mm_key_ids=key_ids)
         reqs = [parent]
         for i in range(1, params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else choice_seed(params.seed, i)
             child_params = _replace_params(params, seed=seed)
             child = Request(f"{rid}-{i}", list(prompt), child_params, self.next_arrival(), fork_parent=parent,
                             mm_key_ids=key_ids)

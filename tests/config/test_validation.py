@@ -138,7 +138,8 @@ def test_scale_requests():
     topo = default_topology()
     assert validate_scale(topo, "unified", 2) == "engine"
     for kind, n, needle in (("vision", 2, "cannot scale"), ("sorcerer", 1, "cannot scale"),
-                            ("engine", 0, "at least 1"), ("prefill", 1, "runs no 'prefill'")):
+                            ("engine", 0, "at least 1"), ("prefill", 1, "runs no 'prefill'"),
+                            ("tokenizer", 100_000, "at most 64 replicas, got 100000")):
         with pytest.raises(ValueError, match=needle):
             validate_scale(topo, kind, n)
     assert check_scale_request("prefill", 1) == "prefill"   # a PD deployment could

@@ -216,6 +216,18 @@ def test_n_choices_share_the_prefill(ckpt, model):
     assert out[1].output_ids == solo.output_ids
 
 
+def test_choice_seeds_past_64_bits_wrap_and_the_engine_steps_on(ckpt, model):
+    """A request may seed with 2^64 - 1 (the largest seed a generator takes): choice 1's seed + 1
+    wraps to 0 instead of failing the step (and with it every request on the engine)."""
+    e = make(ckpt, model)
+    prompt = toks(850, 12)
+    top = 2**64 - 1
+    out = e.generate([prompt], SamplingParams(temperature=1.0, seed=top, n=2, max_tokens=4, ignore_eos=True))[0]
+    assert [len(c.output_ids) for c in out] == [4, 4]
+    zero = e.generate([prompt], SamplingParams(temperature=1.0, seed=0, max_tokens=4, ignore_eos=True))[0][0]
+    assert out[1].output_ids == zero.output_ids
+
+
 def test_stop_conditions(ckpt, model):
     e = make(ckpt, model)
     prompt = toks(900, 10)
