@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from actors.logs import request_line
 from actors.metrics import Metrics
 from glmrt import protocol as P
 from glmrt.serving import openai_api as oa
+from glmrt.serving.openai_api.fields import decode_body
 from transport.channels import Inbox
 
 log = logging.getLogger("api/0")
@@ -254,14 +254,17 @@ class ApiServer:
             counts[key] = counts.get(key, 0) + 1
         return min(self.sup.ready(kind), key=lambda a: (counts.get(a.actor_id, 0), a.load, a.replica))
 
-    def _route(self) -> tuple[str, str, str, str | None]:
+    def _route(self, engine_requests: int = 1) -> tuple[str, str, str, str | None]:
         kinds = self.sup.topo.engine_kinds
         toks = self.sup.ready("tokenizer")
         detoks = self.sup.ready("detokenizer")
         if not (toks and detoks and all(self.sup.ready(k) for k in kinds)):
             raise oa.APIError(503, "the server is not ready (actors starting or restarting); retry",
                               "server_error", code="not_ready", headers={"Retry-After": "1"})
-        if len(self.inflight) >= self.max_queued:
+        if engine_requests > self.max_queued:   # never admitted, however long it waits
+            raise oa.bad_request(f"this request makes {engine_requests} engine requests (one per prompt); the "
+                                 f"server queues at most {self.max_queued} (--max-queued-requests).", "prompt")
+        if len(self.inflight) + engine_requests > self.max_queued:
             raise oa.overloaded(1)
         turn = next(self._rr)  # one turn per request: each kind's replicas take it in order
         tok, det = toks[turn % len(toks)], detoks[turn % len(detoks)]
@@ -276,7 +279,7 @@ class ApiServer:
         return min(lens) if lens else None
 
     async def _submit(self, req, rid: str) -> list[Inflight]:
-        tok, eng, det, dec = self._route()
+        tok, eng, det, dec = self._route(oa.engine_request_count(req))
         ctx = self.context_length()
         sampling = oa.to_sampling_params(req, defaults=self.generation_config, max_model_len=ctx)
         queue: asyncio.Queue = asyncio.Queue()
@@ -499,11 +502,10 @@ class ApiServer:
         return web.json_response({"actors": self.sup.status()})
 
     async def admin_scale(self, request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await request.read() or b"{}")
-            kind, n = body["kind"], int(body["replicas"])
-        except (ValueError, KeyError, TypeError):
-            raise oa.bad_request('expected a JSON body {"kind": KIND, "replicas": N}') from None
+        body = decode_body(await request.read() or b"{}")
+        kind, n = body.get("kind"), body.get("replicas")
+        if not isinstance(kind, str) or isinstance(n, bool) or not isinstance(n, int):
+            raise oa.bad_request('expected a JSON body {"kind": KIND, "replicas": N} (a string and an integer)')
         try:
             changed = await self.sup.scale(kind, n)
         except ValueError as e:

@@ -101,9 +101,15 @@ class TokenizerActor(Actor):
                 raise ValueError("the prompt is empty after tokenization")
             if m.kind != "chat":
                 media = []
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, RecursionError) as e:   # the request's own content
             await self.send("api/0",
-                            P.TokenizerError(key=m.key, status=400, message=str(e), code="invalid_request"))
+                            P.TokenizerError(key=m.key, status=400, message=str(e) or type(e).__name__,
+                                             code="invalid_request"))
+            return
+        except Exception as e:   # answered all the same: a request nobody answers waits forever
+            self.log.exception("tokenizing %s failed", m.key.rid)
+            await self.send("api/0", P.TokenizerError(key=m.key, status=500, message=f"internal error: "
+                                                      f"{type(e).__name__}", code="internal_error"))
             return
         if m.max_model_len is not None and len(ids) + m.sampling.max_tokens > m.max_model_len:
             message = max_tokens_beyond_context(len(ids), m.sampling.max_tokens, m.max_model_len, m.kind)

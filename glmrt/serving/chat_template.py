@@ -153,6 +153,8 @@ def _parse_arguments(arguments: str, where: str) -> dict[str, Any]:
         parsed = json.loads(arguments)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: arguments are not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: arguments are nested too deeply") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"{where}: arguments must be a JSON object, got {type(parsed).__name__}")
     return parsed

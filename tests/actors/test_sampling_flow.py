@@ -118,3 +118,30 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
         assert _diff(p, want, engine_fields) == [], "engine -> sampler"
     assert sorted({p.seed for p in seen}) == [want.seed + i for i in range(want.n)]
     assert any(p == want for p in seen)  # choice 0 samples with the very values the client sent
+
+
+async def test_a_request_the_tokenizer_fails_on_is_answered_not_dropped(ckpt, tmp_path, monkeypatch):
+    """Content it cannot render (too deep for the renderer) is a 400; any other failure a 500: never
+    silence, which would leave the client waiting."""
+    import glmrt.serving.chat_template as chat_template
+    from actors.tokenizer import TokenizerActor
+
+    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER}), MODEL)
+    (tokenize,) = A.to_tokenize_requests(req, "chatcmpl-fail", "detokenizer/0")
+    vocab_size = load_model_config(ckpt).text.vocab_size
+    tokenizer = TokenizerActor(run_spec("tokenizer", tmp_path, TokenizerActorConfig(model_path=ckpt, vocab_size=vocab_size)))
+    await tokenizer.setup()
+    sent: list = []
+
+    async def capture(peer_id, msg, tensors=()):
+        sent.append((peer_id, msg))
+    monkeypatch.setattr(tokenizer, "send", capture)
+    for raised, status in ((RecursionError("maximum recursion depth exceeded"), 400), (KeyError("x"), 500)):
+        def render(*a, exc=raised, **k):
+            raise exc
+        monkeypatch.setattr(chat_template, "render_chat", render)
+        sent.clear()
+        await tokenizer.handle(_through("tokenizer/0", tokenize), [])
+        ((peer, err),) = sent
+        assert peer == "api/0" and isinstance(err, P.TokenizerError) and err.status == status, err
+        assert err.key == tokenize.key

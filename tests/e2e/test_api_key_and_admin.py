@@ -257,6 +257,12 @@ def test_scale_rejects_bad_requests(dep):
     assert r.returncode == 2
     status, _, raw = dep.post("/admin/scale", {"kind": "engine"})
     assert status == 400 and json.loads(raw)["error"]["message"]
+    for body in ({"kind": [], "replicas": 2}, {"kind": "engine", "replicas": True},
+                 {"kind": "engine", "replicas": "2"}, {"kind": "engine", "replicas": 2.5}):
+        status, _, raw = dep.post("/admin/scale", body)
+        assert status == 400 and "a string and an integer" in json.loads(raw)["error"]["message"], (body, raw)
+    status, _, raw = dep.post("/admin/scale", {"kind": "tokenizer", "replicas": 100_000})
+    assert status == 400 and "at most 64 replicas" in json.loads(raw)["error"]["message"], raw
 
 
 # ---- down (last: it stops the deployment) ----------------------------------------------------

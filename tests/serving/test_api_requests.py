@@ -323,3 +323,29 @@ def test_module_does_not_import_torch():
     code = ("import sys, glmrt.serving.openai_api; "
             "assert not {'torch', 'aiohttp', 'xgrammar'} & set(sys.modules), 'torch, aiohttp or xgrammar imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_bounds_a_hostile_body_meets_before_anything_is_sent():
+    """Each answered 400 here, never a 500 from a later send or a recursion, nor an unbounded fan-out."""
+    big = 10**30
+    for field in ("max_tokens", "top_k", "min_tokens", "seed"):
+        err = chat_err({"model": MODEL, "messages": USER, field: big})
+        assert err.status == 400 and err.param == field and "64 bits" in err.message, (field, err.message)
+    assert A.to_sampling_params(chat(seed=2**64 - 1)).seed == 2**64 - 1   # the largest a generator takes
+    assert A.to_sampling_params(chat(seed=-(2**63))).seed == -(2**63)
+    err = chat_err({"model": MODEL, "messages": USER, "stop_token_ids": [big]})
+    assert err.status == 400 and err.param == "stop_token_ids[0]"
+    err = chat_err({"model": MODEL, "messages": USER, "stop_token_ids": list(range(1025))})
+    assert err.status == 400 and "at most 1024 token ids" in err.message
+    err = comp_err({"model": MODEL, "prompt": [big]})
+    assert err.status == 400 and err.param == "prompt[0]"
+    err = comp_err({"model": MODEL, "prompt": ["a"] * 1025})
+    assert err.status == 400 and "at most 1024 prompts" in err.message
+    assert A.engine_request_count(comp(prompt=["a"] * 1024)) == 1024
+    deep = b'{"model": "' + MODEL.encode() + b'", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    err = chat_err(deep)
+    assert err.status == 400 and "nested too deeply" in err.message
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    err = chat_err({"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                                 {"role": "assistant", "tool_calls": [call]}]})
+    assert err.status == 400 and "function.arguments" in err.message

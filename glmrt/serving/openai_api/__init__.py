@@ -38,8 +38,9 @@ from glmrt.serving.openai_api.errors import (APIError, bad_request, context_leng
                                              internal_error, not_found_model, not_supported, overloaded, too_large,
                                              unauthorized)
 from glmrt.serving.openai_api.requests import (MAX_STOP_SEQUENCES, SAMPLING_NOT_IN_BODY, ChatRequest,
-                                               CompletionRequest, parse_chat_request, parse_completion_request,
-                                               to_sampling_params, to_tokenize_request, to_tokenize_requests)
+                                               CompletionRequest, engine_request_count, parse_chat_request,
+                                               parse_completion_request, to_sampling_params, to_tokenize_request,
+                                               to_tokenize_requests)
 from glmrt.serving.openai_api.responses import (LOGPROB_FLOOR, ChoiceAccumulator, UsageTotals,
                                                 chat_completion_response, completion_response, models_response,
                                                 new_request_id, response_index, usage_json)
@@ -50,7 +51,7 @@ __all__ = [
     "APIError", "bad_request", "not_supported", "not_found_model", "unauthorized", "too_large", "overloaded",
     "context_length_exceeded", "internal_error", "error_from_wire",
     "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
-    "to_sampling_params", "to_tokenize_request", "to_tokenize_requests",
+    "to_sampling_params", "to_tokenize_request", "to_tokenize_requests", "engine_request_count",
     "new_request_id", "response_index", "usage_json", "UsageTotals", "ChoiceAccumulator",
     "chat_completion_response", "completion_response", "ChatStream", "CompletionStream",
     "chat_chunk", "completion_chunk", "usage_chunk", "sse", "sse_error", "SSE_DONE", "models_response",

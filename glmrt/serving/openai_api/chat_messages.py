@@ -74,7 +74,7 @@ def _check_tool_calls(calls: Any, p: str) -> None:
             if args.strip():
                 try:
                     parsed = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise value_error(f"{pp}.function.arguments", "must be a JSON object encoded as a string.") \
                         from None
                 if not isinstance(parsed, dict):

@@ -48,13 +48,19 @@ def read_int(body: Mapping, name: str, param: str | None = None) -> int | None:
     return as_int(v, param or name)
 
 
+# What the wire's msgpack carries: int64 or uint64. A larger integer is refused here, not in a send.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+
+
 def as_int(v: Any, param: str) -> int:
     if isinstance(v, bool):
         raise type_error(param, "an integer", v)
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        return int(v)
+        v = int(v)
     if not isinstance(v, int):
         raise type_error(param, "an integer", v)
+    if not INT_MIN <= v <= INT_MAX:
+        raise value_error(param, f"must fit in 64 bits, got {v}.")
     return v
 
 
@@ -84,6 +90,8 @@ def decode_body(body: bytes | str) -> dict[str, Any]:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.", None, "invalid_json") from None
     if not isinstance(obj, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type_name(obj)}.", None, "invalid_json")
     return obj
@@ -116,6 +124,10 @@ def token_ids(values: list, param: str) -> list[int]:
     return out
 
 
+# Longest array a token-id field of the request (stop_token_ids) may hold: the engine scans it per token.
+MAX_TOKEN_ID_FIELD = 1024
+
+
 def read_token_ids(body: Mapping, name: str) -> list[int] | None:
     """An optional array of token ids; an empty one means absent."""
     v = body.get(name)
@@ -123,4 +135,6 @@ def read_token_ids(body: Mapping, name: str) -> list[int] | None:
         return None
     if not isinstance(v, list):
         raise type_error(name, "an array of integers", v)
+    if len(v) > MAX_TOKEN_ID_FIELD:
+        raise value_error(name, f"at most {MAX_TOKEN_ID_FIELD} token ids are allowed, got {len(v)}.")
     return token_ids(v, name) or None

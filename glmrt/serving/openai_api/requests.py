@@ -25,8 +25,8 @@ from glmrt.serving.openai_api.fields import (as_int, check_model, decode_body, r
                                              value_error)
 
 MAX_STOP_SEQUENCES = 16
+MAX_PROMPTS = 1024   # prompts of one completions request (each is an engine request of its own)
 _UNBOUNDED_MAX_TOKENS = 2**31 - 1
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -99,10 +99,8 @@ def _parse_sampling(body: Mapping, *, max_n: int, completion: bool) -> tuple[dic
         v = read(body, name)
         if v is not None:
             s[name] = v
-    seed = read_int(body, "seed")
+    seed = read_int(body, "seed")   # any 64-bit integer (as_int), what a torch generator takes
     if seed is not None:
-        if not _SEED_MIN <= seed <= _SEED_MAX:
-            raise value_error("seed", f"must fit in 64 bits, got {seed}.")
         s["seed"] = seed
 
     max_param = None
@@ -260,6 +258,8 @@ def _check_prompt(prompt: Any) -> list[str | list[int]]:
     if not prompt:
         raise bad_request("'prompt' must not be empty.", "prompt", "empty_array")
     first = prompt[0]
+    if isinstance(first, (str, list)) and len(prompt) > MAX_PROMPTS:
+        raise value_error("prompt", f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(prompt)}.")
     if isinstance(first, str):
         for i, x in enumerate(prompt):
             if not isinstance(x, str):
@@ -353,12 +353,16 @@ def to_tokenize_request(req: ChatRequest | CompletionRequest, key: RequestKey, r
     return TokenizeRequest(kind="completion", prompt=req.prompts[key.prompt], **common)
 
 
+def engine_request_count(req: ChatRequest | CompletionRequest) -> int:
+    """The engine requests `req` makes: one for chat, one per prompt for completions (n forks each)."""
+    return 1 if isinstance(req, ChatRequest) else len(req.prompts)
+
+
 def to_tokenize_requests(req: ChatRequest | CompletionRequest, rid: str, reply_to: str, *,
                          sampling: SamplingParams | None = None, arrival: float = 0.0,
                          max_model_len: int | None = None) -> list[TokenizeRequest]:
     """One TokenizeRequest per engine request (one for chat, one per prompt for completions)."""
     sampling = sampling if sampling is not None else to_sampling_params(req)
-    num_prompts = 1 if isinstance(req, ChatRequest) else len(req.prompts)
     return [to_tokenize_request(req, RequestKey(rid=rid, prompt=i), reply_to, sampling=sampling, arrival=arrival,
                                 max_model_len=max_model_len)
-            for i in range(num_prompts)]
+            for i in range(engine_request_count(req))]

@@ -93,7 +93,7 @@ def _schema_grammar(schema: Any, param: str) -> Grammar:
     if isinstance(schema, str):  # vLLM's guided_json may be the schema's JSON text
         try:
             schema = json.loads(schema)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise value_error(param, "is not valid JSON.") from None
     if not isinstance(schema, (dict, bool)):
         raise type_error(param, "an object (a JSON schema)", schema)
