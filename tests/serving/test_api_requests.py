@@ -349,3 +349,8 @@ def test_bounds_a_hostile_body_meets_before_anything_is_sent():
     err = chat_err({"model": MODEL, "messages": [{"role": "user", "content": "x"},
                                                  {"role": "assistant", "tool_calls": [call]}]})
     assert err.status == 400 and "function.arguments" in err.message
+    for field, value in (("user", 5), ("echo", "yes"), ("suffix", 1)):
+        body = {"model": MODEL, "prompt": "x", field: value}
+        err = comp_err(body)
+        assert err.status == 400 and err.param == field and "Invalid type" in err.message, (field, err.message)
+    assert chat_err({"model": MODEL, "messages": USER, "user": ["u"]}).param == "user"

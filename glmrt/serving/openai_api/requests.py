@@ -157,9 +157,9 @@ def _reject_unsupported(body: Mapping, completion: bool, n: int = 1) -> None:
         if bias:
             raise not_supported("logit_bias is not supported yet.", "logit_bias")
     if completion:
-        if body.get("echo"):
+        if read_bool(body, "echo"):
             raise not_supported("echo is not supported yet.", "echo")
-        if body.get("suffix"):
+        if read_str(body, "suffix"):
             raise not_supported("suffix is not supported yet.", "suffix")
         best_of = body.get("best_of")
         if best_of is not None:
@@ -232,8 +232,7 @@ def _check_grammar_sampling(req: ChatRequest | CompletionRequest) -> None:
 
 
 def _user(body: Mapping) -> str | None:
-    v = body.get("user")
-    return v if isinstance(v, str) else None
+    return read_str(body, "user")
 
 
 # ---- completions -----------------------------------------------------------------------
