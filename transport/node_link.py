@@ -99,6 +99,8 @@ class LinkServer(_LinkEnd):
             public, secret = load_key_file(key_file)
             self.allowed = {public}
         else:
+            log.warning("the rank link's CURVE keys are made at start and exchanged through the store, which "
+                        "is not authenticated: where others can reach it, give every node --curve-key-file")
             public, secret = zmq.curve_keypair()
             store.set(PREFIX + "server_key", public)
             self.allowed = {bytes(store.get(PREFIX + f"client_key/{r}")) for r in self.ranks}
