@@ -38,6 +38,22 @@ def test_every_replica_takes_its_turn(api):
     assert [r[2] for r in routes] == ["detokenizer/0", "detokenizer/1", "detokenizer/0", "detokenizer/1"]
 
 
+def test_each_prompt_of_a_request_counts_against_the_queue(api):
+    """max_queued_requests 16: a completions request of 17 prompts could never be admitted (400); with
+    10 engine requests in flight, 7 more wait for room (503), 6 fit."""
+    from glmrt.serving.openai_api import APIError
+    with pytest.raises(APIError) as e:
+        api._route(17)
+    assert e.value.status == 400 and "makes 17 engine requests" in e.value.message
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(10):
+        _inflight(api, f"r{i}", "tokenizer/0", "detokenizer/0", queue)
+    with pytest.raises(APIError) as e:
+        api._route(7)
+    assert e.value.status == 503
+    api._route(6)
+
+
 def _inflight(api, rid: str, tokenizer: str, detok: str, queue: asyncio.Queue) -> Inflight:
     key = P.RequestKey(rid=rid)
     tokenize = P.TokenizeRequest(key=key, kind="completion", sampling=SamplingParams(), reply_to=detok, prompt="x")
