@@ -8,6 +8,7 @@ file of the dead group is left in the run directory."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -129,7 +130,7 @@ def _wait_nothing_in_use(dep, timeout: float = 15) -> dict:
 
 
 def _rendezvous_files(dep) -> list[str]:
-    run_dir = os.path.join(tempfile.gettempdir(), f"glmrt-{dep.proc.pid}")
+    (run_dir,) = glob.glob(os.path.join(tempfile.gettempdir(), f"glmrt-{dep.proc.pid}-*"))  # make_run_dir's name
     return sorted(f for f in os.listdir(run_dir) if f.endswith(".ranks"))
 
 
