@@ -103,8 +103,9 @@ class CudaH200Ops(ReferenceOps):
     fp8_activations = "dynamic"
     # 16-bit experts from this many tokens on grouped GEMMs (kernels/grouped_moe.py: torch's
     # CUTLASS grouped GEMM over the pairs sorted by expert) instead of fused_moe's Triton GEMMs;
-    # None keeps fused_moe at every size. H100, one MoE layer: 13.9 ms against 15.1 at 16384
-    # tokens, but 7.7 against 6.7 at 4096 and 5.7 against 5.3 at 2048 (bench/RESULTS.md).
+    # None keeps fused_moe at every size. H100, one MoE layer: 13.9-14.3 ms against 14.8-15.1 at
+    # 16384 tokens (the 16K forward ~2% faster), a tie at 12288, slower from 8192 down (9.1 against
+    # 8.9; 7.7 against 6.7 at 4096) (bench/RESULTS.md).
     GROUPED_MIN_TOKENS: int | None = 16384
 
     def begin_forward(self, num_tokens: int) -> None:
