@@ -430,16 +430,29 @@ class ApiServer:
             raise _wire_error(first, kind)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        finished = 0
-        item = first
         error = None
+        try:
+            error = await self._stream_items(request, first, stream, kind, queue, states, total, resp)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:   # the 200 is out: the error goes into the stream, as an SSE error event
+            log.exception("stream of %s failed", rid)
+            error = oa.internal_error(f"internal error: {type(e).__name__}")
+            await resp.write(oa.sse_error(error))
+        await resp.write(oa.SSE_DONE)
+        await resp.write_eof()
+        return resp, error
+
+    async def _stream_items(self, request, item, stream, kind, queue, states, total, resp) -> oa.APIError | None:
+        """Writes each item's chunks until every choice finished (then the usage chunk) or an
+        error came (its SSE error event); returns that error."""
+        finished = 0
         while True:
             if isinstance(item, (P.TokenizerError, P.EngineError)):
                 item = _wire_error(item, kind)
             if isinstance(item, oa.APIError):
-                error = item
                 await resp.write(oa.sse_error(item))
-                break
+                return item
             for c in stream.on_text(item):
                 await resp.write(oa.sse(c))
             if item.finished:
@@ -452,11 +465,8 @@ class ApiServer:
                         await resp.write(oa.sse(u))
                     self._finish_metrics(states, stream.usage.to_json(), "success")
                     self._log_request(states, 200, usage=stream.usage.to_json())
-                    break
+                    return None
             item = await self._next(queue, request)
-        await resp.write(oa.SSE_DONE)
-        await resp.write_eof()
-        return resp, error
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.served_model, self.created, self.context_length()))

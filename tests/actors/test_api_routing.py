@@ -123,3 +123,39 @@ async def test_with_no_live_tokenizer_the_requests_wait_for_the_restarted_one(ap
     api.actor_restarted("tokenizer/0")
     await asyncio.sleep(0)
     assert sent == [("tokenizer/0", st.tokenize)]
+
+
+@pytest.mark.timeout(30)
+async def test_a_stream_that_fails_after_its_200_ends_with_an_error_event(api, sent, monkeypatch):
+    """Once the 200 and the first chunk are out, a failure of the api's own code can no longer be a
+    JSON error: the stream carries an SSE error event and [DONE] instead of breaking off."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from glmrt.serving import openai_api as oa
+
+    calls = []
+
+    def on_text(self, item):
+        calls.append(item)
+        if len(calls) > 1:
+            raise RuntimeError("a bug in the stream's chunking")
+        return []
+    monkeypatch.setattr(oa.CompletionStream, "on_text", on_text)
+    async with TestClient(TestServer(api.app())) as client:
+        post = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True,
+                                                                         "max_tokens": 4}))
+        for _ in range(200):
+            if api.inflight:
+                break
+            await asyncio.sleep(0.01)
+        (st,) = api.inflight.values()
+        key = st.key.with_choice(0)
+        await st.queue.put(P.TextOut(key=key, text="a"))
+        await st.queue.put(P.TextOut(key=key, text="b"))
+        resp = await post
+        assert resp.status == 200
+        text = await resp.text()
+    assert "internal error: RuntimeError" in text and text.rstrip().endswith("data: [DONE]"), text
+    assert [d for d, m in sent if isinstance(m, P.TokenizeRequest)] == ["tokenizer/0"]
+    assert any(isinstance(m, P.Abort) for _, m in sent)   # what the request held is let go everywhere
+    assert not api.inflight
