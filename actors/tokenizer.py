@@ -75,7 +75,8 @@ class TokenizerActor(Actor):
             await self._tokenize(msg)
 
     async def _tokenize(self, m: P.TokenizeRequest) -> None:
-        from glmrt.serving.chat_template import render_chat, thinking_on
+        from glmrt.serving.chat_template import render_chat
+        from glmrt.serving.openai_api.chat_messages import thinking_on
 
         self.num += 1
         try:

@@ -189,16 +189,6 @@ def _normalize_tool_calls(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
     return out
 
 
-def thinking_on(template_kwargs: Mapping[str, Any]) -> bool:
-    """Whether the prompt opens a think block: yes unless `thinking` (or Qwen's and SGLang's
-    spelling `enable_thinking`, read when `thinking` is absent) is false. A null value counts as
-    absent, as it does for every field of a request."""
-    value = template_kwargs.get("thinking")
-    if value is None:
-        value = template_kwargs.get("enable_thinking")
-    return value is not False
-
-
 def render_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,

@@ -166,10 +166,20 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | 
     raise type_error("tool_choice", "a string or an object", choice)
 
 
+def thinking_on(template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the prompt opens a think block: yes unless `thinking` (or Qwen's and SGLang's
+    spelling `enable_thinking`, read when `thinking` is absent) is false. A null value counts as
+    absent, as it does for every field of a request."""
+    value = template_kwargs.get("thinking")
+    if value is None:
+        value = template_kwargs.get("enable_thinking")
+    return value is not False
+
+
 def check_template_kwargs(body: Mapping) -> dict[str, Any]:
     kw = read_object(body, "chat_template_kwargs")
     kw = dict(kw or {})
-    for key in ("thinking", "enable_thinking"):   # read by chat_template.thinking_on
+    for key in ("thinking", "enable_thinking"):   # read by thinking_on
         if kw.get(key) is not None and not isinstance(kw[key], bool):
             raise type_error(f"chat_template_kwargs.{key}", "a boolean", kw[key])
     return kw

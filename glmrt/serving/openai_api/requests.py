@@ -15,9 +15,8 @@ import msgspec
 
 from glmrt.protocol import RequestKey, TokenizeRequest
 from glmrt.sampling_params import MAX_N, MAX_TOP_LOGPROBS, Grammar, SamplingParams
-from glmrt.serving.chat_template import thinking_on
 from glmrt.serving.openai_api.chat_messages import (check_messages, check_template_kwargs, check_tool_choice,
-                                                    check_tools)
+                                                    check_tools, thinking_on)
 from glmrt.serving.openai_api.errors import bad_request, not_supported
 from glmrt.serving.openai_api.structured import parse_structured, tool_call_grammar
 from glmrt.serving.openai_api.fields import (as_int, check_model, decode_body, read_bool, read_float, read_int,
