@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from bench.h200 import write_out
+from bench.h200 import CEILING_TBPS, measured_copy_tbps, write_out
 from bench.timing import kernel_us, replay_ms
 
 
@@ -125,7 +125,7 @@ def print_trace(prof, reps: int, label: str) -> None:
     print(f"  span {end - t0:.1f} µs, kernels {busy:.1f} µs, gaps {end - t0 - busy:.1f} µs", flush=True)
 
 
-def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float:
+def _floor(model, b: int, ctx: int, experts_touched: int | None = None, tbps: float = CEILING_TBPS) -> float:
     """bench.decode_overlap.floor_ms without an Engine: the same byte count."""
     from glmrt.cache.layout import CacheLayout
     from bench.decode_overlap import floor_ms
@@ -135,7 +135,7 @@ def _floor(model, b: int, ctx: int, experts_touched: int | None = None) -> float
     e = _E()
     e.model, e.model_config = model, model.config
     e.layout = CacheLayout.from_config(model.config.text, page_size=64, kv_dtype="bfloat16", model_dtype="bfloat16")
-    return floor_ms(e, b, ctx, experts_touched=experts_touched)
+    return floor_ms(e, b, ctx, tbps=tbps, experts_touched=experts_touched)
 
 
 def interleaved(args, cfg) -> list[dict]:
@@ -175,6 +175,7 @@ def interleaved(args, cfg) -> list[dict]:
                     put(None)
                 steps[(quant, b, variant)] = (graph, touched, model)
                 keep.append(alive)
+    tbps = measured_copy_tbps()  # this device's copy rate: the floor over it beside the H200's
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
@@ -185,7 +186,8 @@ def interleaved(args, cfg) -> list[dict]:
         row = dict(weights=quant, batch=b, **dict(zip(axes, variant)), rounds=len(ts),
                    median_ms=statistics.median(ts),
                    min_ms=min(ts), max_ms=max(ts), experts_touched=touched, floor_ms=_floor(model, b, args.context),
-                   floor_routed_ms=_floor(model, b, args.context, touched))
+                   floor_routed_ms=_floor(model, b, args.context, touched), device_tbps=tbps,
+                   floor_device_ms=_floor(model, b, args.context, touched, tbps))
         if quant != "bf16" and ("bf16", b, variant) in times:
             row["bf16_over_this"] = statistics.median(a / c for a, c in zip(times[("bf16", b, variant)], ts))
         rows.append(row)
@@ -193,14 +195,17 @@ def interleaved(args, cfg) -> list[dict]:
     write_out("decode_profile.json", rows)
     print(f"\ndecode step replay, interleaved ({args.interleave} rounds), {args.preset} cuda-h200 on "
           f"{torch.cuda.get_device_name()}, context {args.context}")
+    print(f"routed floor: the step's bytes over {CEILING_TBPS} TB/s (the H200's copy rate); device floor: "
+          f"over this device's, measured in this run: {tbps:.2f} TB/s")
     print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'pdl max':>7} "
           f"{'median ms':>9} {'min':>7} {'max':>7} "
-          f"{'routed floor':>12} {'/routed':>7} {'bf16/this (paired)':>18}")
+          f"{'routed floor':>12} {'/routed':>7} {'device floor':>12} {'/device':>7} {'bf16/this (paired)':>18}")
     for r in rows:
         print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
               f"{r['pdl_max']:>7} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
+              f"{r['floor_device_ms']:>12.3f} {r['median_ms'] / r['floor_device_ms']:>7.2f} "
               f"{r.get('bf16_over_this', float('nan')):>18.3f}")
     return rows
 
@@ -252,7 +257,7 @@ def main(argv=None) -> list[dict]:
     cfg = preset_config(args.preset)
     if args.interleave:
         return interleaved(args, cfg)
-    rows = []
+    rows, tbps = [], measured_copy_tbps()
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)
@@ -280,6 +285,8 @@ def main(argv=None) -> list[dict]:
             torch.cuda.empty_cache()  # the batch's DirectSession and graphs are gone
             row["floor_ms"] = _floor(model, b, args.context)  # uniform routing (E(1-(1-k/E)^B) experts per layer)
             row["floor_routed_ms"] = _floor(model, b, args.context, row["experts_touched"])
+            row["device_tbps"] = tbps
+            row["floor_device_ms"] = _floor(model, b, args.context, row["experts_touched"], tbps)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
             print("  kernels (graph, µs/step): " + ", ".join(f"{k[:40]} {v:.0f}" for k, v in
@@ -291,16 +298,19 @@ def main(argv=None) -> list[dict]:
     base = {r["batch"]: r["replay_ms"] for r in rows
             if r["weights"] == "bf16" and r["act"] == "-" and (r["fused"], r["pdl"], r["skinny"]) == first}
     print(f"\ndecode step replay, {args.preset} cuda-h200 on {torch.cuda.get_device_name()}, context {args.context}")
-    print("floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached")
+    print(f"floor: uniform routing (E(1-(1-k/E)^B) experts per layer); routed: the experts this step reached; "
+          f"both over {CEILING_TBPS} TB/s (the H200's copy rate); device: the routed bytes over this device's, "
+          f"measured in this run: {tbps:.2f} TB/s")
     print(f"{'weights':>7} {'act':>14} {'fused':>5} {'pdl':>6} {'skinny':>8} {'batch':>5} {'launches':>8} "
           f"{'replay ms':>9} "
           f"{'kernels ms':>10} {'floor ms':>8} {'/floor':>6} "
-          f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'base/this':>9}")
+          f"{'experts':>7} {'routed floor':>12} {'/routed':>7} {'/device':>7} {'base/this':>9}")
     for r in rows:
         print(f"{r['weights']:>7} {r['act']:>14} {r['fused']:>5} {r['pdl']:>6} {r['skinny']:>8} {r['batch']:>5} "
               f"{r['kernels_per_step']:>8.0f} {r['replay_ms']:>9.3f} {r['graph_kernels_ms']:>10.3f} "
               f"{r['floor_ms']:>8.3f} {r['replay_ms'] / r['floor_ms']:>6.2f} {r['experts_touched']:>7} "
               f"{r['floor_routed_ms']:>12.3f} {r['replay_ms'] / r['floor_routed_ms']:>7.2f} "
+              f"{r['replay_ms'] / r['floor_device_ms']:>7.2f} "
               f"{base.get(r['batch'], float('nan')) / r['replay_ms']:>9.2f}")
     return rows
 

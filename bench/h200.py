@@ -29,6 +29,45 @@ CEILING_TBPS = 4.09     # measured device-to-device copy (bytes read + written)
 CEILING_TFLOPS = 779.0  # measured bf16 8192^3 matmul on random data (769-798 over runs)
 
 
+def _median_seconds(fn, reps: int, warm: int = 3) -> float:
+    """fn() timed by CUDA events `reps` times after `warm` untimed calls -> the median, seconds."""
+    import statistics
+
+    import torch
+
+    times = []
+    for i in range(warm + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warm:
+            times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def measured_copy_tbps(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """This device's device-to-device copy rate, bytes read + written, TB/s: the rate
+    CEILING_TBPS was measured as, taken on the device a run is on, so that a run on another GPU
+    states its ratios against its own floor too."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), reps) / 1e12
+
+
+def measured_matmul_tflops(n: int = 8192, reps: int = 20) -> float:
+    """This device's bf16 n^3 matmul on random data, TFLOP/s: CEILING_TFLOPS measured on the
+    device a run is on."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / _median_seconds(lambda: a @ b, reps) / 1e12
+
+
 def interpret_if_smoke(argv: list[str] | None = None) -> None:
     """With --smoke on a machine without CUDA, run the kernels in Triton's interpreter."""
     if "--smoke" not in (sys.argv if argv is None else argv):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import torch
 
-from bench.h200 import CEILING_TFLOPS, write_out
+from bench.h200 import CEILING_TFLOPS, measured_matmul_tflops, write_out
 from bench.timing import event_ms, kernel_us
 
 
@@ -232,7 +232,6 @@ def main(argv=None) -> list[dict]:
                 row["hf_vs_ours_rel"] = float((h - a).norm() / h.norm())
             torch.cuda.empty_cache()
         rows.append(row)
-    write_out("prefill_model.json", rows)
     act = "" if args.quantization == "bf16" else f" (w8a8 up to {ops.fp8_act_max_tokens or 'any'} tokens)" \
         if ops.fp8_activations == "dynamic" else " (w8a16)"
     print(f"\nprefill, {args.preset} {args.quantization}{act} on {torch.cuda.get_device_name()}, one request; "
@@ -248,6 +247,13 @@ def main(argv=None) -> list[dict]:
               f"{pc(r['triton_ms']):>5.1f}% {pre:>8.1f} {pc(pre):>5.1f}% {hf_ms:>8.1f} {hf_ms / best:>8.1f} "
               f"{r.get('triton_vs_torch_rel', nan):>13.2e} {r.get('kernel_vs_triton_rel', nan):>12.2e} "
               f"{r.get('hf_vs_ours_rel', nan):>11.2e}")
+    device_tflops = measured_matmul_tflops()
+    for r in rows:
+        r["device_tflops"] = device_tflops
+    write_out("prefill_model.json", rows)
+    print(f"this device's bf16 8192^3 matmul, measured in this run: {device_tflops:.0f} TFLOP/s; against it: " + ", ".join(
+        f"{r['tokens']} tokens {name} {100 * r['tflop'] / (r[key] / 1e3) / device_tflops:.1f}%"
+        for r in rows for name, key in (("triton", "triton_ms"), ("kern", "triton-kernel_ms")) if r[key] == r[key]))
     return rows
 
 
