@@ -483,8 +483,10 @@ class ApiServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.sup.all_ready() and not self.sup.stopping:
             return web.json_response({"status": "ok"})
+        # open without the key: which actor is not ready, not its pid, host or GPUs (/admin/status)
         return web.json_response({"status": "starting" if not self.sup.stopping else "stopping",
-                                  "actors": self.sup.status()}, status=503)
+                                  "actors": [{k: a[k] for k in ("kind", "replica", "state")}
+                                             for a in self.sup.status()]}, status=503)
 
     async def server_info(self, request: web.Request) -> web.Response:
         engines = {}

@@ -159,3 +159,22 @@ async def test_a_stream_that_fails_after_its_200_ends_with_an_error_event(api, s
     assert [d for d, m in sent if isinstance(m, P.TokenizeRequest)] == ["tokenizer/0"]
     assert any(isinstance(m, P.Abort) for _, m in sent)   # what the request held is let go everywhere
     assert not api.inflight
+
+
+async def test_health_while_starting_names_states_not_processes(api):
+    """/health answers without a key: while an actor is not ready it says which kind and replica
+    and in what state, never pids, hosts or GPUs (those are /admin/status's, behind the key)."""
+    import json
+    import types
+
+    api.sup.actors["engine/0"].proc = types.SimpleNamespace(pid=4242)
+    api.sup.actors["engine/0"].state = "restarting"
+    resp = await api.health(None)
+    body = json.loads(resp.body)
+    assert resp.status == 503 and body["status"] == "starting"
+    assert {"kind": "engine", "replica": 0, "state": "restarting"} in body["actors"]
+    assert all(set(a) == {"kind", "replica", "state"} for a in body["actors"])
+    assert "4242" not in resp.body.decode()
+    api.sup.actors["engine/0"].state = "ready"
+    resp = await api.health(None)
+    assert resp.status == 200 and json.loads(resp.body) == {"status": "ok"}
