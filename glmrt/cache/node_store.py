@@ -82,7 +82,9 @@ class LocalDiskStore(NodeStore):
         # files left by an earlier run: oldest first, then trimmed to the cap
         found = []
         for name in os.listdir(self.dir):
-            if name.endswith(".safetensors"):
+            if name.endswith(".safetensors.tmp"):  # a write a crash cut off: no entry, nobody's cap
+                _unlink(os.path.join(self.dir, name))
+            elif name.endswith(".safetensors"):
                 path = os.path.join(self.dir, name)
                 found.append((os.path.getmtime(path), name[: -len(".safetensors")], os.path.getsize(path)))
         for _, key, size in sorted(found):
@@ -115,8 +117,10 @@ class LocalDiskStore(NodeStore):
             return True
         self._trim(size)
         tmp = self._path(key) + ".tmp"
-        # created 0600 before a byte is written: other local users never read a prompt's KV
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        # created anew, 0600, before a byte is written: other local users never read a prompt's
+        # KV, and a leftover file's looser mode is never inherited
+        _unlink(tmp)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, tmp)
         os.replace(tmp, self._path(key))  # a reader never sees half a file
         real = os.path.getsize(self._path(key))
@@ -147,13 +151,17 @@ class LocalDiskStore(NodeStore):
         self._used -= size
         if self.on_remove is not None:
             self.on_remove(key)
-        try:
-            os.remove(self._path(key))
-        except FileNotFoundError:
-            pass
+        _unlink(self._path(key))
 
     def _trim(self, incoming: int) -> None:
         while self._lru and self._used + incoming > self.capacity_bytes:
             key = next(iter(self._lru))
             self.remove(key)
             self.counters["disk_evicted_files"] += 1
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

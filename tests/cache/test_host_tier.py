@@ -132,6 +132,25 @@ def test_disk_store_keeps_its_cap_least_recently_used_first(tmp_path):
     assert LocalDiskStore(str(tmp_path / "new"), 1100).dir and (tmp_path / "new").stat().st_mode & 0o777 == 0o700
 
 
+def test_disk_store_clears_half_written_files_and_never_reuses_their_mode(tmp_path):
+    """A write cut off by a crash leaves `key.safetensors.tmp`: the next store removes it (it is
+    no entry and no cap counts it), and a put never writes into a leftover temporary file, whose
+    mode (say 0644 from another umask) the entry would keep."""
+    import os
+
+    stale = tmp_path / "gone.safetensors.tmp"
+    stale.write_bytes(b"x" * 5000)
+    os.chmod(stale, 0o644)
+    store = LocalDiskStore(str(tmp_path), 4 * 1100)
+    assert not stale.exists() and store.used_bytes == 0
+    racing = tmp_path / "k.safetensors.tmp"     # as if another writer's file were there
+    racing.write_bytes(b"")
+    os.chmod(racing, 0o644)
+    assert store.put("k", {"x": torch.ones(256)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors"]
+    assert (tmp_path / "k.safetensors").stat().st_mode & 0o777 == 0o600
+
+
 def test_dropped_host_nodes_come_back_from_disk(tmp_path):
     disk = DiskTier(LocalDiskStore(str(tmp_path), 10**6), "salt", PS)
     tree, tier, pools = make(host_pages=4, host_slots=2, disk=disk)
