@@ -16,10 +16,13 @@ from __future__ import annotations
 import abc
 import collections
 import hashlib
+import logging
 import os
 import struct
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def prefix_keys(salt: str, tokens: list[int], page_size: int, start_key: str = "") -> list[str]:
@@ -120,10 +123,15 @@ class LocalDiskStore(NodeStore):
         # created anew, 0600, before a byte is written: other local users never read a prompt's
         # KV, and a leftover file's looser mode is never inherited
         _unlink(tmp)
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, tmp)
-        os.replace(tmp, self._path(key))  # a reader never sees half a file
-        real = os.path.getsize(self._path(key))
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, tmp)
+            os.replace(tmp, self._path(key))  # a reader never sees half a file
+            real = os.path.getsize(self._path(key))
+        except OSError as e:  # the disk full or gone: an entry not kept, as one over the cap
+            log.warning("the disk tier could not write %s: %s", key, e)
+            _unlink(tmp)
+            return False
         self._lru[key] = real
         self._used += real
         self.counters["disk_put_bytes"] += real

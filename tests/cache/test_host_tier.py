@@ -151,6 +151,26 @@ def test_disk_store_clears_half_written_files_and_never_reuses_their_mode(tmp_pa
     assert (tmp_path / "k.safetensors").stat().st_mode & 0o777 == 0o600
 
 
+def test_a_full_disk_refuses_the_entry_and_leaves_no_file(tmp_path, monkeypatch):
+    """A write that fails (the disk full) is an entry not kept, like one over the cap: the
+    engine's eviction that spilled it goes on, and no half-written file stays."""
+    import errno
+
+    import safetensors.torch
+
+    store = LocalDiskStore(str(tmp_path), 4 * 1100)
+    assert store.put("a", {"x": torch.ones(256)})
+
+    def full(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert not store.put("b", {"x": torch.ones(256)})
+    assert not store.contains("b") and store.keys() == ["a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
 def test_dropped_host_nodes_come_back_from_disk(tmp_path):
     disk = DiskTier(LocalDiskStore(str(tmp_path), 10**6), "salt", PS)
     tree, tier, pools = make(host_pages=4, host_slots=2, disk=disk)
