@@ -25,6 +25,7 @@ from actors.base import codec_for, inbox_address
 from actors.logs import request_line
 from actors.metrics import Metrics
 from glmrt import protocol as P
+from glmrt.mm_limits import DEFAULT_LIMITS, parse_mm_limits
 from glmrt.serving import openai_api as oa
 from glmrt.serving.openai_api.fields import decode_body
 from transport.channels import Inbox
@@ -59,8 +60,9 @@ def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIErro
 class ApiServer:
     def __init__(self, supervisor, *, served_model: str, host: str, port: int, api_key: str | None,
                  max_request_mb: float, max_queued_requests: int, generation_config: dict,
-                 log_requests: bool = True):
+                 log_requests: bool = True, limit_mm_per_prompt: str = DEFAULT_LIMITS):
         self.sup = supervisor
+        self.mm_limits = parse_mm_limits(limit_mm_per_prompt)
         self.served_model = served_model
         self.host, self.port = host, port
         self.api_key = api_key
@@ -341,7 +343,8 @@ class ApiServer:
         return await request.read()
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = oa.parse_chat_request(await self._body(request), self.served_model, max_model_len=self.context_length())
+        req = oa.parse_chat_request(await self._body(request), self.served_model, max_model_len=self.context_length(),
+                                    mm_limits=self.mm_limits)
         return await self._serve(request, req, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", help=field_help(ModelSection, "quantization", "weight format: auto (the "
                    "checkpoint's) | fp8 | mxfp4 | nvfp4; with --load-format dummy, fp8 quantises the random weights"))
     for name in ("host", "port", "max_request_mb", "max_queued_requests", "allowed_local_media_path",
-                 "mm_feature_transport", "allow_remote_media"):
+                 "mm_feature_transport", "allow_remote_media", "limit_mm_per_prompt"):
         _add_field_flag(p, ApiSection, name)
     p.add_argument("--api-key", default=env.api_key(), help=field_help(ApiSection, "api_key", "Bearer key every "
                    "route but /health requires, also set by GLMRT_API_KEY (unset: open)."))
@@ -146,7 +146,7 @@ def build_topology(args: argparse.Namespace):
     api = topo.api
     api_over = {k: getattr(args, k) for k in ("host", "port", "api_key", "max_request_mb", "max_queued_requests",
                                               "allowed_local_media_path", "allow_remote_media",
-                                              "mm_feature_transport")
+                                              "mm_feature_transport", "limit_mm_per_prompt")
                 if getattr(args, k, None) is not None}
     if api_over.get("allowed_local_media_path"):
         api_over["allowed_local_media_path"] = os.path.abspath(os.path.expanduser(api_over["allowed_local_media_path"]))
@@ -468,7 +468,8 @@ async def serve(topo, path: str, ready_timeout: float) -> int:
                      on_restarted=lambda actor_id: api_holder and api_holder[0].actor_restarted(actor_id))
     api = ApiServer(sup, served_model=served, host=topo.api.host, port=topo.api.port, api_key=topo.api.api_key,
                     max_request_mb=topo.api.max_request_mb, max_queued_requests=topo.api.max_queued_requests,
-                    generation_config=gen, log_requests=not topo.log.disable_log_requests)
+                    generation_config=gen, log_requests=not topo.log.disable_log_requests,
+                    limit_mm_per_prompt=topo.api.limit_mm_per_prompt)
     api_holder.append(api)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ can hand state to each other. Unknown keys are refused while the file is read. W
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from glmrt.actor_kinds import (ENGINE_KINDS, KIND_NAMES, REQUIRED_KINDS, SCALABL
                                known_spellings)
 from glmrt.config_bounds import ConfigValueError, bounded, check_fields, flag_spelling, key_spelling
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
+from glmrt.mm_limits import DEFAULT_LIMITS, parse_mm_limits
 from glmrt.nodes import NodesError, NodeSection, check_nodes
 
 FEATURE_TRANSPORTS = ("cpu", "cuda_ipc", "auto")
@@ -80,6 +82,8 @@ class ApiSection:
     """Local image/video paths are served only under this directory."""
     allow_remote_media: bool = False
     """Fetch http(s) image/video URLs."""
+    limit_mm_per_prompt: str = DEFAULT_LIMITS
+    """Images and videos one chat request may carry, as JSON (more is a 400 before any is opened)."""
     mm_feature_transport: str = bounded("auto", choices=FEATURE_TRANSPORTS)
     """vision actor -> engine: cpu | cuda_ipc | auto (cuda_ipc when they share GPUs)."""
 
@@ -234,7 +238,10 @@ def parse_topology(data: dict) -> Topology:
             raise TopologyError(f"unknown top-level key {key!r}; known: {', '.join(sorted(known))}")
     model = ModelSection(**_expand_paths(_take(_table(data, "model"), ModelSection, "[model]"), "path"))
     engine = _engine_flags(_table(data, "engine"), "[engine]")
-    api = ApiSection(**_expand_paths(_take(_table(data, "api"), ApiSection, "[api]"), "allowed_local_media_path"))
+    api = _take(_table(data, "api"), ApiSection, "[api]")
+    if isinstance(api.get("limit_mm_per_prompt"), dict):  # a TOML table: the flag's JSON, as the file writes it
+        api["limit_mm_per_prompt"] = json.dumps(api["limit_mm_per_prompt"])
+    api = ApiSection(**_expand_paths(api, "allowed_local_media_path"))
     logs = LogSection(**_take(_table(data, "log"), LogSection, "[log]"))
     nodes = NodeSection(**_expand_paths(_take(_table(data, "nodes"), NodeSection, "[nodes]"), "curve_key_file"))
     actors = []
@@ -287,6 +294,10 @@ def validate(topo: Topology, num_gpus: int | None = None, *, flags: bool = False
     spell = flag_spelling if flags else key_spelling
     _check_section(topo.model, "" if flags else "[model] ", spell)
     _check_section(topo.api, "" if flags else "[api] ", spell)
+    try:
+        parse_mm_limits(topo.api.limit_mm_per_prompt)
+    except ValueError as e:
+        raise TopologyError(f"{'' if flags else '[api] '}{spell('limit_mm_per_prompt')} {e}") from None
     _check_section(topo.log, "" if flags else "[log] ", spell)
     _check_section(topo.nodes, "" if flags else "[nodes] ", spell)
     _check_placement(topo, num_gpus)

@@ -88,6 +88,8 @@ GOOD = [{"kind": "tokenizer"}, {"kind": "engine"}, {"kind": "detokenizer"}]
     ({"model": {"load_format": "pt"}}, "[model] load_format must be one of auto, dummy (got 'pt')"),
     ({"api": {"port": 70000}}, "[api] port must be >= 0 and < 65536 (got 70000)"),
     ({"api": {"max_queued_requests": 0}}, "[api] max_queued_requests must be >= 1 (got 0)"),
+    ({"api": {"limit_mm_per_prompt": {"image": -2}}}, "[api] limit_mm_per_prompt image must be an integer >= 0 "
+     "(got -2)"),
     ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "engine": {"context_length": 0}}, {"kind": "detokenizer"}]},
      "[[actors]] engine engine: context_length must be >= 1 (got 0)"),
 ])
@@ -95,6 +97,16 @@ def test_a_topology_file_is_refused_in_its_own_spelling(data, message):
     with pytest.raises(TopologyError) as e:
         parse_topology({"actors": GOOD, **data})
     assert str(e.value) == message
+
+
+def test_media_limits_are_a_table_in_a_file_and_json_on_the_command_line():
+    from glmrt.mm_limits import parse_mm_limits
+
+    topo = parse_topology({"actors": GOOD, "api": {"limit_mm_per_prompt": {"image": 4}}})
+    assert parse_mm_limits(topo.api.limit_mm_per_prompt) == {"image": 4, "video": 4}
+    topo = dataclasses.replace(default_topology(), api=ApiSection(limit_mm_per_prompt='{"video": "2"}'))
+    with pytest.raises(TopologyError, match=r"^--limit-mm-per-prompt video must be an integer >= 0 \(got '2'\)$"):
+        validate(topo, flags=True)
 
 
 def test_command_line_values_are_refused_in_flag_spelling():

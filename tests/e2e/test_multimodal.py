@@ -34,7 +34,8 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dep(start_deployment, media_dir):
-    d = start_deployment(["--page-size", "16", "--allowed-local-media-path", str(media_dir)], name="multimodal")
+    d = start_deployment(["--page-size", "16", "--allowed-local-media-path", str(media_dir),
+                          "--limit-mm-per-prompt", '{"image": 2}'], name="multimodal")
     yield d
     d.stop(term_wait=5)
 
@@ -80,6 +81,21 @@ def test_corrupt_and_remote_images_are_400_and_the_server_stays_healthy(dep):
     ok = dep.client().chat.completions.create(model=dep.model_id(), messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2)
     assert ok.usage.completion_tokens >= 1
+
+
+@pytest.mark.timeout(120)
+def test_images_past_the_limit_are_refused_before_any_is_opened(dep):
+    """--limit-mm-per-prompt {"image": 2}: three image parts over two messages are a 400 from the
+    API, whatever the parts hold (the third is not even an image); two are served."""
+    img = {"type": "image_url", "image_url": {"url": data_url(png_bytes(3))}}
+    bogus = {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        dep.client().chat.completions.create(
+            model=dep.model_id(), max_tokens=2,
+            messages=[{"role": "user", "content": [img, img]}, {"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": [bogus, {"type": "text", "text": "and this"}]}])
+    assert e.value.body["code"] == "too_many_media_items" and "At most 2 image(s)" in e.value.body["message"]
+    assert chat(dep, [img, img, {"type": "text", "text": "both"}]).usage.completion_tokens == 4
 
 
 @pytest.mark.timeout(120)

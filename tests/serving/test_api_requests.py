@@ -354,3 +354,32 @@ def test_bounds_a_hostile_body_meets_before_anything_is_sent():
         err = comp_err(body)
         assert err.status == 400 and err.param == field and "Invalid type" in err.message, (field, err.message)
     assert chat_err({"model": MODEL, "messages": USER, "user": ["u"]}).param == "user"
+
+
+def test_media_parts_past_the_limit_are_refused():
+    """--limit-mm-per-prompt counts image and video parts over the whole conversation."""
+    from glmrt.mm_limits import parse_mm_limits
+
+    img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    vid = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    limits = parse_mm_limits('{"image": 2, "video": 0}')
+    assert limits == {"image": 2, "video": 0}
+    two = [{"role": "user", "content": [img]}, {"role": "assistant", "content": "a"}, {"role": "user", "content": [img]}]
+    body = {"model": MODEL, "messages": two}
+    assert A.parse_chat_request(json.dumps(body).encode(), MODEL, mm_limits=limits).messages == two
+    e = chat_err({"model": MODEL, "messages": two + [{"role": "user", "content": [img]}]}, mm_limits=limits)
+    assert (e.status, e.param, e.code) == (400, "messages", "too_many_media_items")
+    assert "At most 2 image(s)" in e.message and "has 3" in e.message
+    e = chat_err({"model": MODEL, "messages": [{"role": "user", "content": [vid]}]}, mm_limits=limits)
+    assert e.code == "too_many_media_items" and "0 video(s)" in e.message
+
+
+@pytest.mark.parametrize("value, needle", [
+    ('{"image": -1}', "image must be an integer >= 0"), ('{"image": true}', "image must be an integer"),
+    ('{"audio": 1}', "not 'audio'"), ("[1]", "must be a JSON object"), ("image=2", "must be a JSON object")])
+def test_media_limits_refuse_what_they_cannot_read(value, needle):
+    from glmrt.mm_limits import parse_mm_limits
+
+    with pytest.raises(ValueError, match=needle):
+        parse_mm_limits(value)
+    assert parse_mm_limits('{"video": 1}') == {"image": 32, "video": 1}  # a kind left out keeps its default

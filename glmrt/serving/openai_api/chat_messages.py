@@ -83,6 +83,25 @@ def _check_tool_calls(calls: Any, p: str) -> None:
             raise type_error(f"{pp}.function.arguments", "a string", args)
 
 
+def check_media_count(messages: list[dict[str, Any]], limits: Mapping[str, int]) -> None:
+    """At most `limits[kind]` image / video parts in the whole conversation: each is opened and
+    preprocessed before the prompt's length is known (glmrt.mm_limits)."""
+    counts = {"image": 0, "video": 0}
+    for m in messages:
+        content = m.get("content")
+        for part in content if isinstance(content, list) else ():
+            t = part.get("type")
+            if t in _IMAGE_TYPES:
+                counts["image"] += 1
+            elif t in _VIDEO_TYPES:
+                counts["video"] += 1
+    for kind in ("image", "video"):
+        if kind in limits and counts[kind] > limits[kind]:
+            raise bad_request(f"At most {limits[kind]} {kind}(s) may be provided in one request; this one has "
+                              f"{counts[kind]} (the server's --limit-mm-per-prompt).", "messages",
+                              "too_many_media_items")
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     if messages is None:
         raise bad_request("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")

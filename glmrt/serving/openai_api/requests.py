@@ -15,8 +15,8 @@ import msgspec
 
 from glmrt.protocol import RequestKey, TokenizeRequest
 from glmrt.sampling_params import MAX_N, MAX_TOP_LOGPROBS, Grammar, SamplingParams
-from glmrt.serving.openai_api.chat_messages import (check_messages, check_template_kwargs, check_tool_choice,
-                                                    check_tools, thinking_on)
+from glmrt.serving.openai_api.chat_messages import (check_media_count, check_messages, check_template_kwargs,
+                                                    check_tool_choice, check_tools, thinking_on)
 from glmrt.serving.openai_api.errors import bad_request, not_supported
 from glmrt.serving.openai_api.structured import parse_structured, tool_call_grammar
 from glmrt.serving.openai_api.fields import (as_int, check_model, decode_body, read_bool, read_float, read_int,
@@ -179,11 +179,14 @@ def _return_token_ids(body: Mapping) -> bool:
 
 
 def parse_chat_request(body: bytes | str, served_model: str | Iterable[str], *, max_n: int = MAX_N,
-                       max_model_len: int | None = None) -> ChatRequest:
-    """Decodes and validates a chat request; raises APIError (400/404) naming the bad field."""
+                       max_model_len: int | None = None, mm_limits: Mapping[str, int] | None = None) -> ChatRequest:
+    """Decodes and validates a chat request; raises APIError (400/404) naming the bad field.
+    `mm_limits`: the most images / videos a request may carry (glmrt.mm_limits)."""
     obj = decode_body(body)
     model = check_model(obj, served_model)
     messages = check_messages(obj.get("messages"))
+    if mm_limits is not None:
+        check_media_count(messages, mm_limits)
     _reject_unsupported(obj, completion=False)
     stream, include_usage = _common_options(obj)
     sampling, max_param, n = _parse_sampling(obj, max_n=max_n, completion=False)
