@@ -445,8 +445,11 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
     # layout-conversion pass error); fp32 is the parity path, so it builds the list instead.
     fp32_math = torch.float32 in (q.dtype, cache.dtype)
     if not is_decode_batch(meta):
-        if sel is None or meta.num_tokens == 0 or (fp32_math and cache.is_cuda):
-            # dense causal prefill and fp32 prefill on the GPU stay on the reference
+        if sel is None or meta.num_tokens == 0 or (fp32_math and cache.is_cuda and PREFILL_TOKEN_LIST == "kernel"):
+            # dense causal prefill stays on the reference, and so does fp32 with the in-kernel
+            # token list on the GPU (above); fp32 rows on a built list take the kernel (ieee
+            # products), which a speculative verify inside a CUDA graph needs: the reference
+            # builds its row indices on the host
             return (reference or ReferenceOps()).sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
         return _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail,
                                    chunk_rows or PREFILL_CHUNK_ROWS)

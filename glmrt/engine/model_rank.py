@@ -36,6 +36,8 @@ class ModelRank:
         from backends.registry import detect_hardware, get_backend
 
         device = config.resolved_device()
+        if model is not None and config.device == "auto":  # a model built beforehand runs where it lives
+            device = str(next(model.parameters()).device)
         self.backend = get_backend(config.backend, device)
         self.dtype = _DTYPES[config.resolved_dtype(device)]
         # the kernel set's defaults and legal combinations on this hardware, checked before weights load

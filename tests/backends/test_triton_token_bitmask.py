@@ -27,7 +27,7 @@ def test_kernel_matches_the_reference(device, vocab, dtype):
 
 
 def test_reference_matches_xgrammar():
-    import xgrammar as xgr
+    xgr = pytest.importorskip("xgrammar")  # a GPU host's image may lack it; the suite's install has it
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=g)
     bits = torch.randint(-2**31, 2**31 - 1, (3, 32), dtype=torch.int32, generator=g)

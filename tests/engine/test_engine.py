@@ -375,3 +375,13 @@ def test_compile_watch_names_the_kernels_a_step_compiled(monkeypatch):
                                "_down_kernel: _down_kernel[num_warps=8](D: i32, I: i32)")
     assert cw.summary(got * 25 + ["_sum_kernel: _sum_kernel[]()"]).startswith(
         "26 Triton kernels compiled in it (_down_kernel x25, _sum_kernel); the first: _down_kernel")
+
+
+def test_a_model_handed_in_runs_where_it_lives(ckpt, model, monkeypatch):
+    """device "auto" with a model built beforehand: the engine takes the model's device, not the
+    first GPU's (on a CUDA host a CPU model was given CUDA pools and graphs)."""
+    monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: "cuda")  # as on a CUDA host
+    e = make(ckpt, model)
+    assert e.device_name == "cpu" and all(t.device.type == "cpu" for t in e.cache.state.tensors)
+    out = run(e, [toks(7, 12)], greedy(3))
+    assert len(out[0].output_ids) == 3
