@@ -301,7 +301,9 @@ class ApiServer:
     async def _abort(self, states: list[Inflight]) -> None:
         for st in states:
             if not st.done:
-                for dest in (st.engine, st.detokenizer, st.decode):
+                # the tokenizer too while nothing came back: the request may still wait in its queue
+                tok = st.tokenizer if st.first_token is None else None
+                for dest in (tok, st.engine, st.detokenizer, st.decode):
                     if dest is None:
                         continue
                     try:

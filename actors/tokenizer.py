@@ -6,17 +6,26 @@ engine re-sends it to a detokenizer that restarted). It holds nothing once a req
 the api re-sends a request whose tokenizer died, and the engine drops a second copy. Bad
 input, and an explicit max_tokens that does not fit in the context with the prompt, becomes a
 TokenizerError to the api (an HTTP 400), never a dead actor. No torch in this process.
+
+Requests wait in a queue that one worker takes in arrival order, while the inbox keeps being
+read: an Abort (the client went away) reaches the actor while the request is still queued, or
+while its images load, and the request is dropped there instead of being rendered, encoded and
+computed for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import time
 from typing import Any
 
 from actors.base import Actor
 from glmrt import protocol as P
 from glmrt.serving.openai_api.errors import max_tokens_beyond_context
+
+ABORT_MEMORY_S = 60.0  # as the engine's: a request queued longer than this is served all the same
 
 
 class TokenizerActor(Actor):
@@ -33,6 +42,10 @@ class TokenizerActor(Actor):
         self.model_config = load_model_config(model_path)
         self.media = self.spec.config.media
         self.num = 0
+        self._queue: collections.deque[P.TokenizeRequest] = collections.deque()
+        self._queued = asyncio.Event()
+        self._working = False
+        self._aborts: dict[P.RequestKey, float] = {}  # request -> when its Abort came (oldest first)
         return {"vocab_size": self.tok.get_vocab_size(), "vision": self.model_config.vision is not None}
 
     def _media_items(self, messages: list[dict]) -> list:
@@ -70,9 +83,48 @@ class TokenizerActor(Actor):
                     raise ValueError(f"{where}: {e}") from None
         return items
 
+    def busy(self) -> bool:
+        return self._working or bool(self._queue)
+
+    def load(self) -> tuple[float, int, int]:
+        return float(len(self._queue) + self._working), int(self._working), len(self._queue)
+
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.TokenizeRequest):
-            await self._tokenize(msg)
+            self._queue.append(msg)
+            self._queued.set()
+        elif isinstance(msg, P.Abort) and not msg.choice_only:
+            self._aborts.pop(msg.key.request, None)  # re-inserted last: keeps time order
+            self._aborts[msg.key.request] = time.monotonic()
+
+    async def background(self) -> None:
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            await self.run_queued()
+
+    async def run_queued(self) -> None:
+        """Tokenize what is queued, in arrival order, skipping what was aborted meanwhile."""
+        while self._queue:
+            m = self._queue.popleft()
+            if self._aborted(m.key):
+                continue
+            self._working = True
+            try:
+                await self._tokenize(m)
+            except Exception:  # answered inside; a failure past that must not stop the worker
+                self.log.exception("tokenizing %s failed", m.key.rid)
+            finally:
+                self._working = False
+
+    def _aborted(self, key: P.RequestKey) -> bool:
+        now = time.monotonic()
+        while self._aborts:  # forget aborts old enough that no request of theirs can still come
+            oldest, t = next(iter(self._aborts.items()))
+            if now - t <= ABORT_MEMORY_S:
+                break
+            del self._aborts[oldest]
+        return key.request in self._aborts
 
     async def _tokenize(self, m: P.TokenizeRequest) -> None:
         from glmrt.serving.chat_template import render_chat
@@ -85,6 +137,8 @@ class TokenizerActor(Actor):
                 thinking = thinking_on(m.chat_template_kwargs or {})
                 # decoding images/video is CPU work: keep it off the event loop
                 media = await asyncio.get_running_loop().run_in_executor(None, self._media_items, m.messages or [])
+                if self._aborted(m.key):  # gone while its images loaded: no vision or engine work
+                    return
                 text = render_chat(m.messages or [], m.tools, thinking=thinking, reasoning_effort=m.reasoning_effort)
                 ids = self.tok.encode(text, add_special_tokens=False).ids
                 if media:

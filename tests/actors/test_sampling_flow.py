@@ -83,6 +83,7 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
         sent.setdefault(peer_id, []).append(_through(peer_id, msg))
     monkeypatch.setattr(tokenizer, "send", capture)
     await tokenizer.handle(_through("tokenizer/0", tokenize), [])
+    await tokenizer.run_queued()  # what the actor's worker does with its queue
     (detok_req,) = sent["detokenizer/0"]
     (engine_req,) = sent["engine/0"]
     assert _diff(detok_req.sampling, want, NON_DEFAULT) == [], "tokenizer -> detokenizer"
@@ -142,6 +143,72 @@ async def test_a_request_the_tokenizer_fails_on_is_answered_not_dropped(ckpt, tm
         monkeypatch.setattr(chat_template, "render_chat", render)
         sent.clear()
         await tokenizer.handle(_through("tokenizer/0", tokenize), [])
+        await tokenizer.run_queued()
         ((peer, err),) = sent
         assert peer == "api/0" and isinstance(err, P.TokenizerError) and err.status == status, err
         assert err.key == tokenize.key
+
+
+async def test_a_request_aborted_while_queued_is_never_tokenized(ckpt, tmp_path, monkeypatch):
+    """Requests queue behind the one being tokenized while the inbox is still read: an Abort that
+    arrives meanwhile drops its request before any work (nothing reaches a detokenizer or an
+    engine); the others are served in arrival order."""
+    from actors.tokenizer import TokenizerActor
+
+    vocab_size = load_model_config(ckpt).text.vocab_size
+    tokenizer = TokenizerActor(run_spec("tokenizer", tmp_path, TokenizerActorConfig(model_path=ckpt, vocab_size=vocab_size)))
+    await tokenizer.setup()
+    sent: list = []
+
+    async def capture(peer_id, msg, tensors=()):
+        sent.append((peer_id, msg))
+    monkeypatch.setattr(tokenizer, "send", capture)
+    reqs = []
+    for rid in ("a", "b", "c"):
+        req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER}), MODEL)
+        (tokenize,) = A.to_tokenize_requests(req, f"chatcmpl-{rid}", "detokenizer/0")
+        tokenize.engine = "engine/0"
+        reqs.append(tokenize)
+        await tokenizer.handle(_through("tokenizer/0", tokenize), [])
+    assert tokenizer.busy() and tokenizer.load() == (3.0, 0, 3)
+    await tokenizer.handle(_through("tokenizer/0", P.Abort(key=reqs[1].key)), [])
+    await tokenizer.run_queued()
+    assert [(peer, m.key.rid) for peer, m in sent] == [
+        ("detokenizer/0", "chatcmpl-a"), ("engine/0", "chatcmpl-a"), ("detokenizer/0", "chatcmpl-c"),
+        ("engine/0", "chatcmpl-c")]
+    assert not tokenizer.busy()
+
+
+async def test_a_request_aborted_while_its_media_load_goes_no_further(ckpt, tmp_path, monkeypatch):
+    """The images of a chat load off the event loop; an Abort read meanwhile stops the request
+    before it is rendered or sent to a vision actor, a detokenizer or an engine."""
+    import asyncio
+    import threading
+
+    from actors.tokenizer import TokenizerActor
+
+    vocab_size = load_model_config(ckpt).text.vocab_size
+    tokenizer = TokenizerActor(run_spec("tokenizer", tmp_path, TokenizerActorConfig(model_path=ckpt, vocab_size=vocab_size)))
+    await tokenizer.setup()
+    sent: list = []
+
+    async def capture(peer_id, msg, tensors=()):
+        sent.append((peer_id, msg))
+    monkeypatch.setattr(tokenizer, "send", capture)
+    loading, release = threading.Event(), threading.Event()
+
+    def slow_media(messages):
+        loading.set()
+        release.wait(10)
+        return []
+    monkeypatch.setattr(tokenizer, "_media_items", slow_media)
+    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER}), MODEL)
+    (tokenize,) = A.to_tokenize_requests(req, "chatcmpl-media", "detokenizer/0")
+    await tokenizer.handle(_through("tokenizer/0", tokenize), [])
+    worker = asyncio.create_task(tokenizer.run_queued())
+    while not loading.is_set():
+        await asyncio.sleep(0.01)
+    await tokenizer.handle(_through("tokenizer/0", P.Abort(key=tokenize.key)), [])
+    release.set()
+    await asyncio.wait_for(worker, 10)
+    assert sent == [] and not tokenizer.busy()
