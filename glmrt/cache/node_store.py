@@ -16,9 +16,11 @@ from __future__ import annotations
 import abc
 import collections
 import hashlib
+import itertools
 import logging
 import os
 import struct
+import time
 
 import torch
 
@@ -82,13 +84,15 @@ class LocalDiskStore(NodeStore):
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> file bytes
         self._used = 0
         self.counters = {"disk_put_bytes": 0, "disk_get_bytes": 0, "disk_evicted_files": 0}
+        self._writes = itertools.count()
         # files left by an earlier run: oldest first, then trimmed to the cap
         found = []
         for name in os.listdir(self.dir):
-            if name.endswith(".safetensors.tmp"):  # a write a crash cut off: no entry, nobody's cap
-                _unlink(os.path.join(self.dir, name))
+            path = os.path.join(self.dir, name)
+            if name.endswith(".tmp") or name.startswith(".tmp"):
+                if _abandoned(name, path):  # a write a crash cut off: no entry, nobody's cap
+                    _unlink(path)
             elif name.endswith(".safetensors"):
-                path = os.path.join(self.dir, name)
                 found.append((os.path.getmtime(path), name[: -len(".safetensors")], os.path.getsize(path)))
         for _, key, size in sorted(found):
             self._lru[key] = size
@@ -109,8 +113,8 @@ class LocalDiskStore(NodeStore):
         return list(self._lru)
 
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Write (or refresh) one entry; False when it alone exceeds the cap."""
-        from safetensors.torch import save_file
+        """Write (or refresh) one entry; False when it alone exceeds the cap or cannot be written."""
+        from safetensors.torch import save
 
         size = sum(t.nbytes for t in tensors.values())
         if size > self.capacity_bytes:
@@ -119,13 +123,20 @@ class LocalDiskStore(NodeStore):
             self._lru.move_to_end(key)
             return True
         self._trim(size)
-        tmp = self._path(key) + ".tmp"
-        # created anew, 0600, before a byte is written: other local users never read a prompt's
-        # KV, and a leftover file's looser mode is never inherited
-        _unlink(tmp)
+        # A name of this write's own (engine replicas may share the directory), created 0600
+        # before a byte is written: other local users never read a prompt's KV. The bytes are
+        # written here, not by safetensors' save_file, whose own hidden temporary file a crash
+        # would leave behind under a name nobody could claim.
+        tmp = f"{self._path(key)}.{os.getpid()}.{next(self._writes)}.tmp"
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, tmp)
+            data = save({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()})
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
             os.replace(tmp, self._path(key))  # a reader never sees half a file
             real = os.path.getsize(self._path(key))
         except OSError as e:  # the disk full or gone: an entry not kept, as one over the cap
@@ -139,13 +150,14 @@ class LocalDiskStore(NodeStore):
         return True
 
     def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         if key not in self._lru:
             return None
         try:
             out = load_file(self._path(key))
-        except (OSError, ValueError):   # removed or damaged under us: forget it
+        except (OSError, ValueError, SafetensorError):   # removed or damaged under us: forget it
             self.remove(key)
             return None
         self._lru.move_to_end(key)
@@ -173,3 +185,28 @@ def _unlink(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+STALE_TMP_S = 3600.0  # a temporary file no process can be named for counts as abandoned past this age
+
+
+def _abandoned(name: str, path: str) -> bool:
+    """Whether temporary file `name` is left by a write that will never finish: ours name their
+    process (`<key>.safetensors.<pid>.<n>.tmp`) and are abandoned once it is gone; any other
+    (an earlier version's, or a library's hidden one) once it is an hour old."""
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[-4] == "safetensors" and parts[-3].isdigit():
+        pid = int(parts[-3])
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+    try:
+        return time.time() - os.path.getmtime(path) > STALE_TMP_S
+    except FileNotFoundError:
+        return False

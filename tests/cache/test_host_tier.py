@@ -132,43 +132,73 @@ def test_disk_store_keeps_its_cap_least_recently_used_first(tmp_path):
     assert LocalDiskStore(str(tmp_path / "new"), 1100).dir and (tmp_path / "new").stat().st_mode & 0o777 == 0o700
 
 
-def test_disk_store_clears_half_written_files_and_never_reuses_their_mode(tmp_path):
-    """A write cut off by a crash leaves `key.safetensors.tmp`: the next store removes it (it is
-    no entry and no cap counts it), and a put never writes into a leftover temporary file, whose
-    mode (say 0644 from another umask) the entry would keep."""
+def test_disk_store_clears_only_the_temporary_files_nobody_will_finish(tmp_path):
+    """A write a crash cut off leaves a temporary file: the next store removes it when the process
+    named in it is gone (or, for a name without one, once it is an hour old), and leaves the
+    files of a live writer (another engine replica on the same directory) alone. No cap counts
+    them."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    names = {f"a.safetensors.{dead_pid}.0.tmp": False, f"b.safetensors.{os.getppid()}.3.tmp": True,
+             "c.safetensors.tmp": False, ".tmpQ1w2E3": False, ".tmpfresh": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x" * 5000)
+    old = time.time() - 7200
+    for name in ("c.safetensors.tmp", ".tmpQ1w2E3"):
+        os.utime(tmp_path / name, (old, old))
+    store = LocalDiskStore(str(tmp_path), 4 * 1100)
+    assert {n: (tmp_path / n).exists() for n in names} == names
+    assert store.used_bytes == 0 and store.keys() == []
+
+
+def test_disk_store_files_are_this_users_only_whatever_the_umask(tmp_path):
     import os
 
-    stale = tmp_path / "gone.safetensors.tmp"
-    stale.write_bytes(b"x" * 5000)
-    os.chmod(stale, 0o644)
+    old = os.umask(0)
+    try:
+        store = LocalDiskStore(str(tmp_path / "kv"), 4 * 1100)
+        assert store.put("k", {"x": torch.ones(256)})
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["k.safetensors"]
+    assert (tmp_path / "kv" / "k.safetensors").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_full_disk_refuses_the_entry_and_leaves_no_file(tmp_path):
+    """A write that fails for real (here the process's file size limit, as a full disk would) is
+    an entry not kept, like one over the cap: the eviction that spilled it goes on, and no
+    half-written file stays."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, signal, torch
+from glmrt.cache.node_store import LocalDiskStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+store = LocalDiskStore({str(tmp_path)!r}, 1 << 30)
+assert store.put("small", {{"x": torch.ones(256)}})
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+assert not store.put("big", {{"x": torch.ones(1 << 16)}})
+assert store.keys() == ["small"]
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "could not write big" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.safetensors"]
+
+
+def test_a_damaged_file_is_forgotten(tmp_path):
     store = LocalDiskStore(str(tmp_path), 4 * 1100)
-    assert not stale.exists() and store.used_bytes == 0
-    racing = tmp_path / "k.safetensors.tmp"     # as if another writer's file were there
-    racing.write_bytes(b"")
-    os.chmod(racing, 0o644)
     assert store.put("k", {"x": torch.ones(256)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors"]
-    assert (tmp_path / "k.safetensors").stat().st_mode & 0o777 == 0o600
-
-
-def test_a_full_disk_refuses_the_entry_and_leaves_no_file(tmp_path, monkeypatch):
-    """A write that fails (the disk full) is an entry not kept, like one over the cap: the
-    engine's eviction that spilled it goes on, and no half-written file stays."""
-    import errno
-
-    import safetensors.torch
-
-    store = LocalDiskStore(str(tmp_path), 4 * 1100)
-    assert store.put("a", {"x": torch.ones(256)})
-
-    def full(tensors, path, metadata=None):
-        with open(path, "wb") as f:
-            f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
-    assert not store.put("b", {"x": torch.ones(256)})
-    assert not store.contains("b") and store.keys() == ["a"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+    path = tmp_path / "k.safetensors"
+    path.write_bytes(path.read_bytes()[:40])  # cut short under the store
+    assert store.get("k") is None and not store.contains("k") and not path.exists()
 
 
 def test_dropped_host_nodes_come_back_from_disk(tmp_path):
