@@ -488,7 +488,8 @@ class ApiServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.sup.all_ready() and not self.sup.stopping:
             return web.json_response({"status": "ok"})
-        # open without the key: which actor is not ready, not its pid, host or GPUs (/admin/status)
+        # open without the key: each actor's kind, replica and state, not its pid, host or GPUs
+        # (those are /admin/status's)
         return web.json_response({"status": "starting" if not self.sup.stopping else "stopping",
                                   "actors": [{k: a[k] for k in ("kind", "replica", "state")}
                                              for a in self.sup.status()]}, status=503)

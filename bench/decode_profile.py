@@ -160,6 +160,8 @@ def interleaved(args, cfg) -> list[dict]:
         "kda_tile": (args.kda_tile, setter(kda, "DECODE_LAUNCH", kda_launch)),
         "pdl_max": (args.pdl_max_tokens, setter(pdl, "MAX_TOKENS", int)),
     }
+    tbps = measured_copy_tbps()  # this device's copy rate (before the models take the memory)
+    torch.cuda.empty_cache()
     steps, keep = {}, []
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
@@ -175,7 +177,6 @@ def interleaved(args, cfg) -> list[dict]:
                     put(None)
                 steps[(quant, b, variant)] = (graph, touched, model)
                 keep.append(alive)
-    tbps = measured_copy_tbps()  # this device's copy rate: the floor over it beside the H200's
     times = {k: [] for k in steps}
     for _ in range(args.interleave):
         for k, (graph, _, _) in steps.items():
@@ -258,6 +259,7 @@ def main(argv=None) -> list[dict]:
     if args.interleave:
         return interleaved(args, cfg)
     rows, tbps = [], measured_copy_tbps()
+    torch.cuda.empty_cache()
     for quant in args.quantization.split(","):
         model = load_dummy(cfg, CudaH200Ops(), dtype=torch.bfloat16, device="cuda", with_mtp=False,
                            with_vision=False, quantization=None if quant == "bf16" else quant)

@@ -29,7 +29,7 @@ def parse_mm_limits(value: Any) -> dict[str, int]:
     limits = dict(json.loads(DEFAULT_LIMITS))
     for kind, n in value.items():
         if kind not in MM_KINDS:
-            raise ValueError(f"knows {', '.join(MM_KINDS)}, not {kind!r}")
+            raise ValueError(f"has no kind {kind!r} (known: {', '.join(MM_KINDS)})")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{kind} must be an integer >= 0 (got {n!r})")
         limits[kind] = n

@@ -205,6 +205,19 @@ def _take(table: dict, cls, where: str, renames: dict[str, str] | None = None) -
     return out
 
 
+def _mm_limits_text(value: Any) -> str:
+    """[api] limit_mm_per_prompt as the flag's JSON text (validate() reads it)."""
+    if isinstance(value, dict):
+        try:
+            return json.dumps(value)
+        except TypeError:  # a TOML date or time
+            pass
+    elif isinstance(value, str):
+        return value
+    raise TopologyError(f"[api] limit_mm_per_prompt must be a table such as {{image = 8, video = 2}} or its JSON "
+                        f"text (got {value!r})")
+
+
 def _expand_paths(kw: dict, *names: str) -> dict:
     """`~` in a path key means the home directory, for every actor that reads the path."""
     for name in names:
@@ -239,8 +252,8 @@ def parse_topology(data: dict) -> Topology:
     model = ModelSection(**_expand_paths(_take(_table(data, "model"), ModelSection, "[model]"), "path"))
     engine = _engine_flags(_table(data, "engine"), "[engine]")
     api = _take(_table(data, "api"), ApiSection, "[api]")
-    if isinstance(api.get("limit_mm_per_prompt"), dict):  # a TOML table: the flag's JSON, as the file writes it
-        api["limit_mm_per_prompt"] = json.dumps(api["limit_mm_per_prompt"])
+    if "limit_mm_per_prompt" in api:  # a TOML table, or the flag's JSON text
+        api["limit_mm_per_prompt"] = _mm_limits_text(api["limit_mm_per_prompt"])
     api = ApiSection(**_expand_paths(api, "allowed_local_media_path"))
     logs = LogSection(**_take(_table(data, "log"), LogSection, "[log]"))
     nodes = NodeSection(**_expand_paths(_take(_table(data, "nodes"), NodeSection, "[nodes]"), "curve_key_file"))

@@ -35,14 +35,20 @@ class ModelRank:
         from backends.adapters import resolve_options
         from backends.registry import detect_hardware, get_backend
 
-        device = config.resolved_device()
-        if model is not None and config.device == "auto":  # a model built beforehand runs where it lives
-            device = str(next(model.parameters()).device)
+        device, model_dtype = config.resolved_device(), None
+        if model is not None:  # a model built beforehand: where it lives and its dtype rule for "auto"
+            if model.device.type == "meta":
+                raise ValueError("the model handed to the engine has no weights (it is on the meta device)")
+            if config.device == "auto":
+                device = str(model.device)
+            if config.dtype == "auto":
+                model_dtype = next(n for n, d in _DTYPES.items() if d == model.lm_head.weight.dtype)
+        model_dtype = model_dtype or config.resolved_dtype(device)
         self.backend = get_backend(config.backend, device)
-        self.dtype = _DTYPES[config.resolved_dtype(device)]
+        self.dtype = _DTYPES[model_dtype]
         # the kernel set's defaults and legal combinations on this hardware, checked before weights load
         self.options = resolve_options(detect_hardware(), {**config.backend_request(), "backend": self.backend.name},
-                                       model_dtype=config.resolved_dtype(device))
+                                       model_dtype=model_dtype)
         if model is None and device.startswith("cuda"):  # before minutes of loading, not after
             from glmrt.engine.fit import check_engine_fits
             check_engine_fits(config, device=device, kv_dtype=self.options.kv_cache_dtype, parallel=self.parallel)

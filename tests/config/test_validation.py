@@ -5,6 +5,7 @@ table of actor kinds."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 
 import pytest
@@ -90,6 +91,10 @@ GOOD = [{"kind": "tokenizer"}, {"kind": "engine"}, {"kind": "detokenizer"}]
     ({"api": {"max_queued_requests": 0}}, "[api] max_queued_requests must be >= 1 (got 0)"),
     ({"api": {"limit_mm_per_prompt": {"image": -2}}}, "[api] limit_mm_per_prompt image must be an integer >= 0 "
      "(got -2)"),
+    ({"api": {"limit_mm_per_prompt": 3}}, "[api] limit_mm_per_prompt must be a table such as {image = 8, video = 2} "
+     "or its JSON text (got 3)"),
+    ({"api": {"limit_mm_per_prompt": {"image": datetime.date(2026, 1, 1)}}}, "[api] limit_mm_per_prompt must be a "
+     "table such as {image = 8, video = 2} or its JSON text (got {'image': datetime.date(2026, 1, 1)})"),
     ({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "engine": {"context_length": 0}}, {"kind": "detokenizer"}]},
      "[[actors]] engine engine: context_length must be >= 1 (got 0)"),
 ])

@@ -381,7 +381,16 @@ def test_a_model_handed_in_runs_where_it_lives(ckpt, model, monkeypatch):
     """device "auto" with a model built beforehand: the engine takes the model's device, not the
     first GPU's (on a CUDA host a CPU model was given CUDA pools and graphs)."""
     monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: "cuda")  # as on a CUDA host
+    monkeypatch.setattr(EngineConfig, "resolved_dtype", lambda self, device: "bfloat16")  # CUDA's auto
     e = make(ckpt, model)
     assert e.device_name == "cpu" and all(t.device.type == "cpu" for t in e.cache.state.tensors)
+    assert e.dtype_name == "float32"  # the model's, not what "auto" would pick for the device
     out = run(e, [toks(7, 12)], greedy(3))
     assert len(out[0].output_ids) == 3
+
+
+def test_a_model_without_weights_is_refused(ckpt):
+    import types
+
+    with pytest.raises(ValueError, match="meta device"):
+        Engine(EngineConfig(model=ckpt), model=types.SimpleNamespace(device=torch.device("meta")), log=lambda *a: None)

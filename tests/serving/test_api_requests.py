@@ -376,7 +376,7 @@ def test_media_parts_past_the_limit_are_refused():
 
 @pytest.mark.parametrize("value, needle", [
     ('{"image": -1}', "image must be an integer >= 0"), ('{"image": true}', "image must be an integer"),
-    ('{"audio": 1}', "not 'audio'"), ("[1]", "must be a JSON object"), ("image=2", "must be a JSON object")])
+    ('{"audio": 1}', "no kind 'audio'"), ("[1]", "must be a JSON object"), ("image=2", "must be a JSON object")])
 def test_media_limits_refuse_what_they_cannot_read(value, needle):
     from glmrt.mm_limits import parse_mm_limits
 

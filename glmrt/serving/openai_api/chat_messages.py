@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from glmrt.mm_limits import MM_KINDS
 from glmrt.serving.openai_api.errors import bad_request, not_supported
 from glmrt.serving.openai_api.fields import read_object, type_error, value_error
 
@@ -86,7 +87,7 @@ def _check_tool_calls(calls: Any, p: str) -> None:
 def check_media_count(messages: list[dict[str, Any]], limits: Mapping[str, int]) -> None:
     """At most `limits[kind]` image / video parts in the whole conversation: each is opened and
     preprocessed before the prompt's length is known (glmrt.mm_limits)."""
-    counts = {"image": 0, "video": 0}
+    counts = dict.fromkeys(MM_KINDS, 0)
     for m in messages:
         content = m.get("content")
         for part in content if isinstance(content, list) else ():
@@ -95,7 +96,7 @@ def check_media_count(messages: list[dict[str, Any]], limits: Mapping[str, int])
                 counts["image"] += 1
             elif t in _VIDEO_TYPES:
                 counts["video"] += 1
-    for kind in ("image", "video"):
+    for kind in MM_KINDS:
         if kind in limits and counts[kind] > limits[kind]:
             raise bad_request(f"At most {limits[kind]} {kind}(s) may be provided in one request; this one has "
                               f"{counts[kind]} (the server's --limit-mm-per-prompt).", "messages",
