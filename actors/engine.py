@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from actors.aborts import RecentAborts
 from actors.base import Actor
 from actors.engine_handoff import RANK_POLL_S, HandoffMixin
 from actors.logs import EngineStatsLog
@@ -24,7 +25,6 @@ from glmrt import protocol as P
 
 STATS_S = 1.0
 STOP_RANKS_S = 5.0  # an engine's other ranks have this long to leave after it stops
-EARLY_ABORT_S = 60.0
 VISION_TIMEOUT_S = 60.0  # a request whose embeddings take longer (a vision actor died) fails  # how long an abort that came before its request is remembered
 
 
@@ -53,7 +53,7 @@ class EngineActor(HandoffMixin, Actor):
         # NOTE: the api aborts at the engine directly, so an abort can overtake the request it
         # names (still at the tokenizer or the vision actor): the loop remembers whole-request
         # aborts a while and drops such a request when it arrives
-        self._early_aborts: dict[P.RequestKey, float] = {}  # whole request -> when its abort came
+        self._early_aborts = RecentAborts()  # requests aborted before (or while) their parts arrive
         self._routes: dict[str, tuple[P.RequestKey, str]] = {}  # engine rid -> (its choice's key, detok)
         self._prompt_cached: dict[P.RequestKey, int] = {}       # request -> cached prompt tokens of choice 0
         self.ledger = RequestLedger()  # step thread: duplicates dropped, outputs kept for replays
@@ -138,9 +138,7 @@ class EngineActor(HandoffMixin, Actor):
                     mm.append(MMInput(it.kind, pixels, tuple(it.grid_thw), it.num_tokens))
             self._pending.append(("add", (msg, mm)))
         elif isinstance(msg, P.Abort):
-            if not msg.choice_only:
-                self._early_aborts.pop(msg.key.request, None)  # re-inserted last: keeps time order
-                self._early_aborts[msg.key.request] = time.monotonic()
+            if self._early_aborts.note(msg):
                 for key in [k for k in self._vision_since if msg.drops(k)]:
                     self._vision_forget(key)
             self._pending.append(("abort", msg))
@@ -302,15 +300,8 @@ class EngineActor(HandoffMixin, Actor):
             del self._reservations[rid]
 
     def _aborted_early(self, key: P.RequestKey) -> bool:
-        """On the loop: whether an abort for `key` came before it (forgetting those older than
-        EARLY_ABORT_S)."""
-        now = time.monotonic()
-        while self._early_aborts:  # oldest first: insertion order is time order
-            oldest, t = next(iter(self._early_aborts.items()))
-            if now - t <= EARLY_ABORT_S:
-                break
-            del self._early_aborts[oldest]
-        return key.request in self._early_aborts
+        """On the loop: whether an abort for `key`'s request came before it (actors/aborts.py)."""
+        return key in self._early_aborts
 
     def _join_vision(self, msg: P.EngineRequest, result: P.VisionResult, frames: list) -> None:
         from glmrt.engine.mm import MMInput

@@ -10,7 +10,7 @@ TokenizerError to the api (an HTTP 400), never a dead actor. No torch in this pr
 Requests wait in a queue that one worker takes in arrival order, while the inbox keeps being
 read: an Abort (the client went away) reaches the actor while the request is still queued, or
 while its images load, and the request is dropped there instead of being rendered, encoded and
-computed for nobody.
+computed for nobody. One that came after its images went to a vision actor is passed on there.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import os
 import time
 from typing import Any
 
+from actors.aborts import ABORT_MEMORY_S, RecentAborts
 from actors.base import Actor
 from glmrt import protocol as P
 from glmrt.serving.openai_api.errors import max_tokens_beyond_context
-
-ABORT_MEMORY_S = 60.0  # as the engine's: a request queued longer than this is served all the same
 
 
 class TokenizerActor(Actor):
@@ -45,7 +44,9 @@ class TokenizerActor(Actor):
         self._queue: collections.deque[P.TokenizeRequest] = collections.deque()
         self._queued = asyncio.Event()
         self._working = False
-        self._aborts: dict[P.RequestKey, float] = {}  # request -> when its Abort came (oldest first)
+        self._aborts = RecentAborts()
+        # request -> (the vision actor its images went to, when): an Abort follows them there
+        self._at_vision: dict[P.RequestKey, tuple[str, float]] = {}
         return {"vocab_size": self.tok.get_vocab_size(), "vision": self.model_config.vision is not None}
 
     def _media_items(self, messages: list[dict]) -> list:
@@ -93,9 +94,10 @@ class TokenizerActor(Actor):
         if isinstance(msg, P.TokenizeRequest):
             self._queue.append(msg)
             self._queued.set()
-        elif isinstance(msg, P.Abort) and not msg.choice_only:
-            self._aborts.pop(msg.key.request, None)  # re-inserted last: keeps time order
-            self._aborts[msg.key.request] = time.monotonic()
+        elif isinstance(msg, P.Abort) and self._aborts.note(msg):
+            vision, _ = self._at_vision.pop(msg.key.request, (None, 0.0))
+            if vision is not None:
+                await self.send(vision, msg)
 
     async def background(self) -> None:
         while True:
@@ -118,13 +120,16 @@ class TokenizerActor(Actor):
                 self._working = False
 
     def _aborted(self, key: P.RequestKey) -> bool:
+        return key in self._aborts
+
+    def _sent_to_vision(self, key: P.RequestKey, vision: str) -> None:
         now = time.monotonic()
-        while self._aborts:  # forget aborts old enough that no request of theirs can still come
-            oldest, t = next(iter(self._aborts.items()))
+        while self._at_vision:  # oldest first: forget what no Abort will follow any more
+            oldest, (_, t) = next(iter(self._at_vision.items()))
             if now - t <= ABORT_MEMORY_S:
                 break
-            del self._aborts[oldest]
-        return key.request in self._aborts
+            del self._at_vision[oldest]
+        self._at_vision[key.request] = (vision, now)
 
     async def _tokenize(self, m: P.TokenizeRequest) -> None:
         from glmrt.serving.chat_template import render_chat
@@ -191,6 +196,7 @@ class TokenizerActor(Actor):
             target = f"vision/{self.num % visions}"
             await self.send(target, P.VisionRequest(key=m.key, items=mm_items, engine=m.engine,
                                                     detokenizer=m.reply_to), tensors)
+            self._sent_to_vision(m.key, target)
             mm_items = [P.MMItem(kind=x.kind, grid_thw=x.grid_thw, num_tokens=x.num_tokens) for x in mm_items]
             tensors = []
         await self.send(m.engine, P.EngineRequest(key=m.key, prompt_ids=ids, sampling=m.sampling,

@@ -4,15 +4,19 @@ when the topology places one; otherwise the engine runs the tower itself.
 Pixel patches arrive from the tokenizer as tensor frames; the embeddings go to the engine
 that computes the request's prompt, as tensor frames over the engine's inbox (feature
 transport `cpu`), or as CUDA IPC handles when the vision actor and the engine share GPUs
-(`cuda_ipc`; `auto` picks it then).
+(`cuda_ipc`; `auto` picks it then). Requests queue for one worker while the inbox keeps being
+read, so the Abort of a client that left (passed on by the tokenizer) drops a queued request
+before the tower runs for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 from typing import Any
 
+from actors.aborts import RecentAborts
 from actors.base import Actor
 from glmrt import protocol as P
 
@@ -35,14 +39,17 @@ class VisionActor(Actor):
             self._executor, lambda: load_vision_tower(self.spec.config.model_path, dtype=dtype, device=device))
         self.device, self.dtype = device, dtype
         self.inflight = 0
+        self._queue: collections.deque[tuple[P.VisionRequest, list]] = collections.deque()
+        self._queued = asyncio.Event()
+        self._aborts = RecentAborts()
         self.transport = self.spec.config.feature_transport if device == "cuda" else "cpu"
         return {"device": device, "feature_transport": self.transport}
 
     def busy(self) -> bool:
-        return self.inflight > 0
+        return self.inflight > 0 or bool(self._queue)
 
     def load(self) -> tuple[float, int, int]:
-        return float(self.inflight), self.inflight, 0
+        return float(self.inflight + len(self._queue)), self.inflight, len(self._queue)
 
     def _encode(self, msg: P.VisionRequest, frames: list):
         import torch
@@ -59,8 +66,30 @@ class VisionActor(Actor):
         return [t.float().contiguous().cpu() for t in out.split(sizes)]
 
     async def handle(self, msg: Any, frames: list) -> None:
-        if not isinstance(msg, P.VisionRequest):
-            return
+        if isinstance(msg, P.VisionRequest):
+            self._queue.append((msg, frames))
+            self._queued.set()
+        elif isinstance(msg, P.Abort):
+            self._aborts.note(msg)
+
+    async def background(self) -> None:
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            await self.run_queued()
+
+    async def run_queued(self) -> None:
+        """Encode what is queued, in arrival order, skipping what was aborted meanwhile."""
+        while self._queue:
+            msg, frames = self._queue.popleft()
+            if msg.key in self._aborts:
+                continue
+            try:
+                await self._encode_and_send(msg, frames)
+            except Exception:  # answered inside where it can be; never stop the worker
+                self.log.exception("vision request %s failed", msg.key.rid)
+
+    async def _encode_and_send(self, msg: P.VisionRequest, frames: list) -> None:
         self.inflight += 1
         try:
             loop = asyncio.get_running_loop()
