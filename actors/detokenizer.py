@@ -174,7 +174,8 @@ class DetokenizerActor(Actor):
             s = req.cfg.sampling
             ch = Choice(ChoiceOutput(self.tok, skip_special_tokens=s.skip_special_tokens, stop=s.stop,
                                      include_stop_str_in_output=s.include_stop_str_in_output,
-                                     reasoning=req.cfg.reasoning, tools=req.cfg.tools))
+                                     reasoning=req.cfg.reasoning, tools=req.cfg.tools, min_tokens=s.min_tokens,
+                                     stop_token_ids=s.stop_token_ids))
             req.choices[index] = ch
         return ch
 
@@ -203,7 +204,7 @@ class DetokenizerActor(Actor):
     def _advance(self, req: Req, ch: Choice, it: P.TokenOut) -> P.TextOut | None:
         cfg = req.cfg
         delta = ch.output.feed(it.token_ids, it.finish_reason if it.finished else None)
-        if delta.stop_string:
+        if delta.stop_string and not it.finished:  # the engine is still generating it
             self._abort_choice(cfg, it.key)
         finished = delta.finish_reason is not None
         ch.done = finished
@@ -211,7 +212,7 @@ class DetokenizerActor(Actor):
         usage = P.Usage(prompt_tokens=it.prompt_tokens or cfg.prompt_tokens, completion_tokens=it.completion_tokens,
                         cached_tokens=it.cached_tokens, spec_verify_ct=it.spec_verify_ct) if finished else None
         prompt_ids = None
-        if cfg.prompt_token_ids is not None and not ch.sent_any and it.key.choice == 0:
+        if cfg.prompt_token_ids is not None and not ch.sent_any:  # every choice's first output
             prompt_ids = list(cfg.prompt_token_ids)
         token_ids = list(it.token_ids)
         if not cfg.stream:

@@ -27,7 +27,8 @@ __all__ = ["ChoiceOutput", "OutputDelta"]
 @dataclass
 class OutputDelta:
     """What some tokens of a choice add. `finish_reason` is set on the last one: the
-    engine's reason, or "stop" when a stop string ended the text (`stop_string` then)."""
+    engine's reason, or "stop" when a stop string ended the text (`stop_string` then; the
+    engine may still be generating the choice)."""
 
     text: str = ""
     reasoning: str = ""
@@ -56,17 +57,26 @@ class ChoiceOutput:
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, stop: Sequence[str] | None = (),
                  include_stop_str_in_output: bool = False, reasoning: bool = False,
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, min_tokens: int = 0,
+                 stop_token_ids: Sequence[int] | None = ()) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens, stop=stop,
-                                            include_stop_str_in_output=include_stop_str_in_output)
+                                            include_stop_str_in_output=include_stop_str_in_output,
+                                            min_tokens=min_tokens)
+        self.include_stop = include_stop_str_in_output
+        self.stop_token_ids = frozenset(stop_token_ids or ())
         self.reasoning = Glm45ReasoningParser(thinking=True) if reasoning else None
         self.tools = Glm47ToolParser(tools) if tools else None
 
     def feed(self, token_ids: Sequence[int], finish_reason: str | None = None) -> OutputDelta:
         """The delta `token_ids` add; with `finish_reason` (or once a stop string matched)
-        the last one, everything held back flushed."""
+        the last one, everything held back flushed. As in vLLM: the text of a matched
+        stop_token_ids token is not output (unless include_stop_str_in_output), and a stop string
+        the last token completes makes the reason "stop" even where the engine says "length"."""
+        if (finish_reason == "stop" and token_ids and not self.include_stop
+                and int(token_ids[-1]) in self.stop_token_ids):
+            token_ids = token_ids[:-1]
         text = self.detok.feed(token_ids)
-        stop_string = self.detok.stopped and finish_reason is None
+        stop_string = self.detok.stopped
         if stop_string:
             finish_reason = "stop"
         if finish_reason is not None:

@@ -26,6 +26,9 @@ Stop strings, on the text after special-token handling:
   and `stop_reason` the stop string; later `feed` calls return "".
 - A tail that could be the start of a stop string (at most len(longest stop) - 1 characters)
   is held back until the next tokens or `finish()` decide it.
+- With `min_tokens`, the text of the first min_tokens - 1 tokens is never searched (as vLLM
+  checks stop strings only from the min_tokens-th token on): a stop string there does not end
+  the output, one that starts there and ends later does.
 """
 
 from __future__ import annotations
@@ -54,8 +57,11 @@ class IncrementalDetokenizer:
         stop: Sequence[str] | None = (),
         include_stop_str_in_output: bool = False,
         keep_tokens: Iterable[str] | None = DEFAULT_KEEP_TOKENS,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self._count = 0  # tokens fed so far
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in (stop or ()) if s))
@@ -116,13 +122,15 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ stop strings
 
-    def _apply_stop(self, text: str, final: bool) -> str:
+    def _apply_stop(self, text: str, final: bool, search: bool = True) -> str:
+        """`text` less what a stop string ends or may yet end (held back); with `search` False
+        (tokens before min_tokens) no stop string ends it here."""
         text = self._held + text
         self._held = ""
         if not self.stop:
             return text
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self.stop:
+        for s in self.stop if search else ():
             i = text.find(s)
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
@@ -150,7 +158,13 @@ class IncrementalDetokenizer:
             raise RuntimeError("feed() after finish()")
         if self.stopped:
             return ""
-        return self._apply_stop(self._tokens_text(token_ids), final=False)
+        ids = list(token_ids)
+        unsearched = max(0, min(len(ids), self.min_tokens - 1 - self._count))
+        self._count += len(ids)
+        text = self._apply_stop(self._tokens_text(ids[:unsearched]), final=False, search=False) if unsearched else ""
+        if unsearched == len(ids):
+            return text
+        return text + self._apply_stop(self._tokens_text(ids[unsearched:]), final=False)
 
     def finish(self) -> str:
         """Everything still held back (an incomplete character, a possible stop prefix)."""
@@ -159,4 +173,4 @@ class IncrementalDetokenizer:
         self._finished = True
         if self.stopped:
             return ""
-        return self._apply_stop(self._close_run(), final=True)
+        return self._apply_stop(self._close_run(), final=True, search=self._count >= self.min_tokens)

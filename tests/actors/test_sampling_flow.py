@@ -51,12 +51,11 @@ def _through(codec_owner: str, msg):
 
 
 def test_body_fields_parse_into_sampling_params():
-    body_fields = set(NON_DEFAULT) - A.SAMPLING_NOT_IN_BODY
-    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER,
-                                           **{k: NON_DEFAULT[k] for k in body_fields}}), MODEL)
+    """Every field a client can send, include_stop_str_in_output and skip_special_tokens too
+    (vLLM's and SGLang's extras), reaches SamplingParams."""
+    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER, **NON_DEFAULT}), MODEL)
     params = A.to_sampling_params(req)
-    assert _diff(params, SamplingParams(**NON_DEFAULT), body_fields) == []
-    assert _diff(params, SamplingParams(), A.SAMPLING_NOT_IN_BODY) == []  # a client cannot set these
+    assert _diff(params, SamplingParams(**NON_DEFAULT), NON_DEFAULT) == []
 
 
 async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
@@ -64,11 +63,8 @@ async def test_every_field_reaches_the_sampler(ckpt, tmp_path, monkeypatch):
     from actors.tokenizer import TokenizerActor
     from glmrt.engine.sampler import Sampler
 
-    body_fields = set(NON_DEFAULT) - A.SAMPLING_NOT_IN_BODY
-    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER,
-                                           **{k: NON_DEFAULT[k] for k in body_fields}}), MODEL)
-    # the detokenizer's fields are not read from a body: set them where the api would hold them
-    params = A.to_sampling_params(req).replace(**{k: NON_DEFAULT[k] for k in A.SAMPLING_NOT_IN_BODY})
+    req = A.parse_chat_request(json.dumps({"model": MODEL, "messages": USER, **NON_DEFAULT}), MODEL)
+    params = A.to_sampling_params(req)
     want = SamplingParams(**NON_DEFAULT)
     assert params == want
     (tokenize,) = A.to_tokenize_requests(req, "chatcmpl-flow", "detokenizer/0", sampling=params)

@@ -235,6 +235,17 @@ def test_completion_token_id_prompt_and_return_token_ids(client, model):
     r2 = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0,
                                    extra_body={"ignore_eos": True, "return_token_ids": True})
     assert extra_field(r2.choices[0], "token_ids") == out_ids
+    # every choice carries its prompt's ids, whole and streamed
+    r3 = client.completions.create(model=model, prompt=ids, max_tokens=3, n=2, seed=5,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [extra_field(c, "prompt_token_ids") for c in r3.choices] == [ids, ids]
+    seen = {}
+    for chunk in client.completions.create(model=model, prompt=ids, max_tokens=3, n=2, seed=5, stream=True,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True}):
+        for c in chunk.choices:
+            if extra_field(c, "prompt_token_ids") is not None:
+                seen[c.index] = extra_field(c, "prompt_token_ids")
+    assert seen == {0: ids, 1: ids}
 
 
 @pytest.mark.timeout(60)

@@ -336,3 +336,15 @@ def test_real_client_sees_errors():
     with pytest.raises(openai.InternalServerError) as ei:
         _client(busy).completions.create(model=MODEL, prompt="x")
     assert ei.value.status_code == 503 and ei.value.response.headers["retry-after"] == "1"
+
+
+def test_text_offsets_count_characters_not_escaped_bytes():
+    """A token that ends inside a UTF-8 character (the logprob token `bytes:\\xe4\\xbd`) adds no
+    character until the token that completes it: offsets index the text "你好 ok", in one piece
+    or over a stream's chunks."""
+    toks = ["bytes:\\xe4\\xbd", "bytes:\\xa0", "好", " ok"]
+    lps = [P.TokenLogprob(token_id=i, token=t, logprob=-1.0) for i, t in enumerate(toks)]
+    assert A.completion_logprobs(lps)["text_offset"] == [0, 0, 1, 2]
+    offsets = A.TextOffsets()
+    first = A.completion_logprobs(lps[:1], offsets)["text_offset"]
+    assert first + A.completion_logprobs(lps[1:], offsets)["text_offset"] == [0, 0, 1, 2]

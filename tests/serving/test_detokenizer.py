@@ -163,3 +163,46 @@ def test_no_stop_and_empty_feeds(tok):
     assert d.feed([]) == ""
     assert d.feed(tok.encode("hi").ids) == "hi"
     assert d.finish() == ""
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    """A stop string in the text of the first min_tokens - 1 tokens does not end the output (vLLM
+    checks from the min_tokens-th token on); one that ends later does, whatever the feed sizes."""
+    text = "x marks the spot x and more"
+    ids = tok.encode(text).ids
+    first_x_end = len(tok.decode(ids[:1]))
+    assert first_x_end >= 1 and tok.decode(ids[:1]).startswith("x")
+    for step in (1, 3, len(ids)):
+        d = IncrementalDetokenizer(tok, stop=["x"], min_tokens=3)
+        out = "".join(run(d, ids, step))
+        assert d.stopped and out == "x marks the spot "
+    d = IncrementalDetokenizer(tok, stop=["x"], min_tokens=0)
+    assert "".join(run(d, ids)) == "" and d.stopped
+    d = IncrementalDetokenizer(tok, stop=["x"], min_tokens=len(ids) + 1)  # never searched
+    assert "".join(run(d, ids)) == text and not d.stopped
+
+
+def test_a_stop_token_ids_match_leaves_its_text_out(tok):
+    """As vLLM: the engine stops on a stop_token_ids token; its text is not output unless
+    include_stop_str_in_output (the id stays in the choice's token ids)."""
+    from glmrt.serving.choice_output import ChoiceOutput
+
+    ids = tok.encode("Hello world").ids
+    for include, want in ((False, tok.decode(ids[:-1])), (True, "Hello world")):
+        out = ChoiceOutput(tok, stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
+        d = out.feed(ids, "stop")
+        assert (d.text, d.finish_reason) == (want, "stop")
+    out = ChoiceOutput(tok, stop_token_ids=[ids[-1]])  # ended by length on that token: a plain token
+    assert out.feed(ids, "length").text == "Hello world"
+
+
+def test_a_stop_string_the_last_token_completes_is_a_stop(tok):
+    """The engine says "length" on the max_tokens-th token; that token also completes a stop
+    string: the choice ends on the stop string, as it would with a larger max_tokens."""
+    from glmrt.serving.choice_output import ChoiceOutput
+
+    ids = tok.encode("The answer is 42. END").ids
+    out = ChoiceOutput(tok, stop=["END"])
+    d = out.feed(ids[:-1])
+    last = out.feed(ids[-1:], "length")
+    assert (d.text + last.text, last.finish_reason, last.stop_string) == ("The answer is 42. ", "stop", True)

@@ -14,8 +14,8 @@ against the official `openai` client's types.
 Conventions (documented choices):
 - Unknown fields are ignored (OpenAI clients send extras through `extra_body`); the glmrt /
   vLLM / SGLang extras we honour are top_k, min_p, repetition_penalty, min_tokens,
-  ignore_eos, stop_token_ids, return_token_ids, chat_template_kwargs, max_thinking_tokens,
-  regex and ebnf. Known OpenAI fields whose semantics we cannot honour yet (an allowed-tools
+  ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
+  return_token_ids, chat_template_kwargs, max_thinking_tokens, regex and ebnf. Known OpenAI fields whose semantics we cannot honour yet (an allowed-tools
   tool_choice, logit_bias, echo, suffix, best_of != n, functions) answer 400 instead of being
   silently dropped. A null field means "absent".
 - `max_tokens`: `max_completion_tokens` wins over `max_tokens`. When neither is set, chat
@@ -37,13 +37,13 @@ Conventions (documented choices):
 from glmrt.serving.openai_api.errors import (APIError, bad_request, context_length_exceeded, error_from_wire,
                                              internal_error, not_found_model, not_supported, overloaded, too_large,
                                              unauthorized)
-from glmrt.serving.openai_api.requests import (MAX_STOP_SEQUENCES, SAMPLING_NOT_IN_BODY, ChatRequest,
+from glmrt.serving.openai_api.requests import (MAX_STOP_SEQUENCES, ChatRequest,
                                                CompletionRequest, engine_request_count, parse_chat_request,
                                                parse_completion_request, to_sampling_params, to_tokenize_request,
                                                to_tokenize_requests)
-from glmrt.serving.openai_api.responses import (LOGPROB_FLOOR, ChoiceAccumulator, UsageTotals,
-                                                chat_completion_response, completion_response, models_response,
-                                                new_request_id, response_index, usage_json)
+from glmrt.serving.openai_api.responses import (LOGPROB_FLOOR, ChoiceAccumulator, TextOffsets, UsageTotals,
+                                                chat_completion_response, completion_logprobs, completion_response,
+                                                models_response, new_request_id, response_index, usage_json)
 from glmrt.serving.openai_api.streaming import (SSE_DONE, ChatStream, CompletionStream, chat_chunk, completion_chunk,
                                                 sse, sse_error, usage_chunk)
 
@@ -52,8 +52,9 @@ __all__ = [
     "context_length_exceeded", "internal_error", "error_from_wire",
     "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
     "to_sampling_params", "to_tokenize_request", "to_tokenize_requests", "engine_request_count",
-    "new_request_id", "response_index", "usage_json", "UsageTotals", "ChoiceAccumulator",
+    "new_request_id", "response_index", "usage_json", "UsageTotals", "ChoiceAccumulator", "TextOffsets",
+    "completion_logprobs",
     "chat_completion_response", "completion_response", "ChatStream", "CompletionStream",
     "chat_chunk", "completion_chunk", "usage_chunk", "sse", "sse_error", "SSE_DONE", "models_response",
-    "MAX_STOP_SEQUENCES", "SAMPLING_NOT_IN_BODY", "LOGPROB_FLOOR",
+    "MAX_STOP_SEQUENCES", "LOGPROB_FLOOR",
 ]

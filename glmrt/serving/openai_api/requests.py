@@ -84,12 +84,10 @@ class CompletionRequest:
 # SamplingParams fields the body spells or checks its own way (read by `_parse_sampling` and the
 # routes); every other field is read from the body under its own name, by its type.
 _SAMPLING_SPECIAL = frozenset({"max_tokens", "n", "seed", "stop", "logprobs", "top_logprobs"})
-# fields a client does not set: the detokenizer keeps their defaults
-SAMPLING_NOT_IN_BODY = frozenset({"include_stop_str_in_output", "skip_special_tokens"})
 _READ_BY_TYPE = {float: read_float, int: read_int, int | None: read_int, bool: read_bool, list[int]: read_token_ids}
 # NOTE: a new field of a type without a reader fails here, at import, rather than being dropped
 _SAMPLING_BY_TYPE = tuple((f.name, _READ_BY_TYPE[f.type]) for f in msgspec.structs.fields(SamplingParams)
-                          if f.name not in _SAMPLING_SPECIAL | SAMPLING_NOT_IN_BODY)
+                          if f.name not in _SAMPLING_SPECIAL)
 
 
 def _parse_sampling(body: Mapping, *, max_n: int, completion: bool) -> tuple[dict[str, Any], str | None, int]:

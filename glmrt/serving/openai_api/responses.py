@@ -9,6 +9,8 @@ as -9999.0 (JSON has no inf).
 
 from __future__ import annotations
 
+import codecs
+
 import math
 import secrets
 import time
@@ -95,17 +97,33 @@ def chat_logprob_entries(lps: Iterable[TokenLogprob]) -> list[dict[str, Any]]:
             for lp in lps]
 
 
-def completion_logprobs(lps: Iterable[TokenLogprob], offset: int = 0) -> tuple[dict[str, Any], int]:
-    """OpenAI completions `logprobs` for tokens whose text starts at `offset`; returns it and
-    the offset after them (offsets add up token texts, as vLLM's do)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+class TextOffsets:
+    """Where each token of a completion starts in its text, in characters (OpenAI's
+    `text_offset`): a token that ends inside a UTF-8 character adds nothing until the token
+    that completes it adds the character."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, token: str) -> int:
+        """The offset `token` starts at; the offset moves past its text."""
+        start = self.offset
+        self.offset += len(self._utf8.decode(bytes(_token_bytes(token))))
+        return start
+
+
+def completion_logprobs(lps: Iterable[TokenLogprob], offsets: TextOffsets | None = None) -> dict[str, Any]:
+    """OpenAI completions `logprobs` for tokens that follow what `offsets` has seen (a stream
+    keeps one per choice)."""
+    offsets = offsets or TextOffsets()
+    tokens, token_lps, tops, starts = [], [], [], []
     for lp in lps:
         tokens.append(lp.token)
         token_lps.append(_finite(lp.logprob))
         tops.append({t.token: _finite(t.logprob) for t in lp.top_logprobs})
-        offsets.append(offset)
-        offset += len(lp.token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+        starts.append(offsets.take(lp.token))
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
 
 
 def finish_reason_for(reason: str | None, had_tools: bool, kind: str) -> str:
@@ -130,7 +148,7 @@ class ChoiceState:
         self.text_sent = False
         self.finished = False
         self.tool_ids: dict[int, str] = {}  # kept tool-call index -> id
-        self.text_offset = 0
+        self.text_offset = TextOffsets()
         self.usage: Usage | None = None
         self.parallel_tool_calls = parallel_tool_calls
 
@@ -226,7 +244,7 @@ class ChoiceAccumulator:
     def completion_choice(self) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": self.index, "text": self.text,
-            "logprobs": completion_logprobs(self._lps)[0] if self.logprobs else None,
+            "logprobs": completion_logprobs(self._lps) if self.logprobs else None,
             "finish_reason": finish_reason_for(self.finish_reason, False, "completion"),
         }
         if self.return_token_ids:

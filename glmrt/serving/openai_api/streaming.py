@@ -66,6 +66,7 @@ class _Stream:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.return_token_ids = return_token_ids
+        self._prompt_ids_sent = False
         self.parallel_tool_calls = parallel_tool_calls
         self.usage = UsageTotals()
         self._choices: dict[int, ChoiceState] = {}
@@ -108,8 +109,9 @@ class ChatStream(_Stream):
             first = chat_chunk(self.id, self.model, self.created,
                                [{"index": index, "delta": {"role": "assistant"},
                                  "logprobs": None, "finish_reason": None}], include_usage=self.include_usage)
-            if self.return_token_ids and out.prompt_token_ids is not None:
-                first["prompt_token_ids"] = list(out.prompt_token_ids)
+            if self.return_token_ids and out.prompt_token_ids is not None and not self._prompt_ids_sent:
+                first["prompt_token_ids"] = list(out.prompt_token_ids)  # the response's, once
+                self._prompt_ids_sent = True
             chunks.append(first)
         delta: dict[str, Any] = {}
         if out.reasoning:
@@ -160,7 +162,7 @@ class CompletionStream(_Stream):
         choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": None, "finish_reason": None}
         has_lps = self.logprobs and bool(out.logprobs)
         if has_lps:
-            choice["logprobs"], st.text_offset = completion_logprobs(out.logprobs or [], st.text_offset)
+            choice["logprobs"] = completion_logprobs(out.logprobs or [], st.text_offset)
         if self.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
             if not st.started:
