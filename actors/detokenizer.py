@@ -226,7 +226,8 @@ class DetokenizerActor(Actor):
             delta, token_ids, lps = OutputDelta.fold(ch.deltas), ch.token_ids, ch.logprobs or None
         ch.sent_any = True
         return P.TextOut(key=it.key, text=delta.text, reasoning=delta.reasoning, tool_calls=delta.tool_calls,
-                         token_ids=token_ids, finished=finished, finish_reason=delta.finish_reason, usage=usage,
+                         token_ids=token_ids, finished=finished, finish_reason=delta.finish_reason,
+                         stop_reason=delta.stop_reason, usage=usage,
                          logprobs=lps, prompt_token_ids=prompt_ids)
 
     def _abort_choice(self, cfg: P.DetokenizeRequest, key: P.RequestKey) -> None:

@@ -283,6 +283,7 @@ class TextOut(HotMsg):
     token_ids: list[int] = []
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's field)
     usage: Usage | None = None  # set on the last delta of a choice
     logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None  # first delta only, when return_token_ids

@@ -35,6 +35,7 @@ class OutputDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     finish_reason: str | None = None
     stop_string: bool = False
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it
 
     @classmethod
     def fold(cls, deltas: Iterable[OutputDelta]) -> OutputDelta:
@@ -48,6 +49,7 @@ class OutputDelta:
             folded.tool_calls.extend(d.tool_calls)
             folded.finish_reason = d.finish_reason or folded.finish_reason
             folded.stop_string = folded.stop_string or d.stop_string
+            folded.stop_reason = d.stop_reason if d.stop_reason is not None else folded.stop_reason
         folded.text, folded.reasoning = "".join(text), "".join(reasoning)
         return folded
 
@@ -72,13 +74,15 @@ class ChoiceOutput:
         the last one, everything held back flushed. As in vLLM: the text of a matched
         stop_token_ids token is not output (unless include_stop_str_in_output), and a stop string
         the last token completes makes the reason "stop" even where the engine says "length"."""
-        if (finish_reason == "stop" and token_ids and not self.include_stop
-                and int(token_ids[-1]) in self.stop_token_ids):
-            token_ids = token_ids[:-1]
+        stop_reason: str | int | None = None
+        if finish_reason == "stop" and token_ids and int(token_ids[-1]) in self.stop_token_ids:
+            stop_reason = int(token_ids[-1])
+            if not self.include_stop:
+                token_ids = token_ids[:-1]
         text = self.detok.feed(token_ids)
         stop_string = self.detok.stopped
         if stop_string:
-            finish_reason = "stop"
+            finish_reason, stop_reason = "stop", self.detok.stop_reason
         if finish_reason is not None:
             text += self.detok.finish()
         reasoning, content = "", text
@@ -95,4 +99,4 @@ class ChoiceOutput:
             content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
             calls = [ToolCallDelta(index=d.index, arguments=d.arguments or "", id=d.id, name=d.name)
                      for d in deltas if not isinstance(d, ContentDelta)]
-        return OutputDelta(content, reasoning, calls, finish_reason, stop_string)
+        return OutputDelta(content, reasoning, calls, finish_reason, stop_string, stop_reason)

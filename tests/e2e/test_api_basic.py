@@ -304,6 +304,11 @@ def test_completion_stop_string(client, model):
     assert ch.finish_reason == "stop"
     assert ch.text == full[:full.index(cut)]
     assert r.usage.completion_tokens < 24
+    # vLLM's stop_reason: the stop string that ended it (None when the length limit did), streamed too
+    assert extra_field(ch, "stop_reason") == cut
+    last = list(client.completions.create(stop=[cut], stream=True, **kw))[-1].choices[0]
+    assert last.finish_reason == "stop" and extra_field(last, "stop_reason") == cut
+    assert extra_field(client.completions.create(**kw).choices[0], "stop_reason") is None
 
 
 @pytest.mark.timeout(60)

@@ -191,7 +191,7 @@ def test_a_stop_token_ids_match_leaves_its_text_out(tok):
     for include, want in ((False, tok.decode(ids[:-1])), (True, "Hello world")):
         out = ChoiceOutput(tok, stop_token_ids=[ids[-1]], include_stop_str_in_output=include)
         d = out.feed(ids, "stop")
-        assert (d.text, d.finish_reason) == (want, "stop")
+        assert (d.text, d.finish_reason, d.stop_reason) == (want, "stop", ids[-1])
     out = ChoiceOutput(tok, stop_token_ids=[ids[-1]])  # ended by length on that token: a plain token
     assert out.feed(ids, "length").text == "Hello world"
 
@@ -206,3 +206,4 @@ def test_a_stop_string_the_last_token_completes_is_a_stop(tok):
     d = out.feed(ids[:-1])
     last = out.feed(ids[-1:], "length")
     assert (d.text + last.text, last.finish_reason, last.stop_string) == ("The answer is 42. ", "stop", True)
+    assert last.stop_reason == "END"

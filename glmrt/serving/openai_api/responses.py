@@ -3,8 +3,9 @@ chat.completion / text_completion bodies and the model list.
 
 `finish_reason` becomes "tool_calls" when the choice made a call and stopped normally; a
 choice cut by the length limit stays "length"; reasons the client types do not know (e.g.
-"abort") are reported as "stop". Non-finite logprobs (-inf for a filtered token) are sent
-as -9999.0 (JSON has no inf).
+"abort") are reported as "stop". `stop_reason` (vLLM's field) names the stop string or stop
+token id that ended a choice, null when EOS or the length limit did. Non-finite logprobs (-inf
+for a filtered token) are sent as -9999.0 (JSON has no inf).
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ class ChoiceAccumulator:
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.usage: Usage | None = None
 
     @property
@@ -210,7 +212,7 @@ class ChoiceAccumulator:
             self.usage = out.usage
         if out.finished:
             self._state.finished = True
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
     @property
     def text(self) -> str:
@@ -236,6 +238,7 @@ class ChoiceAccumulator:
             "index": self.index, "message": message,
             "logprobs": {"content": chat_logprob_entries(self._lps)} if self.logprobs else None,
             "finish_reason": finish_reason_for(self.finish_reason, bool(calls), "chat"),
+            "stop_reason": self.stop_reason,
         }
         if self.return_token_ids:
             choice["token_ids"] = list(self.token_ids)
@@ -246,6 +249,7 @@ class ChoiceAccumulator:
             "index": self.index, "text": self.text,
             "logprobs": completion_logprobs(self._lps) if self.logprobs else None,
             "finish_reason": finish_reason_for(self.finish_reason, False, "completion"),
+            "stop_reason": self.stop_reason,
         }
         if self.return_token_ids:
             choice["token_ids"] = list(self.token_ids)

@@ -138,6 +138,7 @@ class ChatStream(_Stream):
             choice["token_ids"] = list(out.token_ids)
         if out.finished:
             choice["finish_reason"] = finish_reason_for(out.finish_reason, st.had_tools, "chat")
+            choice["stop_reason"] = out.stop_reason
         self._note_finish(out, st)
         if delta or out.finished or has_lps or (self.return_token_ids and out.token_ids):
             chunks.append(chat_chunk(self.id, self.model, self.created, [choice], include_usage=self.include_usage))
@@ -170,6 +171,7 @@ class CompletionStream(_Stream):
         st.started = True
         if out.finished:
             choice["finish_reason"] = finish_reason_for(out.finish_reason, False, "completion")
+            choice["stop_reason"] = out.stop_reason
         self._note_finish(out, st)
         if out.text or out.finished or has_lps or (self.return_token_ids and (out.token_ids or
                                                                             "prompt_token_ids" in choice)):
