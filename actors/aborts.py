@@ -1,4 +1,4 @@
-"""Whole-request aborts an actor remembers for a while.
+"""Whole-request aborts an actor remembers for a while, and the work queue that skips them.
 
 An Abort can reach an actor before the work it cancels (the api aborts everywhere at once while
 the request is still a hop upstream) or while that work waits in the actor's queue. Each actor
@@ -9,7 +9,11 @@ they cancel no whole request.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from glmrt import protocol as P
 
@@ -38,3 +42,44 @@ class RecentAborts:
                 break
             del self._when[oldest]
         return key.request in self._when
+
+
+class AbortableQueue:
+    """An actor's work items, taken in arrival order by one worker (`serve`) while the actor's
+    inbox keeps being read: an item whose request is aborted meanwhile (`aborts`) is skipped.
+    `run(item)` does one item and answers its own failures; one that escapes is logged."""
+
+    def __init__(self, run: Callable[[Any], Awaitable[None]], key: Callable[[Any], P.RequestKey], log):
+        self._run, self._key, self._log = run, key, log
+        self._items: collections.deque = collections.deque()
+        self._queued = asyncio.Event()
+        self.aborts = RecentAborts()
+        self.working = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        self._queued.set()
+
+    async def serve(self) -> None:
+        """The worker: runs for the actor's life (its background task)."""
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            await self.run_queued()
+
+    async def run_queued(self) -> None:
+        """Do what is queued now, skipping what was aborted."""
+        while self._items:
+            item = self._items.popleft()
+            if self._key(item) in self.aborts:
+                continue
+            self.working = True
+            try:
+                await self._run(item)
+            except Exception:  # never stop the worker
+                self._log.exception("%s failed", self._key(item).rid)
+            finally:
+                self.working = False

@@ -16,12 +16,11 @@ computed for nobody. One that came after its images went to a vision actor is pa
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import time
 from typing import Any
 
-from actors.aborts import ABORT_MEMORY_S, RecentAborts
+from actors.aborts import ABORT_MEMORY_S, AbortableQueue
 from actors.base import Actor
 from glmrt import protocol as P
 from glmrt.serving.openai_api.errors import max_tokens_beyond_context
@@ -41,10 +40,7 @@ class TokenizerActor(Actor):
         self.model_config = load_model_config(model_path)
         self.media = self.spec.config.media
         self.num = 0
-        self._queue: collections.deque[P.TokenizeRequest] = collections.deque()
-        self._queued = asyncio.Event()
-        self._working = False
-        self._aborts = RecentAborts()
+        self._queue = AbortableQueue(self._tokenize, lambda m: m.key, self.log)
         # request -> (the vision actor its images went to, when): an Abort follows them there
         self._at_vision: dict[P.RequestKey, tuple[str, float]] = {}
         return {"vocab_size": self.tok.get_vocab_size(), "vision": self.model_config.vision is not None}
@@ -85,42 +81,25 @@ class TokenizerActor(Actor):
         return items
 
     def busy(self) -> bool:
-        return self._working or bool(self._queue)
+        return self._queue.working or bool(self._queue)
 
     def load(self) -> tuple[float, int, int]:
-        return float(len(self._queue) + self._working), int(self._working), len(self._queue)
+        return float(len(self._queue) + self._queue.working), int(self._queue.working), len(self._queue)
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.TokenizeRequest):
-            self._queue.append(msg)
-            self._queued.set()
-        elif isinstance(msg, P.Abort) and self._aborts.note(msg):
+            self._queue.put(msg)
+        elif isinstance(msg, P.Abort) and self._queue.aborts.note(msg):
             vision, _ = self._at_vision.pop(msg.key.request, (None, 0.0))
             if vision is not None:
                 await self.send(vision, msg)
 
     async def background(self) -> None:
-        while True:
-            await self._queued.wait()
-            self._queued.clear()
-            await self.run_queued()
+        await self._queue.serve()
 
     async def run_queued(self) -> None:
         """Tokenize what is queued, in arrival order, skipping what was aborted meanwhile."""
-        while self._queue:
-            m = self._queue.popleft()
-            if self._aborted(m.key):
-                continue
-            self._working = True
-            try:
-                await self._tokenize(m)
-            except Exception:  # answered inside; a failure past that must not stop the worker
-                self.log.exception("tokenizing %s failed", m.key.rid)
-            finally:
-                self._working = False
-
-    def _aborted(self, key: P.RequestKey) -> bool:
-        return key in self._aborts
+        await self._queue.run_queued()
 
     def _sent_to_vision(self, key: P.RequestKey, vision: str) -> None:
         now = time.monotonic()
@@ -142,7 +121,7 @@ class TokenizerActor(Actor):
                 thinking = thinking_on(m.chat_template_kwargs or {})
                 # decoding images/video is CPU work: keep it off the event loop
                 media = await asyncio.get_running_loop().run_in_executor(None, self._media_items, m.messages or [])
-                if self._aborted(m.key):  # gone while its images loaded: no vision or engine work
+                if m.key in self._queue.aborts:  # gone while its images loaded: no vision or engine work
                     return
                 text = render_chat(m.messages or [], m.tools, thinking=thinking, reasoning_effort=m.reasoning_effort)
                 ids = self.tok.encode(text, add_special_tokens=False).ids

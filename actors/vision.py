@@ -12,11 +12,10 @@ before the tower runs for it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 from typing import Any
 
-from actors.aborts import RecentAborts
+from actors.aborts import AbortableQueue
 from actors.base import Actor
 from glmrt import protocol as P
 
@@ -39,9 +38,7 @@ class VisionActor(Actor):
             self._executor, lambda: load_vision_tower(self.spec.config.model_path, dtype=dtype, device=device))
         self.device, self.dtype = device, dtype
         self.inflight = 0
-        self._queue: collections.deque[tuple[P.VisionRequest, list]] = collections.deque()
-        self._queued = asyncio.Event()
-        self._aborts = RecentAborts()
+        self._queue = AbortableQueue(lambda item: self._encode_and_send(*item), lambda item: item[0].key, self.log)
         self.transport = self.spec.config.feature_transport if device == "cuda" else "cpu"
         return {"device": device, "feature_transport": self.transport}
 
@@ -67,27 +64,16 @@ class VisionActor(Actor):
 
     async def handle(self, msg: Any, frames: list) -> None:
         if isinstance(msg, P.VisionRequest):
-            self._queue.append((msg, frames))
-            self._queued.set()
+            self._queue.put((msg, frames))
         elif isinstance(msg, P.Abort):
-            self._aborts.note(msg)
+            self._queue.aborts.note(msg)
 
     async def background(self) -> None:
-        while True:
-            await self._queued.wait()
-            self._queued.clear()
-            await self.run_queued()
+        await self._queue.serve()
 
     async def run_queued(self) -> None:
         """Encode what is queued, in arrival order, skipping what was aborted meanwhile."""
-        while self._queue:
-            msg, frames = self._queue.popleft()
-            if msg.key in self._aborts:
-                continue
-            try:
-                await self._encode_and_send(msg, frames)
-            except Exception:  # answered inside where it can be; never stop the worker
-                self.log.exception("vision request %s failed", msg.key.rid)
+        await self._queue.run_queued()
 
     async def _encode_and_send(self, msg: P.VisionRequest, frames: list) -> None:
         self.inflight += 1
