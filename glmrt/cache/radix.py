@@ -346,7 +346,9 @@ class RadixCache:
         while self.pages.num_free < need_pages or self.slots.num_free < need_slots:
             victims = self.evictable()
             if need_slots and self.slots.num_free < need_slots:
-                victims = [v for v in victims if isinstance(v, Checkpoint)] or victims
+                holders = [v for v in victims if _holds_slot(v)]
+                # only slots short: what holds none would go for nothing (the KV cache wiped, no slot)
+                victims = holders if self.pages.num_free >= need_pages else holders or victims
             if not victims:
                 return
             v = victims[0]
@@ -410,3 +412,11 @@ class RadixCache:
         assert self.slots.num_checkpoint == self.stats()["checkpoints"], "checkpoint slots out of sync"
         if self.host is not None:
             self.host.check()
+
+
+def _holds_slot(item) -> bool:
+    """Whether evicting `item` frees a device state slot: a checkpoint with one, or a node
+    carrying such a checkpoint (a tiered tree moves a node with its checkpoints)."""
+    if isinstance(item, Checkpoint):
+        return item.slot is not None
+    return any(c.slot is not None for c in item.checkpoints)

@@ -236,7 +236,7 @@ class Engine(ModelRank):
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
-        if req is None or req.finished:
+        if req is None or req.finished or req.finishing is not None:  # finishing: its end already went out
             return False
         self._finish(req, "abort")
         self.counters["aborted"] += 1

@@ -9,7 +9,7 @@ import pytest
 
 from glmrt.cache.page_manager import PageManager
 from glmrt.cache.radix import Checkpoint, RadixCache
-from glmrt.cache.slot_manager import CHECKPOINT, SlotManager
+from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
 
 PS = 4
 
@@ -108,6 +108,26 @@ def test_eviction_is_lru_and_spares_pinned_checkpoints(tree):
     ck.pins = 0
     tree.evict(need_slots=tree.slots.num_free + 1)  # a slot is wanted: the checkpoint goes first
     assert not tree.has_checkpoint(new, 8) and tree.match_pages(new, 8)[1] == 8
+    tree.check()
+
+
+def test_a_slot_wanted_evicts_only_what_holds_one(tree):
+    """Dropping a KV node frees pages, never a state slot: a slot wanted while no checkpoint can
+    go leaves the cached prefixes alone (it used to wipe them all and still find no slot), and
+    a checkpoint that can go goes alone."""
+    a, b = [1] * 8, [2] * 8
+    cached(tree, a)
+    cached(tree, b)
+    pages = tree.num_cached_pages
+    held = [tree.slots.allocate(LIVE) for _ in range(tree.slots.num_free)]  # every slot a request's
+    tree.evict(need_slots=1)
+    assert tree.num_cached_pages == pages and tree.slots.num_free == 0
+    tree.slots.free(held.pop())
+    checkpoint(tree, a, 8)
+    tree.evict(need_slots=1)
+    assert tree.slots.num_free == 1 and not tree.has_checkpoint(a, 8) and tree.num_cached_pages == pages
+    tree.evict(need_pages=tree.pages.num_free + 2, need_slots=2)  # pages short too: nodes may go
+    assert tree.num_cached_pages == pages - 2
     tree.check()
 
 

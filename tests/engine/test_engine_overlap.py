@@ -144,3 +144,24 @@ def test_the_step_body_changes_only_between_steps_in_flight(ckpt, model):
         e.step()
     e.overlap = False
     assert not e.overlap and e._step_body == e._normal_step
+
+
+def test_an_abort_after_the_final_output_changes_nothing(ckpt, model):
+    """With a step in flight a finished request is only `finishing` (its slot still in use);
+    its end has gone out, so an abort arriving then (a client that left at the last token) is
+    refused: the finish reason, the counters and the end-of-request checkpoint stay."""
+    p = toks(1, 10)
+    first = make(ckpt, model, False).generate([p], SamplingParams(temperature=0, max_tokens=6,
+                                                                 ignore_eos=True))[0][0].output_ids
+    e = make(ckpt, model, True)
+    a = e.add_request(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first[3]]))[0]
+    e.add_request(toks(2, 12), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    seen = False
+    while e.has_work():
+        if any(o.rid == a and o.finished for o in e.step()):
+            assert e.requests[a].finishing is not None  # the case: its slot still in use by a step
+            assert not e.abort(a)
+            seen = True
+    assert seen and e.requests[a].finish_reason == "stop"
+    assert e.counters["aborted"] == 0 and e.counters["finished"] == 2
+    e.check_invariants()
