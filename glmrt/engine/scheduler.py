@@ -203,7 +203,10 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # retracted while making room for an earlier request
             depth = self.draft_depth(req) if self.draft_depth is not None and drafting < self.max_drafting else 0
-            if depth:  # pages for the drafts only if they are free: a draft never retracts a request
+            # pages for the drafts only where free or evictable from the prefix cache, as a decode's own
+            # page is (a cache full of old prefixes would otherwise end speculation): a draft never
+            # retracts a request
+            if depth:
                 got = self._grab_pages(self._pages_needed(req, req.num_computed + 1 + depth))
                 if got is None:
                     depth = 0
