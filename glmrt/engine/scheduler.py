@@ -197,7 +197,9 @@ class Scheduler:
         plan = StepPlan()
         ready = [r for r in self.running if self._loaded(r)]
         decodes = [r for r in ready if r.num_uncomputed == 1]
-        prefills = [r for r in ready if r.num_uncomputed != 1]  # 0: a full hit that waited for its load
+        # 0 uncomputed: a full hit that waited for its load; not a request whose last token is in
+        # flight (the overlap schedule leaves it no placeholder), which has nothing to run
+        prefills = [r for r in ready if r.num_uncomputed > 1 or (r.num_uncomputed == 0 and not r.output_ids)]
         drafting = 0
         for req in sorted(decodes, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:

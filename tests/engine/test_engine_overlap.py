@@ -165,3 +165,24 @@ def test_an_abort_after_the_final_output_changes_nothing(ckpt, model):
     assert seen and e.requests[a].finish_reason == "stop"
     assert e.counters["aborted"] == 0 and e.counters["finished"] == 2
     e.check_invariants()
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_planned_again(ckpt, model):
+    """The launched step carries a request's last token (by max_tokens): the next plan has
+    nothing to run for it (no 0-token Work sampled from a stale state, which would also force
+    that step off the overlapped path)."""
+    e = make(ckpt, model, True)
+    planned_empty, schedule = [], e.scheduler.schedule
+
+    def watch():
+        plan = schedule()
+        planned_empty.extend(w.req.rid for w in plan.work if w.num == 0 and w.req.output_ids)
+        return plan
+    e.scheduler.schedule = watch
+    rids = [e.add_request(toks(i, 10), SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True))[0]
+            for i in range(3)]
+    while e.has_work():
+        e.step()
+    assert planned_empty == []
+    assert [len(e.requests[r].output_ids) for r in rids] == [4, 7, 10]
+    e.check_invariants()
