@@ -20,28 +20,51 @@ from glmrt import protocol as P
 ABORT_MEMORY_S = 60.0  # a request that reaches an actor later than this after its abort is served
 
 
-class RecentAborts:
+class Recent:
+    """Keys noted in the last `memory_s` seconds, each with a value; older ones are forgotten
+    whenever the map is used (insertion order is time order, so they are at the front)."""
+
     def __init__(self, memory_s: float = ABORT_MEMORY_S):
         self.memory_s = memory_s
-        self._when: dict[P.RequestKey, float] = {}  # whole request -> when its abort came, oldest first
+        self._items: dict[Any, tuple[float, Any]] = {}
+
+    def put(self, key: Any, value: Any = None) -> None:
+        self._forget()
+        self._items.pop(key, None)  # re-inserted last: insertion order stays time order
+        self._items[key] = (time.monotonic(), value)
+
+    def pop(self, key: Any) -> Any:
+        """The value noted under `key` (None if none, or forgotten), no longer kept."""
+        self._forget()
+        return self._items.pop(key, (0.0, None))[1]
+
+    def __contains__(self, key: Any) -> bool:
+        self._forget()
+        return key in self._items
+
+    def _forget(self) -> None:
+        now = time.monotonic()
+        while self._items:
+            oldest, (t, _) = next(iter(self._items.items()))
+            if now - t <= self.memory_s:
+                break
+            del self._items[oldest]
+
+
+class RecentAborts:
+    def __init__(self, memory_s: float = ABORT_MEMORY_S):
+        self._requests = Recent(memory_s)  # whole requests aborted lately
 
     def note(self, abort: P.Abort) -> bool:
         """Remember `abort` if it cancels a whole request -> whether it does."""
         if abort.choice_only:
             return False
-        self._when.pop(abort.key.request, None)  # re-inserted last: insertion order stays time order
-        self._when[abort.key.request] = time.monotonic()
+        self._requests.put(abort.key.request)
         return True
 
     def __contains__(self, key: P.RequestKey) -> bool:
         """Whether the request of `key` was aborted in the last memory_s seconds."""
-        now = time.monotonic()
-        while self._when:
-            oldest, t = next(iter(self._when.items()))
-            if now - t <= self.memory_s:
-                break
-            del self._when[oldest]
-        return key.request in self._when
+        return key.request in self._requests
 
 
 class AbortableQueue:

@@ -25,7 +25,7 @@ from glmrt import protocol as P
 
 STATS_S = 1.0
 STOP_RANKS_S = 5.0  # an engine's other ranks have this long to leave after it stops
-VISION_TIMEOUT_S = 60.0  # a request whose embeddings take longer (a vision actor died) fails  # how long an abort that came before its request is remembered
+VISION_TIMEOUT_S = 60.0  # a request whose embeddings take longer (a vision actor died) fails
 
 
 class EngineActor(HandoffMixin, Actor):

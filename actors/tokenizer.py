@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from typing import Any
 
-from actors.aborts import ABORT_MEMORY_S, AbortableQueue
+from actors.aborts import AbortableQueue, Recent
 from actors.base import Actor
 from glmrt import protocol as P
 from glmrt.serving.openai_api.errors import max_tokens_beyond_context
@@ -41,8 +40,7 @@ class TokenizerActor(Actor):
         self.media = self.spec.config.media
         self.num = 0
         self._queue = AbortableQueue(self._tokenize, lambda m: m.key, self.log)
-        # request -> (the vision actor its images went to, when): an Abort follows them there
-        self._at_vision: dict[P.RequestKey, tuple[str, float]] = {}
+        self._at_vision = Recent()  # request -> the vision actor its images went to: an Abort follows them
         return {"vocab_size": self.tok.get_vocab_size(), "vision": self.model_config.vision is not None}
 
     def _media_items(self, messages: list[dict]) -> list:
@@ -90,7 +88,7 @@ class TokenizerActor(Actor):
         if isinstance(msg, P.TokenizeRequest):
             self._queue.put(msg)
         elif isinstance(msg, P.Abort) and self._queue.aborts.note(msg):
-            vision, _ = self._at_vision.pop(msg.key.request, (None, 0.0))
+            vision = self._at_vision.pop(msg.key.request)
             if vision is not None:
                 await self.send(vision, msg)
 
@@ -100,15 +98,6 @@ class TokenizerActor(Actor):
     async def run_queued(self) -> None:
         """Tokenize what is queued, in arrival order, skipping what was aborted meanwhile."""
         await self._queue.run_queued()
-
-    def _sent_to_vision(self, key: P.RequestKey, vision: str) -> None:
-        now = time.monotonic()
-        while self._at_vision:  # oldest first: forget what no Abort will follow any more
-            oldest, (_, t) = next(iter(self._at_vision.items()))
-            if now - t <= ABORT_MEMORY_S:
-                break
-            del self._at_vision[oldest]
-        self._at_vision[key.request] = (vision, now)
 
     async def _tokenize(self, m: P.TokenizeRequest) -> None:
         from glmrt.serving.chat_template import render_chat
@@ -175,7 +164,7 @@ class TokenizerActor(Actor):
             target = f"vision/{self.num % visions}"
             await self.send(target, P.VisionRequest(key=m.key, items=mm_items, engine=m.engine,
                                                     detokenizer=m.reply_to), tensors)
-            self._sent_to_vision(m.key, target)
+            self._at_vision.put(m.key.request, target)
             mm_items = [P.MMItem(kind=x.kind, grid_thw=x.grid_thw, num_tokens=x.num_tokens) for x in mm_items]
             tensors = []
         await self.send(m.engine, P.EngineRequest(key=m.key, prompt_ids=ids, sampling=m.sampling,

@@ -37,16 +37,15 @@ class VisionActor(Actor):
         self.tower = await loop.run_in_executor(
             self._executor, lambda: load_vision_tower(self.spec.config.model_path, dtype=dtype, device=device))
         self.device, self.dtype = device, dtype
-        self.inflight = 0
         self._queue = AbortableQueue(lambda item: self._encode_and_send(*item), lambda item: item[0].key, self.log)
         self.transport = self.spec.config.feature_transport if device == "cuda" else "cpu"
         return {"device": device, "feature_transport": self.transport}
 
     def busy(self) -> bool:
-        return self.inflight > 0 or bool(self._queue)
+        return self._queue.working or bool(self._queue)
 
     def load(self) -> tuple[float, int, int]:
-        return float(self.inflight + len(self._queue)), self.inflight, len(self._queue)
+        return float(len(self._queue) + self._queue.working), int(self._queue.working), len(self._queue)
 
     def _encode(self, msg: P.VisionRequest, frames: list):
         import torch
@@ -76,23 +75,19 @@ class VisionActor(Actor):
         await self._queue.run_queued()
 
     async def _encode_and_send(self, msg: P.VisionRequest, frames: list) -> None:
-        self.inflight += 1
+        loop = asyncio.get_running_loop()
         try:
-            loop = asyncio.get_running_loop()
-            try:
-                embeds = await loop.run_in_executor(self._executor, self._encode, msg, frames)
-            except Exception as e:  # a bad item fails its request, not the actor
-                await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=[], error=f"vision failed: {e}"))
-                return
-            if self.transport == "cuda_ipc":
-                from transport.cuda_ipc import export_cuda
-                await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=[],
-                                                           cuda_ipc=[export_cuda(t) for t in embeds]))
-                return
-            refs = [P.TensorRef(dtype="float32", shape=list(t.shape), frame=i) for i, t in enumerate(embeds)]
-            await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=refs), embeds)
-        finally:
-            self.inflight -= 1
+            embeds = await loop.run_in_executor(self._executor, self._encode, msg, frames)
+        except Exception as e:  # a bad item fails its request, not the actor
+            await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=[], error=f"vision failed: {e}"))
+            return
+        if self.transport == "cuda_ipc":
+            from transport.cuda_ipc import export_cuda
+            await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=[],
+                                                       cuda_ipc=[export_cuda(t) for t in embeds]))
+            return
+        refs = [P.TensorRef(dtype="float32", shape=list(t.shape), frame=i) for i, t in enumerate(embeds)]
+        await self.send(msg.engine, P.VisionResult(key=msg.key, embeddings=refs), embeds)
 
     async def teardown(self) -> None:
         self._executor.shutdown(wait=False)

@@ -29,22 +29,14 @@ CEILING_TBPS = 4.09     # measured device-to-device copy (bytes read + written)
 CEILING_TFLOPS = 779.0  # measured bf16 8192^3 matmul on random data (769-798 over runs)
 
 
-def _median_seconds(fn, reps: int, warm: int = 3) -> float:
-    """fn() timed by CUDA events `reps` times after `warm` untimed calls -> the median, seconds."""
-    import statistics
+def _median_seconds(fn, reps: int) -> float:
+    """fn() timed by CUDA events (bench.timing.event_ms) `reps` times after three warm calls ->
+    the median, seconds."""
+    from bench.timing import event_ms
 
-    import torch
-
-    times = []
-    for i in range(warm + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warm:
-            times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
+    fn()
+    fn()  # with event_ms's own, three warm calls
+    return event_ms(fn, reps) * 1e-3
 
 
 def measured_copy_tbps(nbytes: int = 1 << 30, reps: int = 20) -> float:

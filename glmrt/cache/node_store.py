@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 import time
+from pathlib import Path
 
 import torch
 
@@ -91,7 +92,7 @@ class LocalDiskStore(NodeStore):
             path = os.path.join(self.dir, name)
             if name.endswith(".tmp") or name.startswith(".tmp"):
                 if _abandoned(name, path):  # a write a crash cut off: no entry, nobody's cap
-                    _unlink(path)
+                    Path(path).unlink(missing_ok=True)
             elif name.endswith(".safetensors"):
                 found.append((os.path.getmtime(path), name[: -len(".safetensors")], os.path.getsize(path)))
         for _, key, size in sorted(found):
@@ -141,7 +142,7 @@ class LocalDiskStore(NodeStore):
             real = os.path.getsize(self._path(key))
         except OSError as e:  # the disk full or gone: an entry not kept, as one over the cap
             log.warning("the disk tier could not write %s: %s", key, e)
-            _unlink(tmp)
+            Path(tmp).unlink(missing_ok=True)
             return False
         self._lru[key] = real
         self._used += real
@@ -171,20 +172,13 @@ class LocalDiskStore(NodeStore):
         self._used -= size
         if self.on_remove is not None:
             self.on_remove(key)
-        _unlink(self._path(key))
+        Path(self._path(key)).unlink(missing_ok=True)
 
     def _trim(self, incoming: int) -> None:
         while self._lru and self._used + incoming > self.capacity_bytes:
             key = next(iter(self._lru))
             self.remove(key)
             self.counters["disk_evicted_files"] += 1
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 STALE_TMP_S = 3600.0  # a temporary file no process can be named for counts as abandoned past this age

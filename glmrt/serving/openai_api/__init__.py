@@ -15,9 +15,9 @@ Conventions (documented choices):
 - Unknown fields are ignored (OpenAI clients send extras through `extra_body`); the glmrt /
   vLLM / SGLang extras we honour are top_k, min_p, repetition_penalty, min_tokens,
   ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
-  return_token_ids, chat_template_kwargs, max_thinking_tokens, regex and ebnf. Known OpenAI fields whose semantics we cannot honour yet (an allowed-tools
-  tool_choice, logit_bias, echo, suffix, best_of != n, functions) answer 400 instead of being
-  silently dropped. A null field means "absent".
+  return_token_ids, chat_template_kwargs, max_thinking_tokens, regex and ebnf. Known OpenAI
+  fields whose semantics we cannot honour yet (an allowed-tools tool_choice, logit_bias, echo,
+  suffix, best_of != n, functions) answer 400 instead of being silently dropped. A null field means "absent".
 - `max_tokens`: `max_completion_tokens` wins over `max_tokens`. When neither is set, chat
   asks for `max_model_len` tokens (`to_sampling_params(max_model_len=...)`; the engine ends
   the request with finish_reason "length" when the context is full) and completions use

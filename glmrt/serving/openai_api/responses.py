@@ -11,7 +11,6 @@ for a filtered token) are sent as -9999.0 (JSON has no inf).
 from __future__ import annotations
 
 import codecs
-
 import math
 import secrets
 import time
