@@ -108,6 +108,21 @@ class CudaH200Ops(ReferenceOps):
     # 8.9; 7.7 against 6.7 at 4096) (bench/RESULTS.md).
     GROUPED_MIN_TOKENS: int | None = 16384
 
+    # Forwards of up to this many tokens run a layer's independent chains of small launches on two
+    # CUDA streams (ops.fork, backends/side_work.py: the DSA indexer's keys beside the queries,
+    # KDA's gate inputs beside the conv and its output gate beside the recurrence); 0: one stream.
+    SIDE_STREAM_MAX_TOKENS = 16
+
+    def fork(self, x: torch.Tensor):
+        if not x.is_cuda or _interpreting() or x.shape[0] > self.SIDE_STREAM_MAX_TOKENS:
+            return super().fork(x)
+        streams = self.__dict__.setdefault("_side_streams", {})
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if dev not in streams:
+            from .side_work import SideStream
+            streams[dev] = SideStream(torch.cuda.Stream(dev))
+        return streams[dev]
+
     def begin_forward(self, num_tokens: int) -> None:
         # PDL for the step's Triton kernels at batch 1 only (backends/kernels/pdl.py)
         if not _interpreting():

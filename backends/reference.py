@@ -29,6 +29,7 @@ from . import reference_decode as decode
 from .fp8_numerics import dequantize_block_fp8, w8a8_applies, w8a8_product
 from .meta import BatchMeta
 from .reference_kda import kda_chunked, kda_recurrent
+from .side_work import INLINE
 
 
 class MoEPartials(NamedTuple):
@@ -99,6 +100,11 @@ class ReferenceOps:
     def begin_forward(self, num_tokens: int) -> None:
         """Called once per model (or MTP draft) forward with its token count, before any op: a
         kernel set may pick launch modes by batch size here (cuda-h200: PDL for small batches)."""
+
+    def fork(self, x: torch.Tensor):
+        """Side work beside the work queued after it, for the layer whose input is x
+        (backends/side_work.py): here it runs in place."""
+        return INLINE
 
     # ---- dense building blocks ------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -30,6 +30,16 @@ def kda_launch(spec: str) -> dict | None:
     return dict(zip(("BV", "num_warps", "num_stages"), (int(v) for v in spec.split("x"))))
 
 
+def moe_quant_setter(fm):
+    """set(variant) for --moe-quant: fused_moe's INKERNEL_QUANT_MAX_TOKENS / H_EPILOGUE_MAX_TOKENS."""
+    defaults = (fm.INKERNEL_QUANT_MAX_TOKENS, fm.H_EPILOGUE_MAX_TOKENS)
+    values = {"table": defaults, "gemm": (1024, 0), "act_quant": (0, 0), "x_gemm": (1024, 1024)}
+
+    def put(v):
+        fm.INKERNEL_QUANT_MAX_TOKENS, fm.H_EPILOGUE_MAX_TOKENS = values["table" if v is None else v]
+    return put
+
+
 def moe_tile(spec: str) -> dict | None:
     """A --moe-tile variant as fused_moe_configs.OVERRIDE: "table" (None), or "+"-joined
     GEMM.KEY=INT / BLOCK_M=INT items, e.g. "gate_up.BLOCK_N=64+down.num_warps=4"."""
@@ -142,23 +152,27 @@ def interleaved(args, cfg) -> list[dict]:
     """Every (weights, batch, variant) step captured first, all models on the GPU at once, then
     replayed in turn for args.interleave rounds: clock and thermal drift hit every row alike, and
     bf16 / fp8 is a ratio of paired rounds (separate runs of the same step differ by up to 3%).
-    A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --pdl-max-tokens),
+    A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --pdl-max-tokens,
+    --moe-quant, --side-stream-max-tokens),
     set while its step is captured."""
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
+    from backends.kernels import fused_moe as fm
     from backends.kernels import fused_moe_configs as fmc
     from backends.kernels import kda, pdl
     from glmrt.model.loader import load_dummy
 
     def setter(obj, attr, parse):
         default = getattr(obj, attr)
-        return lambda v: setattr(obj, attr, default if v is None else parse(v))
+        return lambda v: setattr(obj, attr, default if v is None or v == "table" else parse(v))
 
     axes = {  # name: (values, set(value); set(None) restores the default)
         "moe_tile": (args.moe_tile, setter(fmc, "OVERRIDE", moe_tile)),
         "kda_tile": (args.kda_tile, setter(kda, "DECODE_LAUNCH", kda_launch)),
         "pdl_max": (args.pdl_max_tokens, setter(pdl, "MAX_TOKENS", int)),
+        "moe_quant": (args.moe_quant, moe_quant_setter(fm)),
+        "side_max": (args.side_stream_max_tokens, setter(CudaH200Ops, "SIDE_STREAM_MAX_TOKENS", int)),
     }
     tbps = measured_copy_tbps()  # this device's copy rate (before the models take the memory)
     torch.cuda.empty_cache()
@@ -198,12 +212,12 @@ def interleaved(args, cfg) -> list[dict]:
           f"{torch.cuda.get_device_name()}, context {args.context}")
     print(f"routed floor: the step's bytes over {CEILING_TBPS} TB/s (the H200's copy rate); device floor: "
           f"over this device's, measured in this run: {tbps:.2f} TB/s")
-    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'pdl max':>7} "
+    print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'pdl max':>7} {'moe quant':>9} {'side':>5} "
           f"{'median ms':>9} {'min':>7} {'max':>7} "
           f"{'routed floor':>12} {'/routed':>7} {'device floor':>12} {'/device':>7} {'bf16/this (paired)':>18}")
     for r in rows:
         print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
-              f"{r['pdl_max']:>7} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
+              f"{r['pdl_max']:>7} {r['moe_quant']:>9} {r['side_max']:>5} {r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
               f"{r['floor_device_ms']:>12.3f} {r['median_ms'] / r['floor_device_ms']:>7.2f} "
@@ -238,6 +252,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--moe-tile", default="table",
                    help="fused MoE tile variants side by side, as fused_moe_configs.OVERRIDE: table, or "
                         "'+'-joined GEMM.KEY=INT items (gate_up.BLOCK_N=64+down.BLOCK_N=64)")
+    p.add_argument("--side-stream-max-tokens", default="table",
+                   help="CudaH200Ops.SIDE_STREAM_MAX_TOKENS (a layer's independent small launches on a second "
+                        "stream up to this many rows; 0: one stream), side by side (with --interleave)")
+    p.add_argument("--moe-quant", default="table",
+                   help="where the w8a8 MoE quantises its activations at decode sizes, side by side (with "
+                        "--interleave): table (fused_moe's defaults), gemm (each GEMM program quantises its own "
+                        "x / h tiles), act_quant (one act_quant launch each for x and h first), x_gemm (the gate/up "
+                        "programs quantise x, gate/up's epilogue h)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",

@@ -59,28 +59,30 @@ class KDAAttention(nn.Module):
         """[3*qkv, K]: the three depthwise kernels in q, k, v channel order."""
         return self.conv_weights.joined().squeeze(1)
 
-    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
-        """Per head and channel log-decay g (< 0), fp32, [N, H, d], from f_a_proj's output."""
-        return self.ops.kda_gate(self.f_b_proj(f_a), self.dt_bias, self.A_log, self.lower_bound, self.num_heads)
-
     def forward(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
         n = x.shape[0]
         shape = (n, self.num_heads, self.head_dim)
-        q, k, v, f_a, g_a, b = self.in_proj(x)
-        mixed = join_columns([q, k, v])  # a view of the fused product
+        q, k, v, f_a, g_a, b = self.in_proj(x)  # views of one product, alive to the end
+        mixed = join_columns([q, k, v])
         capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
         pre = capture.select(mixed) if capture is not None else None
+        side = self.ops.fork(x)  # small independent launches beside each other (backends/side_work.py)
+        with side:  # the recurrence's gate inputs, beside the conv
+            beta = torch.sigmoid(b)  # model dtype, as the reference computes it
+            f = self.f_b_proj(f_a)
         # q, k, v as three contiguous planes: the recurrence reads dense [N, H, d] tensors
         q, k, v = (t.view(shape) for t in self.ops.causal_conv(mixed, cache.conv(self.layer),
                                                                  self.conv_weight(), meta, planes=3))
-        beta = torch.sigmoid(b)  # model dtype, as the reference computes it
+        side.join()
+        with side:  # the output gate, beside the recurrence
+            gate = self.g_b_proj(g_a).view(shape)
         if capture is None:  # the gate and the recurrence in one op: a kernel set may fuse them
-            o = self.ops.kda_gated(q, k, v, self.f_b_proj(f_a), self.dt_bias, self.A_log, self.lower_bound, beta,
+            o = self.ops.kda_gated(q, k, v, f, self.dt_bias, self.A_log, self.lower_bound, beta,
                                    cache.recurrent(self.layer), meta)
-        else:
-            g = self.forget_gate(f_a)
+        else:  # the per head and channel log-decay g (< 0, fp32, [N, H, d]) kept for the rollback
+            g = self.ops.kda_gate(f, self.dt_bias, self.A_log, self.lower_bound, self.num_heads)
             capture.take(self.layer, pre, *(capture.select(t) for t in (q, k, v, g, beta)))
             o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta, gate_floor=self.lower_bound)
-        gate = self.g_b_proj(g_a).view(shape)
+        side.join()
         o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

@@ -39,9 +39,10 @@ class Indexer(nn.Module):
         self.x_proj = LinearGroup(self.wk, self.weights_proj)
         self.weight_groups = (self.x_proj,)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, meta, cache,
-                q: torch.Tensor | None = None) -> torch.Tensor:
-        """`q`: wq_b(q_resid) when the attention computed it with its own queries (one GEMV)."""
+    def keys(self, x: torch.Tensor, meta, cache) -> torch.Tensor:
+        """The layer input's keys into the k-pools (tails, and pooled keys of completed pools);
+        -> the per-head weights w for select. Reads x alone (the attention forks it beside its
+        queries)."""
         k, w = self.x_proj(x)
         k = self.k_norm(k)
         g = self.ops.linear(x, self.index_kpool_compress_gate)
@@ -49,12 +50,18 @@ class Indexer(nn.Module):
         if capture is not None:
             capture.take(self.layer, capture.select(k), capture.select(g))
         tail_k, tail_g = cache.tail(self.layer)
-        pooled = cache.pooled(self.layer)
-        self.ops.indexer_update(k, g, self.index_kpool_compress_ape, pooled, tail_k, tail_g, meta, self.kpool)
+        self.ops.indexer_update(k, g, self.index_kpool_compress_ape, cache.pooled(self.layer), tail_k, tail_g,
+                                meta, self.kpool)
+        return w
+
+    def select(self, q_resid: torch.Tensor, w: torch.Tensor, meta, cache,
+               q: torch.Tensor | None = None) -> torch.Tensor:
+        """The top pools per query, after keys. `q`: wq_b(q_resid) when the attention computed it
+        with its own queries (one GEMV)."""
         q = (self.wq_b(q_resid) if q is None else q).view(-1, self.n_heads, self.head_dim)
         # w goes unscaled: the op scales it by n_heads^-0.5 in fp32 where it scores pools (a
         # decode batch of short requests takes all pools and never reads it)
-        return self.ops.indexer_select(q, w, pooled, meta, self.kpool, self.topk_pools)
+        return self.ops.indexer_select(q, w, cache.pooled(self.layer), meta, self.kpool, self.topk_pools)
 
 
 class DSAAttention(nn.Module):
@@ -90,6 +97,10 @@ class DSAAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
         """-> (output [N, D], the selection this layer used, for a following shared layer)."""
         n = x.shape[0]
+        if self.indexer is not None:
+            side = self.ops.fork(x)  # small independent launches beside each other (backends/side_work.py)
+            with side:  # the indexer's keys, from x alone, beside the queries and the latent
+                w_index = self.indexer.keys(x, meta, cache)
         q_a, kv_a = self.in_proj(x)
         q_resid = self.q_a_layernorm(q_a)
         q, q_index = self.q_proj(q_resid) if self.q_proj is not None else (self.q_b_proj(q_resid), None)
@@ -97,7 +108,8 @@ class DSAAttention(nn.Module):
         latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
         self.ops.write_latent(latent, cache.latent(self.layer), meta)
         if self.indexer is not None:
-            sel = self.indexer(x, q_resid, meta, cache, q_index)
+            side.join()
+            sel = self.indexer.select(q_resid, w_index, meta, cache, q_index)
         elif carried_sel is not None:
             sel = carried_sel
         else:

@@ -149,11 +149,14 @@ def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
     ("m64", dict(BLOCK_M=64, **_both(BLOCK_N=64, num_warps=4, num_stages=2))),
 ])
 def test_fused_moe_w8a8_prequantised(device, monkeypatch, name, config):
-    """Above INKERNEL_QUANT_MAX_TOKENS (prefill sizes) x and h are quantised once by act_quant and
-    the GEMMs read e4m3 rows and their scales (X_FP8): the same values as the in-GEMM route, so
-    the same reference (up to the in-GEMM divide's last bit when compiled)."""
+    """Above INKERNEL_QUANT_MAX_TOKENS (and, for h, where gate/up's epilogue does not) x and h are
+    quantised once by act_quant and the GEMMs read e4m3 rows and their scales (X_FP8): the same
+    values as the in-GEMM route, so the same reference (up to the in-GEMM divide's last bit when
+    compiled)."""
     g = _gen("w8a8-pre", name)
     x, ids, weights, ws, scales = _to(device, *_problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5))
+    monkeypatch.setattr(fm, "H_EPILOGUE_MAX_TOKENS", 0)
+    monkeypatch.setattr(fm, "INKERNEL_QUANT_MAX_TOKENS", 1024)
     inside = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=False, act_fp8=True)
     monkeypatch.setattr(fm, "INKERNEL_QUANT_MAX_TOKENS", 4)
     pre = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=False, act_fp8=True)
@@ -163,6 +166,41 @@ def test_fused_moe_w8a8_prequantised(device, monkeypatch, name, config):
     assert _rel(pre, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
     assert _rel(pre, _truth(x, ids, weights, ws, scales, 7.0)) < 6e-2
     assert _rel(pre, inside) < (1e-6 if _INTERPRET else 2.5e-2)
+
+
+@pytest.mark.parametrize("pair_blocks", [True, False])
+def test_fused_moe_w8a8_h_quantised_in_gate_up(device, monkeypatch, pair_blocks):
+    """At decode sizes, where gate/up's tile is one scale block wide (the table's 128 columns),
+    its epilogue quantises h (H_FP8) and the down GEMM reads e4m3 h and its scales: no act_quant
+    launch for h, whether x comes quantised by act_quant (the default) or the gate/up programs
+    quantise it. The same codes and scales as act_quant's (exactly so in the interpreter, whose
+    divide is IEEE's; compiled, the in-GEMM divide may move a code by a step). I = 192 ends in a
+    partial block."""
+    g = _gen("w8a8-h", pair_blocks)
+    x, ids, weights, ws, scales = _to(device, *_problem(g, 3, 320, 192, 6, 3, torch.bfloat16, True, 5))
+    calls = []
+    act_quant = fm.act_quant
+    monkeypatch.setattr(fm, "act_quant", lambda t, group: calls.append(tuple(t.shape)) or act_quant(t, group))
+    cfg = _both(SWAP_AB=True, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)
+
+    def run(x_in_gemm: bool, h_epilogue: bool):
+        monkeypatch.setattr(fm, "INKERNEL_QUANT_MAX_TOKENS", 1024 if x_in_gemm else 0)
+        monkeypatch.setattr(fm, "H_EPILOGUE_MAX_TOKENS", 1024 if h_epilogue else 0)
+        calls.clear()
+        return fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=cfg, pair_blocks=pair_blocks, act_fp8=True)
+    epilogue = run(False, True)
+    assert calls == [(3, 320)]
+    both_first = run(False, False)
+    assert calls == [(3, 320), (9, 192)]
+    x_in_gemm = run(True, True)
+    assert calls == []
+    in_gemm = run(True, False)
+    assert calls == []
+    if _INTERPRET:
+        assert torch.equal(epilogue, both_first) and torch.equal(x_in_gemm, in_gemm)
+    for other in (both_first, x_in_gemm, in_gemm):
+        assert _rel(epilogue, other) < 2.5e-2
+    assert _rel(epilogue, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
 
 
 @pytest.mark.parametrize("pair_blocks", [True, False])
