@@ -21,13 +21,13 @@ from typing import Any
 
 from aiohttp import web
 
+from actors.api_routes import InfoRoutes
 from actors.base import codec_for, inbox_address
 from actors.logs import request_line
 from actors.metrics import Metrics
 from glmrt import protocol as P
 from glmrt.mm_limits import DEFAULT_LIMITS, parse_mm_limits
 from glmrt.serving import openai_api as oa
-from glmrt.serving.openai_api.fields import decode_body
 from transport.channels import Inbox
 
 log = logging.getLogger("api/0")
@@ -57,7 +57,7 @@ def _wire_error(item: P.TokenizerError | P.EngineError, kind: str) -> oa.APIErro
                               prompt_param="messages" if kind == "chat" else "prompt")
 
 
-class ApiServer:
+class ApiServer(InfoRoutes):
     def __init__(self, supervisor, *, served_model: str, host: str, port: int, api_key: str | None,
                  max_request_mb: float, max_queued_requests: int, generation_config: dict,
                  log_requests: bool = True, limit_mm_per_prompt: str = DEFAULT_LIMITS):
@@ -472,64 +472,3 @@ class ApiServer:
                     self._log_request(states, 200, usage=stream.usage.to_json())
                     return None
             item = await self._next(queue, request)
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(oa.models_response(self.served_model, self.created, self.context_length()))
-
-    async def model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{id}: the model object of the served name, else OpenAI's 404."""
-        name = request.match_info["model_id"]
-        listed = oa.models_response(self.served_model, self.created, self.context_length())["data"]
-        entry = next((m for m in listed if m["id"] == name), None)
-        if entry is None:
-            raise oa.not_found_model(name)
-        return web.json_response(entry)
-
-    async def health(self, request: web.Request) -> web.Response:
-        if self.sup.all_ready() and not self.sup.stopping:
-            return web.json_response({"status": "ok"})
-        # open without the key: each actor's kind, replica and state, not its pid, host or GPUs
-        # (those are /admin/status's)
-        return web.json_response({"status": "starting" if not self.sup.stopping else "stopping",
-                                  "actors": [{k: a[k] for k in ("kind", "replica", "state")}
-                                             for a in self.sup.status()]}, status=503)
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        engines = {}
-        for a in [a for k in self.sup.topo.engine_kinds for a in self.sup.ready(k)]:
-            info = dict(a.info)  # boot facts (pools, backend, dtypes) + the latest live counters
-            stats = self.engine_stats.get(a.actor_id)
-            if stats is not None:
-                info.update({k: int(v) if float(v).is_integer() else v for k, v in stats.counters.items()})
-                info.update(running=stats.running, waiting=stats.waiting, pages_free=stats.kv_pages_free,
-                            slots_free=stats.state_slots_free)
-            engines[a.actor_id] = info
-        return web.json_response({"model": self.served_model, "model_path": self.sup.model_path,
-                                  "context_length": self.context_length(), "engines": engines,
-                                  "actors": self.sup.status()})
-
-    async def metrics_route(self, request: web.Request) -> web.Response:
-        self.metrics.update_engines(self.engine_stats, {a.actor_id for k in self.sup.topo.engine_kinds
-                                                        for a in self.sup.ready(k)},
-                                    len(self.inflight))
-        body, ctype = self.metrics.render()
-        return web.Response(body=body, headers={"Content-Type": ctype})
-
-    # ---- admin ---------------------------------------------------------------------------
-    async def admin_status(self, request: web.Request) -> web.Response:
-        return web.json_response({"actors": self.sup.status()})
-
-    async def admin_scale(self, request: web.Request) -> web.Response:
-        body = decode_body(await request.read() or b"{}")
-        kind, n = body.get("kind"), body.get("replicas")
-        if not isinstance(kind, str) or isinstance(n, bool) or not isinstance(n, int):
-            raise oa.bad_request('expected a JSON body {"kind": KIND, "replicas": N} (a string and an integer)')
-        try:
-            changed = await self.sup.scale(kind, n)
-        except ValueError as e:
-            raise oa.bad_request(str(e), "kind") from None
-        return web.json_response({"kind": kind, "replicas": n, "changed": changed, "actors": self.sup.status()})
-
-    async def admin_shutdown(self, request: web.Request) -> web.Response:
-        self.shutdown_requested.set()
-        return web.json_response({"status": "shutting down"})

@@ -27,7 +27,8 @@ from glmrt import protocol as P
 from glmrt.actor_config import (ActorConfig, ActorLogConfig, DetokenizerActorConfig, EngineActorConfig,
                                 MediaPolicy, TokenizerActorConfig, VisionActorConfig)
 from glmrt.actor_kinds import kind_of
-from glmrt.topology import ActorSpec, Topology, validate_scale
+from glmrt.topology import ActorSpec, Topology
+from glmrt.topology_checks import validate_scale
 from transport.channels import Inbox, Peers
 
 log = logging.getLogger("supervisor/0")

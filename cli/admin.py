@@ -77,7 +77,7 @@ def _status(args) -> int:
 
 
 def _scale(args) -> int:
-    from glmrt.topology import check_scale_request
+    from glmrt.topology_checks import check_scale_request
 
     kind, _, n = args.assignment.partition("=")
     if not n.isdigit():

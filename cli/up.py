@@ -7,7 +7,7 @@ stops. This process runs the supervisor and the api actor and never imports torc
 rank > 0 (--node-rank, glmrt.nodes) it runs only that node's engine ranks (cli/nodes.py).
 
 What cannot run is refused in one line with exit status 2 before any actor starts: a bad value
-(glmrt.topology.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
+(glmrt.topology_checks.validate), `gpus` the machine lacks, a port in use, an SGLang flag glmrt does not
 build (cli/peer_flags.py), weights and cache pools the GPU (or --cache-memory-gb) cannot hold
 (glmrt.engine.fit), node flags that cannot work here (glmrt.nodes, cli/nodes.py).
 """
@@ -35,8 +35,8 @@ from glmrt.devices import gpu_count
 from glmrt.actor_kinds import ENGINE_KINDS
 from glmrt.engine.config import LOAD_FORMATS, MODEL_DTYPES, EngineConfig
 from glmrt.nodes import NodeSection
-from glmrt.topology import (ApiSection, LogSection, ModelSection, TopologyError, default_topology,
-                            load_topology, place_parallel_engines, validate)
+from glmrt.topology import ApiSection, LogSection, ModelSection, TopologyError, default_topology, load_topology
+from glmrt.topology_checks import place_parallel_engines, validate
 
 log = logging.getLogger("glmrt")
 

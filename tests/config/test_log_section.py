@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from glmrt.actor_config import ActorLogConfig
-from glmrt.topology import LogSection, TopologyError, default_topology, parse_topology, validate
+from glmrt.topology import LogSection, TopologyError, default_topology, parse_topology
+from glmrt.topology_checks import validate
 
 ACTORS = [{"kind": "tokenizer"}, {"kind": "engine"}, {"kind": "detokenizer"}]
 

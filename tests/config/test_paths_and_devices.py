@@ -8,7 +8,8 @@ import os
 import pytest
 
 from glmrt.devices import gpu_count
-from glmrt.topology import TopologyError, parse_topology, validate
+from glmrt.topology import TopologyError, parse_topology
+from glmrt.topology_checks import validate
 
 ACTORS = [{"kind": "tokenizer"}, {"kind": "engine", "gpus": [0]}, {"kind": "detokenizer"}]
 

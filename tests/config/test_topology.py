@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from glmrt.topology import TopologyError, default_topology, parse_topology, validate
+from glmrt.topology import TopologyError, default_topology, parse_topology
+from glmrt.topology_checks import validate
 
 
 def test_default_is_one_of_each():
@@ -64,7 +65,7 @@ def test_refusals_name_the_problem(data, needle):
 
 
 def test_tp_ranks_are_placed_on_gpus():
-    from glmrt.topology import place_parallel_engines
+    from glmrt.topology_checks import place_parallel_engines
 
     t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "ep": 2, "replicas": 2,
                                                                  "gpus": [4, 5, 6, 7]}, {"kind": "detokenizer"}]})
@@ -80,7 +81,7 @@ def test_tp_ranks_are_placed_on_gpus():
 
 
 def test_scaling_an_engine_of_several_ranks_needs_their_gpus():
-    from glmrt.topology import validate_scale
+    from glmrt.topology_checks import validate_scale
 
     t = parse_topology({"actors": [{"kind": "tokenizer"}, {"kind": "engine", "tp": 2, "gpus": [0, 1, 2, 3],
                                     "replicas": 2}, {"kind": "detokenizer"}]})

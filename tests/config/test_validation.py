@@ -14,8 +14,8 @@ from glmrt import env
 from glmrt.actor_kinds import ENGINE_KINDS, KINDS, canonical_kind, kind_of
 from glmrt.config_bounds import ConfigValueError, check_fields, flag_spelling
 from glmrt.engine.config import EngineConfig
-from glmrt.topology import (ApiSection, TopologyError, check_scale_request, default_topology, parse_topology,
-                            validate, validate_scale)
+from glmrt.topology import ApiSection, TopologyError, default_topology, parse_topology
+from glmrt.topology_checks import check_scale_request, validate, validate_scale
 
 # (field, bad value, the requirement the refusal states)
 BAD_ENGINE_VALUES = [
@@ -298,7 +298,7 @@ def test_a_nodes_section_is_read_checked_and_spells_its_keys():
 
 
 def test_an_engine_over_nodes_takes_its_nodes_share_of_gpus():
-    from glmrt.topology import place_parallel_engines
+    from glmrt.topology_checks import place_parallel_engines
     data = _over_nodes({"nnodes": 2, "dist_init_addr": "h:1"}, tp=4)
     data["actors"][1]["gpus"] = [2, 3]  # tp 4 over 2 nodes: 2 GPUs on each
     validate(parse_topology(data), num_gpus=4)
