@@ -120,7 +120,10 @@ class CudaH200Ops(ReferenceOps):
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         if dev not in streams:
             from .side_work import SideStream
-            streams[dev] = SideStream(torch.cuda.Stream(dev))
+            # high priority: a pool of its own (torch's default-priority pool is shared round robin
+            # with graph captures and the host tier's copies), and the short chain it carries is
+            # on the step's critical path
+            streams[dev] = SideStream(torch.cuda.Stream(dev, priority=-1))
         return streams[dev]
 
     def begin_forward(self, num_tokens: int) -> None:

@@ -278,6 +278,8 @@ def main(argv=None) -> list[dict]:
     from glmrt.model.loader import load_dummy
 
     cfg = preset_config(args.preset)
+    if not args.interleave and (args.moe_quant, args.side_stream_max_tokens) != ("table", "table"):
+        p.error("--moe-quant and --side-stream-max-tokens are axes of --interleave runs")
     if args.interleave:
         return interleaved(args, cfg)
     rows, tbps = [], measured_copy_tbps()

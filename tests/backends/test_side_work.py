@@ -78,12 +78,27 @@ def test_side_stream_orders_against_the_current_stream():
 @pytest.mark.gpu
 @needs_cuda
 def test_side_streams_decode_bit_identical(monkeypatch):
+    """Each fork's side work starts behind a ~1 ms sleep on the side stream, so a join missing
+    before its results are read would read them unwritten (in eager steps and in the graphs)."""
     from backends.cuda_h200 import CudaH200Ops
 
+    forks = []
+    enter = SideStream.__enter__
+
+    def slow_enter(self):
+        enter(self)
+        forks.append(1)
+        torch.cuda._sleep(1_000_000)
+        return self
+    monkeypatch.setattr(SideStream, "__enter__", slow_enter)
     for rows in (3, 1):
         monkeypatch.setattr(CudaH200Ops, "SIDE_STREAM_MAX_TOKENS", 16)  # every decode step forks
+        forks.clear()
         forked = decode_logits(rows)
+        assert len(forks) >= 3 * 4  # (tiny: 3 KDA layers with two forks, DSA ones with one) x steps
         monkeypatch.setattr(CudaH200Ops, "SIDE_STREAM_MAX_TOKENS", 0)
+        forks.clear()
         one = decode_logits(rows)
+        assert not forks
         assert torch.isfinite(one).all()
         assert torch.equal(forked, one), rows

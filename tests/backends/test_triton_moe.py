@@ -122,10 +122,12 @@ REF_A8.fp8_activations = "dynamic"
     ("swap-ab", 9, _both(SWAP_AB=True, BLOCK_N=64, BLOCK_K=128), False),       # fp8 wgmma when compiled
     ("swap-n256", 9, _both(SWAP_AB=True, BLOCK_N=256), False),                 # a weight scale per column
     ("k64-asked", 9, _both(BLOCK_N=32, BLOCK_K=64), False),                    # BLOCK_K forced to the block
+    ("plain-m64", 9, dict(BLOCK_M=64, **_both(BLOCK_N=128, num_warps=4, num_stages=2, SWAP_AB=False)), False),
 ])
 def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
-    """act_fp8: both GEMMs quantise their input per row and 128-wide K block (the scale block) and
-    multiply e4m3 by e4m3, against ReferenceOps with fp8_activations="dynamic" (same quantised
+    """act_fp8: both GEMMs' inputs are quantised per row and 128-wide K block (the scale block: x by
+    act_quant, h by gate/up's epilogue where its tile is that wide, else act_quant) and the GEMMs
+    multiply e4m3 by e4m3 (swapped decode tiles, and the plain layout of prefill's), against ReferenceOps with fp8_activations="dynamic" (same quantised
     values, fp32 products): equal to fp32 summation order and the bf16 roundings both make. D and
     I are not multiples of 128 (a partial last group). Against the unquantised float64 truth the
     distance is the activations' e4m3 rounding: a few 1e-2, and more than w8a16's."""
@@ -178,16 +180,21 @@ def test_fused_moe_w8a8_h_quantised_in_gate_up(device, monkeypatch, pair_blocks)
     partial block."""
     g = _gen("w8a8-h", pair_blocks)
     x, ids, weights, ws, scales = _to(device, *_problem(g, 3, 320, 192, 6, 3, torch.bfloat16, True, 5))
-    calls = []
-    act_quant = fm.act_quant
+    calls, epilogues = [], []
+    act_quant, launch = fm.act_quant, fm._launch_fitting
     monkeypatch.setattr(fm, "act_quant", lambda t, group: calls.append(tuple(t.shape)) or act_quant(t, group))
+    monkeypatch.setattr(fm, "_launch_fitting", lambda kernel, grid, args, meta, *rest: (
+        epilogues.append(meta["H_FP8"]) if "H_FP8" in meta else None, launch(kernel, grid, args, meta, *rest)))
     cfg = _both(SWAP_AB=True, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=2)
 
     def run(x_in_gemm: bool, h_epilogue: bool):
         monkeypatch.setattr(fm, "INKERNEL_QUANT_MAX_TOKENS", 1024 if x_in_gemm else 0)
         monkeypatch.setattr(fm, "H_EPILOGUE_MAX_TOKENS", 1024 if h_epilogue else 0)
         calls.clear()
-        return fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=cfg, pair_blocks=pair_blocks, act_fp8=True)
+        epilogues.clear()
+        out = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=cfg, pair_blocks=pair_blocks, act_fp8=True)
+        assert epilogues == [h_epilogue]  # gate/up's launch
+        return out
     epilogue = run(False, True)
     assert calls == [(3, 320)]
     both_first = run(False, False)
