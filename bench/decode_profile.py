@@ -31,12 +31,11 @@ def kda_launch(spec: str) -> dict | None:
 
 
 def moe_quant_setter(fm):
-    """set(variant) for --moe-quant: fused_moe's INKERNEL_QUANT_MAX_TOKENS / H_EPILOGUE_MAX_TOKENS."""
-    defaults = (fm.INKERNEL_QUANT_MAX_TOKENS, fm.H_EPILOGUE_MAX_TOKENS)
-    values = {"table": defaults, "gemm": (1024, 0), "act_quant": (0, 0), "x_gemm": (1024, 1024)}
+    """set(variant) for --moe-quant: fused_moe's INKERNEL_QUANT_MAX_TOKENS."""
+    values = {"table": fm.INKERNEL_QUANT_MAX_TOKENS, "gemm": 1024, "act_quant": 0}
 
     def put(v):
-        fm.INKERNEL_QUANT_MAX_TOKENS, fm.H_EPILOGUE_MAX_TOKENS = values["table" if v is None else v]
+        fm.INKERNEL_QUANT_MAX_TOKENS = values["table" if v is None else v]
     return put
 
 
@@ -257,9 +256,8 @@ def main(argv=None) -> list[dict]:
                         "stream up to this many rows; 0: one stream), side by side (with --interleave)")
     p.add_argument("--moe-quant", default="table",
                    help="where the w8a8 MoE quantises its activations at decode sizes, side by side (with "
-                        "--interleave): table (fused_moe's defaults), gemm (each GEMM program quantises its own "
-                        "x / h tiles), act_quant (one act_quant launch each for x and h first), x_gemm (the gate/up "
-                        "programs quantise x, gate/up's epilogue h)")
+                        "--interleave): table (fused_moe's default), gemm (each GEMM program quantises its own "
+                        "x / h tiles), act_quant (one act_quant launch each for x and h first)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",

@@ -33,8 +33,8 @@ reference by about the reference's own error (bf16: a few 1e-3 relative). Tiles 
 scale blocks along K (BLOCK_K above the block), or a config's scale_acc=False, dequantise per
 element exactly as the reference does. With `act_fp8` (w8a8, CudaH200Ops' default for fp8
 weights) both GEMMs' inputs are quantised to e4m3 per row and K scale block (quant_act_e4m3: by
-act_quant first, gate/up's epilogue, or each GEMM program in its K loop, by size: see
-INKERNEL_QUANT_MAX_TOKENS) and the GEMMs multiply e4m3 by e4m3 (an fp8 wgmma on the swapped decode tiles, FP8A8_CONFIGS); its
+act_quant first, or by each GEMM program in its K loop; INKERNEL_QUANT_MAX_TOKENS) and the GEMMs
+multiply e4m3 by e4m3 (an fp8 wgmma on the swapped decode tiles, FP8A8_CONFIGS); its
 reference is ReferenceOps.moe_experts with fp8_activations="dynamic". Gate, up, silu(gate), the
 activation, the down product and the weighted term are each rounded to the model dtype where the
 reference rounds them; the final top-k sum is fp32 with one rounding here, a chain of bf16 adds
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 # the tile tables live in fused_moe_configs; re-exported here for tests and benches (fm.CONFIGS, ...)
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
@@ -77,17 +76,13 @@ WEIGHT_DTYPES = ACT_DTYPES + FP8_DTYPES
 # B=4 at top-8, i.e. 32 pairs. Measured on an H200 (D 4096, I 2048, fp8, CUDA graph, random
 # routing): pair minus aligned -8 µs at B=1 and B=2, -7 µs at B=4, +6 .. +57 µs at B=8.
 PAIR_BLOCKS_MAX_PAIRS = 32
-# w8a8 (act_fp8): where the activations are quantised (bench/RESULTS.md, "The fp8 MoE's activations
-# at decode"). x: by act_quant, once, above INKERNEL_QUANT_MAX_TOKENS tokens; up to it every GEMM
-# program quantises its own x tiles in its K loop. At one token (H100, the flash-4l decode step)
-# act_quant's launch costs less than the 144 gate/up programs' 32 quantisations each; from 16 tokens
-# the two are alike. At BLOCK_M 128 the in-GEMM quantisation of a 128x128 tile spills on sm_90.
+# w8a8 (act_fp8): up to this many tokens each GEMM program quantises its own activation tiles in
+# its K loop; above, act_quant quantises x and h once first. 0: act_quant at every size. At one
+# token (H100, the flash-4l decode step, bench/RESULTS.md) the two act_quant launches cost less
+# than the in-loop quantisation on the critical path of the 144 gate/up programs (x's 32 blocks
+# each) and 288 down programs (h's 16 each): 1.261 against 1.296 ms a step; from 16 tokens the two
+# are alike. At BLOCK_M 128 the in-GEMM quantisation of a 128x128 tile spills on sm_90.
 INKERNEL_QUANT_MAX_TOKENS = 0
-# h: up to H_EPILOGUE_MAX_TOKENS tokens gate/up's epilogue quantises it where its tile is one scale
-# block wide (the decode tiles: 128 columns), and the down GEMM reads e4m3 h and its scales; else
-# act_quant (above INKERNEL_QUANT_MAX_TOKENS) or the down programs (up to it). At 16K tokens the
-# epilogue's row maxima and divides cost the gate/up programs more than act_quant's pass over h.
-H_EPILOGUE_MAX_TOKENS = 1024
 # 16-bit weights on pair blocks: gate/up in 32-column tiles, 3 stages (the table's 64 / 4 left
 # the last of ~2.2 waves mostly empty at batch 1 with the shared expert seated, 9 pairs). H200,
 # one MoE layer call in a CUDA graph: 128.8 -> 119.6 µs, the same output.
@@ -135,13 +130,12 @@ def supported(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 # once per (kernel, tile, K); the shrunk tile is remembered. Triton compiles at the first launch,
 # so the OutOfResources comes before anything runs.
 _FITTED: dict[tuple, tuple[int, int]] = {}
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
     key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc,
            k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False),
-           meta.get("X_FP8", False), meta.get("H_FP8", False))
+           meta.get("X_FP8", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:
@@ -168,8 +162,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     """ReferenceOps.moe_experts: x [N, D], ids/weights [N, k], gate/up [E, I, D], down [E, D, I].
 
     `act_fp8` (where act_fp8_supported): w8a8, i.e. both GEMMs' inputs quantised per row and
-    scale block along K (where: INKERNEL_QUANT_MAX_TOKENS, H_EPILOGUE_MAX_TOKENS) and fp8 x fp8
-    products; ReferenceOps.moe_experts with fp8_activations="dynamic" is
+    scale block along K (inside the GEMMs up to INKERNEL_QUANT_MAX_TOKENS tokens, else once by
+    act_quant: at every size by default) and fp8 x fp8 products; ReferenceOps.moe_experts with fp8_activations="dynamic" is
     its reference. Otherwise (and for other weights) w8a16.
 
     `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
@@ -222,12 +216,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     else:
         sorted_ids, block_expert, block_rows = moe_align(ids, e, bm)
         nb = block_expert.shape[0]
-    # w8a8: x quantised by act_quant or in the gate/up programs, h by gate/up's epilogue, act_quant
-    # or in the down programs (INKERNEL_QUANT_MAX_TOKENS, H_EPILOGUE_MAX_TOKENS)
-    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
-    h_fp8 = act_fp8 and n <= H_EPILOGUE_MAX_TOKENS and gu["BLOCK_N"] == bi
-    h = torch.empty(m, i, dtype=torch.float8_e4m3fn if h_fp8 else x.dtype, device=x.device)
-    hs = torch.empty(m, triton.cdiv(i, bi), dtype=torch.float32, device=x.device) if h_fp8 else h
+    h = torch.empty(m, i, dtype=x.dtype, device=x.device)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if fp8:
         sg, su, sd = scales
@@ -235,6 +224,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         sg = su = sd = w_gate  # unused (FP8=False)
     sstr = (lambda s: (s.stride(0), s.stride(1), s.stride(2))) if fp8 else (lambda s: (0, 0, 0))
     launch = pdl.launch(x.device)
+    # w8a8 above INKERNEL_QUANT_MAX_TOKENS: x (and below, h) quantised once by act_quant, not once
+    # per N tile inside the GEMMs
+    pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
     x_in, xs = act_quant(x, bi) if pre else (x, x)  # xs unused unless X_FP8
 
     _launch_fitting(
@@ -244,20 +236,19 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          x_in.stride(0),
          w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
          *sstr(sg), *sstr(su),
-         h.stride(0), xs, xs.stride(0), hs, hs.stride(0)),
+         h.stride(0), xs, xs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
              PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8,
-             X_FP8=pre, H_FP8=h_fp8, MODEL_DT=_TL_DTYPES[x.dtype] if h_fp8 else None, **launch),
+             X_FP8=pre, **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
-    h_in, hs = (h, hs) if h_fp8 else act_quant(h, bi) if pre else (h, h)  # hs unused unless quantised
+    h_in, hs = act_quant(h, bi) if pre else (h, h)
     _launch_fitting(
         _down_kernel, lambda c: (nb * triton.cdiv(d, c["BLOCK_N"]),),
         (h_in, w_down, sd, rw, y, sorted_ids, block_expert, block_rows, flat_ids,
          d, i, e, nb,
          h_in.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0), hs, hs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre or h_fp8,
-             **launch),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
     if not reduce:
         return MoEPartials(y.view(n, top_k, d), ids, e)

@@ -79,8 +79,8 @@ FP8A8_CONFIGS: list[tuple[int, dict]] = [
     (4096, dict(BLOCK_M=64,
                 gate_up=dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
                 down=dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))),
-    # rows past 1024 tokens (prefill chunks): x and h come quantised by act_quant there
-    # (INKERNEL_QUANT_MAX_TOKENS). Up to 4096 tokens the 64-row tiles above; past it 128 rows over
+    # rows past 1024 tokens (prefill chunks; x and h come quantised by act_quant, as at every size
+    # by default: INKERNEL_QUANT_MAX_TOKENS). Up to 4096 tokens the 64-row tiles above; past it 128 rows over
     # two warpgroups, gate/up 128 wide: `bench.moe_h200 --kinds fp8a8 --sweep --sweep-only
     # --sweep-tokens 16384,8192,4096` on an H100, 2026-12-06: 10.45 ms at 16384 tokens against
     # 11.78 for the 64-row tiles, 6.02-6.09 at 8192 against 6.50, 3.98 at 4096 against 3.86.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .act_quant import act_tile_e4m3, quant_act_e4m3
+from .act_quant import act_tile_e4m3
 from .interpreter import patch_interpreter
 from .pdl import pdl_enter
 from .tile_loads import load_k_tile
@@ -87,25 +87,19 @@ def _gate_up_kernel(
     stride_xm,
     stride_ge, stride_gn, stride_ue, stride_un,
     stride_sge, stride_sgn, stride_sgk, stride_sue, stride_sun, stride_suk,
-    stride_hm, XS, stride_xsm, HS, stride_hsm,
+    stride_hm, XS, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, H_FP8: tl.constexpr = False,
-    MODEL_DT: tl.constexpr = None, PDL: tl.constexpr = False):
-    # X_FP8 (with ACT_FP8): X is e4m3 from act_quant, its scales XS [tokens, K blocks].
-    # H_FP8: h leaves quantised for the down GEMM, e4m3 in H and one scale per row in HS
-    # [pairs, I / BLOCK_N] (BLOCK_N is the down weights' K scale block); MODEL_DT is then the model
-    # dtype. The divide is the in-GEMM one (`/`), as where the down programs quantise h: div_rn
-    # (act_quant's, IEEE) compiled at the decode tiles' 8 warps moved the output 2.2e-2 from
-    # the w8a8 reference, `/` stays under 1e-2 (tests/backends/test_triton_moe.py, on an H100).
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    # X_FP8 (with ACT_FP8): X is e4m3 from act_quant, its scales XS [tokens, K blocks]
     pdl_enter(PDL)
     pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, I, GROUP_M, BLOCK_N, PAIR_BLOCKS)
     if e < 0:
         return
     e = e.to(tl.int64)
-    dt = MODEL_DT if H_FP8 else H.dtype.element_ty  # the model dtype (X's, unless X_FP8)
+    dt = H.dtype.element_ty  # the model dtype (X's, unless X_FP8)
     row_ok, pair = _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, PAIR_BLOCKS)
     tok = pair // top_k
     n0 = pid_n * BLOCK_N
@@ -194,13 +188,8 @@ def _gate_up_kernel(
         acc_u = tl.trans(acc_u)
 
     h = swiglu_clamped(acc_g.to(dt), acc_u.to(dt), limit, HAS_LIMIT)  # the reference's roundings
-    if H_FP8:
-        hq, hs = quant_act_e4m3(h, 1)
-        tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], hq, mask=row_ok[:, None] & n_ok[None, :])
-        tl.store(HS + pair[:, None] * stride_hsm + pid_n, hs, mask=row_ok[:, None])
-    else:
-        tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pid_m"])
@@ -213,8 +202,7 @@ def _down_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
     ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
-    # X_FP8 (with ACT_FP8): H is e4m3 (from act_quant or gate/up's epilogue), its scales HS
-    # [pairs, K blocks]
+    # X_FP8 (with ACT_FP8): H is e4m3 from act_quant, its scales HS [pairs, K blocks]
     pdl_enter(PDL)
     pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, D, GROUP_M, BLOCK_N, PAIR_BLOCKS)
     if e < 0:
