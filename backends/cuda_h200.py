@@ -53,6 +53,7 @@ import torch
 from .meta import BatchMeta
 from .reference import MoEPartials, ReferenceOps
 from .registry import register
+from .side_work import side_stream
 
 try:
     _HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -116,15 +117,7 @@ class CudaH200Ops(ReferenceOps):
     def fork(self, x: torch.Tensor):
         if not x.is_cuda or _interpreting() or x.shape[0] > self.SIDE_STREAM_MAX_TOKENS:
             return super().fork(x)
-        streams = self.__dict__.setdefault("_side_streams", {})
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if dev not in streams:
-            from .side_work import SideStream
-            # high priority: a pool of its own (torch's default-priority pool is shared round robin
-            # with graph captures and the host tier's copies), and the short chain it carries is
-            # on the step's critical path
-            streams[dev] = SideStream(torch.cuda.Stream(dev, priority=-1))
-        return streams[dev]
+        return side_stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
     def begin_forward(self, num_tokens: int) -> None:
         # PDL for the step's Triton kernels at batch 1 only (backends/kernels/pdl.py)

@@ -27,6 +27,8 @@ The rules a caller keeps (the caching allocator knows nothing of the fork):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -69,3 +71,11 @@ class SideStream(Inline):
 
     def join(self) -> None:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+@functools.cache
+def side_stream(device: int) -> SideStream:
+    """The one side stream of a CUDA device. High priority: a pool of its own (torch's
+    default-priority pool is shared round robin with graph captures and the host tier's copies),
+    and the short chain it carries is on the step's critical path."""
+    return SideStream(torch.cuda.Stream(device, priority=-1))

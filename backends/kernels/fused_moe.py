@@ -163,8 +163,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
 
     `act_fp8` (where act_fp8_supported): w8a8, i.e. both GEMMs' inputs quantised per row and
     scale block along K (inside the GEMMs up to INKERNEL_QUANT_MAX_TOKENS tokens, else once by
-    act_quant: at every size by default) and fp8 x fp8 products; ReferenceOps.moe_experts with fp8_activations="dynamic" is
-    its reference. Otherwise (and for other weights) w8a16.
+    act_quant: at every size by default) and fp8 x fp8 products; ReferenceOps.moe_experts with
+    fp8_activations="dynamic" is its reference. Otherwise (and for other weights) w8a16.
 
     `out` [N, D] (x.dtype, contiguous) is written in place when given; `config` overrides the
     tile table entry (same layout as get_config's result); `pair_blocks` forces one block per
