@@ -6,10 +6,10 @@
         for out in engine.step(): ...
 
 One step: schedule (data) -> run the plan (model) -> apply tokens, cache full pages in the
-radix tree, turn saved states into checkpoints, finish requests. Two step bodies, one chosen
-at construction: the synchronous `_normal_step`, and `_overlap_step`, which launches decode
-step N+1 on the device before it reads step N's tokens. Everything a later layer (actors,
-API, PD) needs wraps this class; it owns no sockets.
+radix tree, turn saved states into checkpoints, finish requests (glmrt.engine.finishing). Two
+step bodies, one chosen at construction: the synchronous `_normal_step`, and `_overlap_step`
+(glmrt.engine.overlap), which launches decode step N+1 on the device before it reads step N's
+tokens. Everything a later layer (actors, API, PD) needs wraps this class; it owns no sockets.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import torch
 
 from glmrt.cache.page_manager import PageManager
 from glmrt.cache.radix import RadixCache
-from glmrt.cache.slot_manager import CHECKPOINT, LIVE, SlotManager
+from glmrt.cache.slot_manager import SlotManager
 from glmrt.engine import compile_watch
 from glmrt.engine.config import EngineConfig
+from glmrt.engine.finishing import RequestFinishing
 from glmrt.engine.model_rank import ModelRank
+from glmrt.engine.overlap import OverlapSchedule
 from glmrt.engine.ranks import PlanLink
 from glmrt.engine.request import Request, Status
-from glmrt.engine.runner import PLACEHOLDER
 from glmrt.engine.scheduler import Scheduler, SchedulerConfig
 from glmrt.engine.speculative import SpecOutput, Speculator
 from glmrt.engine.structured import StructuredOutput
@@ -86,7 +87,7 @@ class Completion:
     top_logprobs: list
 
 
-class Engine(ModelRank):
+class Engine(OverlapSchedule, RequestFinishing, ModelRank):
     def __init__(self, config: EngineConfig, *, log=print, model=None, parallel: Parallel | None = None,
                  link: PlanLink | None = None):
         super().__init__(config, log=log, model=model, parallel=parallel, link=link)
@@ -265,20 +266,6 @@ class Engine(ModelRank):
             return []
         return self._apply(plan, self._execute(plan, lambda p: self.spec.execute(p, self._keep)))
 
-    @property
-    def overlap(self) -> bool:
-        """Whether `step` runs the overlapped body (chosen at construction; a bench may switch
-        it between runs, never while a step is in flight)."""
-        return self._step_body == self._overlap_step
-
-    @overlap.setter
-    def overlap(self, on: bool) -> None:
-        if self._inflight is not None:
-            raise RuntimeError("the step body cannot change while a launched step is in flight")
-        if on and self.spec is not None:
-            raise ValueError("the overlap schedule is off while speculating")
-        self._step_body = self._overlap_step if on else self._spec_step if self.spec is not None else self._normal_step
-
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the tokens whose values are now known."""
         return self._step_body()
@@ -289,23 +276,6 @@ class Engine(ModelRank):
         if not plan:
             return []
         return self._apply(plan, self._execute(plan))
-
-    def _overlap_step(self) -> list[RequestOutput]:
-        """The overlapped step: a decode plan that CUDA graphs and the device sampler run
-        without the host is launched before the previous step's tokens are read, so the
-        scheduling and launch of step N+1 happen while the GPU runs step N, and the outputs
-        returned are step N's. Its inputs that are still PLACEHOLDERs come from step N's
-        tokens on the device. Any other plan first waits for the step in flight."""
-        plan = self._schedule()
-        key = self.runner.async_key(plan) if plan else None
-        if key is None:
-            outputs = self._resolve_inflight()
-            return outputs + (self._apply(plan, self._execute(plan)) if plan else [])
-        launched = self.runner.launch(plan, self._inflight, key)
-        self._mark_launched(launched)
-        outputs = self._resolve_inflight()
-        self._inflight = launched
-        return outputs
 
     def _schedule(self):
         plan = self.scheduler.schedule()
@@ -397,43 +367,6 @@ class Engine(ModelRank):
     def info(self) -> dict:
         return {**self._info(), **(self.spec.stats.as_dict() if self.spec is not None else {})}
 
-    # ---- the overlapped step's bookkeeping -----------------------------------------------
-    def _mark_launched(self, launched) -> None:
-        """Advance the launched requests as if their tokens were known: num_computed, and a
-        PLACEHOLDER output (so the next plan decodes it) unless the count alone ends them."""
-        launched.placeholder_at = []
-        for w in launched.plan.work:
-            req = w.req
-            req.num_computed = w.start + w.num
-            n_out = len(req.output_ids) + 1
-            if n_out >= req.params.max_tokens or len(req.prompt_ids) + n_out >= self.context_length:
-                launched.placeholder_at.append(None)  # its last token: nothing more to schedule
-            else:
-                launched.placeholder_at.append(len(req.output_ids))
-                req.output_ids.append(PLACEHOLDER)
-
-    def _resolve_inflight(self) -> list[RequestOutput]:
-        """Read the launched step's tokens (the one host sync) and apply them."""
-        launched, self._inflight = self._inflight, None
-        if launched is None:
-            return []
-        tokens = launched.tokens.tolist()
-        outputs = []
-        for req, tok, at in zip(launched.reqs, tokens, launched.placeholder_at):
-            if req.finished or req.finishing is not None:
-                continue
-            if at is None:
-                req.output_ids.append(tok)
-                at = len(req.output_ids) - 1
-            else:
-                req.output_ids[at] = tok
-            outputs.append(self._emit(req, tok, None, None, at + 1))
-        for req in {id(r): r for r in launched.reqs}.values():
-            if not req.finished and req.finishing is None:
-                self._cache_pages(req)
-        self._step_done(launched.plan)
-        return outputs
-
     def _emit(self, req: Request, token: int, logprob, top, n_out: int) -> RequestOutput:
         """Count and report one token (the n_out-th output); finish the request if it ends it."""
         self.counters["generation_tokens"] += 1
@@ -490,81 +423,6 @@ class Engine(ModelRank):
     def _completion(self, req: Request) -> Completion:
         return Completion(req.rid, req.prompt_ids, req.output_ids, req.finish_reason, req.cached_tokens,
                           req.logprobs, req.top_logprobs)
-
-    def _finish_reason(self, req: Request, token: int, n_out: int) -> str | None:
-        """Why the n_out-th output token `token` ends the request (None: it goes on)."""
-        if self.config.role == "prefill" and n_out == 1:
-            normal = self._finish_reason_unified(req, token, n_out)
-            return normal if normal is not None else "handoff"
-        return self._finish_reason_unified(req, token, n_out)
-
-    def _finish_reason_unified(self, req: Request, token: int, n_out: int) -> str | None:
-        p = req.params
-        if n_out >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)):
-            return "stop"
-        if n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.context_length:
-            return "length"
-        return None
-
-    def _cache_pages(self, req: Request, force: bool = False) -> None:
-        """Put the request's full computed pages in the tree; adopt the tree's copies of them.
-
-        Walking the path costs O(prompt) in Python, so it happens when a page has completed
-        since the last walk (not on every decode step), or when `force`d for a checkpoint.
-        """
-        ps = self.config.page_size
-        n_full = min(req.num_computed // ps, len(req.pages))
-        if not self.tree.enabled or n_full == 0 or (n_full <= req.num_tree_pages and not force):
-            return
-        req.num_tree_pages = n_full
-        canon = self.tree.insert(req.key_ids[:req.num_computed], req.pages[:n_full])
-        for i, p in enumerate(canon):
-            if p != req.pages[i]:
-                self.pages.retain([p])
-                self.pages.release([req.pages[i]])
-                req.pages[i] = p
-
-    def _finish(self, req: Request, reason: str) -> None:
-        if reason == "handoff":
-            # keep the pages and the live slot until the decode side has the state
-            # (glmrt.engine.handoff); the scheduler stops running it
-            self.scheduler.running.remove(req)
-            req.finish_reason = reason
-            self.handoffs[req.rid] = req
-            return
-        req.finish_reason = reason
-        if reason != "abort" and req.status is Status.RUNNING and req.slot is not None and req.num_computed > 0:
-            self._checkpoint_at_end(req)
-        for child in req.fork_children:  # never forked: run as ordinary requests
-            child.fork_parent = None
-        req.fork_children = []
-        if reason == "abort" and req.fork_parent is not None:
-            req.fork_parent.fork_children.remove(req)
-            req.fork_parent = None
-        self.scheduler.free_request(req)
-        req.status = Status.FINISHED
-        req.save_at = []
-        self.runner.forget(req)
-        self.counters["finished"] += 1
-        if req.cached_tokens:
-            self.counters["cached_prompt_tokens"] += req.cached_tokens
-
-    def _checkpoint_at_end(self, req: Request) -> None:
-        """The finished request's live state becomes the tree's checkpoint (no copy)."""
-        if not self.tree.enabled:
-            return
-        self._cache_pages(req, force=True)
-        pos, ps = req.num_computed, self.config.page_size
-        if self.tree.has_checkpoint(req.key_ids, pos):
-            return
-        partial = req.pages[pos // ps] if pos % ps else None
-        self.slots.convert(req.slot, CHECKPOINT)
-        if self.tree.add_checkpoint(req.key_ids, pos, req.slot, partial) is None:
-            self.slots.convert(req.slot, LIVE)
-            return
-        req.slot = None
-        if partial is not None:
-            req.pages.remove(partial)  # the checkpoint owns it now
 
     def check_invariants(self) -> None:
         """Both pools: free + cached + in use == capacity, reference counts exact."""
