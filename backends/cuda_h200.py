@@ -19,6 +19,7 @@ Overridden today (everything else is the reference):
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   add_rms_norm,   the draft layer's residual add with the next norm, and its two input norms
   rms_norm_pair   joined: one launch each
+  stream_mean_rms_norm  the final norm of the mHC streams' mean: one launch
   swiglu          with fused_small_ops, every batch: the dense MLP's clamps, silu and product in one launch
   kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
@@ -38,7 +39,8 @@ Overridden today (everything else is the reference):
                   rollback), chunk_kda (prefill; its bounded-gate path where the model's gate has a lower
                   bound in [-5, 0), ops.kda's gate_floor)
   kda_gated       batches of multi-token requests only, with a gate bound in [-5, 0): chunk_kda with the
-                  forget gate computed in its cumsum kernel (no kda_gate launch, no fp32 gate tensor)
+                  forget gate computed in its cumsum kernel (no kda_gate launch, no fp32 gate tensor);
+                  batches of one-token or short rows: fla's recurrent kernel computes the gate
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -231,6 +233,13 @@ class CudaH200Ops(ReferenceOps):
         from .kernels.norms import add_rms_norm
         return add_rms_norm(x, residual, weight, eps)
 
+    def stream_mean_rms_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not (streams.dim() == 3 and self._fused_norm_ok(streams[:, 0]) and weight.shape == (streams.shape[2],)
+                and weight.device == streams.device):
+            return super().stream_mean_rms_norm(streams, weight, eps)
+        from .kernels.norms import stream_mean_rms_norm
+        return stream_mean_rms_norm(streams, weight, eps)
+
     def rms_norm_pair(self, a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
                       eps: float) -> torch.Tensor:
         if not (self._fused_norm_ok(a, b) and wa.shape == wb.shape == (a.shape[1],)):
@@ -315,6 +324,8 @@ class CudaH200Ops(ReferenceOps):
                   a_log: torch.Tensor, lower_bound: float | None, beta: torch.Tensor, state: torch.Tensor,
                   meta: BatchMeta) -> torch.Tensor:
         kk = self._fla(q)
+        if kk and kk.gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta):
+            return kk.kda_gated_short(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
         # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
         if (kk and (q.is_cuda or kk.INTERPRET_CHUNK) and meta.num_tokens == q.shape[0]
                 and kk.gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)):

@@ -137,6 +137,10 @@ class ReferenceOps:
         """[rms_norm(a, wa); rms_norm(b, wb)] joined on the last dim (the draft layer's input)."""
         return torch.cat([self.rms_norm(a, wa, eps), self.rms_norm(b, wb, eps)], dim=-1)
 
+    def stream_mean_rms_norm(self, streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm of the mean of the mHC streams [N, M, D] (the model's final norm): [N, D]."""
+        return self.rms_norm(streams.mean(dim=1), weight, eps)
+
     def kda_gate(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
                  num_heads: int) -> torch.Tensor:
         """KDA's per head and channel log-decay g (< 0), fp32 [N, H, d], from the forget-gate

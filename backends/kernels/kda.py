@@ -86,6 +86,11 @@ SAFE_GATE_FLOOR = -5.0  # fla's stated range for it: lower_bound in [-5, 0)
 # kernel (use_gate_in_kernel) from the bf16 projection f, instead of our kda_gate writing an fp32
 # g that its cumsum then reads (bench.kda_h200 --gate-in-kernel times both). False: kda_gate + kda.
 GATE_IN_KERNEL = True
+# ops.kda_gated on batches of short rows (decode, and speculative decoding's verify): fla's
+# recurrent kernel computes the same gate from the projection f (its USE_GATE_IN_KERNEL), so the
+# gate is not a launch of its own between the conv and the recurrence, where at one token each
+# launch waits for the one before (bench.decode_profile --kda-decode-gate). False: kda_gate + kda.
+DECODE_GATE_IN_KERNEL = True
 # Batches whose requests all have 1..RECURRENT_MAX_TOKENS new tokens run fused_recurrent in place
 # (the verify and rollback of speculative decoding); 0 sends multi-token rows to chunk_kda.
 RECURRENT_MAX_TOKENS = 8
@@ -131,13 +136,13 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, out=None,
-               max_len: int = 1, index: torch.Tensor | None = None) -> torch.Tensor:
+               max_len: int = 1, index: torch.Tensor | None = None, gate: tuple | None = None) -> torch.Tensor:
     """Up to `max_len` tokens per request (cu_seqlens_t), in place on state[slot_ids]; returns
     [N, H, dv] in v.dtype. `index`: recurrent_decode's [B, max_len] slot index, when the caller
-    keeps one for every layer of a forward."""
+    keeps one for every layer of a forward. `gate`: see recurrent_decode."""
     zero_new_slots(state, prefix_lens_t, slot_ids)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o, max_len=max_len, index=index)
+    recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o, max_len=max_len, index=index, gate=gate)
     return o
 
 
@@ -148,12 +153,14 @@ def short_rows_index(slot_ids: torch.Tensor, max_len: int) -> torch.Tensor:
 
 
 def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launch: dict | None = None,
-                     max_len: int = 1, index: torch.Tensor | None = None) -> None:
+                     max_len: int = 1, index: torch.Tensor | None = None, gate: tuple | None = None) -> None:
     """fla's fused_recurrent_kda_fwd_kernel, in place on state[slot_ids], q/k l2-normalised inside
     (what fla's fused_recurrent_kda_fwd(..., inplace_final_state=True, ssm_state_indices=...,
     use_qk_l2norm_in_kernel=True) launches), with decode_launch's tile (or `launch`) instead of
     fla's fixed one. One token per request, or up to `max_len`: the kernel then stores the state
-    after token t at index[r, t], and every column of the index is the slot."""
+    after token t at index[r, t], and every column of the index is the slot. `gate` (dt_bias,
+    A_log, lower_bound): g is the gate projection's output f [N, H, dk] and the kernel computes
+    kda_gate's g from it (use_gate_in_kernel)."""
     _, h, dk = q.shape
     n = slot_ids.shape[0]
     cfg = dict(decode_launch(n), **(launch or {}))
@@ -163,14 +170,16 @@ def recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, out, launc
     if index is None:
         index = slot_ids if max_len == 1 else short_rows_index(slot_ids, max_len)
     grid = (triton.cdiv(dv, bv) * n * h,)
+    dt_bias, a_log, lower_bound = gate if gate is not None else (None, None, None)
     fused_recurrent_kda_fwd_kernel[grid](
-        q=q, k=k, v=v, g=g, beta=beta, A_log=None, dt_bias=None, o=out, h0=state, ht=state,
-        cu_seqlens=cu_seqlens_t, ssm_state_indices=index, num_accepted_tokens=None, lower_bound=None,
+        q=q, k=k, v=v, g=g, beta=beta, A_log=a_log, dt_bias=dt_bias, o=out, h0=state, ht=state,
+        cu_seqlens=cu_seqlens_t, ssm_state_indices=index, num_accepted_tokens=None,
+        lower_bound=None if lower_bound is None else float(lower_bound),
         scale=dk ** -0.5, N=n, T=q.shape[0], H=h, HV=h, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
         stride_init_state_token=state.stride(0), stride_final_state_token=state.stride(0),
         stride_indices_seq=index.stride(0), stride_indices_tok=1,
         IS_BETA_HEADWISE=False, USE_QK_L2NORM_IN_KERNEL=True, INPLACE_FINAL_STATE=True,
-        USE_GATE_IN_KERNEL=False, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False,
+        USE_GATE_IN_KERNEL=gate is not None, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -211,6 +220,11 @@ def kda_chunked(q, k, v, g, beta, state, slots: torch.Tensor, has_hist: list[boo
 def short_rows(meta: BatchMeta) -> bool:
     """Every request of the batch has 1..RECURRENT_MAX_TOKENS new tokens (the in-place path)."""
     return meta.num_reqs > 0 and all(1 <= s <= RECURRENT_MAX_TOKENS for s in meta.seq_lens)
+
+
+def in_place_rows(meta: BatchMeta) -> bool:
+    """A batch the recurrent kernel takes in place: one new token a request, or short_rows."""
+    return meta.num_reqs > 0 and (all(s == 1 for s in meta.seq_lens) or short_rows(meta))
 
 
 class _Split:
@@ -261,16 +275,8 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
         state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True,
         gate_floor: float | None = None) -> torch.Tensor:
     """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype."""
-    pre_t, cu_t = device_lens(meta, q.device)
-    seq = meta.seq_lens
-    if meta.num_reqs and all(s == 1 for s in seq):
-        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t)
-    if short_rows(meta):  # the slot index built once per forward, shared by its KDA layers
-        n = max(seq)
-        key = ("kda_short_rows_index", n)
-        if key not in meta.derived:
-            meta.derived[key] = short_rows_index(meta.slot_ids, n)
-        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=n, index=meta.derived[key])
+    if in_place_rows(meta):
+        return _short_rows(q, k, v, g, beta, state, meta)
     sp = _Split.of(meta, q.device, split_decode)
     if sp.whole:
         # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours
@@ -280,6 +286,7 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Requests with no new token keep their state untouched (as the reference does).
     if sp.ones:
+        pre_t = device_lens(meta, q.device)[0]
         idx, rt = sp.ones_rows, sp.ones_reqs
         out[idx] = kda_decode(q[idx], k[idx], v[idx], g[idx], beta[idx], state, meta.slot_ids[rt], pre_t[rt],
                               sp.ones_cu)
@@ -290,18 +297,50 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     return out
 
 
+def _short_rows(q, k, v, g, beta, state, meta: BatchMeta, gate: tuple | None = None) -> torch.Tensor:
+    """A batch of short rows in place through the recurrent kernel (`gate`: recurrent_decode's)."""
+    pre_t, cu_t = device_lens(meta, q.device)
+    n = max(meta.seq_lens)
+    if n == 1:
+        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, gate=gate)
+    key = ("kda_short_rows_index", n)  # the slot index built once per forward, shared by its KDA layers
+    if key not in meta.derived:
+        meta.derived[key] = short_rows_index(meta.slot_ids, n)
+    return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=n, index=meta.derived[key],
+                      gate=gate)
+
+
+def _gate_inputs_ok(q, f, dt_bias, a_log) -> bool:
+    """fla's in-kernel gate takes f [N, H·dk] contiguous in bf16 or fp32, dt_bias [H·dk] and A_log
+    [H] in fp32."""
+    n, h, dk = q.shape
+    return (tuple(f.shape) == (n, h * dk) and f.is_contiguous() and f.dtype in (torch.bfloat16, torch.float32)
+            and tuple(dt_bias.shape) == (h * dk,) and tuple(a_log.shape) == (h,)
+            and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.device == a_log.device == f.device == q.device)
+
+
+def gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta: BatchMeta) -> bool:
+    """Whether kda_gated takes the batch with the gate inside the recurrent kernel:
+    DECODE_GATE_IN_KERNEL, a batch of in_place_rows and inputs the kernel takes."""
+    return (DECODE_GATE_IN_KERNEL and in_place_rows(meta) and meta.num_tokens == q.shape[0]
+            and _gate_inputs_ok(q, f, dt_bias, a_log) and supports(q, k, v, q, beta, state))  # q: the gate's shape
+
+
+def kda_gated_short(q, k, v, f, dt_bias, a_log, lower_bound: float | None, beta, state,
+                    meta: BatchMeta) -> torch.Tensor:
+    """ops.kda_gated on a batch of short rows (gate_in_recurrence): kda_gate's g computed inside
+    the recurrent kernel from f. Returns [N, H, dv] in v.dtype."""
+    return _short_rows(q, k, v, f.view(q.shape), beta, state, meta, gate=(dt_bias, a_log, lower_bound))
+
+
 def gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta: BatchMeta) -> bool:
     """Whether kda_gated takes the batch: GATE_IN_KERNEL, a bounded gate on the safe-gate path, every
     request more than one new token and not all of them short rows (the batches kda sends through
     chunk_kda whole) and inputs fla takes (dt_bias [H·dk] and A_log [H] in fp32, f [N, H·dk]
     contiguous)."""
-    n, h, dk = q.shape
     return (GATE_IN_KERNEL and safe_gate(lower_bound) and meta.num_reqs > 0 and all(s > 1 for s in meta.seq_lens)
-            and not short_rows(meta)
-            and tuple(f.shape) == (n, h * dk) and f.is_contiguous() and f.dtype in (torch.bfloat16, torch.float32)
-            and tuple(dt_bias.shape) == (h * dk,) and tuple(a_log.shape) == (h,)
-            and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.device == a_log.device == q.device
-            and supports(q, k, v, q, beta, state) and f.device == q.device)  # q stands in for the gate made inside
+            and not short_rows(meta) and _gate_inputs_ok(q, f, dt_bias, a_log)
+            and supports(q, k, v, q, beta, state))  # q stands in for the gate made inside
 
 
 def kda_gated(q, k, v, f, dt_bias, a_log, lower_bound: float, beta, state, meta: BatchMeta) -> torch.Tensor:

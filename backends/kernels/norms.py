@@ -105,6 +105,36 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return s, y
 
 
+@triton.jit
+def _stream_mean_rms_norm_kernel(X, W, Y, stride_xn, stride_xm, stride_y, D, eps, M: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """Y[row] = rms_norm(mean of X[row]'s M streams): the mean summed in fp32 in stream order and
+    rounded to X's dtype (torch's mean of a 16-bit tensor), then normalised as _rms_norm_kernel."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    xdt = X.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for m in tl.static_range(M):
+        acc += tl.load(X + row * stride_xn + m * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    x = (acc * (1.0 / M)).to(xdt).to(tl.float32)  # times the reciprocal, as torch's mean
+    tl.store(Y + row * stride_y + offs, _normed_row(x, W, offs, ok, D, eps, xdt).to(Y.dtype.element_ty), mask=ok)
+
+
+def stream_mean_rms_norm(streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ReferenceOps.stream_mean_rms_norm for [N, M, D] streams of rows up to MAX_FUSED_D: one launch."""
+    n, m, d = streams.shape
+    y = torch.empty(n, d, dtype=streams.dtype, device=streams.device)
+    if n:
+        x = streams if streams.stride(-1) == 1 else streams.contiguous()
+        bd = triton.next_power_of_2(d)
+        _stream_mean_rms_norm_kernel[(n,)](x, weight.contiguous(), y, x.stride(0), x.stride(1), y.stride(0), d,
+                                           float(eps), M=m, BLOCK_D=bd, **pdl.launch(x.device),
+                                           num_warps=4 if bd <= 2048 else 8)
+    return y
+
+
 def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
     """ReferenceOps.rms_norm_pair for [N, D] rows of up to MAX_FUSED_D: [N, 2D] in one launch."""
     n, d = a.shape

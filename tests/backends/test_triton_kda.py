@@ -278,17 +278,26 @@ def test_kda_prefill_bf16_via_ops(device, interpreted_chunk, gate_floor):
 
 
 @needs_fla
-@pytest.mark.parametrize("case", ["prefill", "mixed", "short"])
-def test_kda_gated(device, interpreted_chunk, case):
+@pytest.mark.parametrize("case,lb,in_recurrence", [("prefill", -5.0, True), ("mixed", -5.0, True),
+                                                   ("short", -5.0, True), ("decode", -5.0, True),
+                                                   ("decode", None, True), ("decode", -5.0, False)])
+def test_kda_gated(device, interpreted_chunk, case, lb, in_recurrence, monkeypatch):
     """ops.kda_gated: on a prefill batch (every request more than one token, one over history, one
     new) chunk_kda computes the bounded gate from the projection's output in its cumsum kernel; a
-    batch with a decode row, or of short rows only, takes kda_gate, then kda. Each against the fp32
-    reference."""
+    batch of short rows or decode rows has fla's recurrent kernel compute it (with and without a
+    lower bound), or, with kda.DECODE_GATE_IN_KERNEL off, and in a batch with a decode row and a
+    long prefill, kda_gate runs first, then kda. Each against the fp32 reference, and the gate
+    kernel is launched only where the gate is not computed inside."""
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import kda as kk
+    from backends.kernels import kda_gate as kg
 
+    monkeypatch.setattr(kk, "DECODE_GATE_IN_KERNEL", in_recurrence)
+    gate_launches, gate_kernel = [], kg.kda_gate
+    monkeypatch.setattr(kg, "kda_gate", lambda *a: gate_launches.append(1) or gate_kernel(*a))
     # "short": every request at most RECURRENT_MAX_TOKENS new tokens, kda's in-place recurrent path
-    prefix, seqs = {"prefill": ([4, 0], [20, 3]), "mixed": ([4, 0, 9], [20, 3, 1]), "short": ([4, 0], [5, 3])}[case]
+    prefix, seqs = {"prefill": ([4, 0], [20, 3]), "mixed": ([4, 0, 9], [20, 3, 1]), "short": ([4, 0], [5, 3]),
+                    "decode": ([4, 0, 9], [1, 1, 1])}[case]
     h, dk, dv = 2, 16, 32
     meta, slots, new, g = _batch(prefix, seqs, device, seed=31 + len(seqs))
     n = sum(seqs)
@@ -299,12 +308,15 @@ def test_kda_gated(device, interpreted_chunk, case):
     state[new] = float("nan")
     truth_state = state.clone()
     truth_state[new] = 0.0
-    ref = ReferenceOps().kda_gated(q.float(), k.float(), v.float(), f.float(), dt_bias, a_log, -5.0, beta.float(),
+    ref = ReferenceOps().kda_gated(q.float(), k.float(), v.float(), f.float(), dt_bias, a_log, lb, beta.float(),
                                    truth_state, meta)
     args = [t.to(device) for t in (q, k, v, f, dt_bias, a_log)]
     st = state.to(device)
-    assert kk.gate_in_kernel(*args, -5.0, beta.to(device), st, meta) == (case == "prefill")
-    out = CudaH200Ops().kda_gated(*args, -5.0, beta.to(device), st, meta)
+    assert kk.gate_in_kernel(*args, lb, beta.to(device), st, meta) == (case == "prefill")
+    inside = kk.gate_in_recurrence(*args, beta.to(device), st, meta)
+    assert inside == (in_recurrence and case in ("short", "decode"))
+    out = CudaH200Ops().kda_gated(*args, lb, beta.to(device), st, meta)
+    assert len(gate_launches) == (0 if inside or case == "prefill" else 1)
     assert out.dtype == v.dtype and _rel(out, ref) < _tol(torch.bfloat16)
     for s in {int(x) for x in meta.slot_ids.tolist()}:
         assert _rel(st[s], truth_state[s]) < _tol(torch.bfloat16), f"slot {s}"
