@@ -21,7 +21,8 @@ Overridden today (everything else is the reference):
   rms_norm_pair   joined: one launch each
   stream_mean_rms_norm  the final norm of the mHC streams' mean: one launch
   swiglu          with fused_small_ops, every batch: the dense MLP's clamps, silu and product in one launch
-  kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one launch
+  kda_gate        with fused_small_ops (default on), every batch: KDA's forget gate (bias, exp(A_log), sigmoid or softplus) in one
+                  launch (decode batches compute it inside the recurrence instead: kda_gated)
   gated_rms_norm  with fused_small_ops, rows up to 1024: the KDA output norm x·rsqrt·w·sigmoid(gate) in one launch
   moe_route       with fused_small_ops (group-limited too): router logits (one launch, tiled over experts) + top-k selection
                   (+ the shared expert's column when it is seated among the routed experts)
@@ -40,7 +41,7 @@ Overridden today (everything else is the reference):
                   bound in [-5, 0), ops.kda's gate_floor)
   kda_gated       batches of multi-token requests only, with a gate bound in [-5, 0): chunk_kda with the
                   forget gate computed in its cumsum kernel (no kda_gate launch, no fp32 gate tensor);
-                  batches of one-token or short rows: fla's recurrent kernel computes the gate
+                  with fused_small_ops, batches of one-token or short rows: fla's recurrent kernel computes the gate
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 the tests); anything else takes the reference path.
 """
@@ -324,7 +325,7 @@ class CudaH200Ops(ReferenceOps):
                   a_log: torch.Tensor, lower_bound: float | None, beta: torch.Tensor, state: torch.Tensor,
                   meta: BatchMeta) -> torch.Tensor:
         kk = self._fla(q)
-        if kk and kk.gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta):
+        if self.fused_small_ops and kk and kk.gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta):
             return kk.kda_gated_short(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
         # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
         if (kk and (q.is_cuda or kk.INTERPRET_CHUNK) and meta.num_tokens == q.shape[0]

@@ -316,7 +316,8 @@ def _gate_inputs_ok(q, f, dt_bias, a_log) -> bool:
     n, h, dk = q.shape
     return (tuple(f.shape) == (n, h * dk) and f.is_contiguous() and f.dtype in (torch.bfloat16, torch.float32)
             and tuple(dt_bias.shape) == (h * dk,) and tuple(a_log.shape) == (h,)
-            and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.device == a_log.device == f.device == q.device)
+            and dt_bias.dtype == a_log.dtype == torch.float32 and dt_bias.is_contiguous() and a_log.is_contiguous()
+            and dt_bias.device == a_log.device == f.device == q.device)
 
 
 def gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta: BatchMeta) -> bool:

@@ -73,16 +73,17 @@ def test_the_draft_layers_fused_norms(device, dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,m,d", [(1, 4, 96), (6, 4, 200), (3, 2, 64)])
-def test_stream_mean_rms_norm(device, dtype, rows, m, d):
+def test_stream_mean_rms_norm(device, dtype, rows, m, d, monkeypatch):
     """The model's final norm of the mHC streams' mean in one launch: the reference's mean (fp32
     sum rounded to the model dtype) and RMSNorm; for bf16 bit for bit (a sum of a few bf16 values
     is exact in fp32, and the norm is the one-pass kernel's); through the ops too, also on a
     strided stream view."""
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels.norms import stream_mean_rms_norm
+    from backends.kernels import norms
     g = _gen("stream-mean-norm", str(dtype), rows, m, d)
-    wide = (torch.randn(rows, m + 1, d, generator=g) * 3).to(dtype)
-    streams = wide[:, 1:]  # a view whose rows are M + 1 streams apart
+    wide = (torch.randn(rows, m + 1, d + 8, generator=g) * 3).to(dtype)
+    streams = wide[:, 1:, :d]  # a view: rows M + 1 streams apart, streams D + 8 apart
     w = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype)
     want = REF.stream_mean_rms_norm(streams, w, 1e-6)
     assert _rel(want, REF.rms_norm(streams.float().mean(dim=1).to(dtype), w, 1e-6)) == 0.0
@@ -91,8 +92,10 @@ def test_stream_mean_rms_norm(device, dtype, rows, m, d):
     if dtype == torch.bfloat16:
         assert torch.equal(got.cpu(), want)
     assert _rel(got, want) < _tol(dtype)
+    calls = []
+    monkeypatch.setattr(norms, "stream_mean_rms_norm", lambda *a: calls.append(1) or stream_mean_rms_norm(*a))
     via_ops = CudaH200Ops().stream_mean_rms_norm(streams.to(device), w.to(device), 1e-6)
-    assert _rel(via_ops, want) < _tol(dtype)
+    assert calls == [1] and _rel(via_ops, want) < _tol(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
