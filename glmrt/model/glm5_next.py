@@ -94,18 +94,22 @@ class TextModel(nn.Module):
         out = w[torch.where(mine, local, 0)] * mine.unsqueeze(-1).to(w.dtype)
         return self.parallel.all_reduce(out)
 
-    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The mHC streams [N, M, D] of token ids, each stream the token's embedding, gathered in
-        one launch (not a lookup and then a copy into M streams); None over a vocab split."""
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The mHC streams [N, M, D] of token ids, each stream the token's embedding: one gather
+        of [N, M] ids, not a lookup and then a copy into M streams (over a vocab split, the
+        summed lookup, then the copy)."""
         if self.parallel.active:
-            return None
+            return self._streams(self.embed(input_ids))
         return self.embed_tokens.weight[input_ids.unsqueeze(1).expand(-1, self.cfg.hc_mult)]
+
+    def _streams(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def forward(self, embeds: torch.Tensor, meta, cache) -> torch.Tensor:
         """embeds [N, D] (or their streams [N, M, D], embed_streams) -> final normed hidden states
         [N, D] (the lm_head input)."""
         self.ops.begin_forward(embeds.shape[0])
-        streams = embeds if embeds.dim() == 3 else embeds.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        streams = embeds if embeds.dim() == 3 else self._streams(embeds)
         sel = None
         for layer in self.layers:
             streams, sel = layer(streams, meta, cache, sel)
@@ -154,11 +158,7 @@ class Glm5NextForCausalLM(nn.Module):
         `logits_indices` selects the flat tokens whose logits are needed (the last of each
         request when sampling), so the LM head runs only on those.
         """
-        if input_embeds is not None:
-            embeds = input_embeds.to(self.dtype)
-        else:
-            embeds = self.model.embed_streams(input_ids)
-            embeds = self.model.embed(input_ids) if embeds is None else embeds
+        embeds = self.model.embed_streams(input_ids) if input_embeds is None else input_embeds.to(self.dtype)
         hidden = self.model(embeds, meta, cache)
         h = hidden if logits_indices is None else hidden[logits_indices]
         return self.compute_logits(h), hidden
