@@ -93,6 +93,47 @@ def test_fp8_linear_split_k(device, n, splits, bias):
     assert _rel(out, one) < 1e-2
 
 
+@pytest.mark.parametrize("kind", ["fp8", "w8a8", "skinny"])
+def test_split_sum_in_kernel_equals_launch(device, monkeypatch, kind):
+    """Split-K partials summed by each out tile's last split (arrival.py) give the reduce
+    launch's result bit for bit, with no reduce launch, and leave their counters at zero."""
+    from backends.kernels import arrival
+
+    g = _gen("split-sum", kind)
+    n, in_f, out_f = 3, 1024, 200   # 8 K blocks, several out tiles (one partial)
+    x, w, s, b = _to(device, *_problem(g, n, in_f, out_f, torch.bfloat16, True))
+    if kind == "skinny":
+        w = (torch.randn(out_f, in_f, generator=g) * in_f ** -0.5).to(torch.bfloat16).to(device)
+
+    def run():
+        if kind == "skinny":
+            return f8.skinny_linear(x, w, b, config=dict(BLOCK_N=32, BLOCK_K=128), splits=4)
+        return f8.fp8_linear(x, w, s, (128, 128), b, splits=4, act_fp8=kind == "w8a8",
+                             config=dict(BLOCK_N=64) if kind == "fp8" else None)
+
+    reduces, reduce_kernel = [], f8._reduce_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            reduces.append(grid)
+            return reduce_kernel[grid]
+    monkeypatch.setattr(f8, "_reduce_kernel", Counted())
+    monkeypatch.setattr(f8, "SPLIT_SUM", "launch")
+    launched = run()
+    assert len(reduces) == 1
+    monkeypatch.setattr(f8, "SPLIT_SUM", "in-kernel")
+    first = run()
+    again = run()   # the counters were reset by the first call's last splits
+    assert len(reduces) == 1
+    assert torch.equal(first, launched) and torch.equal(again, launched)
+    ring = arrival._rings[(x.device.type, x.device.index if x.is_cuda else 0)][0]
+    assert int(ring.abs().sum()) == 0
+    ref = ReferenceOps()
+    ref.fp8_activations = "dynamic" if kind == "w8a8" else "none"
+    want = ref.linear(x, w, b) if kind == "skinny" else ref.linear(x, w, b, s, (128, 128))
+    assert _rel(first, want) < _tol(x.dtype)
+
+
 def test_fp8_linear_prefill_tiles(device):
     """The prefill tile (BLOCK_M 128, grouped order over several M tiles) at a small size."""
     g = _gen("prefill")
