@@ -203,7 +203,7 @@ class CudaH200Ops(ReferenceOps):
                 or not (self.prefill_kernels or _kernel_ok(q, meta))):
             return super().sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
         from .kernels.sparse_mla import sparse_mla
-        return sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
+        return sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail, side=self.fork(q))
 
     # ---- norms and mHC (every batch shape; kernels in backends/kernels/{norms,mhc}.py) ------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,6 +38,7 @@ import triton.language as tl
 from .. import kv_fp8
 from ..meta import BatchMeta
 from ..reference import ReferenceOps
+from ..side_work import INLINE
 from . import pdl
 from .pdl import pdl_enter
 from .interpreter import patch_interpreter
@@ -433,12 +434,13 @@ PREFILL_KERNEL = "sm90"
 def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
                sel: torch.Tensor | None, meta: BatchMeta, kpool: int, scale: float,
                with_tail: bool = True, *, reference: ReferenceOps | None = None,
-               chunk_rows: int | None = None) -> torch.Tensor:
+               chunk_rows: int | None = None, side=INLINE) -> torch.Tensor:
     """ReferenceOps.sparse_mla on the kernel: decode batches, and prefill / mixed batches with a
     selection (every query token is a row, like a decode query); the rest go to the reference.
 
     Decode: q̃ = q·W_kc per head (one batched matmul), the kernel over the selected latent
-    rows, then o = õ·W_vcᵀ per head, all in q's dtype like the reference.
+    rows, then o = õ·W_vcᵀ per head, all in q's dtype like the reference. `side`
+    (backends/side_work.py): where the row list is built, beside the matmul.
     """
     dt = q.dtype
     # Triton 3.6 fails to compile the in-kernel token list for an fp32 cache on sm90 (a
@@ -453,9 +455,14 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
             return (reference or ReferenceOps()).sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail)
         return _sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail,
                                    chunk_rows or PREFILL_CHUNK_ROWS)
-    q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
+    rows = None
     if sel is not None and DECODE_TOKEN_LIST == "rows-kernel":
-        idx, ntok = build_decode_rows(sel, meta.positions, meta.page_table, meta.page_size, kpool, with_tail)
+        with side:  # the row list, from the selection alone, beside the absorbed queries
+            rows = build_decode_rows(sel, meta.positions, meta.page_table, meta.page_size, kpool, with_tail)
+    q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
+    side.join()
+    if rows is not None:
+        idx, ntok = rows
         o_lat = sparse_mla_decode(q_abs, cache, idx, scale, ntok, out_dtype=dt)
     elif sel is not None and (not fp32_math or not cache.is_cuda):
         o_lat = sparse_mla_decode_sel(q_abs, cache, sel, meta, kpool, scale, with_tail, out_dtype=dt)

@@ -97,18 +97,19 @@ class DSAAttention(nn.Module):
     def forward(self, x: torch.Tensor, meta, cache, carried_sel: torch.Tensor | None):
         """-> (output [N, D], the selection this layer used, for a following shared layer)."""
         n = x.shape[0]
+        side = self.ops.fork(x)  # small independent launches beside each other (backends/side_work.py)
         if self.indexer is not None:
-            side = self.ops.fork(x)  # small independent launches beside each other (backends/side_work.py)
-            with side:  # the indexer's keys, from x alone, beside the queries and the latent
+            with side:  # the indexer's keys, from x alone, beside the queries
                 w_index = self.indexer.keys(x, meta, cache)
         q_a, kv_a = self.in_proj(x)
+        with side:  # the latent's norm and its cache row (after the keys there), beside the queries
+            latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
+            self.ops.write_latent(latent, cache.latent(self.layer), meta)
         q_resid = self.q_a_layernorm(q_a)
         q, q_index = self.q_proj(q_resid) if self.q_proj is not None else (self.q_b_proj(q_resid), None)
         q = q.view(n, self.num_heads, self.qk_head_dim)  # a column slice of the fused product
-        latent = self.kv_a_layernorm(kv_a[..., : self.kv_lora_rank])
-        self.ops.write_latent(latent, cache.latent(self.layer), meta)
+        side.join()  # the latent is in the cache, the indexer's keys in their pools
         if self.indexer is not None:
-            side.join()
             sel = self.indexer.select(q_resid, w_index, meta, cache, q_index)
         elif carried_sel is not None:
             sel = carried_sel
