@@ -321,27 +321,38 @@ class CudaH200Ops(ReferenceOps):
             CudaH200Ops._fla_kda = fla_kda
         return CudaH200Ops._fla_kda or None
 
+    def zero_fresh_slots(self, state: torch.Tensor, meta: BatchMeta) -> bool:
+        # the batches whose recurrence reads the slots in place (decode, short rows); prefill's
+        # chunk_kda starts new requests from zeros without reading their slots
+        kk = self._fla(state)
+        if kk and meta.num_tokens > 0 and kk.in_place_rows(meta):
+            from .kernels.conv import device_lens
+            kk.zero_new_slots(state, device_lens(meta, state.device)[0], meta.slot_ids)
+            return True
+        return False
+
     def kda_gated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor,
                   a_log: torch.Tensor, lower_bound: float | None, beta: torch.Tensor, state: torch.Tensor,
-                  meta: BatchMeta) -> torch.Tensor:
+                  meta: BatchMeta, *, slots_zeroed: bool = False) -> torch.Tensor:
         kk = self._fla(q)
         if self.fused_small_ops and kk and kk.gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta):
-            return kk.kda_gated_short(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
+            return kk.kda_gated_short(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta,
+                                      zero_new=not slots_zeroed)
         # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
         if (kk and (q.is_cuda or kk.INTERPRET_CHUNK) and meta.num_tokens == q.shape[0]
                 and kk.gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)):
             return kk.kda_gated(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
-        return super().kda_gated(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta)
+        return super().kda_gated(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta, slots_zeroed=slots_zeroed)
 
     def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
-            gate_floor: float | None = None) -> torch.Tensor:
+            gate_floor: float | None = None, slots_zeroed: bool = False) -> torch.Tensor:
         kk = self._fla(q)
         # Interpreted prefill runs fla's chunk_kda only when a test asks (it is slow there).
         if (kk and kk.supports(q, k, v, g, beta, state) and meta.num_tokens == q.shape[0]
                 and (q.is_cuda or kk.INTERPRET_CHUNK or kk.short_rows(meta))):
-            return kk.kda(q, k, v, g, beta, state, meta, gate_floor=gate_floor)
-        return super().kda(q, k, v, g, beta, state, meta, chunk_size)
+            return kk.kda(q, k, v, g, beta, state, meta, gate_floor=gate_floor, zero_new=not slots_zeroed)
+        return super().kda(q, k, v, g, beta, state, meta, chunk_size, slots_zeroed=slots_zeroed)
 
     # ---- the MoE router (backends/kernels/moe_route.py) ----------------------------
     def moe_route(self, x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,

@@ -283,24 +283,32 @@ class ReferenceOps:
                 conv_state[slot] = seq[-(k - 1):].to(conv_state.dtype)
         return column_planes(out, planes)
 
+    def zero_fresh_slots(self, state: torch.Tensor, meta: BatchMeta) -> bool:
+        """Zero the state slots of the batch's requests that start here (prefix_len 0) ahead of
+        kda / kda_gated, whose kernels may then read every slot as it is (the caller passes their
+        slots_zeroed): True where done. A layer runs it beside its conv. The reference's kda never
+        reads those slots: nothing to do here."""
+        return False
+
     def kda_gated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor,
                   a_log: torch.Tensor, lower_bound: float | None, beta: torch.Tensor, state: torch.Tensor,
-                  meta: BatchMeta) -> torch.Tensor:
+                  meta: BatchMeta, *, slots_zeroed: bool = False) -> torch.Tensor:
         """kda with its forget gate from the gate projection's output f [N, H·dk] (kda_gate's inputs):
         one op, so that a kernel set may compute the gate inside its prefill kernels. Here: kda_gate,
-        then kda with the bound as its gate_floor."""
+        then kda with the bound as its gate_floor. slots_zeroed: zero_fresh_slots returned True."""
         g = self.kda_gate(f, dt_bias, a_log, lower_bound, q.shape[1])
-        return self.kda(q, k, v, g, beta, state, meta, gate_floor=lower_bound)
+        return self.kda(q, k, v, g, beta, state, meta, gate_floor=lower_bound, slots_zeroed=slots_zeroed)
 
     def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, meta: BatchMeta, chunk_size: int = 64, *,
-            gate_floor: float | None = None) -> torch.Tensor:
+            gate_floor: float | None = None, slots_zeroed: bool = False) -> torch.Tensor:
         """Kimi delta attention per request; q/k are l2-normalised and q scaled here (in fp32).
 
         q, k [N, H, dk]; v [N, H, dv]; g [N, H, dk] log-decay; beta [N, H]; state [slots, H, dk, dv].
         Single-token requests with history take the recurrent step, others the chunked form.
         gate_floor: a bound the caller guarantees, g >= gate_floor (the model's lower-bounded
         gate); kernels may take a faster prefill path on it, the result is the same math.
+        slots_zeroed: zero_fresh_slots did this batch's new slots (kernels need not again).
         """
         dk = q.shape[-1]
         qf = q.float()

@@ -136,11 +136,14 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def kda_decode(q, k, v, g, beta, state, slot_ids, prefix_lens_t, cu_seqlens_t, out=None,
-               max_len: int = 1, index: torch.Tensor | None = None, gate: tuple | None = None) -> torch.Tensor:
+               max_len: int = 1, index: torch.Tensor | None = None, gate: tuple | None = None,
+               zero_new: bool = True) -> torch.Tensor:
     """Up to `max_len` tokens per request (cu_seqlens_t), in place on state[slot_ids]; returns
     [N, H, dv] in v.dtype. `index`: recurrent_decode's [B, max_len] slot index, when the caller
-    keeps one for every layer of a forward. `gate`: see recurrent_decode."""
-    zero_new_slots(state, prefix_lens_t, slot_ids)
+    keeps one for every layer of a forward. `gate`: see recurrent_decode. `zero_new=False`: the
+    new requests' slots are zero already (ops.zero_fresh_slots)."""
+    if zero_new:
+        zero_new_slots(state, prefix_lens_t, slot_ids)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     recurrent_decode(q, k, v, g, beta, state, slot_ids, cu_seqlens_t, o, max_len=max_len, index=index, gate=gate)
     return o
@@ -273,10 +276,11 @@ class _Split:
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         state: torch.Tensor, meta: BatchMeta, *, split_decode: bool = True,
-        gate_floor: float | None = None) -> torch.Tensor:
-    """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype."""
+        gate_floor: float | None = None, zero_new: bool = True) -> torch.Tensor:
+    """ReferenceOps.kda (state updated in place); returns [N, H, dv] in v.dtype. `zero_new=False`:
+    the in-place rows' new slots are zero already (ops.zero_fresh_slots)."""
     if in_place_rows(meta):
-        return _short_rows(q, k, v, g, beta, state, meta)
+        return _short_rows(q, k, v, g, beta, state, meta, zero_new=zero_new)
     sp = _Split.of(meta, q.device, split_decode)
     if sp.whole:
         # every request is a multi-token one: chunk_kda's rows are the batch's, its output is ours
@@ -297,17 +301,19 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     return out
 
 
-def _short_rows(q, k, v, g, beta, state, meta: BatchMeta, gate: tuple | None = None) -> torch.Tensor:
-    """A batch of short rows in place through the recurrent kernel (`gate`: recurrent_decode's)."""
+def _short_rows(q, k, v, g, beta, state, meta: BatchMeta, gate: tuple | None = None,
+                zero_new: bool = True) -> torch.Tensor:
+    """A batch of short rows in place through the recurrent kernel (`gate`: recurrent_decode's,
+    `zero_new`: kda_decode's)."""
     pre_t, cu_t = device_lens(meta, q.device)
     n = max(meta.seq_lens)
     if n == 1:
-        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, gate=gate)
+        return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, gate=gate, zero_new=zero_new)
     key = ("kda_short_rows_index", n)  # the slot index built once per forward, shared by its KDA layers
     if key not in meta.derived:
         meta.derived[key] = short_rows_index(meta.slot_ids, n)
     return kda_decode(q, k, v, g, beta, state, meta.slot_ids, pre_t, cu_t, max_len=n, index=meta.derived[key],
-                      gate=gate)
+                      gate=gate, zero_new=zero_new)
 
 
 def _gate_inputs_ok(q, f, dt_bias, a_log) -> bool:
@@ -328,10 +334,11 @@ def gate_in_recurrence(q, k, v, f, dt_bias, a_log, beta, state, meta: BatchMeta)
 
 
 def kda_gated_short(q, k, v, f, dt_bias, a_log, lower_bound: float | None, beta, state,
-                    meta: BatchMeta) -> torch.Tensor:
+                    meta: BatchMeta, zero_new: bool = True) -> torch.Tensor:
     """ops.kda_gated on a batch of short rows (gate_in_recurrence): kda_gate's g computed inside
     the recurrent kernel from f. Returns [N, H, dv] in v.dtype."""
-    return _short_rows(q, k, v, f.view(q.shape), beta, state, meta, gate=(dt_bias, a_log, lower_bound))
+    return _short_rows(q, k, v, f.view(q.shape), beta, state, meta, gate=(dt_bias, a_log, lower_bound),
+                       zero_new=zero_new)
 
 
 def gate_in_kernel(q, k, v, f, dt_bias, a_log, lower_bound, beta, state, meta: BatchMeta) -> bool:

@@ -67,9 +67,11 @@ class KDAAttention(nn.Module):
         capture = getattr(cache, "capture", None)  # a verify forward of speculative decoding (glmrt/engine/rollback.py)
         pre = capture.select(mixed) if capture is not None else None
         side = self.ops.fork(x)  # small independent launches beside each other (backends/side_work.py)
-        with side:  # the recurrence's gate inputs, beside the conv
+        state = cache.recurrent(self.layer)
+        with side:  # the recurrence's gate inputs and its new requests' zeroed slots, beside the conv
             beta = torch.sigmoid(b)  # model dtype, as the reference computes it
             f = self.f_b_proj(f_a)
+            zeroed = self.ops.zero_fresh_slots(state, meta)
         # q, k, v as three contiguous planes: the recurrence reads dense [N, H, d] tensors
         q, k, v = (t.view(shape) for t in self.ops.causal_conv(mixed, cache.conv(self.layer),
                                                                  self.conv_weight(), meta, planes=3))
@@ -77,12 +79,12 @@ class KDAAttention(nn.Module):
         with side:  # the output gate, beside the recurrence
             gate = self.g_b_proj(g_a).view(shape)
         if capture is None:  # the gate and the recurrence in one op: a kernel set may fuse them
-            o = self.ops.kda_gated(q, k, v, f, self.dt_bias, self.A_log, self.lower_bound, beta,
-                                   cache.recurrent(self.layer), meta)
+            o = self.ops.kda_gated(q, k, v, f, self.dt_bias, self.A_log, self.lower_bound, beta, state, meta,
+                                   slots_zeroed=zeroed)
         else:  # the per head and channel log-decay g (< 0, fp32, [N, H, d]) kept for the rollback
             g = self.ops.kda_gate(f, self.dt_bias, self.A_log, self.lower_bound, self.num_heads)
             capture.take(self.layer, pre, *(capture.select(t) for t in (q, k, v, g, beta)))
-            o = self.ops.kda(q, k, v, g, beta, cache.recurrent(self.layer), meta, gate_floor=self.lower_bound)
+            o = self.ops.kda(q, k, v, g, beta, state, meta, gate_floor=self.lower_bound, slots_zeroed=zeroed)
         side.join()
         o = self.ops.gated_rms_norm(o, gate, self.o_norm.weight, self.eps).reshape(n, self.num_heads * self.head_dim)
         return self.o_proj(o)

@@ -278,16 +278,20 @@ def test_kda_prefill_bf16_via_ops(device, interpreted_chunk, gate_floor):
 
 
 @needs_fla
-@pytest.mark.parametrize("case,lb,in_recurrence", [("prefill", -5.0, True), ("mixed", -5.0, True),
-                                                   ("short", -5.0, True), ("decode", -5.0, True),
-                                                   ("decode", None, True), ("decode", -5.0, False)])
-def test_kda_gated(device, interpreted_chunk, case, lb, in_recurrence, monkeypatch):
+@pytest.mark.parametrize("case,lb,in_recurrence,zero_first", [
+    ("prefill", -5.0, True, False), ("mixed", -5.0, True, False), ("short", -5.0, True, False),
+    ("decode", -5.0, True, False), ("decode", None, True, False), ("decode", -5.0, False, False),
+    ("prefill", -5.0, True, True), ("mixed", -5.0, True, True), ("short", -5.0, True, True),
+    ("decode", -5.0, True, True), ("decode", -5.0, False, True)])
+def test_kda_gated(device, interpreted_chunk, case, lb, in_recurrence, zero_first, monkeypatch):
     """ops.kda_gated: on a prefill batch (every request more than one token, one over history, one
     new) chunk_kda computes the bounded gate from the projection's output in its cumsum kernel; a
     batch of short rows or decode rows has fla's recurrent kernel compute it (with and without a
     lower bound), or, with kda.DECODE_GATE_IN_KERNEL off, and in a batch with a decode row and a
     long prefill, kda_gate runs first, then kda. Each against the fp32 reference, and the gate
-    kernel is launched only where the gate is not computed inside."""
+    kernel is launched only where the gate is not computed inside. `zero_first`: the layer's
+    ops.zero_fresh_slots ran first (beside the conv, in the model): it zeroes the new requests'
+    slots where the recurrence reads them in place, and they are zeroed once."""
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import kda as kk
     from backends.kernels import kda_gate as kg
@@ -295,6 +299,8 @@ def test_kda_gated(device, interpreted_chunk, case, lb, in_recurrence, monkeypat
     monkeypatch.setattr(kk, "DECODE_GATE_IN_KERNEL", in_recurrence)
     gate_launches, gate_kernel = [], kg.kda_gate
     monkeypatch.setattr(kg, "kda_gate", lambda *a: gate_launches.append(1) or gate_kernel(*a))
+    zero_launches, zero_kernel = [], kk.zero_new_slots
+    monkeypatch.setattr(kk, "zero_new_slots", lambda *a: zero_launches.append(1) or zero_kernel(*a))
     # "short": every request at most RECURRENT_MAX_TOKENS new tokens, kda's in-place recurrent path
     prefix, seqs = {"prefill": ([4, 0], [20, 3]), "mixed": ([4, 0, 9], [20, 3, 1]), "short": ([4, 0], [5, 3]),
                     "decode": ([4, 0, 9], [1, 1, 1])}[case]
@@ -315,8 +321,15 @@ def test_kda_gated(device, interpreted_chunk, case, lb, in_recurrence, monkeypat
     assert kk.gate_in_kernel(*args, lb, beta.to(device), st, meta) == (case == "prefill")
     inside = kk.gate_in_recurrence(*args, beta.to(device), st, meta)
     assert inside == (in_recurrence and case in ("short", "decode"))
-    out = CudaH200Ops().kda_gated(*args, lb, beta.to(device), st, meta)
+    ops = CudaH200Ops()
+    zeroed = ops.zero_fresh_slots(st, meta) if zero_first else False
+    in_place = case in ("short", "decode")
+    assert zeroed == (zero_first and in_place)
+    if zeroed:
+        assert all(float(st[s].abs().sum()) == 0.0 for s in new)
+    out = ops.kda_gated(*args, lb, beta.to(device), st, meta, slots_zeroed=zeroed)
     assert len(gate_launches) == (0 if inside or case == "prefill" else 1)
+    assert len(zero_launches) == (0 if case == "prefill" else 1)
     assert out.dtype == v.dtype and _rel(out, ref) < _tol(torch.bfloat16)
     for s in {int(x) for x in meta.slot_ids.tolist()}:
         assert _rel(st[s], truth_state[s]) < _tol(torch.bfloat16), f"slot {s}"
