@@ -10,7 +10,8 @@ over blocks of BLOCK_N selected tokens (exp2 with the scale folded in).
 Small batches do not fill the chip with one program per request, so the token list is split
 into NUM_SPLITS contiguous chunks (flash-decoding): each split writes its normalised partial
 output and log-sum-exp, and a second small kernel merges them. With one split the first
-kernel writes the final output directly.
+kernel writes the final output directly. The split count follows the static list width K; with
+num_tokens, each request's own count is what its splits share.
 
 Prefill and mixed batches use the same kernel with one row per query TOKEN (its own
 position, its own selected pools; HAS_REQ reads the page-table row of the token's request):
@@ -87,10 +88,14 @@ def _sparse_mla_decode_kernel(
         q = q.to(KV.dtype.element_ty)
 
     n_b = K
+    per = chunk
     if HAS_NTOK:
+        # this request's own rows spread over the splits: a context shorter than the selection
+        # (K is static, from the selection's width) would leave its rows in the first splits
         n_b = tl.minimum(tl.load(NTOK + b), K)
-    start = sp * chunk
-    end = tl.minimum(start + chunk, n_b)
+        per = tl.cdiv(tl.cdiv(n_b, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = sp * per
+    end = tl.minimum(start + per, n_b)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)

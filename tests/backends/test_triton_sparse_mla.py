@@ -51,8 +51,10 @@ def test_sparse_mla_decode_kernel(device, dtype, r, num_splits):
     assert (out[3] == 0).all()
 
 
-def test_sparse_mla_decode_num_tokens_bound(device):
-    """num_tokens stops at the packed prefix: what lies beyond is never read."""
+@pytest.mark.parametrize("splits", [2, 3])
+def test_sparse_mla_decode_num_tokens_bound(device, splits):
+    """num_tokens stops at the packed prefix: what lies beyond is never read; each request's own
+    count is spread over the splits (a split past it is empty)."""
     g = generator(7)
     b, h, r, k = 3, 4, 32, 40
     cache = torch.randn(6, PAGE, r, generator=g)
@@ -63,7 +65,7 @@ def test_sparse_mla_decode_num_tokens_bound(device):
     bad = token_idx.clone()
     bad[1, 1:] = 10 ** 6  # out of range: must not be touched
     bad[2, 17:] = 10 ** 6
-    out = sparse_mla_decode(q_abs.to(device), cache.to(device), bad.to(device), 0.2, n.to(device), num_splits=2)
+    out = sparse_mla_decode(q_abs.to(device), cache.to(device), bad.to(device), 0.2, n.to(device), num_splits=splits)
     assert _rel(out, ref) < 1e-5
 
 
