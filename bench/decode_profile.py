@@ -53,6 +53,13 @@ def split_sum(spec: str) -> str:
     return spec
 
 
+def mla_split(spec: str) -> bool:
+    """A --mla-split variant as sparse_mla.SPLIT_BY_COUNT: "count" or "width"."""
+    if spec not in ("count", "width"):
+        raise ValueError(f"--mla-split takes table, count or width, not {spec!r}")
+    return spec == "count"
+
+
 def moe_tile(spec: str) -> dict | None:
     """A --moe-tile variant as fused_moe_configs.OVERRIDE: "table" (None), or "+"-joined
     GEMM.KEY=INT / BLOCK_M=INT items, e.g. "gate_up.BLOCK_N=64+down.num_warps=4"."""
@@ -166,14 +173,14 @@ def interleaved(args, cfg) -> list[dict]:
     replayed in turn for args.interleave rounds: clock and thermal drift hit every row alike, and
     bf16 / fp8 is a ratio of paired rounds (separate runs of the same step differ by up to 3%).
     A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --pdl-max-tokens,
-    --moe-quant, --side-stream-max-tokens, --kda-decode-gate, --split-k-sum),
+    --moe-quant, --side-stream-max-tokens, --kda-decode-gate, --split-k-sum, --mla-split),
     set while its step is captured."""
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import fused_moe as fm
     from backends.kernels import fused_moe_configs as fmc
-    from backends.kernels import fp8_linear, kda, pdl
+    from backends.kernels import fp8_linear, kda, pdl, sparse_mla
     from glmrt.model.loader import load_dummy
 
     def setter(obj, attr, parse):
@@ -188,6 +195,7 @@ def interleaved(args, cfg) -> list[dict]:
         "side_max": (args.side_stream_max_tokens, setter(CudaH200Ops, "SIDE_STREAM_MAX_TOKENS", int)),
         "kda_gate": (args.kda_decode_gate, setter(kda, "DECODE_GATE_IN_KERNEL", kda_gate_place)),
         "split_sum": (args.split_k_sum, setter(fp8_linear, "SPLIT_SUM", split_sum)),
+        "mla_split": (args.mla_split, setter(sparse_mla, "SPLIT_BY_COUNT", mla_split)),
     }
     tbps = measured_copy_tbps()  # this device's copy rate (before the models take the memory)
     torch.cuda.empty_cache()
@@ -228,12 +236,12 @@ def interleaved(args, cfg) -> list[dict]:
     print(f"routed floor: the step's bytes over {CEILING_TBPS} TB/s (the H200's copy rate); device floor: "
           f"over this device's, measured in this run: {tbps:.2f} TB/s")
     print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'pdl max':>7} {'moe quant':>9} {'side':>5} "
-          f"{'kda gate':>8} {'split sum':>9} "
+          f"{'kda gate':>8} {'split sum':>9} {'mla split':>9} "
           f"{'median ms':>9} {'min':>7} {'max':>7} "
           f"{'routed floor':>12} {'/routed':>7} {'device floor':>12} {'/device':>7} {'bf16/this (paired)':>18}")
     for r in rows:
         print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
-              f"{r['pdl_max']:>7} {r['moe_quant']:>9} {r['side_max']:>5} {r['kda_gate']:>8} {r['split_sum']:>9} "
+              f"{r['pdl_max']:>7} {r['moe_quant']:>9} {r['side_max']:>5} {r['kda_gate']:>8} {r['split_sum']:>9} {r['mla_split']:>9} "
               f"{r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
@@ -284,6 +292,10 @@ def main(argv=None) -> list[dict]:
                    help="how split-K linears sum their partials, side by side (with --interleave): table "
                         "(fp8_linear.SPLIT_SUM's default), in-kernel (each out tile's last split), launch (a "
                         "reduce launch after the GEMM)")
+    p.add_argument("--mla-split", default="table",
+                   help="how a decode request's latent rows are shared by the sparse MLA's splits, side by side "
+                        "(with --interleave): table (sparse_mla.SPLIT_BY_COUNT's default), count (its own row "
+                        "count in equal chunks), width (chunks of the static list width)")
     p.add_argument("--fp8-act", default="dynamic",
                    help="CudaH200Ops.fp8_activations for fp8 weights: none (w8a16), dynamic (w8a8), side by side")
     p.add_argument("--trace", action="store_true",
@@ -303,9 +315,9 @@ def main(argv=None) -> list[dict]:
 
     cfg = preset_config(args.preset)
     if not args.interleave and (args.moe_quant, args.side_stream_max_tokens, args.kda_decode_gate,
-                                args.split_k_sum) != ("table",) * 4:
-        p.error("--moe-quant, --side-stream-max-tokens, --kda-decode-gate and --split-k-sum are axes of "
-                "--interleave runs")
+                                args.split_k_sum, args.mla_split) != ("table",) * 5:
+        p.error("--moe-quant, --side-stream-max-tokens, --kda-decode-gate, --split-k-sum and --mla-split are "
+                "axes of --interleave runs")
     if args.interleave:
         return interleaved(args, cfg)
     rows, tbps = [], measured_copy_tbps()

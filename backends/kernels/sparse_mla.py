@@ -70,7 +70,7 @@ def _sparse_mla_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr, HAS_NTOK: tl.constexpr, PRECISION: tl.constexpr,
     FROM_SEL: tl.constexpr, KPOOL: tl.constexpr, WITH_TAIL: tl.constexpr, BLOCK_SEL: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr, PDL: tl.constexpr = False):
+    KV_FP8: tl.constexpr, HAS_REQ: tl.constexpr, SPLIT_BY_COUNT: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -90,10 +90,9 @@ def _sparse_mla_decode_kernel(
     n_b = K
     per = chunk
     if HAS_NTOK:
-        # this request's own rows spread over the splits: a context shorter than the selection
-        # (K is static, from the selection's width) would leave its rows in the first splits
         n_b = tl.minimum(tl.load(NTOK + b), K)
-        per = tl.cdiv(tl.cdiv(n_b, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        if SPLIT_BY_COUNT:  # this request's own rows over the splits (SPLIT_BY_COUNT below)
+            per = tl.cdiv(tl.cdiv(n_b, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = sp * per
     end = tl.minimum(start + per, n_b)
 
@@ -220,6 +219,11 @@ def _num_sms(device: torch.device) -> int:
 # attention + merge in a PDL graph chain): 20.7 µs at 16 heads x 32 rows, 4 warps, against
 # 26.3-26.5 µs for all 64 heads in one program (contexts 1024 and 4096).
 FEW_ROWS_BATCH = 2
+# With num_tokens, how a request's rows are shared by its splits: True, its own count in equal
+# chunks; False, chunks of the static list width K (a context shorter than the selection, K =
+# 2063 rows at full size, then left its rows in the first splits and the rest empty: at batch 1
+# and 1024 tokens, 11 of 29 splits held them, 3 blocks each). bench.decode_profile --mla-split.
+SPLIT_BY_COUNT = True
 
 
 def default_config(h: int, r: int, cache_dtype: torch.dtype, batch: int | None = None) -> dict:
@@ -392,6 +396,7 @@ def _launch(q_abs, flat, k, scale, out, out_dtype, num_splits, config, *, idx=No
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
         SPLIT=split, HAS_NTOK=num_tokens is not None, PRECISION=precision,
         FROM_SEL=from_sel, KPOOL=kpool, WITH_TAIL=with_tail, KV_FP8=fp8, HAS_REQ=req is not None,
+        SPLIT_BY_COUNT=SPLIT_BY_COUNT,
         BLOCK_SEL=max(16, triton.next_power_of_2(sel.shape[1])) if from_sel else 16,
         **pdl.launch(q_abs.device), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -51,10 +51,13 @@ def test_sparse_mla_decode_kernel(device, dtype, r, num_splits):
     assert (out[3] == 0).all()
 
 
-@pytest.mark.parametrize("splits", [2, 3])
-def test_sparse_mla_decode_num_tokens_bound(device, splits):
+@pytest.mark.parametrize("splits,by_count", [(2, True), (3, True), (3, False)])
+def test_sparse_mla_decode_num_tokens_bound(device, splits, by_count, monkeypatch):
     """num_tokens stops at the packed prefix: what lies beyond is never read; each request's own
-    count is spread over the splits (a split past it is empty)."""
+    count is spread over the splits (SPLIT_BY_COUNT; a split past it is empty), or the list width."""
+    from backends.kernels import sparse_mla as sm
+
+    monkeypatch.setattr(sm, "SPLIT_BY_COUNT", by_count)
     g = generator(7)
     b, h, r, k = 3, 4, 32, 40
     cache = torch.randn(6, PAGE, r, generator=g)
