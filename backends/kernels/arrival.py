@@ -7,10 +7,12 @@ the last ticket reads the parts back and finishes the group, and resets the coun
 the next launch (CUTLASS's serial split-K: a barrier, then one thread's release/acquire atomic).
 
 Counters come from a zeroed ring per device (`counters`): consecutive calls take consecutive
-slices, so launches that may run at once (a layer's two streams) never share one, and a CUDA
-graph keeps the slices its capture took. A counter is zero again when its launch ends, whatever
-the launch's size. Inside a capture with no ring yet (it would capture the ring's memset) the
-caller gets None and keeps its separate launch.
+slices, so launches that may run at once (a layer's two streams, at most a fork-join window
+apart) never share one, and a CUDA graph keeps the slices its capture took. A slice starts on a
+128-byte line: the kernel's counter pointer always has the same alignment (one compiled variant,
+none compiled for a new offset mid-capture), and concurrent launches share no line. A counter is
+zero again when its launch ends, whatever the launch's size. Inside a capture with no ring yet (it
+would capture the ring's memset) the caller gets None and keeps its separate launch.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-RING = 1 << 16  # counters per device (256 KiB): thousands of launches before a slice comes back
+RING = 1 << 16  # counters per device (256 KiB): a slice comes back after a few hundred launches
+ALIGN = 32  # counters: one 128-byte line
 _rings: dict = {}  # device -> [counter tensor, next offset]
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 counters that nothing else in flight uses, or None (see above)."""
+    """At least n zeroed int32 counters that nothing else in flight uses, or None (see above)."""
+    n = -(-n // ALIGN) * ALIGN
     if n > RING:
         return None
     key = (device.type, device.index if device.index is not None
@@ -34,9 +38,11 @@ def counters(device: torch.device, n: int) -> torch.Tensor | None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         ring = _rings[key] = [torch.zeros(RING, dtype=torch.int32, device=device), 0]
+        if device.type == "cuda":  # zero before any stream's launch draws a ticket (the side stream's too)
+            torch.cuda.synchronize(device)
     if ring[1] + n > RING:
         ring[1] = 0
-    out = ring[0][ring[1]: ring[1] + n]
+    out = ring[0][ring[1]: ring[1] + n]  # (n rounded up: the next slice starts on a line too)
     ring[1] += n
     return out
 

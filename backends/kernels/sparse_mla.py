@@ -470,8 +470,8 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, w_kc: torch.Tensor, w_vc: t
         with side:  # the row list, from the selection alone, beside the absorbed queries
             rows = build_decode_rows(sel, meta.positions, meta.page_table, meta.page_size, kpool, with_tail)
     q_abs = torch.bmm(q.transpose(0, 1), w_kc.to(dt)).transpose(0, 1)  # [N, H, R]
-    side.join()
     if rows is not None:
+        side.join()
         idx, ntok = rows
         o_lat = sparse_mla_decode(q_abs, cache, idx, scale, ntok, out_dtype=dt)
     elif sel is not None and (not fp32_math or not cache.is_cuda):

@@ -107,9 +107,11 @@ class TrainingOps(ReferenceOps):
                         raise
         return self._chunk_kda
 
-    def kda(self, q, k, v, g, beta, state, meta: DenseBatch, chunk_size: int = 64, *, gate_floor=None):
+    def kda(self, q, k, v, g, beta, state, meta: DenseBatch, chunk_size: int = 64, *, gate_floor=None,
+            slots_zeroed: bool = False):
         # gate_floor (ops.kda's hint that g >= it) is not used here: the reference form needs none,
-        # and `--kda fla` keeps fla's general chunk path, whose backward is the one measured
+        # and `--kda fla` keeps fla's general chunk path, whose backward is the one measured;
+        # slots_zeroed neither: a training batch starts every sequence from zeros
         b, t = meta.batch, meta.length
         h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
         qf, kf = q.float(), k.float()

@@ -134,6 +134,20 @@ def test_split_sum_in_kernel_equals_launch(device, monkeypatch, kind):
     assert _rel(first, want) < _tol(x.dtype)
 
 
+def test_arrival_counter_slices(device):
+    """Consecutive slices of the counter ring do not overlap and each starts on a 128-byte line
+    (one alignment: one compiled variant of a kernel taking them)."""
+    from backends.kernels import arrival
+
+    dev = torch.device(device)
+    a, b, c = arrival.counters(dev, 3), arrival.counters(dev, 33), arrival.counters(dev, 1)
+    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (a, b, c))
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
+    base = arrival._rings[(a.device.type, a.device.index if a.is_cuda else 0)][0].data_ptr()  # CUDA: 512-byte aligned
+    assert all((t.data_ptr() - base) % 128 == 0 and t.numel() >= n for t, n in ((a, 3), (b, 33), (c, 1)))
+    assert arrival.counters(dev, arrival.RING + 1) is None
+
+
 def test_fp8_linear_prefill_tiles(device):
     """The prefill tile (BLOCK_M 128, grouped order over several M tiles) at a small size."""
     g = _gen("prefill")
