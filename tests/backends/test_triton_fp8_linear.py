@@ -340,6 +340,33 @@ def test_fp8_linear_graph_safe():
     assert _rel(static, eager) > 0.0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_split_sum_in_kernel_on_two_streams(monkeypatch):
+    """The last split's sum on the GPU, many launches on two streams at once (each split linear
+    racing its own programs and the other stream's): every result equals the reduce launch's,
+    and every counter is back at zero."""
+    from backends.kernels import arrival
+
+    dev = torch.device("cuda")
+    g = _gen("two-streams")
+    xs = [torch.randn(2, 4096, generator=g).to(dev, torch.bfloat16) for _ in range(2)]
+    w = (torch.randn(512, 4096, generator=g) * 4096 ** -0.5).to(dev, torch.bfloat16)
+    monkeypatch.setattr(f8, "SPLIT_SUM", "launch")
+    want = [f8.skinny_linear(x, w, splits=8) for x in xs]
+    monkeypatch.setattr(f8, "SPLIT_SUM", "in-kernel")
+    streams = [torch.cuda.Stream(dev) for _ in xs]
+    outs: list[list[torch.Tensor]] = [[], []]
+    torch.cuda.synchronize()
+    for _ in range(200):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(f8.skinny_linear(xs[i], w, splits=8))
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want[i]) for i in range(2) for o in outs[i])
+    assert int(arrival._rings[("cuda", torch.cuda.current_device())][0].abs().sum()) == 0
+
+
 # ---- 16-bit weights at decode sizes (skinny_linear: the same kernel, SCALED=False) ----------------
 def _check_skinny(device, n, in_f, out_f, bias, dtype=torch.bfloat16, **kw):
     g = _gen(f"skinny{n}-{in_f}-{out_f}-{bias}")
