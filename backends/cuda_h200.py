@@ -15,7 +15,8 @@ Overridden today (everything else is the reference):
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
   linear          FP8 weights every batch (w8a8 by default: fp8_activations; from 1024 rows on cuBLASLt's
-                  block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear
+                  block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear;
+                  split K at decode sizes, the partials summed by each out tile's last split (arrival.py)
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   add_rms_norm,   the draft layer's residual add with the next norm, and its two input norms
   rms_norm_pair   joined: one launch each
@@ -39,6 +40,8 @@ Overridden today (everything else is the reference):
                   kda.DECODE_LAUNCHES; and batches of short rows, speculative decoding's verify and
                   rollback), chunk_kda (prefill; its bounded-gate path where the model's gate has a lower
                   bound in [-5, 0), ops.kda's gate_floor)
+  zero_fresh_slots  decode and short-row batches: the new requests' recurrent-state slots zeroed in one
+                  launch, which the layer runs beside its conv (kda / kda_gated then skip theirs)
   kda_gated       batches of multi-token requests only, with a gate bound in [-5, 0): chunk_kda with the
                   forget gate computed in its cumsum kernel (no kda_gate launch, no fp32 gate tensor);
                   with fused_small_ops, batches of one-token or short rows: fla's recurrent kernel computes the gate
