@@ -15,8 +15,7 @@ Overridden today (everything else is the reference):
                   selection (16-bit, or interpreted): Triton absorbed-MLA over the selected latent rows, one row
                   per query token (dense causal / fp32-on-GPU prefill: the reference)
   linear          FP8 weights every batch (w8a8 by default: fp8_activations; from 1024 rows on cuBLASLt's
-                  block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear;
-                  split K at decode sizes, the partials summed by each out tile's last split (arrival.py)
+                  block-scaled fp8 GEMM where torch has it); 16-bit weights up to 8 rows (decode) by skinny_linear
   rms_norm        every shape: one-pass Triton RMSNorm (HF cast order)
   add_rms_norm,   the draft layer's residual add with the next norm, and its two input norms
   rms_norm_pair   joined: one launch each

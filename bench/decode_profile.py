@@ -46,13 +46,6 @@ def kda_gate_place(spec: str) -> bool:
     return spec == "kernel"
 
 
-def split_sum(spec: str) -> str:
-    """A --split-k-sum variant as fp8_linear.SPLIT_SUM: "in-kernel" or "launch"."""
-    if spec not in ("in-kernel", "launch"):
-        raise ValueError(f"--split-k-sum takes table, in-kernel or launch, not {spec!r}")
-    return spec
-
-
 def mla_split(spec: str) -> bool:
     """A --mla-split variant as sparse_mla.SPLIT_BY_COUNT: "count" or "width"."""
     if spec not in ("count", "width"):
@@ -173,14 +166,14 @@ def interleaved(args, cfg) -> list[dict]:
     replayed in turn for args.interleave rounds: clock and thermal drift hit every row alike, and
     bf16 / fp8 is a ratio of paired rounds (separate runs of the same step differ by up to 3%).
     A variant is one value of each side-by-side axis (--moe-tile, --kda-tile, --pdl-max-tokens,
-    --moe-quant, --side-stream-max-tokens, --kda-decode-gate, --split-k-sum, --mla-split),
+    --moe-quant, --side-stream-max-tokens, --kda-decode-gate, --mla-split),
     set while its step is captured."""
     import statistics
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import fused_moe as fm
     from backends.kernels import fused_moe_configs as fmc
-    from backends.kernels import fp8_linear, kda, pdl, sparse_mla
+    from backends.kernels import kda, pdl, sparse_mla
     from glmrt.model.loader import load_dummy
 
     def setter(obj, attr, parse):
@@ -194,7 +187,6 @@ def interleaved(args, cfg) -> list[dict]:
         "moe_quant": (args.moe_quant, moe_quant_setter(fm)),
         "side_max": (args.side_stream_max_tokens, setter(CudaH200Ops, "SIDE_STREAM_MAX_TOKENS", int)),
         "kda_gate": (args.kda_decode_gate, setter(kda, "DECODE_GATE_IN_KERNEL", kda_gate_place)),
-        "split_sum": (args.split_k_sum, setter(fp8_linear, "SPLIT_SUM", split_sum)),
         "mla_split": (args.mla_split, setter(sparse_mla, "SPLIT_BY_COUNT", mla_split)),
     }
     tbps = measured_copy_tbps()  # this device's copy rate (before the models take the memory)
@@ -236,12 +228,12 @@ def interleaved(args, cfg) -> list[dict]:
     print(f"routed floor: the step's bytes over {CEILING_TBPS} TB/s (the H200's copy rate); device floor: "
           f"over this device's, measured in this run: {tbps:.2f} TB/s")
     print(f"{'weights':>7} {'batch':>5} {'moe tile':>28} {'kda tile':>8} {'pdl max':>7} {'moe quant':>9} {'side':>5} "
-          f"{'kda gate':>8} {'split sum':>9} {'mla split':>9} "
+          f"{'kda gate':>8} {'mla split':>9} "
           f"{'median ms':>9} {'min':>7} {'max':>7} "
           f"{'routed floor':>12} {'/routed':>7} {'device floor':>12} {'/device':>7} {'bf16/this (paired)':>18}")
     for r in rows:
         print(f"{r['weights']:>7} {r['batch']:>5} {r['moe_tile'][:28]:>28} {r['kda_tile']:>8} "
-              f"{r['pdl_max']:>7} {r['moe_quant']:>9} {r['side_max']:>5} {r['kda_gate']:>8} {r['split_sum']:>9} {r['mla_split']:>9} "
+              f"{r['pdl_max']:>7} {r['moe_quant']:>9} {r['side_max']:>5} {r['kda_gate']:>8} {r['mla_split']:>9} "
               f"{r['median_ms']:>9.3f} {r['min_ms']:>7.3f} "
               f"{r['max_ms']:>7.3f} "
               f"{r['floor_routed_ms']:>12.3f} {r['median_ms'] / r['floor_routed_ms']:>7.2f} "
@@ -288,10 +280,6 @@ def main(argv=None) -> list[dict]:
                    help="where a decode step's KDA forget gate is computed, side by side (with --interleave): "
                         "table (kda.DECODE_GATE_IN_KERNEL's default), kernel (inside fla's recurrent kernel), "
                         "launch (kda_gate's own launch before it)")
-    p.add_argument("--split-k-sum", default="table",
-                   help="how split-K linears sum their partials, side by side (with --interleave): table "
-                        "(fp8_linear.SPLIT_SUM's default), in-kernel (each out tile's last split), launch (a "
-                        "reduce launch after the GEMM)")
     p.add_argument("--mla-split", default="table",
                    help="how a decode request's latent rows are shared by the sparse MLA's splits, side by side "
                         "(with --interleave): table (sparse_mla.SPLIT_BY_COUNT's default), count (its own row "
@@ -315,9 +303,9 @@ def main(argv=None) -> list[dict]:
 
     cfg = preset_config(args.preset)
     if not args.interleave and (args.moe_quant, args.side_stream_max_tokens, args.kda_decode_gate,
-                                args.split_k_sum, args.mla_split) != ("table",) * 5:
-        p.error("--moe-quant, --side-stream-max-tokens, --kda-decode-gate, --split-k-sum and --mla-split are "
-                "axes of --interleave runs")
+                                args.mla_split) != ("table",) * 4:
+        p.error("--moe-quant, --side-stream-max-tokens, --kda-decode-gate and --mla-split are axes of "
+                "--interleave runs")
     if args.interleave:
         return interleaved(args, cfg)
     rows, tbps = [], measured_copy_tbps()

@@ -40,7 +40,6 @@ import triton
 import triton.language as tl
 
 from .act_quant import act_fp8_supported, act_quant, act_tile_e4m3  # noqa: F401 (act_quant re-exported)
-from .arrival import counters, last_arrival
 from .fused_moe import ACT_DTYPES, FP8_DTYPES
 from . import pdl
 from .pdl import pdl_enter
@@ -89,10 +88,6 @@ _CUBLAS_OK: dict = {}  # device index -> whether torch._scaled_mm took the block
 SPLIT_MIN_WAVES = 2.0   # split K while the tiles fill fewer than SMs: aim for this many programs per SM
 SPLIT_WS_RATIO = 1.0    # workspace bytes (fp32 partials, written + read) at most this x the weight bytes
 REDUCE_BLOCK = 1024
-# How split-K partials are summed: "in-kernel" (each out tile's last split to finish, arrival.py)
-# or "launch" (_reduce_kernel after the GEMM). At a few rows the reduce was a launch of its own
-# on the step's critical path after ~8 split linears a step (bench.decode_profile --split-k-sum).
-SPLIT_SUM = "in-kernel"
 
 _SM_COUNT: dict = {}
 
@@ -137,19 +132,17 @@ def dequant_tile(w, scale, DT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
-    X, W, S, B, Y, WS, XS, CNT,
+    X, W, S, B, Y, WS, XS,
     M, N_OUT, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_xsm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr = True,
     ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-    FIXUP: tl.constexpr = False, PDL: tl.constexpr = False):
+    PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): x is already e4m3 (act_quant's output), its scales XS [M, K / SCALE_BK]
     # SWAP_AB (with ACT_FP8): accᵀ [BN, BM] = W_tile [BN, BK] · xᵀ [BK, BM], the weight rows on the
     # MMA's M side and the few tokens on its N side, as the fused MoE's decode tiles (FP8A8_CONFIGS)
-    # FIXUP (with SPLIT): the out tile's last split to finish sums the partials (CNT: a counter per
-    # out tile, arrival.py) instead of _reduce_kernel's launch; the same sum in the same order
     pdl_enter(PDL)
     # grouped launch order: GROUP_M consecutive M tiles sweep the out tiles together (L2 reuse)
     pid = tl.program_id(0)
@@ -205,19 +198,9 @@ def _fp8_linear_kernel(
         acc = tl.trans(acc)
 
     ok = row_ok[:, None] & n_ok[None, :]
-    if SPLIT:  # fp32 partial of this K range; _reduce_kernel or the last split sums the splits
+    if SPLIT:  # fp32 partial of this K range; _reduce_kernel sums the splits
         ws = WS + (pid_k * M + offs_m)[:, None] * N_OUT + offs_n[None, :]
         tl.store(ws, acc, mask=ok)
-        if FIXUP:
-            if last_arrival(CNT + pid, tl.num_programs(1)):
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, tl.num_programs(1)):
-                    total += tl.load(WS + (s * M + offs_m)[:, None] * N_OUT + offs_n[None, :], mask=ok, other=0.0,
-                                     cache_modifier=".cg")
-                if HAS_BIAS:
-                    bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
-                    total += bias[None, :]
-                tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], total.to(Y.dtype.element_ty), mask=ok)
     else:
         if HAS_BIAS:
             bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
@@ -336,8 +319,7 @@ def split_layout(in_f: int, bk: int, splits: int) -> tuple[int, int]:
 
 def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = False,
          x_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch of the kernel (+ the split-K reduce when s > 1 and SPLIT_SUM is "launch");
-    scale_inv None = 16-bit w;
+    """One launch of the kernel (+ the split-K reduce when s > 1); scale_inv None = 16-bit w;
     x_scales given: x is e4m3 from act_quant."""
     n, in_f = x.shape
     out_f = w.shape[0]
@@ -348,21 +330,20 @@ def _run(x, w, scale_inv, block, bias, out, cfg, s, k_split, act_fp8: bool = Fal
     ws = torch.empty(s, n, out_f, dtype=torch.float32, device=x.device) if s > 1 else out
     b = bias if bias is not None else sc  # unused when HAS_BIAS=False
     grid = (triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(out_f, cfg["BLOCK_N"]), s)
-    cnt = counters(x.device, grid[0]) if s > 1 and SPLIT_SUM == "in-kernel" else None
     launch = pdl.launch(x.device)
     xs = x_scales if x_scales is not None else sc  # unused unless X_FP8
     _fp8_linear_kernel[grid](
-        x, w, sc, b, out, ws, xs, cnt if cnt is not None else ws,
+        x, w, sc, b, out, ws, xs,
         n, out_f, in_f, k_split,
         x.stride(0), w.stride(0), sc.stride(0) if scaled else 0, sc.stride(1) if scaled else 0, out.stride(0),
         xs.stride(0) if x_scales is not None else 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, SPLIT=s > 1,
         EVEN_K=in_f % bk == 0, PRECISION=precision, SCALED=scaled, ACT_FP8=act_fp8, X_FP8=x_scales is not None,
-        SWAP_AB=act_fp8 and bool(cfg.get("SWAP_AB", False)), FIXUP=cnt is not None,
+        SWAP_AB=act_fp8 and bool(cfg.get("SWAP_AB", False)),
         **launch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if s > 1 and cnt is None:
+    if s > 1:
         blk = min(REDUCE_BLOCK, triton.next_power_of_2(out_f))
         _reduce_kernel[(n, triton.cdiv(out_f, blk))](ws, b, out, n, out_f, s, out.stride(0),
                                                     HAS_BIAS=bias is not None, BLOCK=blk, **launch, num_warps=4)

@@ -93,61 +93,6 @@ def test_fp8_linear_split_k(device, n, splits, bias):
     assert _rel(out, one) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["fp8", "w8a8", "skinny"])
-def test_split_sum_in_kernel_equals_launch(device, monkeypatch, kind):
-    """Split-K partials summed by each out tile's last split (arrival.py) give the reduce
-    launch's result bit for bit, with no reduce launch, and leave their counters at zero."""
-    from backends.kernels import arrival
-
-    g = _gen("split-sum", kind)
-    n, in_f, out_f = 3, 1024, 200   # 8 K blocks, several out tiles (one partial)
-    x, w, s, b = _to(device, *_problem(g, n, in_f, out_f, torch.bfloat16, True))
-    if kind == "skinny":
-        w = (torch.randn(out_f, in_f, generator=g) * in_f ** -0.5).to(torch.bfloat16).to(device)
-
-    def run():
-        if kind == "skinny":
-            return f8.skinny_linear(x, w, b, config=dict(BLOCK_N=32, BLOCK_K=128), splits=4)
-        return f8.fp8_linear(x, w, s, (128, 128), b, splits=4, act_fp8=kind == "w8a8",
-                             config=dict(BLOCK_N=64) if kind == "fp8" else None)
-
-    reduces, reduce_kernel = [], f8._reduce_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            reduces.append(grid)
-            return reduce_kernel[grid]
-    monkeypatch.setattr(f8, "_reduce_kernel", Counted())
-    monkeypatch.setattr(f8, "SPLIT_SUM", "launch")
-    launched = run()
-    assert len(reduces) == 1
-    monkeypatch.setattr(f8, "SPLIT_SUM", "in-kernel")
-    first = run()
-    again = run()   # the counters were reset by the first call's last splits
-    assert len(reduces) == 1
-    assert torch.equal(first, launched) and torch.equal(again, launched)
-    ring = arrival._rings[(x.device.type, x.device.index if x.is_cuda else 0)][0]
-    assert int(ring.abs().sum()) == 0
-    ref = ReferenceOps()
-    ref.fp8_activations = "dynamic" if kind == "w8a8" else "none"
-    want = ref.linear(x, w, b) if kind == "skinny" else ref.linear(x, w, b, s, (128, 128))
-    assert _rel(first, want) < _tol(x.dtype)
-
-
-def test_arrival_counter_slices(device):
-    """Consecutive slices of the counter ring do not overlap and each starts on a 128-byte line
-    (one alignment: one compiled variant of a kernel taking them)."""
-    from backends.kernels import arrival
-
-    dev = torch.device(device)
-    a, b, c = arrival.counters(dev, 3), arrival.counters(dev, 33), arrival.counters(dev, 1)
-    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (a, b, c))
-    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
-    base = arrival._rings[(a.device.type, a.device.index if a.is_cuda else 0)][0].data_ptr()  # CUDA: 512-byte aligned
-    assert all((t.data_ptr() - base) % 128 == 0 and t.numel() >= n for t, n in ((a, 3), (b, 33), (c, 1)))
-    assert arrival.counters(dev, arrival.RING + 1) is None
-
-
 def test_fp8_linear_prefill_tiles(device):
     """The prefill tile (BLOCK_M 128, grouped order over several M tiles) at a small size."""
     g = _gen("prefill")
@@ -338,33 +283,6 @@ def test_fp8_linear_graph_safe():
     torch.cuda.synchronize()
     assert _rel(static, ops.linear(x, w, b, s)) == 0.0
     assert _rel(static, eager) > 0.0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_split_sum_in_kernel_on_two_streams(monkeypatch):
-    """The last split's sum on the GPU, many launches on two streams at once (each split linear
-    racing its own programs and the other stream's): every result equals the reduce launch's,
-    and every counter is back at zero."""
-    from backends.kernels import arrival
-
-    dev = torch.device("cuda")
-    g = _gen("two-streams")
-    xs = [torch.randn(2, 4096, generator=g).to(dev, torch.bfloat16) for _ in range(2)]
-    w = (torch.randn(512, 4096, generator=g) * 4096 ** -0.5).to(dev, torch.bfloat16)
-    monkeypatch.setattr(f8, "SPLIT_SUM", "launch")
-    want = [f8.skinny_linear(x, w, splits=8) for x in xs]
-    monkeypatch.setattr(f8, "SPLIT_SUM", "in-kernel")
-    streams = [torch.cuda.Stream(dev) for _ in xs]
-    outs: list[list[torch.Tensor]] = [[], []]
-    torch.cuda.synchronize()
-    for _ in range(200):
-        for i, st in enumerate(streams):
-            with torch.cuda.stream(st):
-                outs[i].append(f8.skinny_linear(xs[i], w, splits=8))
-    torch.cuda.synchronize()
-    assert all(torch.equal(o, want[i]) for i in range(2) for o in outs[i])
-    assert int(arrival._rings[("cuda", torch.cuda.current_device())][0].abs().sum()) == 0
 
 
 # ---- 16-bit weights at decode sizes (skinny_linear: the same kernel, SCALED=False) ----------------
