@@ -135,7 +135,7 @@ _FITTED: dict[tuple, tuple[int, int]] = {}
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
     key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc,
            k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False),
-           meta.get("X_FP8", False))
+           meta.get("X_FP8", False), meta.get("ACC_RESCALE", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:
@@ -204,8 +204,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
             c["BLOCK_K"], c["scale_acc"] = bi, True
         # the scale may multiply the K tile's partial product when the tile is inside one scale
         # block along K (powers of two: BLOCK_K <= bi means it divides it); else per element
-        flags[part] = dict(SCALE_ACC=bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi),
-                           SWAP_AB=bool(c.get("SWAP_AB", False)))
+        scale_acc = bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi)
+        flags[part] = dict(SCALE_ACC=scale_acc, SWAP_AB=bool(c.get("SWAP_AB", False)),
+                           ACC_RESCALE=bool(act_fp8 and scale_acc and c.get("acc_rescale", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
     flat_ids = ids.reshape(-1).contiguous()
@@ -239,7 +240,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          h.stride(0), xs, xs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
              PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8,
-             X_FP8=pre, **launch),
+             X_FP8=pre, ACC_RESCALE=flags["gate_up"]["ACC_RESCALE"], **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
     h_in, hs = act_quant(h, bi) if pre else (h, h)
     _launch_fitting(
@@ -248,7 +249,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          d, i, e, nb,
          h_in.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0), hs, hs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre,
+             ACC_RESCALE=flags["down"]["ACC_RESCALE"], **launch),
         dn, i, flags["down"]["SCALE_ACC"])
     if not reduce:
         return MoEPartials(y.view(n, top_k, d), ids, e)

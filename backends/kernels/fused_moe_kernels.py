@@ -34,6 +34,30 @@ def swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _rescaled(acc, s_row, s_col, p_row, p_col):
+    """acc, a running sum held in units of the scale p_row·p_col, re-expressed in units of
+    s_row·s_col, so that the next K block's raw product adds into it in place (ACC_RESCALE)."""
+    return acc * ((p_row / s_row) * (p_col / s_col))
+
+
+@triton.jit
+def _unit_scales(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BN: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Ones shaped as a K block's activation row scales and weight column scales broadcast against
+    the accumulator (a scalar when the tile is inside one scale block along N)."""
+    if SWAP_AB:
+        rows = tl.full([1, BLOCK_M], 1.0, tl.float32)
+    else:
+        rows = tl.full([BLOCK_M, 1], 1.0, tl.float32)
+    if BLOCK_N <= SCALE_BN:
+        cols = tl.full([], 1.0, tl.float32)
+    elif SWAP_AB:
+        cols = tl.full([BLOCK_N, 1], 1.0, tl.float32)
+    else:
+        cols = tl.full([1, BLOCK_N], 1.0, tl.float32)
+    return rows, cols
+
+
+@triton.jit
 def _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, n_out, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PAIR_BLOCKS: tl.constexpr):
     """(pid_m, pid_n, e) of this program of either GEMM: grouped launch order (GROUP_M consecutive
@@ -76,6 +100,14 @@ def _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M: tl.constexpr, PAIR_BLOCKS: t
 #              per weight element; s a scalar when BLOCK_N <= SCALE_BN, else one per column).
 #   else       per element, as dequantize_block_fp8 does: (w.f32 * s[k // SBK, n // SBN]) -> dt
 #              (K tiles that straddle scale blocks, or config scale_acc=False).
+# ACC_RESCALE (w8a8 only) keeps the running sum in units of the current K block's scale s_k
+#              (activation row scale x weight column scale) instead: acc = dot(x, w, acc · s_{k-1}/s_k),
+#              times s_K after the loop (FlashAttention's running rescale). The product then adds
+#              into the accumulator in place, so the fresh fp32 partial of the other form, as many
+#              registers again as the accumulator, is not needed, and wider tiles fit. The scales are
+#              floored so that no ratio is 0/0 or overflows: activations at 1e-15 (quant_act_e4m3's own
+#              floor is 1e-12 / 448; rows past the block's end load 0), weights at 1e-12 (a block of
+#              zeros may have scale 0).
 # SWAP_AB computes the transposed product accᵀ [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] ·
 # xᵀ [BLOCK_K, BLOCK_M]: the (converted) weight tile is the MMA's A operand, which Hopper's
 # wgmma can take from registers (no shared-memory round trip after the fp8 -> bf16 convert),
@@ -92,7 +124,8 @@ def _gate_up_kernel(
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+    ACC_RESCALE: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): X is e4m3 from act_quant, its scales XS [tokens, K blocks]
     pdl_enter(PDL)
     pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, I, GROUP_M, BLOCK_N, PAIR_BLOCKS)
@@ -124,6 +157,8 @@ def _gate_up_kernel(
         su_base = SU + e * stride_sue
         sg_n = (offs_n // SCALE_BN) * stride_sgn   # per column (clamped by the masks)
         su_n = (offs_n // SCALE_BN) * stride_sun
+    p_a, p_g = _unit_scales(BLOCK_M, BLOCK_N, SCALE_BN, SWAP_AB)  # ACC_RESCALE: the sums' units
+    p_u = p_g
     for k0 in range(0, D, BLOCK_K):
         # the x tile's K axis is 0 when swapped (xᵀ [BK, BM]), the weight tiles' the other one
         a = load_k_tile(a_ptrs, row_ok, D - k0, offs_k, 0 if SWAP_AB else 1, EVEN_K)
@@ -144,12 +179,20 @@ def _gate_up_kernel(
                     sg = sg[None, :]
                     su = su[None, :]
             if ACT_FP8:  # fp8 x fp8 products (w8a8): the weight tiles are never converted
-                if SWAP_AB:
-                    aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 0, X_FP8)
+                aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 0 if SWAP_AB else 1, X_FP8)
+                if ACC_RESCALE:
+                    sa, sg, su = tl.maximum(sa, 1e-15), tl.maximum(sg, 1e-12), tl.maximum(su, 1e-12)
+                    if SWAP_AB:
+                        acc_g = tl.dot(bg, aq, _rescaled(acc_g, sa, sg, p_a, p_g))
+                        acc_u = tl.dot(bu, aq, _rescaled(acc_u, sa, su, p_a, p_u))
+                    else:
+                        acc_g = tl.dot(aq, bg, _rescaled(acc_g, sa, sg, p_a, p_g))
+                        acc_u = tl.dot(aq, bu, _rescaled(acc_u, sa, su, p_a, p_u))
+                    p_a, p_g, p_u = sa, sg, su
+                elif SWAP_AB:
                     acc_g += tl.dot(bg, aq) * (sg * sa)
                     acc_u += tl.dot(bu, aq) * (su * sa)
                 else:
-                    aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 1, X_FP8)
                     acc_g += tl.dot(aq, bg) * (sg * sa)
                     acc_u += tl.dot(aq, bu) * (su * sa)
             elif SWAP_AB:
@@ -183,6 +226,9 @@ def _gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8 and SCALE_ACC and ACT_FP8 and ACC_RESCALE:
+        acc_g = acc_g * (p_a * p_g)
+        acc_u = acc_u * (p_a * p_u)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -201,7 +247,8 @@ def _down_kernel(
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+    ACC_RESCALE: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): H is e4m3 from act_quant, its scales HS [pairs, K blocks]
     pdl_enter(PDL)
     pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, D, GROUP_M, BLOCK_N, PAIR_BLOCKS)
@@ -226,6 +273,7 @@ def _down_kernel(
     if FP8:
         s_base = SD + e * stride_sde
         s_n = (offs_n // SCALE_BN) * stride_sdn
+    p_a, p_c = _unit_scales(BLOCK_M, BLOCK_N, SCALE_BN, SWAP_AB)  # ACC_RESCALE: the sum's units
     for k0 in range(0, I, BLOCK_K):
         a = load_k_tile(a_ptrs, row_ok, I - k0, offs_k, 0 if SWAP_AB else 1, EVEN_K)
         b = load_k_tile(b_ptrs, n_ok, I - k0, offs_k, 1 if SWAP_AB else 0, EVEN_K)
@@ -240,11 +288,17 @@ def _down_kernel(
                 else:
                     sc = sc[None, :]
             if ACT_FP8:
-                if SWAP_AB:
-                    aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 0, X_FP8)
+                aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 0 if SWAP_AB else 1, X_FP8)
+                if ACC_RESCALE:
+                    sa, sc = tl.maximum(sa, 1e-15), tl.maximum(sc, 1e-12)
+                    if SWAP_AB:
+                        acc = tl.dot(b, aq, _rescaled(acc, sa, sc, p_a, p_c))
+                    else:
+                        acc = tl.dot(aq, b, _rescaled(acc, sa, sc, p_a, p_c))
+                    p_a, p_c = sa, sc
+                elif SWAP_AB:
                     acc += tl.dot(b, aq) * (sc * sa)
                 else:
-                    aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 1, X_FP8)
                     acc += tl.dot(aq, b) * (sc * sa)
             elif SWAP_AB:
                 acc += tl.dot(b.to(dt), a, input_precision=PRECISION) * sc
@@ -268,6 +322,8 @@ def _down_kernel(
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if FP8 and SCALE_ACC and ACT_FP8 and ACC_RESCALE:
+        acc = acc * (p_a * p_c)
     if SWAP_AB:
         acc = tl.trans(acc)
 

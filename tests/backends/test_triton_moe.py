@@ -123,6 +123,14 @@ REF_A8.fp8_activations = "dynamic"
     ("swap-n256", 9, _both(SWAP_AB=True, BLOCK_N=256), False),                 # a weight scale per column
     ("k64-asked", 9, _both(BLOCK_N=32, BLOCK_K=64), False),                    # BLOCK_K forced to the block
     ("plain-m64", 9, dict(BLOCK_M=64, **_both(BLOCK_N=128, num_warps=4, num_stages=2, SWAP_AB=False)), False),
+    # the running sum rescaled to each K block's scales (acc_rescale), both layouts, scalar and
+    # per-column weight scales
+    ("rescale-m64", 9, dict(BLOCK_M=64, **_both(BLOCK_N=128, num_warps=4, num_stages=2, SWAP_AB=False,
+                                                 acc_rescale=True)), False),
+    ("rescale-m64-n256", 9, dict(BLOCK_M=64, **_both(BLOCK_N=256, num_warps=8, num_stages=2, SWAP_AB=False,
+                                                      acc_rescale=True)), False),
+    ("rescale-swap", 9, _both(SWAP_AB=True, BLOCK_N=64, acc_rescale=True), False),
+    ("rescale-swap-n256", 3, _both(SWAP_AB=True, BLOCK_N=256, acc_rescale=True), None),
 ])
 def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
     """act_fp8: both GEMMs' inputs are quantised per row and 128-wide K block (the scale block; by
@@ -146,6 +154,31 @@ def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
     assert _rel(w8a16, truth) < _rel(out, truth) < 6e-2
     assert torch.equal(out, fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config,
                                          pair_blocks=pair_blocks, act_fp8=True))
+
+
+@pytest.mark.parametrize("config", [
+    dict(BLOCK_M=64, **_both(BLOCK_N=64, num_warps=4, num_stages=2, SWAP_AB=False)),
+    _both(SWAP_AB=True, BLOCK_N=256),
+])
+def test_fused_moe_w8a8_rescale_zero_blocks(device, config):
+    """acc_rescale divides by each K block's scales: an activation group of zeros (its scale the
+    1e-12 floor over 448), a weight block whose scale is 0, and the rows past a block's end (scale 0
+    loaded) must neither overflow nor give NaN. The result is the other form's, up to fp32
+    rounding order."""
+    g = _gen("w8a8-rescale-zero", repr(config))
+    x, ids, weights, ws, scales = _problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5)
+    x[2, 128:256] = 0                     # one activation group of zeros
+    x[4] = 0                              # a whole row
+    scales = tuple(s.clone() for s in scales)
+    scales[0][:, 0, 1] = 0                # gate: a zero-scale weight block in the middle of K
+    scales[2][:, 1, 0] = 0                # down: the first K block of one column block
+    x, ids, weights, ws, scales = _to(device, x, ids, weights, ws, scales)
+    plain = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=False, act_fp8=True)
+    rescaled_cfg = {k: (dict(v, acc_rescale=True) if isinstance(v, dict) else v) for k, v in config.items()}
+    out = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=rescaled_cfg, pair_blocks=False, act_fp8=True)
+    assert torch.isfinite(out).all()
+    assert _rel(out, plain) < (1e-3 if _INTERPRET else 2.5e-2)
+    assert _rel(out, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
 
 
 @pytest.mark.parametrize("name,config", [
