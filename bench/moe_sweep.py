@@ -92,7 +92,8 @@ SWEEP_FP8 = {
 }
 
 
-R = dict(acc_rescale=True)  # one GEMM's own key in an fp8 sweep entry
+R = dict(acc_rescale=True)  # one GEMM's own keys in an fp8 sweep entry
+ONE = dict(acc_rescale=True, one_dot=True)
 
 # w8a8 alternatives (kind "fp8a8": the fp8 weights with act_fp8, activations quantised on the fly):
 # the table's tiles, and SWAP_AB tiles, where the product is an fp8 wgmma (m64nNk32, no convert).
@@ -136,6 +137,12 @@ SWEEP_FP8["prefill-a8"] = [c for c in (
     _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3, R), 8),
     _cfg8(64, (64, 128, 4, 4), (128, 128, 4, 4), 8, acc_rescale=True),
     _cfg8(64, (64, 128, 4, 4, R), (256, 128, 8, 3, R), 8),
+    # gate and up as one m64n2BNk32 product per K block (one_dot; 128 wide: 244 registers, 64: 128)
+    _cfg8(128, (128, 128, 8, 3, ONE), (128, 128, 8, 4), 8),
+    _cfg8(128, (64, 128, 8, 3, ONE), (128, 128, 8, 4), 8),
+    _cfg8(128, (128, 128, 8, 4, ONE), (128, 128, 8, 4), 8),
+    _cfg8(128, (128, 128, 8, 3, ONE), (128, 128, 8, 4, R), 8),
+    _cfg8(64, (64, 128, 4, 4, ONE), (128, 128, 4, 4), 8),
 ) if _smem_ok_a8(c)]
 
 

@@ -61,7 +61,7 @@ import triton
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
 from . import pdl
 from .act_quant import act_fp8_supported, act_quant
-from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _sum_kernel
+from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _gate_up_one_dot_kernel, _sum_kernel
 from .moe_align import moe_align
 from ..reference import MoEPartials
 
@@ -230,8 +230,13 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
     x_in, xs = act_quant(x, bi) if pre else (x, x)  # xs unused unless X_FP8
 
+    one_dot = bool(gu.get("one_dot", False))
+    if one_dot and not (pre and flags["gate_up"]["ACC_RESCALE"] and not flags["gate_up"]["SWAP_AB"]
+                        and gu["BLOCK_N"] <= bo):
+        raise ValueError("one_dot gate/up tiles take w8a8 with x by act_quant, acc_rescale, no SWAP_AB and "
+                         "BLOCK_N within the weight's scale block")
     _launch_fitting(
-        _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
+        _gate_up_one_dot_kernel if one_dot else _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
         (x_in, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows, flat_ids,
          d, i, e, top_k, nb, float(limit) if limit is not None else 0.0,
          x_in.stride(0),

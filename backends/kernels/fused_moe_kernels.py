@@ -239,6 +239,70 @@ def _gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pid_m"])
+def _gate_up_one_dot_kernel(
+    X, WG, WU, SG, SU, H, SORTED, BLOCK_EXPERT, BLOCK_ROWS, IDS,
+    D, I, E, top_k, num_pid_m, limit,
+    stride_xm,
+    stride_ge, stride_gn, stride_ue, stride_un,
+    stride_sge, stride_sgn, stride_sgk, stride_sue, stride_sun, stride_suk,
+    stride_hm, XS, stride_xsm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+    ACC_RESCALE: tl.constexpr = False):
+    """gate/up of w8a8 prefill blocks as ONE product per K block: the weight tile is BLOCK_N gate
+    columns then the same BLOCK_N up columns ([BK, 2·BN], gathered by pointer from the two
+    tensors), so that each wgmma reads the activation tile once for both projections; the running
+    sum is rescaled to each K block's scales (ACC_RESCALE's form), and split into gate and up in
+    the epilogue. X is e4m3 from act_quant (scales XS), BLOCK_K the scale block, BLOCK_N <= SCALE_BN.
+    The launch arguments are _gate_up_kernel's; only that one combination of its switches is taken."""
+    tl.static_assert(FP8 and ACT_FP8 and X_FP8 and SCALE_ACC and ACC_RESCALE and not SWAP_AB
+                     and BLOCK_K == SCALE_BK and BLOCK_N <= SCALE_BN)
+    pdl_enter(PDL)
+    pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, I, GROUP_M, BLOCK_N, PAIR_BLOCKS)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    dt = H.dtype.element_ty
+    row_ok, pair = _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, PAIR_BLOCKS)
+    tok = pair // top_k
+    n0 = pid_n * BLOCK_N
+    offs_2n = tl.arange(0, 2 * BLOCK_N)
+    is_g = offs_2n < BLOCK_N
+    col = n0 + tl.where(is_g, offs_2n, offs_2n - BLOCK_N)
+    col_ok = col < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = tl.where(is_g[None, :], WG + e * stride_ge + col[None, :] * stride_gn,
+                      WU + e * stride_ue + col[None, :] * stride_un) + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    sg_ptr = SG + e * stride_sge + (n0 // SCALE_BN) * stride_sgn
+    su_ptr = SU + e * stride_sue + (n0 // SCALE_BN) * stride_sun
+    p_a = tl.full([BLOCK_M, 1], 1.0, tl.float32)
+    p_w = tl.full([1, 2 * BLOCK_N], 1.0, tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kb = k0 // BLOCK_K
+        a = load_k_tile(a_ptrs, row_ok, D - k0, offs_k, 1, EVEN_K)
+        b = load_k_tile(w_ptrs, col_ok, D - k0, offs_k, 0, EVEN_K)
+        sg = tl.maximum(tl.load(sg_ptr + kb * stride_sgk).to(tl.float32), 1e-12)
+        su = tl.maximum(tl.load(su_ptr + kb * stride_suk).to(tl.float32), 1e-12)
+        sw = tl.where(is_g, sg, su)[None, :]
+        sa = tl.maximum(tl.load(XS + tok * stride_xsm + kb, mask=row_ok, other=0.0), 1e-15)[:, None]
+        acc = tl.dot(a, b, _rescaled(acc, sa, sw, p_a, p_w))
+        p_a, p_w = sa, sw
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * (p_a * p_w)
+    g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+    h = swiglu_clamped(g.to(dt), u.to(dt), limit, HAS_LIMIT)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pid_m"])
 def _down_kernel(
     H, WD, SD, RW, Y, SORTED, BLOCK_EXPERT, BLOCK_ROWS, IDS,
     D, I, E, num_pid_m,

@@ -131,6 +131,13 @@ REF_A8.fp8_activations = "dynamic"
                                                       acc_rescale=True)), False),
     ("rescale-swap", 9, _both(SWAP_AB=True, BLOCK_N=64, acc_rescale=True), False),
     ("rescale-swap-n256", 3, _both(SWAP_AB=True, BLOCK_N=256, acc_rescale=True), None),
+    # gate and up as one product per K block ([BK, 2·BN] weight tile; one_dot)
+    ("one-dot-m64", 9, dict(BLOCK_M=64, gate_up=dict(BLOCK_N=64, num_warps=4, num_stages=2, SWAP_AB=False,
+                                                      acc_rescale=True, one_dot=True),
+                            down=dict(BLOCK_N=128, num_warps=4, num_stages=2, SWAP_AB=False)), False),
+    ("one-dot-n128", 9, dict(BLOCK_M=64, gate_up=dict(BLOCK_N=128, num_warps=4, num_stages=2, SWAP_AB=False,
+                                                       acc_rescale=True, one_dot=True),
+                             down=dict(BLOCK_N=128, num_warps=4, num_stages=2, SWAP_AB=False)), False),
 ])
 def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
     """act_fp8: both GEMMs' inputs are quantised per row and 128-wide K block (the scale block; by
@@ -145,7 +152,9 @@ def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=device)
     fm.fused_moe(x, ids, weights, *ws, 7.0, scales, out=out, config=config, pair_blocks=pair_blocks, act_fp8=True)
     ref = REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)
-    w8a16 = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=pair_blocks)
+    a16 = config and {k: ({kk: vv for kk, vv in v.items() if kk != "one_dot"} if isinstance(v, dict) else v)
+                      for k, v in config.items()}  # one_dot is a w8a8 kernel
+    w8a16 = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=a16, pair_blocks=pair_blocks)
     truth = _truth(x, ids, weights, ws, scales, 7.0)
     # a bf16 rounding of g/u that lands the other way flips h's e4m3 code (6%): a few 1e-3 over so few
     # outputs (compiled, in-GEMM quantisation, BLOCK_N 256: 6.9e-3; the act_quant route on another
@@ -179,6 +188,19 @@ def test_fused_moe_w8a8_rescale_zero_blocks(device, config):
     assert torch.isfinite(out).all()
     assert _rel(out, plain) < (1e-3 if _INTERPRET else 2.5e-2)
     assert _rel(out, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
+
+
+def test_fused_moe_one_dot_refused_outside_its_case():
+    """one_dot is one kernel for one case (w8a8 with x by act_quant, acc_rescale, the plain layout,
+    BLOCK_N within the scale block); asked elsewhere it is refused, not quietly replaced."""
+    g = _gen("one-dot-refused")
+    x, ids, weights, ws, scales = _problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5)
+    one = dict(BLOCK_N=64, SWAP_AB=False, acc_rescale=True, one_dot=True)
+    for gate_up, act_fp8 in ((dict(one, acc_rescale=False), True), (dict(one, SWAP_AB=True), True),
+                             (dict(one, BLOCK_N=256), True), (one, False)):
+        with pytest.raises(ValueError, match="one_dot"):
+            fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=dict(BLOCK_M=64, gate_up=gate_up),
+                         pair_blocks=False, act_fp8=act_fp8)
 
 
 @pytest.mark.parametrize("name,config", [
