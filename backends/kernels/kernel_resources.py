@@ -1,0 +1,141 @@
+"""Registers, stack and shared memory of every kernel specialisation an interpreted run launched,
+compiled for a GPU; no GPU needed.
+
+    python3 -m backends.kernels.kernel_resources [--target sm90] [--match NAME] -- PYTEST_ARGS...
+
+The same recording as compile_check (the pytest command runs with the interpreter and a recorder
+on), then each distinct specialisation is compiled in a child interpreter and its cubin read with
+the `cuobjdump` Triton bundles. One line per specialisation: the kernel, its tile constexprs and
+launch options, registers a thread, stack bytes a thread (a stack frame: ptxas spilled, or keeps
+an array in local memory), shared memory a block, and how many blocks an SM holds by registers
+and by shared memory. A tile that spills, or one that leaves an SM one block where a smaller one
+gets two, shows here before any GPU time is spent on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from .compile_check import _ROOT, _TARGETS, RECORD_ENV, _decode, _jit_of, read_records
+
+# per SM: 32-bit registers, shared memory a block may have and the SM holds, threads
+_LIMITS = {"sm90": (65536, 227 * 1024, 228 * 1024, 2048), "sm100": (65536, 227 * 1024, 228 * 1024, 2048)}
+
+
+def resources_one(rec: dict, target: str) -> dict:
+    """Compile one record as launched; {"regs", "stack", "shared", "warps", "stages"} or {"error"}."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        jit = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
+        constexprs = {tuple(p): _decode(v) for p, v in rec["constexprs"]}
+        options = {k: _decode(v) for k, v in rec["options"].items()}
+        src = ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
+                        attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
+        kernel = triton.compile(src, target=GPUTarget(*_TARGETS[target]), options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        os.unlink(f.name)
+    except Exception as e:  # noqa: BLE001 - a record that does not compile is reported, not fatal
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    field = lambda name: int(re.search(rf"\b{name}:(\d+)", usage).group(1))  # noqa: E731
+    return {"regs": field("REG"), "stack": field("STACK"), "shared": int(kernel.metadata.shared),
+            "warps": kernel.metadata.num_warps, "stages": kernel.metadata.num_stages}
+
+
+def resources_of(recs: list[dict], target: str, jobs: int = 2) -> list[dict]:
+    """resources_one of each record, in `jobs` child interpreters without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", RECORD_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([_ROOT, *(p for p in sys.path if p)])
+    code = ("import json, sys\nfrom backends.kernels.kernel_resources import resources_one\n"
+            f"print(json.dumps([resources_one(r, {target!r}) for r in json.load(sys.stdin)]))\n")
+
+    def run(batch: list[dict]) -> list[dict]:
+        with tempfile.TemporaryDirectory(prefix="glmrt-resources-") as tmp:
+            out = subprocess.run([sys.executable, "-c", code], input=json.dumps(batch), capture_output=True, text=True,
+                                 env={**env, "TRITON_CACHE_DIR": os.path.join(tmp, "cache")}, cwd=_ROOT, check=False)
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            return [{"error": f"the compiling process failed: {out.stderr.strip()[-300:]}"}] * len(batch)
+
+    batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
+    with concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
+        results = list(pool.map(run, batches))
+    by_id = {id(r): res for b, rs in zip(batches, results) for r, res in zip(b, rs)}
+    return [by_id[id(r)] for r in recs]
+
+
+def tile_of(rec: dict) -> str:
+    """The record's upper-case constexprs that are ints or bools (tile sizes and switches) as
+    NAME=value, in argument order; PDL and the dtype-like ones left out."""
+    names = rec.get("arg_names")
+    out = []
+    for (path, v) in rec["constexprs"]:
+        name = names[path[0]] if names else str(path[0])
+        if name.isupper() and isinstance(v, (bool, int)) and name != "PDL":
+            out.append(f"{name}={int(v) if isinstance(v, bool) else v}")
+    return " ".join(out)
+
+
+def blocks_per_sm(res: dict, target: str) -> tuple[int, int]:
+    """Blocks an SM can hold by its registers (allocated per warp in units of 256) and by its
+    shared memory (1 KB reserved per block)."""
+    regs, per_block_smem, sm_smem, threads = _LIMITS[target]
+    per_warp = -(-res["regs"] * 32 // 256) * 256
+    by_regs = min(regs // (per_warp * res["warps"]), threads // (32 * res["warps"]))
+    by_smem = sm_smem // (res["shared"] + 1024) if res["shared"] else 32
+    return by_regs, by_smem
+
+
+def table(recs: list[dict], results: list[dict], target: str) -> str:
+    lines = [f"{'kernel':<32} {'warps':>5} {'stages':>6} {'regs':>4} {'stack':>5} {'shared':>7} {'blocks/SM regs,smem':>19}  tile"]
+    for rec, res in sorted(zip(recs, results), key=lambda x: (x[0]["name"], tile_of(x[0]))):
+        if "error" in res:
+            lines.append(f"{rec['name']:<32} error: {res['error']}")
+            continue
+        by_regs, by_smem = blocks_per_sm(res, target)
+        lines.append(f"{rec['name']:<32} {res['warps']:>5} {res['stages']:>6} {res['regs']:>4} {res['stack']:>5} "
+                     f"{res['shared']:>7} {f'{by_regs},{by_smem}':>19}  {tile_of(rec)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m backends.kernels.kernel_resources",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="sm90", choices=sorted(_LIMITS))
+    p.add_argument("--jobs", type=int, default=2, help="child compilers at once")
+    p.add_argument("--match", default="", help="only kernels whose name contains this")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: the pytest command's arguments")
+    args = p.parse_args(argv)
+    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.jsonl")
+        env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: path}
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             *(pytest_args or ["tests/backends"])], env=env, check=False).returncode
+        recs = [r for r in read_records(path) if args.match in r["name"] and "error" not in r]
+    for rec in recs:
+        import importlib
+
+        rec["arg_names"] = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"])).arg_names
+    results = resources_of([{k: v for k, v in r.items() if k != "arg_names"} for r in recs], args.target, args.jobs)
+    print(table(recs, results, args.target))
+    return 1 if rc != 0 or not recs or any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
