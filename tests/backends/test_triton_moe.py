@@ -190,6 +190,27 @@ def test_fused_moe_w8a8_rescale_zero_blocks(device, config):
     assert _rel(out, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
 
 
+_PREFILL_A8 = fm.FP8A8_CONFIGS[-1][1]
+
+
+@pytest.mark.parametrize("name,config", [
+    *((f"table-{lim}", c) for lim, c in fm.FP8A8_CONFIGS),
+    ("prefill-rescale", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], acc_rescale=True),
+                             down=dict(_PREFILL_A8["down"], acc_rescale=True))),
+    ("prefill-one-dot", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], acc_rescale=True, one_dot=True))),
+])
+def test_fused_moe_w8a8_table_tiles(device, name, config):
+    """Every w8a8 tile table entry as it stands (decode's swapped tiles, prefill's 64- and 128-row
+    blocks over one and two warpgroups), and the 128-row tile with acc_rescale and one_dot, on
+    one problem: so the suite's compile check builds the tiles the GPU runs."""
+    g = _gen("w8a8-table", name)
+    x, ids, weights, ws, scales = _to(device, *_problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5))
+    # the entry whole: a key it leaves out takes its default, not the 9-token row's value
+    config = {k: (dict(dict(SWAP_AB=False), **v) if isinstance(v, dict) else v) for k, v in config.items()}
+    out = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=config, pair_blocks=False, act_fp8=True)
+    assert _rel(out, REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)) < (1e-2 if _INTERPRET else 2.5e-2)
+
+
 def test_fused_moe_one_dot_refused_outside_its_case():
     """one_dot is one kernel for one case (w8a8 with x by act_quant, acc_rescale, the plain layout,
     BLOCK_N within the scale block); asked elsewhere it is refused, not quietly replaced."""
