@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from .compile_check import _ROOT, _TARGETS, RECORD_ENV, _decode, _jit_of, read_records
+from .compile_check import _ROOT, _TARGETS, RECORD_ENV, _decode, _jit_of, read_records, variants
 
 # per SM: 32-bit registers, shared memory a block may have and the SM holds, threads
 _LIMITS = {"sm90": (65536, 227 * 1024, 228 * 1024, 2048), "sm100": (65536, 227 * 1024, 228 * 1024, 2048)}
@@ -39,8 +39,7 @@ def resources_one(rec: dict, target: str) -> dict:
 
     try:
         jit = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
-        constexprs = {tuple(p): _decode(v) for p, v in rec["constexprs"]}
-        options = {k: _decode(v) for k, v in rec["options"].items()}
+        _, constexprs, options = variants(rec, jit.arg_names)[0]  # as launched, INTERPRET off
         src = ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
                         attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
         kernel = triton.compile(src, target=GPUTarget(*_TARGETS[target]), options=options)
@@ -80,13 +79,15 @@ def resources_of(recs: list[dict], target: str, jobs: int = 2) -> list[dict]:
 
 
 def tile_of(rec: dict) -> str:
-    """The record's upper-case constexprs that are ints or bools (tile sizes and switches) as
-    NAME=value, in argument order; PDL and the dtype-like ones left out."""
+    """The record's upper-case constexprs that are ints, bools or short strings (tile sizes,
+    switches, a product's precision) as NAME=value, in argument order; PDL and INTERPRET (compiled
+    off) left out."""
     names = rec.get("arg_names")
     out = []
     for (path, v) in rec["constexprs"]:
         name = names[path[0]] if names else str(path[0])
-        if name.isupper() and isinstance(v, (bool, int)) and name != "PDL":
+        if (name.isupper() and name not in ("PDL", "INTERPRET")
+                and (isinstance(v, (bool, int)) or (isinstance(v, str) and len(v) <= 12))):
             out.append(f"{name}={int(v) if isinstance(v, bool) else v}")
     return " ".join(out)
 
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: path}
         rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              *(pytest_args or ["tests/backends"])], env=env, check=False).returncode
-        recs = [r for r in read_records(path) if args.match in r["name"] and "error" not in r]
+        recs = [r for r in (read_records(path) if os.path.exists(path) else [])
+                if args.match in r["name"] and "error" not in r]
     for rec in recs:
         import importlib
 
