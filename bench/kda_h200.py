@@ -180,7 +180,8 @@ def gated_case(name, prefix, seqs, d, dev, gen, timers, *, ref=True) -> dict:
     return row
 
 
-def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, block_t=16, block_c=256) -> dict:
+def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, block_t=16, block_c=256,
+              num_warps=4) -> dict:
     kernel_ms, ref_ms = timers
     b, c, kw = len(seqs), d["c"], d["k"]
     n_slots = 2 * b + 3
@@ -197,11 +198,13 @@ def conv_case(name, prefix, seqs, d, dev, gen, timers, *, dtype=torch.bfloat16, 
     truth = ReferenceOps().causal_conv(x.float(), ref_state, w, meta)
     st = state.clone()
     out = torch.full_like(x, float("nan"))
-    kconv.causal_conv(x, st, w, meta, out=out, block_t=block_t, block_c=block_c)
+    kconv.causal_conv(x, st, w, meta, out=out, block_t=block_t, block_c=block_c, num_warps=num_warps)
     used = slots
     row = dict(case=name, kind="conv", reqs=b, tokens=n, dtype=str(dtype)[6:], block_t=block_t, block_c=block_c,
+               num_warps=num_warps,
                out_rel=_rel(out, truth), state_rel=_rel(st[used].float(), ref_state[used]))
-    t = kernel_ms(lambda: kconv.causal_conv(x, state, w, meta, out=out, block_t=block_t, block_c=block_c))
+    t = kernel_ms(lambda: kconv.causal_conv(x, state, w, meta, out=out, block_t=block_t, block_c=block_c,
+                                            num_warps=num_warps))
     es = x.element_size()
     nbytes = 2 * n * c * es + b * 2 * (kw - 1) * c * state.element_size()
     row.update(us=t * 1e3, bytes=nbytes, tbps=nbytes / (t * 1e-3) / 1e12)
@@ -369,8 +372,9 @@ def main(argv=None) -> int:
     if args.sweep:
         for bt in (8, 16, 32):
             for bc in (128, 256, 512):
-                safe(conv_case, f"conv prefill sweep {bt}x{bc}", [0], [t_all], d, dev, gen, timers, block_t=bt,
-                     block_c=bc)
+                for warps in (4, 8):  # sm_90: 16 x 256 holds 168 registers a thread at 4 warps, 114 at 8
+                    safe(conv_case, f"conv prefill sweep {bt}x{bc}x{warps}w", [0], [t_all], d, dev, gen, timers,
+                         block_t=bt, block_c=bc, num_warps=warps)
         for bc in (128, 256, 512, 1024):
             safe(conv_case, f"conv decode sweep {bc}", [9] * d["decode"][-1], [1] * d["decode"][-1], d, dev, gen,
                  timers, block_c=bc)

@@ -131,14 +131,14 @@ def supports(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) ->
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, meta: BatchMeta, *,
                 out: torch.Tensor | None = None, decode: bool | None = None, block_t: int = 16,
-                block_c: int = 256, planes: int = 1) -> torch.Tensor:
+                block_c: int = 256, planes: int = 1, num_warps: int = 4) -> torch.Tensor:
     """ReferenceOps.causal_conv: x [N, C], conv_state [slots, K-1, C] (updated in place), weight [C, K].
 
     `planes` P > 1: the output is [P, N, C/P], its P column groups each contiguous (the KDA
     layer's q, k and v, which the recurrence reads as dense [N, H, d] tensors). `out` ([N, C],
     or [P, N, C/P], x.dtype, unit column stride) is written when given. `decode` (default: every
     request has one new token) picks the fused one-token kernel; False forces the general
-    two-kernel path (tests)."""
+    two-kernel path (tests). `block_t` x `block_c` and `num_warps`: the prefill kernel's tile."""
     n, c = x.shape
     k = weight.shape[1]
     b = meta.num_reqs
@@ -167,7 +167,8 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     if n:
         _conv_out_kernel[(triton.cdiv(n, block_t), cb)](x, conv_state, weight, out, meta.req_index, cu, pre,
                                                         meta.slot_ids, n, c, cp, x.stride(0), stride_o, stride_op,
-                                                        *st, *ws, K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+                                                        *st, *ws, K=k, BLOCK_T=block_t, BLOCK_C=block_c,
+                                                        num_warps=num_warps)
     _conv_state_kernel[(b, cb)](x, conv_state, cu, pre, meta.slot_ids, c, x.stride(0), *st,
                                 K=k, BLOCK_C=block_c, num_warps=4)
     return out

@@ -117,6 +117,28 @@ def test_conv_kernel_planes(device, case):
             assert torch.equal(st[s].cpu().float(), ref_state[s].float()), f"slot {s}"
 
 
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_conv_kernel_prefill_tile(device, num_warps):
+    """The prefill kernel on the GPU's tile (16 tokens x 256 channels; 4 warps, the default, and 8)
+    over three planes of 256 channels, two requests, one with history: so the suite's compile check
+    builds the tile the GPU launches."""
+    prefix, seqs = [5, 0], [21, 19]
+    c, k = 768, 4
+    meta, slots, new, g = _batch(prefix, seqs, device, seed=31)
+    n = sum(seqs)
+    x = torch.randn(n, c, generator=g).to(torch.bfloat16)
+    w = torch.randn(c, k, generator=g).to(torch.bfloat16)
+    state = torch.randn(slots, k - 1, c, generator=g).to(torch.bfloat16)
+    state[new] = 0.0
+    ref_state = state.clone()
+    ref = ReferenceOps().causal_conv(x.float(), ref_state, w.float(), meta, planes=3)
+    st = state.to(device)
+    res = causal_conv(x.to(device), st, w.to(device), meta, decode=False, planes=3, num_warps=num_warps)
+    assert _rel(res, ref) < _tol(torch.bfloat16)
+    for s in meta.slot_ids.tolist():
+        assert torch.equal(st[s].cpu().float(), ref_state[s].float()), f"slot {s}"
+
+
 def test_conv_via_ops_uses_device_lengths(device):
     """CudaH200Ops.causal_conv on a decode batch whose Python prefix_lens are placeholders (as in
     a captured CUDA graph): only the device tensors may be read."""
