@@ -198,6 +198,13 @@ _PREFILL_A8 = fm.FP8A8_CONFIGS[-1][1]
     ("prefill-rescale", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], acc_rescale=True),
                              down=dict(_PREFILL_A8["down"], acc_rescale=True))),
     ("prefill-one-dot", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], acc_rescale=True, one_dot=True))),
+    # the sweep's narrower gate/up and wider down, each form and without
+    ("prefill-64-256", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], BLOCK_N=64),
+                            down=dict(_PREFILL_A8["down"], BLOCK_N=256, num_stages=3))),
+    ("prefill-64-256-rescale", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], BLOCK_N=64, acc_rescale=True),
+                                    down=dict(_PREFILL_A8["down"], BLOCK_N=256, num_stages=3, acc_rescale=True))),
+    ("prefill-64-one-dot", dict(_PREFILL_A8, gate_up=dict(_PREFILL_A8["gate_up"], BLOCK_N=64, acc_rescale=True,
+                                                          one_dot=True))),
 ])
 def test_fused_moe_w8a8_table_tiles(device, name, config):
     """Every w8a8 tile table entry as it stands (decode's swapped tiles, prefill's 64- and 128-row
