@@ -46,7 +46,9 @@ weights: half the bytes per element, so wider tiles / deeper pipelines) and FP8A
 step (once per pair that picks it with pair blocks); prefill: BLOCK_M 64/128
 tensor-core tiles with a grouped launch order so that the blocks of one expert share its weight
 tiles in L2). A config may also ask for SWAP_AB (the transposed product accᵀ = W·xᵀ, the weight
-tile as the MMA's A operand).
+tile as the MMA's A operand), and with w8a8 for acc_rescale (the running sum held in units of each
+K block's scales, the product added in place: the same fp32 arithmetic in another order, fewer
+registers) and one_dot (gate and up as one product per K block; _gate_up_one_dot_kernel).
 
 Expert ids outside [0, E) (e.g. -1) are dropped: the pair contributes nothing, as in the
 reference (expert parallelism marks another rank's experts -1: glmrt.model.moe.TokenDispatcher).
@@ -205,8 +207,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
         # the scale may multiply the K tile's partial product when the tile is inside one scale
         # block along K (powers of two: BLOCK_K <= bi means it divides it); else per element
         scale_acc = bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi)
+        if c.get("acc_rescale", False) and not act_fp8:
+            raise ValueError("acc_rescale tiles take w8a8 (fp8 weights with act_fp8)")
         flags[part] = dict(SCALE_ACC=scale_acc, SWAP_AB=bool(c.get("SWAP_AB", False)),
-                           ACC_RESCALE=bool(act_fp8 and scale_acc and c.get("acc_rescale", False)))
+                           ACC_RESCALE=bool(c.get("acc_rescale", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
     flat_ids = ids.reshape(-1).contiguous()

@@ -152,8 +152,9 @@ def test_fused_moe_w8a8(device, name, n, config, pair_blocks):
     out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=device)
     fm.fused_moe(x, ids, weights, *ws, 7.0, scales, out=out, config=config, pair_blocks=pair_blocks, act_fp8=True)
     ref = REF_A8.moe_experts(x, ids, weights, *ws, 7.0, scales)
-    a16 = config and {k: ({kk: vv for kk, vv in v.items() if kk != "one_dot"} if isinstance(v, dict) else v)
-                      for k, v in config.items()}  # one_dot is a w8a8 kernel
+    a16 = config and {k: ({kk: vv for kk, vv in v.items() if kk not in ("one_dot", "acc_rescale")}
+                          if isinstance(v, dict) else v)
+                      for k, v in config.items()}  # w8a8 forms
     w8a16 = fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=a16, pair_blocks=pair_blocks)
     truth = _truth(x, ids, weights, ws, scales, 7.0)
     # a bf16 rounding of g/u that lands the other way flips h's e4m3 code (6%): a few 1e-3 over so few
@@ -220,13 +221,16 @@ def test_fused_moe_w8a8_table_tiles(device, name, config):
 
 def test_fused_moe_one_dot_refused_outside_its_case():
     """one_dot is one kernel for one case (w8a8 with x by act_quant, acc_rescale, the plain layout,
-    BLOCK_N within the scale block); asked elsewhere it is refused, not quietly replaced."""
+    BLOCK_N within the scale block), acc_rescale a w8a8 form; asked elsewhere either is refused,
+    not quietly dropped."""
     g = _gen("one-dot-refused")
     x, ids, weights, ws, scales = _problem(g, 9, 320, 192, 6, 3, torch.bfloat16, True, 5)
     one = dict(BLOCK_N=64, SWAP_AB=False, acc_rescale=True, one_dot=True)
-    for gate_up, act_fp8 in ((dict(one, acc_rescale=False), True), (dict(one, SWAP_AB=True), True),
-                             (dict(one, BLOCK_N=256), True), (one, False)):
-        with pytest.raises(ValueError, match="one_dot"):
+    for gate_up, act_fp8, what in ((dict(one, acc_rescale=False), True, "one_dot"),
+                                   (dict(one, SWAP_AB=True), True, "one_dot"),
+                                   (dict(one, BLOCK_N=256), True, "one_dot"), (one, False, "acc_rescale"),
+                                   (dict(BLOCK_N=64, acc_rescale=True), False, "acc_rescale")):
+        with pytest.raises(ValueError, match=what):
             fm.fused_moe(x, ids, weights, *ws, 7.0, scales, config=dict(BLOCK_M=64, gate_up=gate_up),
                          pair_blocks=False, act_fp8=act_fp8)
 
