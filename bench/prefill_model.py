@@ -110,11 +110,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dsa", default="torch,triton", help="DSA prefill backends: torch, triton (the kernels on "
                    "packed row lists, sparse_mla's default), triton-kernel (rows derived inside the attention "
                    "kernel); the torch reference expands [H, T, T] scores: it does not fit at 16K in one forward")
-    p.add_argument("--mla-chunk-rows", default="", help="sparse_mla.PREFILL_CHUNK_ROWS values (query tokens per "
+    p.add_argument("--mla-chunk-rows", default="", help="sparse_mla_prefill.PREFILL_CHUNK_ROWS values (query tokens per "
                    "sparse-MLA prefill launch) also timed on the triton backend, e.g. 4096,16384")
     p.add_argument("--mhc-mix-k", default="", help="mhc.PREFILL_MIX_K values also timed on the triton backend, "
                    "e.g. 0,2048 (0: mhc_pre's one-launch path from ~8.4K tokens)")
-    p.add_argument("--mla-prefill-kernel", default="", help="sparse_mla.PREFILL_KERNEL values also timed on the "
+    p.add_argument("--mla-prefill-kernel", default="", help="sparse_mla_prefill.PREFILL_KERNEL values also timed on the "
                    "triton backend, e.g. triton,sm90")
     p.add_argument("--moe-tile", default="", help="fused MoE tile variants also timed on the triton backend, "
                    "','-separated, each 'table' or '+'-joined GEMM.KEY=INT items as in bench.decode_profile "
@@ -137,7 +137,7 @@ def main(argv=None) -> list[dict]:
     from backends.cuda_h200 import CudaH200Ops
     from backends.kernels import mhc
     from backends.kernels import fused_moe_configs as fmc
-    from backends.kernels import sparse_mla as sm
+    from backends.kernels import sparse_mla_prefill as smp
     from backends.kernels import kda as kk
     from bench.decode_profile import moe_tile
     from glmrt.checkpoint.presets import preset_config
@@ -170,17 +170,17 @@ def main(argv=None) -> list[dict]:
                 row[f"{name}_ms"], got[name] = float("nan"), None
                 continue
             ops.prefill_kernels = kernels
-            sm.PREFILL_TOKEN_LIST = "kernel" if name == "triton-kernel" else "precomputed"
+            smp.PREFILL_TOKEN_LIST = "kernel" if name == "triton-kernel" else "precomputed"
             row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
             # each axis: its values, the setting they go to, and how a value is read
             for values, mod, attr, key, what, parse in (
-                    (args.mla_chunk_rows, sm, "PREFILL_CHUNK_ROWS", "chunk", "sparse-MLA prefill in launches of {} "
+                    (args.mla_chunk_rows, smp, "PREFILL_CHUNK_ROWS", "chunk", "sparse-MLA prefill in launches of {} "
                                                                              "query tokens", as_int_or_name),
                     (args.mhc_mix_k, mhc, "PREFILL_MIX_K", "mhc_mix_k", "mhc_pre mixing K in pieces of {} "
                                                                         "(0: one launch from ~8.4K tokens)",
                      as_int_or_name),
-                    (args.mla_prefill_kernel, sm, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
+                    (args.mla_prefill_kernel, smp, "PREFILL_KERNEL", "mla_kernel", "sparse-MLA prefill on the {} "
                                                                                   "kernel", as_int_or_name),
                     (args.moe_tile, fmc, "OVERRIDE", "moe_tile", "MoE tiles {}", moe_tile),
                     (args.kda_safe_gate, kk, "SAFE_GATE", "kda_safe_gate", "chunk_kda's safe gate {}", on_off),
@@ -212,7 +212,7 @@ def main(argv=None) -> list[dict]:
                 print(f"  kernels ({total:.1f} ms in all): " + ", ".join(
                     f"{k[:48]} {v:.1f} ({100 * v / total:.0f}%)"
                     for k, v in list(row[f"{name}_kernels_ms"].items())[:args.profile]), flush=True)
-        ops.prefill_kernels, sm.PREFILL_TOKEN_LIST = False, "precomputed"
+        ops.prefill_kernels, smp.PREFILL_TOKEN_LIST = False, "precomputed"
         a, b, c = got["torch"], got["triton"], got["triton-kernel"]
         if a is not None and b is not None:
             row["triton_vs_torch_rel"] = float((a - b).norm() / a.norm())

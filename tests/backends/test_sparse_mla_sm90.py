@@ -104,11 +104,11 @@ def test_prefill_op_at_the_full_shape(kernel, monkeypatch):
     rows for the Hopper kernel), a cached prefix, a decode token and an empty request; and 40
     rows after a prefix, each attending to 40 pools: too few rows for the chip, lists long
     enough to split, so the Triton kernel's split launch keeps them."""
-    from backends.kernels import sparse_mla as sk
+    from backends.kernels import sparse_mla_prefill as smp
     from backends.reference import ReferenceOps
     from tests.backends.dsa_problems import generator, h200_ops, prefill_mla_inputs, prefill_sel
 
-    monkeypatch.setattr(sk, "PREFILL_KERNEL", kernel)
+    monkeypatch.setattr(smp, "PREFILL_KERNEL", kernel)
     calls = []
     run = g.sparse_mla_rows_sm90
     monkeypatch.setattr(g, "sparse_mla_rows_sm90", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))

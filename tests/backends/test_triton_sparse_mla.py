@@ -203,9 +203,9 @@ def test_sparse_mla_dense_and_prefill(device):
 @pytest.mark.parametrize("case", ["mixed", "prefix"])
 @pytest.mark.parametrize("token_list", ["kernel", "precomputed"])
 def test_sparse_mla_prefill_matches_reference(device, dtype, case, token_list, monkeypatch):
-    from backends.kernels import sparse_mla as sk
+    from backends.kernels import sparse_mla_prefill as smp
 
-    monkeypatch.setattr(sk, "PREFILL_TOKEN_LIST", token_list)
+    monkeypatch.setattr(smp, "PREFILL_TOKEN_LIST", token_list)
     if device.type == "cuda" and dtype == torch.float32 and token_list == "kernel":
         pytest.skip("fp32 prefill on the GPU with the in-kernel token list stays on the reference")
     kpool, topk, r = 4, 3, 32
@@ -224,7 +224,7 @@ def test_sparse_mla_prefill_matches_reference(device, dtype, case, token_list, m
 
     check(out, ref)
     if case == "mixed":  # several row chunks
-        check(sk.sparse_mla(q, cache, w_kc, w_vc, sel, meta, kpool, 0.25, True, chunk_rows=16), ref)
+        check(smp.sparse_mla_prefill(q, cache, w_kc, w_vc, sel, meta, kpool, 0.25, True, chunk_rows=16), ref)
     else:  # no tail (only pools complete at each token: the indexer's choices)
         vis = prefill_sel(meta, kpool, topk, generator(92), visible_only=True)
         ref = ReferenceOps().sparse_mla(q, cache, w_kc, w_vc, vis, meta, kpool, 0.25, False)
