@@ -228,8 +228,6 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-tokens", default="1,128,16384")
     p.add_argument("--sweep-only", action="store_true", help="with --sweep: checks + sweeps, no timing table")
-    p.add_argument("--sweep-with", default="", help="with --sweep: only the alternatives that set this key in "
-                   "either GEMM (e.g. acc_rescale); the table's entry is timed first as always")
     p.add_argument("--no-baseline", action="store_true",
                    help="fp8 sweep without timing bf16's table entry at the same N (needs bf16 weights)")
     p.add_argument("--seed", type=int, default=0)

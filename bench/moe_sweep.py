@@ -60,11 +60,10 @@ def _smem_ok_a8(c: dict) -> bool:
 
 
 def _cfg8(bm: int, gu: tuple, dn: tuple, group: int = 1, **extra) -> dict:
-    """fp8 sweep entry: gu/dn = (BLOCK_N, BLOCK_K, num_warps, num_stages[, {that GEMM's own keys}]);
-    extra (SWAP_AB, scale_acc, acc_rescale) goes to both GEMMs."""
+    """fp8 sweep entry: gu/dn = (BLOCK_N, BLOCK_K, num_warps, num_stages); extra (SWAP_AB,
+    scale_acc) goes to both GEMMs."""
     def part(t):
-        own = t[4] if len(t) > 4 else {}
-        return dict(BLOCK_N=t[0], BLOCK_K=t[1], GROUP_M=group, num_warps=t[2], num_stages=t[3], **extra, **own)
+        return dict(BLOCK_N=t[0], BLOCK_K=t[1], GROUP_M=group, num_warps=t[2], num_stages=t[3], **extra)
     return dict(BLOCK_M=bm, gate_up=part(gu), down=part(dn))
 
 
@@ -91,9 +90,6 @@ SWEEP_FP8 = {
     ) if _smem_ok_fp8(c)],
 }
 
-
-R = dict(acc_rescale=True)  # one GEMM's own keys in an fp8 sweep entry
-ONE = dict(acc_rescale=True, one_dot=True)
 
 # w8a8 alternatives (kind "fp8a8": the fp8 weights with act_fp8, activations quantised on the fly):
 # the table's tiles, and SWAP_AB tiles, where the product is an fp8 wgmma (m64nNk32, no convert).
@@ -127,22 +123,6 @@ SWEEP_FP8["prefill-a8"] = [c for c in (
     _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 4),
     _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3), 16),
     _cfg8(128, (128, 128, 8, 3), (64, 128, 4, 4), 8),
-    # the running sum rescaled to each K block's scales (acc_rescale): no fresh partial per product,
-    # so fewer registers (sm_90 ptxas: gate/up 128 wide 255 + a spill -> 247, 64 wide 124: two
-    # programs per SM; down 128 wide 227 -> 168, 256 wide spills 528 B -> 56 B)
-    _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 4), 8, acc_rescale=True),
-    _cfg8(128, (64, 128, 8, 3, R), (128, 128, 8, 4), 8),
-    _cfg8(128, (128, 128, 8, 4, R), (128, 128, 8, 4), 8),
-    _cfg8(128, (128, 128, 8, 3), (256, 128, 8, 3, R), 8),
-    _cfg8(128, (128, 128, 8, 3), (128, 128, 8, 3, R), 8),
-    _cfg8(64, (64, 128, 4, 4), (128, 128, 4, 4), 8, acc_rescale=True),
-    _cfg8(64, (64, 128, 4, 4, R), (256, 128, 8, 3, R), 8),
-    # gate and up as one m64n2BNk32 product per K block (one_dot; 128 wide: 244 registers, 64: 128)
-    _cfg8(128, (128, 128, 8, 3, ONE), (128, 128, 8, 4), 8),
-    _cfg8(128, (64, 128, 8, 3, ONE), (128, 128, 8, 4), 8),
-    _cfg8(128, (128, 128, 8, 4, ONE), (128, 128, 8, 4), 8),
-    _cfg8(128, (128, 128, 8, 3, ONE), (128, 128, 8, 4, R), 8),
-    _cfg8(64, (64, 128, 4, 4, ONE), (128, 128, 4, 4), 8),
 ) if _smem_ok_a8(c)]
 
 
@@ -159,9 +139,7 @@ def sweep(kind: str, n: int, w: dict, dims: dict, dev: torch.device, gd: torch.G
     table = table_config(kind, n)
     lists = SWEEP_FP8 if weights_of(kind) == "fp8" else SWEEP
     phase = ("decode" if n <= 1024 else "prefill") + ("-a8" if a8 else "")
-    want = getattr(args, "sweep_with", "")
-    cands = [table] + ([] if baseline else [c for c in lists[phase] if c != table
-                                            and (not want or any(want in c[g] for g in ("gate_up", "down")))])
+    cands = [table] + ([] if baseline else [c for c in lists[phase] if c != table])
     res = []
     for ci, cfg in enumerate(cands):
         it = [0]

@@ -46,9 +46,7 @@ weights: half the bytes per element, so wider tiles / deeper pipelines) and FP8A
 step (once per pair that picks it with pair blocks); prefill: BLOCK_M 64/128
 tensor-core tiles with a grouped launch order so that the blocks of one expert share its weight
 tiles in L2). A config may also ask for SWAP_AB (the transposed product accᵀ = W·xᵀ, the weight
-tile as the MMA's A operand), and with w8a8 for acc_rescale (the running sum held in units of each
-K block's scales, the product added in place: the same fp32 arithmetic in another order, fewer
-registers) and one_dot (gate and up as one product per K block; _gate_up_one_dot_kernel).
+tile as the MMA's A operand).
 
 Expert ids outside [0, E) (e.g. -1) are dropped: the pair contributes nothing, as in the
 reference (expert parallelism marks another rank's experts -1: glmrt.model.moe.TokenDispatcher).
@@ -63,7 +61,7 @@ import triton
 from .fused_moe_configs import CONFIGS, FP8_CONFIGS, FP8A8_CONFIGS, FP8_DTYPES, FP32_CONFIG, get_config  # noqa: F401
 from . import pdl
 from .act_quant import act_fp8_supported, act_quant
-from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _gate_up_one_dot_kernel, _sum_kernel
+from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _sum_kernel
 from .moe_align import moe_align
 from ..reference import MoEPartials
 
@@ -137,7 +135,7 @@ _FITTED: dict[tuple, tuple[int, int]] = {}
 def _launch_fitting(kernel, grid, args: tuple, meta: dict, c: dict, k_dim: int, scale_acc: bool) -> None:
     key = (id(kernel), c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], scale_acc,
            k_dim % c["BLOCK_K"] == 0, meta["FP8"], meta["SWAP_AB"], meta.get("ACT_FP8", False),
-           meta.get("X_FP8", False), meta.get("ACC_RESCALE", False))
+           meta.get("X_FP8", False))
     bk, stages = _FITTED.get(key, (c["BLOCK_K"], c["num_stages"]))
     while True:
         try:
@@ -206,11 +204,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
             c["BLOCK_K"], c["scale_acc"] = bi, True
         # the scale may multiply the K tile's partial product when the tile is inside one scale
         # block along K (powers of two: BLOCK_K <= bi means it divides it); else per element
-        scale_acc = bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi)
-        if c.get("acc_rescale", False) and not act_fp8:
-            raise ValueError("acc_rescale tiles take w8a8 (fp8 weights with act_fp8)")
-        flags[part] = dict(SCALE_ACC=scale_acc, SWAP_AB=bool(c.get("SWAP_AB", False)),
-                           ACC_RESCALE=bool(c.get("acc_rescale", False)))
+        flags[part] = dict(SCALE_ACC=bool(fp8 and c.get("scale_acc", True) and c["BLOCK_K"] <= bi),
+                           SWAP_AB=bool(c.get("SWAP_AB", False)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit operands
 
     flat_ids = ids.reshape(-1).contiguous()
@@ -234,13 +229,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
     pre = act_fp8 and n > INKERNEL_QUANT_MAX_TOKENS
     x_in, xs = act_quant(x, bi) if pre else (x, x)  # xs unused unless X_FP8
 
-    one_dot = bool(gu.get("one_dot", False))
-    if one_dot and not (pre and flags["gate_up"]["ACC_RESCALE"] and not flags["gate_up"]["SWAP_AB"]
-                        and gu["BLOCK_N"] <= bo):
-        raise ValueError("one_dot gate/up tiles take w8a8 with x by act_quant, acc_rescale, no SWAP_AB and "
-                         "BLOCK_N within the weight's scale block")
     _launch_fitting(
-        _gate_up_one_dot_kernel if one_dot else _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
+        _gate_up_kernel, lambda c: (nb * triton.cdiv(i, c["BLOCK_N"]),),
         (x_in, w_gate, w_up, sg, su, h, sorted_ids, block_expert, block_rows, flat_ids,
          d, i, e, top_k, nb, float(limit) if limit is not None else 0.0,
          x_in.stride(0),
@@ -249,7 +239,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          h.stride(0), xs, xs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=gu["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, HAS_LIMIT=limit is not None,
              PRECISION=precision, SWAP_AB=flags["gate_up"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8,
-             X_FP8=pre, ACC_RESCALE=flags["gate_up"]["ACC_RESCALE"], **launch),
+             X_FP8=pre, **launch),
         gu, d, flags["gate_up"]["SCALE_ACC"])
     h_in, hs = act_quant(h, bi) if pre else (h, h)
     _launch_fitting(
@@ -258,8 +248,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate:
          d, i, e, nb,
          h_in.stride(0), w_down.stride(0), w_down.stride(1), *sstr(sd), y.stride(0), hs, hs.stride(0)),
         dict(BLOCK_M=bm, GROUP_M=dn["GROUP_M"], FP8=fp8, SCALE_BN=bo, SCALE_BK=bi, PRECISION=precision,
-             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre,
-             ACC_RESCALE=flags["down"]["ACC_RESCALE"], **launch),
+             SWAP_AB=flags["down"]["SWAP_AB"], PAIR_BLOCKS=pair_blocks, ACT_FP8=act_fp8, X_FP8=pre, **launch),
         dn, i, flags["down"]["SCALE_ACC"])
     if not reduce:
         return MoEPartials(y.view(n, top_k, d), ids, e)

@@ -37,12 +37,6 @@ CONFIGS: list[tuple[int, dict]] = [
 #              operand (registers on Hopper's wgmma), the tokens its N side;
 #   scale_acc  (default True) scale the fp32 partial per K tile (acc += dot(x, w)·s) rather than
 #              each weight element; needs BLOCK_K <= the scale block's K (128), else per element.
-#   acc_rescale (w8a8 only, else refused; default False) keep the running sum in units of each K block's scales
-#              and add the product into it in place (acc = dot(x, w, acc·s_prev/s)): no fresh fp32
-#              partial per product, so fewer registers.
-#   one_dot    (w8a8 gate/up only, with acc_rescale, x by act_quant, no SWAP_AB, BLOCK_N <= the scale
-#              block's N) gate and up as one [BK, 2·BN] product per K block, split in the epilogue;
-#              refused (ValueError) elsewhere.
 # BLOCK_N may exceed the scale block's N (then one scale per column); BLOCK_K above it straddles
 # scale blocks and takes the per-element path. bench/moe_h200.py --sweep --kinds fp8 times
 # alternatives (the sweep's FP8 lists) and prints the best per token count.

@@ -34,30 +34,6 @@ def swiglu_clamped(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _rescaled(acc, s_row, s_col, p_row, p_col):
-    """acc, a running sum held in units of the scale p_row·p_col, re-expressed in units of
-    s_row·s_col, so that the next K block's raw product adds into it in place (ACC_RESCALE)."""
-    return acc * ((p_row / s_row) * (p_col / s_col))
-
-
-@triton.jit
-def _unit_scales(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BN: tl.constexpr, SWAP_AB: tl.constexpr):
-    """Ones shaped as a K block's activation row scales and weight column scales broadcast against
-    the accumulator (a scalar when the tile is inside one scale block along N)."""
-    if SWAP_AB:
-        rows = tl.full([1, BLOCK_M], 1.0, tl.float32)
-    else:
-        rows = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-    if BLOCK_N <= SCALE_BN:
-        cols = tl.full([], 1.0, tl.float32)
-    elif SWAP_AB:
-        cols = tl.full([BLOCK_N, 1], 1.0, tl.float32)
-    else:
-        cols = tl.full([1, BLOCK_N], 1.0, tl.float32)
-    return rows, cols
-
-
-@triton.jit
 def _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, n_out, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PAIR_BLOCKS: tl.constexpr):
     """(pid_m, pid_n, e) of this program of either GEMM: grouped launch order (GROUP_M consecutive
@@ -100,14 +76,6 @@ def _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M: tl.constexpr, PAIR_BLOCKS: t
 #              per weight element; s a scalar when BLOCK_N <= SCALE_BN, else one per column).
 #   else       per element, as dequantize_block_fp8 does: (w.f32 * s[k // SBK, n // SBN]) -> dt
 #              (K tiles that straddle scale blocks, or config scale_acc=False).
-# ACC_RESCALE (w8a8 only) keeps the running sum in units of the current K block's scale s_k
-#              (activation row scale x weight column scale) instead: acc = dot(x, w, acc · s_{k-1}/s_k),
-#              times s_K after the loop (FlashAttention's running rescale). The product then adds
-#              into the accumulator in place, so the fresh fp32 partial of the other form, as many
-#              registers again as the accumulator, is not needed, and wider tiles fit. The scales are
-#              floored so that no ratio is 0/0 or overflows: activations at 1e-15 (quant_act_e4m3's own
-#              floor is 1e-12 / 448; rows past the block's end load 0), weights at 1e-12 (a block of
-#              zeros may have scale 0).
 # SWAP_AB computes the transposed product accᵀ [BLOCK_N, BLOCK_M] = W_tile [BLOCK_N, BLOCK_K] ·
 # xᵀ [BLOCK_K, BLOCK_M]: the (converted) weight tile is the MMA's A operand, which Hopper's
 # wgmma can take from registers (no shared-memory round trip after the fp8 -> bf16 convert),
@@ -124,8 +92,7 @@ def _gate_up_kernel(
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-    ACC_RESCALE: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): X is e4m3 from act_quant, its scales XS [tokens, K blocks]
     pdl_enter(PDL)
     pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, I, GROUP_M, BLOCK_N, PAIR_BLOCKS)
@@ -157,8 +124,6 @@ def _gate_up_kernel(
         su_base = SU + e * stride_sue
         sg_n = (offs_n // SCALE_BN) * stride_sgn   # per column (clamped by the masks)
         su_n = (offs_n // SCALE_BN) * stride_sun
-    p_a, p_g = _unit_scales(BLOCK_M, BLOCK_N, SCALE_BN, SWAP_AB)  # ACC_RESCALE: the sums' units
-    p_u = p_g
     for k0 in range(0, D, BLOCK_K):
         # the x tile's K axis is 0 when swapped (xᵀ [BK, BM]), the weight tiles' the other one
         a = load_k_tile(a_ptrs, row_ok, D - k0, offs_k, 0 if SWAP_AB else 1, EVEN_K)
@@ -179,20 +144,12 @@ def _gate_up_kernel(
                     sg = sg[None, :]
                     su = su[None, :]
             if ACT_FP8:  # fp8 x fp8 products (w8a8): the weight tiles are never converted
-                aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 0 if SWAP_AB else 1, X_FP8)
-                if ACC_RESCALE:
-                    sa, sg, su = tl.maximum(sa, 1e-15), tl.maximum(sg, 1e-12), tl.maximum(su, 1e-12)
-                    if SWAP_AB:
-                        acc_g = tl.dot(bg, aq, _rescaled(acc_g, sa, sg, p_a, p_g))
-                        acc_u = tl.dot(bu, aq, _rescaled(acc_u, sa, su, p_a, p_u))
-                    else:
-                        acc_g = tl.dot(aq, bg, _rescaled(acc_g, sa, sg, p_a, p_g))
-                        acc_u = tl.dot(aq, bu, _rescaled(acc_u, sa, su, p_a, p_u))
-                    p_a, p_g, p_u = sa, sg, su
-                elif SWAP_AB:
+                if SWAP_AB:
+                    aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 0, X_FP8)
                     acc_g += tl.dot(bg, aq) * (sg * sa)
                     acc_u += tl.dot(bu, aq) * (su * sa)
                 else:
+                    aq, sa = act_tile_e4m3(a, XS, tok, row_ok, stride_xsm, kb, 1, X_FP8)
                     acc_g += tl.dot(aq, bg) * (sg * sa)
                     acc_u += tl.dot(aq, bu) * (su * sa)
             elif SWAP_AB:
@@ -226,9 +183,6 @@ def _gate_up_kernel(
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if FP8 and SCALE_ACC and ACT_FP8 and ACC_RESCALE:
-        acc_g = acc_g * (p_a * p_g)
-        acc_u = acc_u * (p_a * p_u)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -236,70 +190,6 @@ def _gate_up_kernel(
     h = swiglu_clamped(acc_g.to(dt), acc_u.to(dt), limit, HAS_LIMIT)  # the reference's roundings
     tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["num_pid_m"])
-def _gate_up_one_dot_kernel(
-    X, WG, WU, SG, SU, H, SORTED, BLOCK_EXPERT, BLOCK_ROWS, IDS,
-    D, I, E, top_k, num_pid_m, limit,
-    stride_xm,
-    stride_ge, stride_gn, stride_ue, stride_un,
-    stride_sge, stride_sgn, stride_sgk, stride_sue, stride_sun, stride_suk,
-    stride_hm, XS, stride_xsm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-    ACC_RESCALE: tl.constexpr = False):
-    """gate/up of w8a8 prefill blocks as ONE product per K block: the weight tile is BLOCK_N gate
-    columns then the same BLOCK_N up columns ([BK, 2·BN], gathered by pointer from the two
-    tensors), so that each wgmma reads the activation tile once for both projections; the running
-    sum is rescaled to each K block's scales (ACC_RESCALE's form), and split into gate and up in
-    the epilogue. X is e4m3 from act_quant (scales XS), BLOCK_K the scale block, BLOCK_N <= SCALE_BN.
-    The launch arguments are _gate_up_kernel's; only that one combination of its switches is taken."""
-    tl.static_assert(FP8 and ACT_FP8 and X_FP8 and SCALE_ACC and ACC_RESCALE and not SWAP_AB
-                     and BLOCK_K == SCALE_BK and BLOCK_N <= SCALE_BN)
-    pdl_enter(PDL)
-    pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, I, GROUP_M, BLOCK_N, PAIR_BLOCKS)
-    if e < 0:
-        return
-    e = e.to(tl.int64)
-    dt = H.dtype.element_ty
-    row_ok, pair = _block_rows(SORTED, BLOCK_ROWS, pid_m, BLOCK_M, PAIR_BLOCKS)
-    tok = pair // top_k
-    n0 = pid_n * BLOCK_N
-    offs_2n = tl.arange(0, 2 * BLOCK_N)
-    is_g = offs_2n < BLOCK_N
-    col = n0 + tl.where(is_g, offs_2n, offs_2n - BLOCK_N)
-    col_ok = col < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = X + tok[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = tl.where(is_g[None, :], WG + e * stride_ge + col[None, :] * stride_gn,
-                      WU + e * stride_ue + col[None, :] * stride_un) + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-    sg_ptr = SG + e * stride_sge + (n0 // SCALE_BN) * stride_sgn
-    su_ptr = SU + e * stride_sue + (n0 // SCALE_BN) * stride_sun
-    p_a = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-    p_w = tl.full([1, 2 * BLOCK_N], 1.0, tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        kb = k0 // BLOCK_K
-        a = load_k_tile(a_ptrs, row_ok, D - k0, offs_k, 1, EVEN_K)
-        b = load_k_tile(w_ptrs, col_ok, D - k0, offs_k, 0, EVEN_K)
-        sg = tl.maximum(tl.load(sg_ptr + kb * stride_sgk).to(tl.float32), 1e-12)
-        su = tl.maximum(tl.load(su_ptr + kb * stride_suk).to(tl.float32), 1e-12)
-        sw = tl.where(is_g, sg, su)[None, :]
-        sa = tl.maximum(tl.load(XS + tok * stride_xsm + kb, mask=row_ok, other=0.0), 1e-15)[:, None]
-        acc = tl.dot(a, b, _rescaled(acc, sa, sw, p_a, p_w))
-        p_a, p_w = sa, sw
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    acc = acc * (p_a * p_w)
-    g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
-    h = swiglu_clamped(g.to(dt), u.to(dt), limit, HAS_LIMIT)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(H + pair[:, None] * stride_hm + offs_n[None, :], h.to(H.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_n < I)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pid_m"])
@@ -311,8 +201,7 @@ def _down_kernel(
     FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     SCALE_ACC: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PAIR_BLOCKS: tl.constexpr = False,
-    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-    ACC_RESCALE: tl.constexpr = False):
+    ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     # X_FP8 (with ACT_FP8): H is e4m3 from act_quant, its scales HS [pairs, K blocks]
     pdl_enter(PDL)
     pid_m, pid_n, e = _block_and_tile(IDS, BLOCK_EXPERT, E, num_pid_m, D, GROUP_M, BLOCK_N, PAIR_BLOCKS)
@@ -337,7 +226,6 @@ def _down_kernel(
     if FP8:
         s_base = SD + e * stride_sde
         s_n = (offs_n // SCALE_BN) * stride_sdn
-    p_a, p_c = _unit_scales(BLOCK_M, BLOCK_N, SCALE_BN, SWAP_AB)  # ACC_RESCALE: the sum's units
     for k0 in range(0, I, BLOCK_K):
         a = load_k_tile(a_ptrs, row_ok, I - k0, offs_k, 0 if SWAP_AB else 1, EVEN_K)
         b = load_k_tile(b_ptrs, n_ok, I - k0, offs_k, 1 if SWAP_AB else 0, EVEN_K)
@@ -352,17 +240,11 @@ def _down_kernel(
                 else:
                     sc = sc[None, :]
             if ACT_FP8:
-                aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 0 if SWAP_AB else 1, X_FP8)
-                if ACC_RESCALE:
-                    sa, sc = tl.maximum(sa, 1e-15), tl.maximum(sc, 1e-12)
-                    if SWAP_AB:
-                        acc = tl.dot(b, aq, _rescaled(acc, sa, sc, p_a, p_c))
-                    else:
-                        acc = tl.dot(aq, b, _rescaled(acc, sa, sc, p_a, p_c))
-                    p_a, p_c = sa, sc
-                elif SWAP_AB:
+                if SWAP_AB:
+                    aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 0, X_FP8)
                     acc += tl.dot(b, aq) * (sc * sa)
                 else:
+                    aq, sa = act_tile_e4m3(a, HS, pair, row_ok, stride_hsm, kb, 1, X_FP8)
                     acc += tl.dot(aq, b) * (sc * sa)
             elif SWAP_AB:
                 acc += tl.dot(b.to(dt), a, input_precision=PRECISION) * sc
@@ -386,8 +268,6 @@ def _down_kernel(
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if FP8 and SCALE_ACC and ACT_FP8 and ACC_RESCALE:
-        acc = acc * (p_a * p_c)
     if SWAP_AB:
         acc = tl.trans(acc)
 

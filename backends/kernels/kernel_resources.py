@@ -8,7 +8,8 @@ on), then each distinct specialisation is compiled in a child interpreter and it
 the `cuobjdump` Triton bundles. One line per specialisation: the kernel, its tile constexprs and
 launch options, registers a thread, stack bytes a thread (a stack frame: ptxas spilled, or keeps
 an array in local memory), shared memory a block, and how many blocks an SM holds by registers
-and by shared memory. A tile that spills, or one that leaves an SM one block where a smaller one
+and by shared memory. The constexprs are the launch's own: a test on a K that is not a multiple
+of the tile compiles the masked variant (EVEN_K and the like), not the model's. A tile that spills, or one that leaves an SM one block where a smaller one
 gets two, shows here before any GPU time is spent on it.
 """
 
@@ -93,12 +94,18 @@ def tile_of(rec: dict) -> str:
 
 
 def blocks_per_sm(res: dict, target: str) -> tuple[int, int]:
-    """Blocks an SM can hold by its registers (allocated per warp in units of 256) and by its
-    shared memory (1 KB reserved per block)."""
+    """Blocks an SM can hold by its registers and by its shared memory, as the occupancy
+    calculator counts them: registers are allocated per warp in units of 256 from each quarter
+    of the SM's file, at most 32 blocks and the SM's threads; shared memory with 1 KB reserved a
+    block, none past the per-block limit."""
     regs, per_block_smem, sm_smem, threads = _LIMITS[target]
     per_warp = -(-res["regs"] * 32 // 256) * 256
-    by_regs = min(regs // (per_warp * res["warps"]), threads // (32 * res["warps"]))
-    by_smem = sm_smem // (res["shared"] + 1024) if res["shared"] else 32
+    warps_by_regs = 4 * (regs // 4 // per_warp)
+    cap = min(32, threads // (32 * res["warps"]))
+    by_regs = min(warps_by_regs // res["warps"], cap)
+    if res["shared"] > per_block_smem:
+        return by_regs, 0
+    by_smem = min(sm_smem // (res["shared"] + 1024), cap) if res["shared"] else cap
     return by_regs, by_smem
 
 

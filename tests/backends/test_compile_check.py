@@ -79,9 +79,12 @@ def test_kernel_resources_of_the_recorded_launches(tmp_path):
     assert all(0 < r["regs"] <= 255 and r["stack"] == 0 and r["shared"] >= 0 for r in (small, wide))
     text = table(recs, res, "sm90")
     assert text.count("row_max_kernel") == 2 and "loop_reshaped_kernel" in text and "error" in text
-    # an SM's 64K registers are allocated per warp in units of 256, its 228 KB of shared memory per
-    # block with 1 KB reserved
+    # an SM's 64K registers are allocated per warp in units of 256 from each quarter of the file,
+    # its 228 KB of shared memory per block with 1 KB reserved; at most 32 blocks and 2048 threads
     assert blocks_per_sm(dict(regs=128, warps=8, shared=98304), "sm90") == (2, 2)
     assert blocks_per_sm(dict(regs=129, warps=8, shared=147456), "sm90") == (1, 1)
     assert blocks_per_sm(dict(regs=58, warps=8, shared=55296), "sm90") == (4, 4)
-    assert blocks_per_sm(dict(regs=32, warps=4, shared=0), "sm90") == (16, 32)
+    assert blocks_per_sm(dict(regs=32, warps=4, shared=0), "sm90") == (16, 16)
+    assert blocks_per_sm(dict(regs=104, warps=1, shared=0), "sm90") == (16, 32)   # not 19: per quarter
+    assert blocks_per_sm(dict(regs=16, warps=1, shared=1024), "sm90") == (32, 32)  # the block cap
+    assert blocks_per_sm(dict(regs=64, warps=4, shared=240 * 1024), "sm90") == (8, 0)  # past 227 KB
