@@ -74,7 +74,7 @@ def _rows(q, cache, w_kc, w_vc, sel, meta, kpool, scale, with_tail, chunk_rows):
     n, h, _ = q.shape
     dt = q.dtype
     if PREFILL_KERNEL not in ("sm90", "triton"):
-        raise ValueError(f"sparse_mla.PREFILL_KERNEL must be 'sm90' or 'triton', got {PREFILL_KERNEL!r}")
+        raise ValueError(f"sparse_mla_prefill.PREFILL_KERNEL must be 'sm90' or 'triton', got {PREFILL_KERNEL!r}")
     hopper = None
     if PREFILL_KERNEL == "sm90" and q.is_cuda and torch.version.hip is None and dt == torch.bfloat16:
         from . import sparse_mla_sm90 as hopper  # Gluon's NVIDIA modules, only where they can run
