@@ -178,22 +178,33 @@ def variants(rec: dict, arg_names: list[str]) -> list[tuple[str, dict, dict]]:
     return out
 
 
+def jit_of_record(rec: dict):
+    """The JITFunction a record was launched from."""
+    import importlib
+
+    return _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
+
+
+def source_of(rec: dict, jit, constexprs: dict):
+    """What triton.compile takes for one variant of a record."""
+    from triton.compiler import ASTSource
+
+    return ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
+                     attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
+
+
 def compile_one(rec: dict, target: str) -> str | None:
     """None when every variant of `rec` compiles for `target`, else the compiler's messages."""
     if "error" in rec:
         return rec["error"]
     problems = []
     try:
-        import importlib
-
         import triton
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
 
-        jit = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
+        jit = jit_of_record(rec)
         for label, constexprs, options in variants(rec, jit.arg_names):
-            src = ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
-                            attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
+            src = source_of(rec, jit, constexprs)
             err = _compile_capturing(triton.compile, src, GPUTarget(*_TARGETS[target]), options)
             if err:
                 problems.append(f"[as launched{label}] {err}")
@@ -228,10 +239,15 @@ def _diagnostics(text: str, keep: int = 40) -> str:
     return "\n".join(head + tail)
 
 
-def _compile_batch(records: list[dict], target: str, tmp: str, nice: bool = False) -> list[str | None]:
-    """Compile a batch in a fresh child interpreter (TRITON_INTERPRET off; a private cache and
-    temp folder; this process's import path; with `nice`, at the lowest CPU priority). A child
-    that dies takes its records one by one."""
+_COMPILE_ONE = "backends.kernels.compile_check:compile_one"
+
+
+def _compile_batch(records: list[dict], target: str, tmp: str, nice: bool = False,
+                   fn: str = _COMPILE_ONE) -> list:
+    """`fn` ("module:function", compile_one by default) of each record of a batch, in a fresh child
+    interpreter (TRITON_INTERPRET off; a private cache and temp folder; this process's import path;
+    with `nice`, at the lowest CPU priority); its results must be JSON. A child that dies takes its
+    records one by one; a record whose child dies gets the message why."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", RECORD_ENV)}
     env.update(TRITON_CACHE_DIR=os.path.join(tmp, "cache"), TMPDIR=tmp,
                PYTHONPATH=os.pathsep.join([_ROOT, *(p for p in sys.path if p)]))
@@ -239,9 +255,9 @@ def _compile_batch(records: list[dict], target: str, tmp: str, nice: bool = Fals
     # stopped early leaves no compiler behind; Linux's PR_SET_PDEATHSIG, skipped elsewhere)
     code = (("import ctypes, os\nos.nice(19)\ntry:\n    ctypes.CDLL(None).prctl(1, 9)\nexcept (OSError, AttributeError):\n"
              "    pass\n" if nice else "") +
-            "import json, sys\nfrom backends.kernels.compile_check import compile_one\n"
+            f"import json, sys\nfrom {fn.split(':')[0]} import {fn.split(':')[1]} as fn\n"
             "recs = json.load(sys.stdin)\n"
-            f"print(json.dumps([compile_one(r, {target!r}) for r in recs]))\n")
+            f"print(json.dumps([fn(r, {target!r}) for r in recs]))\n")
     try:
         out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), env=env, cwd=_ROOT,
                              capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S, check=False)
@@ -253,7 +269,7 @@ def _compile_batch(records: list[dict], target: str, tmp: str, nice: bool = Fals
         why = f"compiling took over {_CHILD_TIMEOUT_S} s"
     if len(records) == 1:
         return [why]
-    return [r for rec in records for r in _compile_batch([rec], target, tmp, nice)]
+    return [r for rec in records for r in _compile_batch([rec], target, tmp, nice, fn)]
 
 
 def _results_line(stdout: str, n: int) -> list[str | None] | None:
@@ -278,11 +294,11 @@ def read_records(path: str) -> list[dict]:
     return sorted(recs.values(), key=lambda r: (r["module"], r["name"]))
 
 
-def _compile_parallel(recs: list[dict], target: str, tmp: str, jobs: int) -> list[str | None]:
-    """Each record's result, `jobs` child compilers at once."""
+def compile_parallel(recs: list[dict], target: str, tmp: str, jobs: int, fn: str = _COMPILE_ONE) -> list:
+    """Each record's result of `fn` (as _compile_batch), `jobs` child compilers at once."""
     batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
     with concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
-        results = list(pool.map(lambda b: _compile_batch(b, target, tmp), batches))
+        results = list(pool.map(lambda b: _compile_batch(b, target, tmp, fn=fn), batches))
     by_id = {id(r): msg for b, res in zip(batches, results) for r, msg in zip(b, res)}
     return [by_id[id(r)] for r in recs]
 
@@ -291,7 +307,7 @@ def compile_recorded(path: str, target: str = "sm90", jobs: int = 2) -> tuple[li
     """Compile each distinct record of `path`: (the records, the failures each with its message)."""
     recs = read_records(path) if os.path.exists(path) else []
     with tempfile.TemporaryDirectory(prefix="glmrt-compile-", ignore_cleanup_errors=True) as tmp:
-        results = _compile_parallel(recs, target, tmp, jobs)
+        results = compile_parallel(recs, target, tmp, jobs)
     return recs, [(r, msg) for r, msg in zip(recs, results) if msg]
 
 
@@ -351,11 +367,11 @@ class BackgroundCompiler:
         (the records, the failures each with its message)."""
         self._stop.set()
         rest = self._pending()
-        rest_results = _compile_parallel(rest, self.target, self._tmp, jobs)
+        rest_results = compile_parallel(rest, self.target, self._tmp, jobs)
         self._thread.join()
         self._results.update((_key(r), msg) for r, msg in zip(rest, rest_results))
         late = self._pending()  # written while the rest compiled (none once the tests are over)
-        self._results.update((_key(r), msg) for r, msg in zip(late, _compile_parallel(late, self.target, self._tmp, jobs)))
+        self._results.update((_key(r), msg) for r, msg in zip(late, compile_parallel(late, self.target, self._tmp, jobs)))
         shutil.rmtree(self._tmp, ignore_errors=True)
         recs = read_records(self.path) if os.path.exists(self.path) else []
         return recs, [(r, self._results[_key(r)]) for r in recs if self._results.get(_key(r))]
@@ -374,6 +390,14 @@ def report(recs: list[dict], failed: list[tuple[dict, str]], target: str, second
     return "\n".join(lines)
 
 
+def record_launches(pytest_args: list[str], path: str) -> int:
+    """Run pytest (default: tests/backends) under the interpreter with the recorder writing to
+    `path`; its exit status."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: os.path.abspath(path)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *(pytest_args or ["tests/backends"])], env=env, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m backends.kernels.compile_check", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="sm90", choices=sorted(_TARGETS))
@@ -389,10 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.from_records or args.records or os.path.join(tmp, "launches.jsonl")
         if not args.from_records:
-            env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: os.path.abspath(path)}
             t0 = time.time()
-            tests_rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                       *(pytest_args or ["tests/backends"])], env=env, check=False).returncode
+            tests_rc = record_launches(pytest_args, path)
             print(f"tests: exit status {tests_rc} in {time.time() - t0:.0f} s")
         t0 = time.time()
         recs, failed = compile_recorded(path, args.target, args.jobs)

@@ -9,22 +9,22 @@ the `cuobjdump` Triton bundles. One line per specialisation: the kernel, its til
 launch options, registers a thread, stack bytes a thread (a stack frame: ptxas spilled, or keeps
 an array in local memory), shared memory a block, and how many blocks an SM holds by registers
 and by shared memory. The constexprs are the launch's own: a test on a K that is not a multiple
-of the tile compiles the masked variant (EVEN_K and the like), not the model's. A tile that spills, or one that leaves an SM one block where a smaller one
-gets two, shows here before any GPU time is spent on it.
+of the tile compiles the masked variant (EVEN_K and the like), not the model's. A tile that
+spills, or one that leaves an SM one block where a smaller one gets two, shows here before any GPU
+time is spent on it.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-from .compile_check import _ROOT, _TARGETS, RECORD_ENV, _decode, _jit_of, read_records, variants
+from .compile_check import (compile_parallel, jit_of_record, read_records, record_launches, source_of, variants,
+                            _TARGETS)
 
 # per SM: 32-bit registers, shared memory a block may have and the SM holds, threads
 _LIMITS = {"sm90": (65536, 227 * 1024, 228 * 1024, 2048), "sm100": (65536, 227 * 1024, 228 * 1024, 2048)}
@@ -32,18 +32,13 @@ _LIMITS = {"sm90": (65536, 227 * 1024, 228 * 1024, 2048), "sm100": (65536, 227 *
 
 def resources_one(rec: dict, target: str) -> dict:
     """Compile one record as launched; {"regs", "stack", "shared", "warps", "stages"} or {"error"}."""
-    import importlib
-
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     try:
-        jit = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"]))
+        jit = jit_of_record(rec)
         _, constexprs, options = variants(rec, jit.arg_names)[0]  # as launched, INTERPRET off
-        src = ASTSource(jit, _decode(rec["signature"]), constexprs=constexprs,
-                        attrs={tuple(p): [tuple(a) for a in v] for p, v in rec["attrs"]})
-        kernel = triton.compile(src, target=GPUTarget(*_TARGETS[target]), options=options)
+        kernel = triton.compile(source_of(rec, jit, constexprs), target=GPUTarget(*_TARGETS[target]), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(kernel.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -57,26 +52,10 @@ def resources_one(rec: dict, target: str) -> dict:
 
 
 def resources_of(recs: list[dict], target: str, jobs: int = 2) -> list[dict]:
-    """resources_one of each record, in `jobs` child interpreters without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", RECORD_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([_ROOT, *(p for p in sys.path if p)])
-    code = ("import json, sys\nfrom backends.kernels.kernel_resources import resources_one\n"
-            f"print(json.dumps([resources_one(r, {target!r}) for r in json.load(sys.stdin)]))\n")
-
-    def run(batch: list[dict]) -> list[dict]:
-        with tempfile.TemporaryDirectory(prefix="glmrt-resources-") as tmp:
-            out = subprocess.run([sys.executable, "-c", code], input=json.dumps(batch), capture_output=True, text=True,
-                                 env={**env, "TRITON_CACHE_DIR": os.path.join(tmp, "cache")}, cwd=_ROOT, check=False)
-        try:
-            return json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            return [{"error": f"the compiling process failed: {out.stderr.strip()[-300:]}"}] * len(batch)
-
-    batches = [recs[i::jobs] for i in range(jobs) if recs[i::jobs]]
-    with concurrent.futures.ThreadPoolExecutor(len(batches) or 1) as pool:
-        results = list(pool.map(run, batches))
-    by_id = {id(r): res for b, rs in zip(batches, results) for r, res in zip(b, rs)}
-    return [by_id[id(r)] for r in recs]
+    """resources_one of each record, in compile_check's child interpreters (`jobs` at once)."""
+    with tempfile.TemporaryDirectory(prefix="glmrt-resources-", ignore_cleanup_errors=True) as tmp:
+        results = compile_parallel(recs, target, tmp, jobs, fn="backends.kernels.kernel_resources:resources_one")
+    return [r if isinstance(r, dict) else {"error": str(r)} for r in results]  # a child that died: its message
 
 
 def tile_of(rec: dict) -> str:
@@ -132,16 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launches.jsonl")
-        env = {**os.environ, "TRITON_INTERPRET": "1", RECORD_ENV: path}
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             *(pytest_args or ["tests/backends"])], env=env, check=False).returncode
+        rc = record_launches(pytest_args, path)
         recs = [r for r in (read_records(path) if os.path.exists(path) else [])
                 if args.match in r["name"] and "error" not in r]
-    for rec in recs:
-        import importlib
-
-        rec["arg_names"] = _jit_of(getattr(importlib.import_module(rec["module"]), rec["name"])).arg_names
-    results = resources_of([{k: v for k, v in r.items() if k != "arg_names"} for r in recs], args.target, args.jobs)
+    results = resources_of(recs, args.target, args.jobs)
+    for rec in recs:  # the argument names, for the tile column
+        rec["arg_names"] = jit_of_record(rec).arg_names
     print(table(recs, results, args.target))
     return 1 if rc != 0 or not recs or any("error" in r for r in results) else 0
 
