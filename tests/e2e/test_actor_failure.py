@@ -182,9 +182,11 @@ def test_failed_requests_are_counted_as_errors(dep):
 SHORT = 40  # decode steps of the requests that must complete across a kill
 
 
-def _greedy(client, name: str, stream: bool, max_tokens: int) -> tuple[str, list[int] | None, str]:
+def _greedy(client, name: str, stream: bool, max_tokens: int,
+            streaming: threading.Semaphore | None = None) -> tuple[str, list[int] | None, str]:
     """One greedy request's (text, streamed token ids, finish reason); a streamed one's text and
-    token ids are the sum of its chunks, so a gap or a repeated delta changes them."""
+    token ids are the sum of its chunks, so a gap or a repeated delta changes them. A streamed one
+    releases `streaming` once, when its first tokens arrive."""
     body = dict(model="tiny", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True,
                                                                                "return_token_ids": True})
     if not stream:
@@ -196,33 +198,36 @@ def _greedy(client, name: str, stream: bool, max_tokens: int) -> tuple[str, list
         if c.choices:
             ch = c.choices[0]
             text.append(ch.delta.content or "")
-            ids += (ch.model_extra or {}).get("token_ids") or []
+            new = (ch.model_extra or {}).get("token_ids") or []
+            if new and not ids and streaming is not None:
+                streaming.release()
+            ids += new
             reason = ch.finish_reason or reason
     return "".join(text), ids, reason
 
 
 def _load(dep, requests: list[tuple[str, bool, int]], during=None) -> dict[str, tuple]:
-    """Run `requests` (name, streamed, max_tokens) at once; `during()` runs while they do, and
-    some of them are still running when it returns (so it disturbed them)."""
+    """Run `requests` (name, streamed, max_tokens) at once; `during(streams_started)` runs while
+    they do, and some of them are still running when it returns (so it disturbed them).
+    `streams_started(timeout)` is whether every streamed request has its first tokens by then."""
     client = dep.client(timeout=60)
+    streaming = threading.Semaphore(0)
+    n_streams = sum(1 for _, stream, _ in requests if stream)
+
+    def streams_started(timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(streaming.acquire(timeout=max(0.0, deadline - time.monotonic())) for _ in range(n_streams))
+
     try:
         with ThreadPoolExecutor(len(requests)) as pool:
-            futures = {name: pool.submit(_greedy, client, name, stream, n) for name, stream, n in requests}
+            futures = {name: pool.submit(_greedy, client, name, stream, n, streaming)
+                       for name, stream, n in requests}
             if during is not None:
-                during()
+                during(streams_started)
                 assert not all(f.done() for f in futures.values()), "every request ended before the kill"
             return {name: f.result(timeout=60) for name, f in futures.items()}
     finally:
         client.close()
-
-
-def _first_chunks_seen(dep, kind: str, timeout: float = 20.0) -> None:
-    """Wait until an engine (or a decode) runs requests (their first tokens are out)."""
-    deadline = time.monotonic() + timeout
-    while not any(a["running"] for a in dep.actors() if a["kind"] in ("engine", "decode")):
-        assert time.monotonic() < deadline, f"no request started before killing {kind}"
-        time.sleep(0.05)
-    time.sleep(0.5)
 
 
 def _requests(tag: str, n: int) -> list[tuple[str, bool, int]]:
@@ -243,7 +248,7 @@ def test_tokenizer_kill_loses_no_request(dep):
     want = _load(dep, requests)
     old_pid = _pid(dep, "tokenizer", 1)
 
-    def kill_holding_requests():
+    def kill_holding_requests(_streams_started):
         os.kill(old_pid, signal.SIGSTOP)
         time.sleep(1.0)  # half of the requests are routed to it by now, the rest run
         os.kill(old_pid, signal.SIGKILL)
@@ -263,8 +268,10 @@ def kill_detokenizer_mid_stream(dep, requests: list[tuple[str, bool, int]]) -> N
     want = _load(dep, requests)
     old_pid = _pid(dep, "detokenizer")
 
-    def kill_mid_stream():
-        _first_chunks_seen(dep, "detokenizer")
+    def kill_mid_stream(streams_started):
+        # once every stream has its first tokens (every request admitted), not after a fixed
+        # wait, which fast runs could outlast
+        assert streams_started(20), "not every request streamed before killing the detokenizer"
         os.kill(old_pid, signal.SIGKILL)
     _assert_undisturbed(_load(dep, requests, kill_mid_stream), want, "detokenizer/0")
     _wait_healthy_again(dep, old_pid, "detokenizer")
