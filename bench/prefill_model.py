@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from bench.h200 import CEILING_TFLOPS, measured_matmul_tflops, write_out
-from bench.timing import event_ms, kernel_us
+from bench.timing import event_ms, host_time, kernel_us
 
 
 
@@ -51,7 +51,10 @@ def _time_ms(fn, reps: int) -> float:
     return event_ms(fn, reps)
 
 
-def ours_prefill_ms(model, prompt: torch.Tensor, reps: int) -> tuple[float, torch.Tensor]:
+def ours_prefill_ms(model, prompt: torch.Tensor, reps: int, host: dict | None = None) -> tuple[float, torch.Tensor]:
+    """Event-timed median of `reps` prefills of `prompt` (one new request each, one session's pools)
+    -> (ms, the last logits). `host` {"top": N}: also host_time's result over the same forwards,
+    written into it."""
     from glmrt.model.session import DirectSession
 
     t = prompt.numel()
@@ -64,6 +67,8 @@ def ours_prefill_ms(model, prompt: torch.Tensor, reps: int) -> tuple[float, torc
             last["logits"] = sess.step({rid: prompt}, all_logits=False)[rid]
         sess.release(rid)
     ms = _time_ms(run, reps)
+    if host is not None:
+        host.update(host_time(run, top=host["top"]))
     logits = last["logits"].float().reshape(-1)
     sess.cache = None  # free the pools before the next configuration
     torch.cuda.empty_cache()
@@ -128,6 +133,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--moe-grouped-min-tokens", default="", help="CudaH200Ops.GROUPED_MIN_TOKENS values also timed "
                    "on the triton backend, e.g. off,4096 (off: the fused MoE's Triton GEMMs at every size)")
     p.add_argument("--profile", type=int, default=0, help="print the N largest kernels of one profiled forward")
+    p.add_argument("--host-time", type=int, default=0, metavar="N",
+                   help="time the forward on the host clock (until it returns, until the GPU is done) and "
+                        "print the N functions with the most host time of one forward (cProfile)")
     p.add_argument("--quantization", default="bf16", help="weights: bf16 or fp8 (block-scaled e4m3, dummy)")
     p.add_argument("--fp8-act-max-tokens", default="",
                    help="CudaH200Ops.fp8_act_max_tokens: w8a8 for calls of up to N tokens, 'all' for every size "
@@ -204,6 +212,12 @@ def main(argv=None) -> list[dict]:
                               f"logits rel {diff:.1e} against the run above)", flush=True)
                 finally:
                     setattr(mod, attr, keep)
+            if args.host_time:
+                row[f"{name}_host"] = ht = {"top": args.host_time}
+                ours_prefill_ms(model, prompt.cuda(), 0, host=ht)
+                print(f"  host: the forward returns after {ht['host_ms']:.1f} ms, the GPU is done after "
+                      f"{ht['wall_ms']:.1f} ms; most host time (ms): " + ", ".join(
+                          f"{f} {ms:.1f}" for f, ms in ht["top"]), flush=True)
             if args.profile and torch.cuda.is_available():
                 row[f"{name}_kernels_ms"], host = profile_prefill(model, prompt.cuda())
                 total = sum(row[f"{name}_kernels_ms"].values())

@@ -174,3 +174,38 @@ def host_profile(fn: Callable, top: int = 25,
     rows = [(tt * 1e3, ct * 1e3, nc, f"{_short(path, roots)}:{line} {name}")
             for (path, line, name), (cc, nc, tt, ct, _) in stats.items()]
     return sorted(rows, key=lambda r: -r[0])[:top]
+
+
+def host_time(fn: Callable, n: int = 4, top: int = 0) -> dict:
+    """Where a step's host time goes: fn once to warm, then n calls, each timed twice on the host
+    clock: when fn returns ("host_ms", the host's own work plus any wait inside fn) and when the
+    GPU has finished it too ("wall_ms"); medians. With `top`, one more call under cProfile: its
+    `top` functions by their own host time ("top": [(function, ms)]). Work the host does before
+    its first launch (a step's metadata, say) leaves the GPU idle: it shows as a wall time above
+    the kernels' sum, and in "top"."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    host, wall = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    out = {"host_ms": statistics.median(host), "wall_ms": statistics.median(wall), "top": []}
+    if top:
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        sync()
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, own s, cum s, callers)}
+        own = sorted(((f"{k[2]} ({k[0].rsplit('/', 1)[-1]}:{k[1]})", v[2] * 1e3) for k, v in stats.items()),
+                     key=lambda kv: -kv[1])
+        out["top"] = own[:top]
+    return out
