@@ -164,11 +164,11 @@ def host_profile(fn: Callable, top: int = 25,
     import cProfile
     import pstats
 
-    torch.cuda.synchronize()
+    _sync()
     prof = cProfile.Profile()
     prof.enable()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     prof.disable()
     stats = pstats.Stats(prof).stats
     rows = [(tt * 1e3, ct * 1e3, nc, f"{_short(path, roots)}:{line} {name}")
@@ -176,36 +176,40 @@ def host_profile(fn: Callable, top: int = 25,
     return sorted(rows, key=lambda r: -r[0])[:top]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def host_time(fn: Callable, n: int = 4, top: int = 0) -> dict:
     """Where a step's host time goes: fn once to warm, then n calls, each timed twice on the host
     clock: when fn returns ("host_ms", the host's own work plus any wait inside fn) and when the
-    GPU has finished it too ("wall_ms"); medians. With `top`, one more call under cProfile: its
-    `top` functions by their own host time ("top": [(function, ms)]). Work the host does before
-    its first launch (a step's metadata, say) leaves the GPU idle: it shows as a wall time above
-    the kernels' sum, and in "top"."""
-    import cProfile
-    import pstats
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    GPU has finished it too ("wall_ms"); medians. With `top`, one more call's host_profile ("top").
+    Work the host does before a step's first launch (its metadata, say) leaves the GPU idle: it
+    shows as a wall time above the kernels' sum, and in "top"."""
     fn()
-    sync()
+    _sync()
     host, wall = [], []
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
-        sync()
+        _sync()
         host.append((t1 - t0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
-    out = {"host_ms": statistics.median(host), "wall_ms": statistics.median(wall), "top": []}
-    if top:
-        prof = cProfile.Profile()
-        prof.enable()
-        fn()
-        sync()
-        prof.disable()
-        stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, own s, cum s, callers)}
-        own = sorted(((f"{k[2]} ({k[0].rsplit('/', 1)[-1]}:{k[1]})", v[2] * 1e3) for k, v in stats.items()),
-                     key=lambda kv: -kv[1])
-        out["top"] = own[:top]
-    return out
+    return {"host_ms": statistics.median(host), "wall_ms": statistics.median(wall),
+            "top": host_profile(fn, top) if top else []}
+
+
+def as_engine_threads() -> int:
+    """Give this process's torch CPU ops as many threads as an engine actor has
+    (EngineActorConfig.torch_threads) -> that number. A bench that times whole steps on the host
+    clock then times the host work before a step's first launch (its batch metadata) as serving
+    does it: with a thread per core, that work's index ops fan out over every core, and each op
+    waits for a core another process holds (~20 ms spikes on a 2-core host with one core busy,
+    against 0.5 ms on one thread)."""
+    from glmrt.actor_config import EngineActorConfig
+
+    n = EngineActorConfig.torch_threads  # the dataclass field's default
+    torch.set_num_threads(n)
+    return n
