@@ -31,7 +31,7 @@ import time
 import torch
 
 from bench.h200 import CEILING_TBPS, write_out
-from bench.timing import replay_ms
+from bench.timing import as_engine_threads, replay_ms
 
 
 def _engine(args):
@@ -187,6 +187,7 @@ def main(argv=None) -> list[dict]:
                    "sort of small brackets (off: its select kernel reads each row in one program and sorts the "
                    "whole buffer)")
     args = p.parse_args(argv)
+    as_engine_threads()  # host work timed as an engine actor does it
     from backends.kernels import sampling as ks
     split_gather, small_sort = ks.SPLIT_GATHER, ks.SMALL_SORT  # the defaults; set back at the end
     args.batch_list = [int(x) for x in args.batches.split(",")]

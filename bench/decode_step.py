@@ -18,6 +18,7 @@ import time
 import torch
 
 from bench.h200 import write_out
+from bench.timing import as_engine_threads
 
 
 def _set_ops(model, ops) -> None:
@@ -48,6 +49,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-hf", action="store_true")
     args = p.parse_args(argv)
+    as_engine_threads()  # host work timed as an engine actor does it
 
     from backends.cuda_h200 import CudaH200Ops
     from backends.reference import ReferenceOps

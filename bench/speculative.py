@@ -39,6 +39,7 @@ import time
 import torch
 
 from bench.h200 import write_out
+from bench.timing import as_engine_threads
 
 
 def set_short_rows(mode: str) -> None:
@@ -197,6 +198,7 @@ def main() -> None:
     p.add_argument("--short-rows", default="", help="chunk,recurrent: the speculative rows on --backend once per "
                    "way of running the verify's and rollback's short rows (bench.speculative.set_short_rows)")
     args = p.parse_args()
+    as_engine_threads()  # host work timed as an engine actor does it
     if any(m not in ("chunk", "recurrent") for m in filter(None, args.short_rows.split(","))):
         p.error("--short-rows takes chunk and/or recurrent")
     if args.prompts == "chats" and not args.model:
