@@ -51,10 +51,10 @@ def _time_ms(fn, reps: int) -> float:
     return event_ms(fn, reps)
 
 
-def ours_prefill_ms(model, prompt: torch.Tensor, reps: int, host: dict | None = None) -> tuple[float, torch.Tensor]:
+def ours_prefill_ms(model, prompt: torch.Tensor, reps: int,
+                    host_top: int = 0) -> tuple[float, torch.Tensor, dict | None]:
     """Event-timed median of `reps` prefills of `prompt` (one new request each, one session's pools)
-    -> (ms, the last logits). `host` {"top": N}: also host_time's result over the same forwards,
-    written into it."""
+    -> (ms, the last logits, with `host_top` host_time's result over more of the same forwards)."""
     from glmrt.model.session import DirectSession
 
     t = prompt.numel()
@@ -67,12 +67,11 @@ def ours_prefill_ms(model, prompt: torch.Tensor, reps: int, host: dict | None = 
             last["logits"] = sess.step({rid: prompt}, all_logits=False)[rid]
         sess.release(rid)
     ms = _time_ms(run, reps)
-    if host is not None:
-        host.update(host_time(run, top=host["top"]))
+    host = host_time(run, top=host_top) if host_top else None
     logits = last["logits"].float().reshape(-1)
     sess.cache = None  # free the pools before the next configuration
     torch.cuda.empty_cache()
-    return ms, logits
+    return ms, logits, host
 
 
 _HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
@@ -180,7 +179,8 @@ def main(argv=None) -> list[dict]:
                 continue
             ops.prefill_kernels = kernels
             smp.PREFILL_TOKEN_LIST = "kernel" if name == "triton-kernel" else "precomputed"
-            row[f"{name}_ms"], got[name] = ours_prefill_ms(model, prompt.cuda(), args.reps)
+            row[f"{name}_ms"], got[name], ht = ours_prefill_ms(model, prompt.cuda(), args.reps,
+                                                               host_top=args.host_time)
             print(name, t, f"{row[f'{name}_ms']:.1f} ms", flush=True)
             # each axis: its values, the setting they go to, and how a value is read
             for values, mod, attr, key, what, parse in (
@@ -205,7 +205,7 @@ def main(argv=None) -> list[dict]:
                 try:
                     for v in [x.strip() for x in values.split(",")]:
                         setattr(mod, attr, parse(v))
-                        ms, logits = ours_prefill_ms(model, prompt.cuda(), args.reps)
+                        ms, logits, _ = ours_prefill_ms(model, prompt.cuda(), args.reps)
                         row[f"triton_ms_{key}{v}"] = ms
                         diff = float((logits - got["triton"]).norm() / got["triton"].norm())
                         print(f"triton {t}, {what.format(v)}: {ms:.1f} ms "
@@ -213,9 +213,8 @@ def main(argv=None) -> list[dict]:
                               f"logits rel {diff:.1e} against the run above)", flush=True)
                 finally:
                     setattr(mod, attr, keep)
-            if args.host_time:
-                row[f"{name}_host"] = ht = {"top": args.host_time}
-                ours_prefill_ms(model, prompt.cuda(), 0, host=ht)
+            if ht is not None:
+                row[f"{name}_host"] = ht
                 print(f"  host: the forward returns after {ht['host_ms']:.1f} ms, the GPU is done after "
                       f"{ht['wall_ms']:.1f} ms; most host time (own ms): " + ", ".join(
                           f"{where} {own:.1f}" for own, _, _, where in ht["top"]), flush=True)
